@@ -1,0 +1,4 @@
+"""Consumers of generation events: trajectory assembly, rewards, verl batches.
+
+Filled in by the consumers work; never imports :mod:`stream_gateway`.
+"""

@@ -1,0 +1,192 @@
+"""Encoding of ``chat.completion.chunk`` SSE frames and ``chat.completion`` bodies.
+
+This is the per-token hot path, so frames are built as bytes: the part of every chunk that never
+changes (id, object, created, model) is encoded once per response, and each token only costs one
+``orjson.dumps`` of a small choice dict. Frames are complete ``data: ...\\n\\n`` SSE events that
+sse-starlette passes through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ._errors import GatewayError
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+TokenText = Callable[[int], tuple[str, list[int]]]
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """What one choice produced since its previous update; the last one has a finish reason."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """A whole choice, accumulated from its updates (non-streaming responses and capture)."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, update: ChoiceUpdate) -> None:
+        """Fold one update in."""
+        self.text_parts.append(update.text)
+        self.token_ids.extend(update.token_ids)
+        self.logprobs.extend(update.logprobs)
+        if update.top_logprobs is not None:
+            self.top_logprobs.extend(update.top_logprobs)
+        if update.finish_reason is not None:
+            self.finish_reason = update.finish_reason
+
+
+def logprobs_content(
+    token_text: TokenText,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    top_logprobs: Sequence[tuple[tuple[int, float], ...]] | None,
+) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` entries for the given tokens."""
+    entries = []
+    for i, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+        text, raw = token_text(token)
+        alternatives = []
+        if top_logprobs:
+            for alt, alt_logprob in top_logprobs[i]:
+                alt_text, alt_raw = token_text(alt)
+                alternatives.append({"token": alt_text, "logprob": alt_logprob, "bytes": alt_raw})
+        entries.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
+    return entries
+
+
+class ChunkEncoder:
+    """Builds the SSE frames of one streamed response."""
+
+    __slots__ = ("_head", "_logprobs", "_token_ids", "_token_text")
+
+    def __init__(
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        *,
+        token_text: TokenText,
+        logprobs: bool,
+        token_ids: bool,
+    ) -> None:
+        self._head = (
+            b'data: {"id":'
+            + orjson.dumps(completion_id)
+            + b',"object":"chat.completion.chunk","created":'
+            + str(created).encode()
+            + b',"model":'
+            + orjson.dumps(model)
+        )
+        self._token_text = token_text
+        self._logprobs = logprobs
+        self._token_ids = token_ids
+
+    def _frame(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
+        tail = b"" if not extra else b"," + orjson.dumps(extra)[1:-1]
+        return self._head + b',"choices":' + orjson.dumps(choices) + tail + b"}\n\n"
+
+    def role(self, n: int, prompt_token_ids: Sequence[int] | None) -> bytes:
+        """The first frame: the assistant role for every choice (and the prompt ids if asked)."""
+        choices = [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(n)
+        ]
+        extra = {"prompt_token_ids": list(prompt_token_ids)} if prompt_token_ids is not None else None
+        return self._frame(choices, extra)
+
+    def update(self, update: ChoiceUpdate) -> bytes:
+        """A content delta, with finish reason, logprobs and token ids as configured."""
+        choice: dict[str, Any] = {
+            "index": update.index,
+            "delta": {"content": update.text} if update.text else {},
+            "logprobs": None,
+            "finish_reason": update.finish_reason,
+        }
+        if self._logprobs:
+            choice["logprobs"] = {
+                "content": logprobs_content(
+                    self._token_text, update.token_ids, update.logprobs, update.top_logprobs
+                )
+            }
+        if self._token_ids:
+            choice["token_ids"] = update.token_ids
+        return self._frame([choice])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The usage frame, with ``choices: []``, sent after the last choice finished."""
+        return self._frame([], {"usage": usage_body(prompt_tokens, completion_tokens)})
+
+    @staticmethod
+    def error(error: GatewayError) -> bytes:
+        """An error event in the stream (the OpenAI SDKs raise it as an API error)."""
+        return b"data: " + orjson.dumps(error.body()) + b"\n\n"
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    completion_id: str,
+    created: int,
+    model: str,
+    prompt_token_ids: Sequence[int],
+    results: Sequence[ChoiceResult],
+    *,
+    token_text: TokenText,
+    logprobs: bool,
+    token_ids: bool,
+) -> dict[str, Any]:
+    """A whole non-streamed ``chat.completion`` body."""
+    choices = []
+    for result in results:
+        choice: dict[str, Any] = {
+            "index": result.index,
+            "message": {"role": "assistant", "content": "".join(result.text_parts)},
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
+        if logprobs:
+            top = result.top_logprobs or None
+            choice["logprobs"] = {
+                "content": logprobs_content(token_text, result.token_ids, result.logprobs, top)
+            }
+        if token_ids:
+            choice["token_ids"] = result.token_ids
+        choices.append(choice)
+    body: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(len(prompt_token_ids), sum(len(r.token_ids) for r in results)),
+    }
+    if token_ids:
+        body["prompt_token_ids"] = list(prompt_token_ids)
+    return body

@@ -1,0 +1,270 @@
+"""Serving one chat completion: validate, render the prompt, run the choices, encode the output.
+
+The producer (:meth:`CompletionService.produce`) runs one engine request per choice inside its
+own task group and sends :class:`ChoiceUpdate` objects into a small bounded memory stream; the
+response body reads that stream. sse-starlette runs the producer as its ``data_sender_callable``
+so a client that disconnects cancels it, which closes the engine iterators, which aborts the
+engine requests. No task group ever straddles a ``yield``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from functools import cached_property, lru_cache
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from transformers import PreTrainedTokenizerBase
+
+from ._api_types import ChatCompletionRequest
+from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
+from ._errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
+from ._metrics import GatewayMetrics
+from ._prompt import render_prompt
+from ._settings import Settings
+from ._text import TextAssembler
+from .engines import Engine, SamplingParams
+
+ProducerItem = ChoiceUpdate | GatewayError
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCompletion:
+    """A validated request, its prompt ids and everything needed to serve it."""
+
+    completion_id: str
+    created: int
+    arrived: float
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stops: tuple[str, ...]
+    logprobs: bool
+    return_token_ids: bool
+    include_usage: bool
+
+
+class CompletionService:
+    """Turns validated requests into engine requests and engine steps into responses."""
+
+    def __init__(self, engine: Engine, settings: Settings, metrics: GatewayMetrics) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._metrics = metrics
+
+    @cached_property
+    def _token_text(self) -> Any:
+        # Lazily: the engine's tokenizer exists only once the engine has started.
+        return lru_cache(maxsize=None)(_token_text_function(self._engine.tokenizer))
+
+    # -- request preparation ---------------------------------------------------------------
+
+    async def prepare(self, body: ChatCompletionRequest) -> PreparedCompletion:
+        """Validate ``body`` against the served model and render its prompt (off the event loop)."""
+        arrived = time.perf_counter()
+        engine = self._engine
+        if body.model != engine.model_id:
+            raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+        body.check_supported()
+        if body.n > self._settings.max_n:
+            raise InvalidRequest(f"n must be at most {self._settings.max_n}", param="n")
+        prompt_ids = await anyio.to_thread.run_sync(render_prompt, engine.tokenizer, body.messages, body.tools)
+        limit = engine.max_model_len
+        room = limit - len(prompt_ids)
+        requested = body.requested_max_tokens()
+        if room <= 0 or (requested is not None and requested > room):
+            completion = requested if requested is not None else 1
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt_ids) + completion} tokens ({len(prompt_ids)} in the messages, "
+                f"{completion} in the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens" if room > 0 else "messages",
+            )
+        params = SamplingParams(
+            max_tokens=requested if requested is not None else min(self._settings.default_max_tokens, room),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),
+            seed=body.seed,
+            top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+            ignore_eos=body.ignore_eos,
+        )
+        return PreparedCompletion(
+            completion_id=f"chatcmpl-{secrets.token_hex(12)}",
+            created=int(time.time()),
+            arrived=arrived,
+            model=engine.model_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            n=body.n,
+            stops=body.stop_sequences(),
+            logprobs=body.logprobs,
+            return_token_ids=body.return_token_ids,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
+
+    # -- producing -------------------------------------------------------------------------
+
+    async def produce(self, prepared: PreparedCompletion, send: ObjectSendStream[ProducerItem]) -> None:
+        """Run every choice; send their updates, or one error, into ``send`` and close it."""
+        self._metrics.prompt_tokens.inc(len(prepared.prompt_ids))
+        async with send:
+            try:
+                async with anyio.create_task_group() as tg:
+                    for index in range(prepared.n):
+                        tg.start_soon(self._run_choice, prepared, index, send)
+            except* GatewayError as group:
+                await send.send(group.exceptions[0])  # type: ignore[arg-type]
+
+    async def _run_choice(
+        self, prepared: PreparedCompletion, index: int, send: ObjectSendStream[ProducerItem]
+    ) -> None:
+        params = prepared.params
+        if index and params.seed is not None:
+            params = replace(params, seed=params.seed + index)  # n seeded choices must differ
+        assembler = TextAssembler(self._engine.tokenizer.backend_tokenizer, prepared.stops)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        top: list[tuple[tuple[int, float], ...]] | None = [] if params.top_logprobs else None
+        metrics = self._metrics
+        last = prepared.arrived
+        first = True
+        request_id = f"{prepared.completion_id}-{index}"
+        async with aclosing(self._engine.generate(request_id, prepared.prompt_ids, params)) as steps:
+            async for step in steps:
+                now = time.perf_counter()
+                (metrics.time_to_first_token if first else metrics.inter_token_latency).observe(now - last)
+                first, last = False, now
+                metrics.completion_tokens.inc(len(step.token_ids))
+                ids.extend(step.token_ids)
+                logprobs.extend(step.logprobs)
+                if top is not None and step.top_logprobs is not None:
+                    top.extend(step.top_logprobs)
+                delta = assembler.feed(step.token_ids)
+                finish = "stop" if delta.stopped else step.finish_reason
+                text = delta.text if finish is None or delta.stopped else delta.text + assembler.flush()
+                # Tokens that produced no text yet (half a character, a possible stop string)
+                # ride along with the next frame that has text, so no frame is empty.
+                if text or finish is not None:
+                    await send.send(ChoiceUpdate(index, text, ids, logprobs, top, finish))
+                    ids, logprobs = [], []
+                    top = [] if top is not None else None
+                if finish is not None:
+                    return  # leaving the block closes the iterator: a stop string aborts the request
+
+    # -- responses -------------------------------------------------------------------------
+
+    def encoder(self, prepared: PreparedCompletion) -> ChunkEncoder:
+        """The frame encoder for one streamed response."""
+        return ChunkEncoder(
+            prepared.completion_id,
+            prepared.created,
+            prepared.model,
+            token_text=self._token_text,
+            logprobs=prepared.logprobs,
+            token_ids=prepared.return_token_ids,
+        )
+
+    async def stream_frames(
+        self, prepared: PreparedCompletion, receive: ObjectReceiveStream[ProducerItem]
+    ) -> AsyncIterator[bytes]:
+        """SSE frames: role, deltas, usage (if asked), ``[DONE]``; or an error frame."""
+        encoder = self.encoder(prepared)
+        completion_tokens = 0
+        finished = 0
+        self._metrics.active_streams.inc()
+        try:
+            yield encoder.role(prepared.n, prepared.prompt_ids if prepared.return_token_ids else None)
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, GatewayError):
+                        self._metrics.requests.labels("true", str(item.status_code)).inc()
+                        yield encoder.error(item)
+                        return
+                    completion_tokens += len(item.token_ids)
+                    finished += item.finish_reason is not None
+                    yield encoder.update(item)
+            if prepared.include_usage:
+                yield encoder.usage(len(prepared.prompt_ids), completion_tokens)
+            yield DONE_FRAME
+            self._metrics.requests.labels("true", "200").inc()
+        finally:
+            self._metrics.active_streams.dec()
+            if finished < prepared.n:
+                self._metrics.aborted.inc()
+
+    async def complete(
+        self, prepared: PreparedCompletion, wait_disconnect: Callable[[], Awaitable[None]]
+    ) -> dict[str, Any] | None:
+        """Run a non-streamed completion to the end and build its body.
+
+        Returns ``None`` when ``wait_disconnect`` returns first: the client is gone, and leaving
+        the task group has aborted the engine requests.
+        """
+        results = [ChoiceResult(i) for i in range(prepared.n)]
+        error: GatewayError | None = None
+        send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
+        self._metrics.active_streams.inc()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_when, wait_disconnect, tg.cancel_scope)
+                tg.start_soon(self.produce, prepared, send)
+                async with receive:
+                    async for item in receive:
+                        if isinstance(item, GatewayError):
+                            error = item
+                        else:
+                            results[item.index].add(item)
+                tg.cancel_scope.cancel()  # the producer is done; stop watching the client
+        finally:
+            self._metrics.active_streams.dec()
+        if error is not None:
+            self._metrics.requests.labels("false", str(error.status_code)).inc()
+            raise error
+        if any(r.finish_reason is None for r in results):
+            self._metrics.aborted.inc()
+            return None
+        self._metrics.requests.labels("false", "200").inc()
+        return completion_body(
+            prepared.completion_id,
+            prepared.created,
+            prepared.model,
+            prepared.prompt_ids,
+            results,
+            token_text=self._token_text,
+            logprobs=prepared.logprobs,
+            token_ids=prepared.return_token_ids,
+        )
+
+
+async def _cancel_when(event: Callable[[], Awaitable[None]], scope: anyio.CancelScope) -> None:
+    await event()
+    scope.cancel()
+
+
+def _token_text_function(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """``token id -> (text, utf-8 bytes)`` for logprobs entries.
+
+    Byte-level BPE tokens map back to their exact bytes (a token may hold half a character); other
+    tokenizers fall back to the decoded text's bytes.
+    """
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+
+    def token_text(token_id: int) -> tuple[str, list[int]]:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece and all(c in byte_of for c in piece):
+            raw = bytes(byte_of[c] for c in piece)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        text = tokenizer.decode([token_id])
+        return text, list(text.encode("utf-8"))
+
+    return token_text
+

@@ -1,0 +1,97 @@
+"""The gateway's errors, one small hierarchy, each knowing its OpenAI error body and HTTP status.
+
+::
+
+    GatewayError                     500 server_error
+    ├── InvalidRequest               400 invalid_request_error
+    │   ├── ContextLengthExceeded    400 code=context_length_exceeded
+    │   └── UnsupportedParameter     400 code=unsupported_parameter
+    ├── AuthenticationFailed         401 code=invalid_api_key
+    ├── NotFound                     404 not_found_error
+    │   └── ModelNotFound            404 code=model_not_found
+    └── EngineError                  500 server_error
+        └── EngineUnavailable        503 code=engine_unavailable
+
+Foreign errors are translated where they enter (``raise InvalidRequest(...) from exc``); the
+HTTP layer renders any :class:`GatewayError` as ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway reports to a client."""
+
+    status_code: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-style error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(GatewayError):
+    """The request is malformed or asks for something impossible."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt plus requested completion does not fit the model's context."""
+
+    default_code = "context_length_exceeded"
+
+
+class UnsupportedParameter(InvalidRequest):
+    """A known OpenAI parameter that this gateway cannot honour (never silently ignored)."""
+
+    default_code = "unsupported_parameter"
+
+
+class AuthenticationFailed(GatewayError):
+    """The bearer key is missing or not one of the configured keys."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    """The addressed resource does not exist."""
+
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    """The request names a model this gateway does not serve."""
+
+    default_code = "model_not_found"
+
+
+class EngineError(GatewayError):
+    """The engine failed while serving a request."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine is not running (starting, stopping or crashed)."""
+
+    status_code = 503
+    default_code = "engine_unavailable"

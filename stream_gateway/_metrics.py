@@ -1,0 +1,41 @@
+"""Prometheus metrics of one gateway, in a registry of its own (several apps may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class GatewayMetrics:
+    """Requests, tokens, time to first token, inter-token latency and active streams."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "gateway_requests", "Chat completion requests by outcome", ["stream", "status"], registry=self.registry
+        )
+        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self.completion_tokens = Counter(
+            "gateway_completion_tokens", "Completion tokens sampled", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Request arrival to first sampled token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "gateway_inter_token_latency_seconds",
+            "Time between consecutive engine steps of one choice",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.active_streams = Gauge("gateway_active_streams", "Responses in progress", registry=self.registry)
+        self.aborted = Counter(
+            "gateway_aborted_requests", "Requests whose client went away before the end", registry=self.registry
+        )
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

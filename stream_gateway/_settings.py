@@ -1,0 +1,37 @@
+"""The one configuration object of a gateway process.
+
+Read once at start-up from command-line flags and ``STREAM_GATEWAY_*`` environment variables
+(flags win), then passed explicitly. Nothing else in the project reads the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Gateway settings. Every field is also ``STREAM_GATEWAY_<FIELD>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="STREAM_GATEWAY_", frozen=True)
+
+    model: str = Field("smollm2", description="'smollm2', 'tiny', a local HF model directory or a hub id")
+    engine: str = Field("transformers", description="transformers, synthetic or vllm")
+    served_model_name: str | None = Field(None, description="model name clients use (default: derived)")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: tuple[str, ...] = Field((), description="accepted bearer keys; empty accepts any key")
+    model_cache_dir: Path | None = Field(None, description="where built/converted models are cached")
+
+    max_batch_size: int = Field(16, ge=1, description="transformers engine: rows decoded together")
+    max_model_len: int | None = Field(None, ge=16, description="cap on prompt + completion tokens")
+    device: str = "cpu"
+    synthetic_tokens_per_second: float = Field(0.0, ge=0.0, description="synthetic engine rate, 0 = max")
+
+    default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")
+    max_n: int = Field(8, ge=1, description="largest accepted n")
+    sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")
+    sse_send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing this long is dropped")
+    log_level: str = "info"

@@ -1,0 +1,42 @@
+"""Engines that sample tokens for the gateway, behind one small protocol (see :mod:`._base`).
+
+``create_engine`` imports an engine's module only when it is asked for, so the optional
+``vllm`` extra is never imported on machines without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .._errors import EngineUnavailable
+from ._base import Engine, EngineStatistics, EngineStep, FinishReason, SamplingParams
+
+__all__ = [
+    "ENGINE_NAMES",
+    "Engine",
+    "EngineStatistics",
+    "EngineStep",
+    "FinishReason",
+    "SamplingParams",
+    "create_engine",
+]
+
+ENGINE_NAMES = ("transformers", "synthetic", "vllm")
+
+
+def create_engine(name: str, model: str | Path, **options: Any) -> Engine:
+    """Build (not start) the engine called ``name`` for ``model``; enter it to start it."""
+    if name == "transformers":
+        from .transformers import TransformersEngine
+
+        return TransformersEngine(model, **options)
+    if name == "synthetic":
+        from .synthetic import SyntheticEngine
+
+        return SyntheticEngine(model, **options)
+    if name == "vllm":
+        from .vllm import VLLMEngine
+
+        return VLLMEngine(model, **options)
+    raise EngineUnavailable(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

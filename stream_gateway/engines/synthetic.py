@@ -1,0 +1,88 @@
+"""The ``synthetic`` engine: no model, tokens at a configurable rate, for load tests and benchmarks.
+
+It uses a real tokenizer (so prompts are rendered and counted as for a real model) and emits a
+fixed passage's token ids in a loop, with made-up but deterministic logprobs. Nothing it
+produces is fit for training; it exists to measure the gateway and the event pipeline alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from ._base import EngineStatistics, EngineStep, SamplingParams
+
+__all__ = ["SyntheticEngine"]
+
+_PASSAGE = (
+    "Streaming lets an agent act on the first tokens while the rest are still being sampled. "
+    "Every token here is recorded with its id and log-probability, so the traffic can be trained on. "
+)
+
+
+class SyntheticEngine:
+    """Emits tokens of a fixed passage at ``tokens_per_second`` per request (0: unthrottled)."""
+
+    name = "synthetic"
+
+    def __init__(
+        self,
+        tokenizer: str | Path,
+        *,
+        served_model_name: str = "synthetic",
+        tokens_per_second: float = 0.0,
+        max_model_len: int = 32768,
+    ) -> None:
+        self._tokenizer_path = str(tokenizer)
+        self.model_id = served_model_name
+        self.max_model_len = max_model_len
+        self.policy_version = 0
+        self._interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
+        self.tokenizer: PreTrainedTokenizerBase
+        self._passage: list[int] = []
+        self._active = 0
+        self._total_requests = 0
+        self._total_tokens = 0
+
+    async def __aenter__(self) -> SyntheticEngine:
+        self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, self._tokenizer_path)
+        self._passage = self.tokenizer.encode(_PASSAGE, add_special_tokens=False)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[EngineStep]:
+        """Yield ``max_tokens`` passage tokens (fewer if the context fills up), one per step."""
+        self._active += 1
+        self._total_requests += 1
+        try:
+            budget = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+            offset = len(prompt_ids) % len(self._passage)
+            for i in range(budget):
+                token = self._passage[(offset + i) % len(self._passage)]
+                last = i == budget - 1
+                top = ((token, -0.25),) * min(params.top_logprobs, 1) if params.top_logprobs else None
+                self._total_tokens += 1
+                if self._interval:
+                    await anyio.sleep(self._interval)
+                else:
+                    # Yield to the loop as a real engine would, so other streams interleave.
+                    await anyio.lowlevel.checkpoint()
+                yield EngineStep((token,), (-0.25,), (top,) if top else None, "length" if last else None)
+        finally:
+            self._active -= 1
+
+    async def load_weights(self, path: str, policy_version: int) -> None:
+        """There are no weights; only the policy version moves."""
+        self.policy_version = policy_version
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's load."""
+        return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens)

@@ -1,0 +1,373 @@
+"""The ``transformers`` engine: a real Hugging Face causal LM, batching concurrent requests.
+
+Why a hand-written batch loop rather than ``model.generate`` or transformers' continuous
+batching: every request needs its own temperature, top-p, top-k and seed, the logprobs of exactly
+the sampled ids, and the ability to join or leave the batch at any step. ``generate`` fixes the
+batch up front; the continuous-batching manager shares one generation config and needs paged
+attention kernels. The loop here is small:
+
+* One worker thread owns the model, so forward passes never run on the event loop.
+* New requests are prefilled one at a time, then merged into the running batch. The batch's
+  KV cache is left-padded to a common length; each row has its own attention mask and
+  position ids, exactly as batched ``generate`` does with left padding.
+* Every step decodes one token for every row, samples with per-row parameters
+  (:mod:`._sampling`), and hands all steps to the event loop with one ``call_soon_threadsafe``.
+* Finished or aborted rows are dropped from the cache, and padding columns no row needs any
+  more are trimmed.
+
+Aborting is a flag the worker checks before every step; closing the iterator returned by
+:meth:`TransformersEngine.generate` sets it, so a client that goes away frees its row at the
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import secrets
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+
+from .._errors import EngineError, EngineUnavailable
+from ._base import EngineStatistics, EngineStep, SamplingParams
+from ._sampling import sample_batch
+
+__all__ = ["TransformersEngine"]
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outbox: asyncio.Queue[EngineStep | BaseException]
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    aborted: bool = False
+    generated: int = 0
+    # Set by the worker: the token that the next decode step feeds for this row.
+    pending_token: int = -1
+    length: int = 0  # real (unpadded) tokens in this row's cache
+
+
+@dataclass(slots=True)
+class _WeightUpdate:
+    path: str
+    policy_version: int
+    done: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The running batch: rows, a left-padded KV cache and its attention mask."""
+
+    rows: list[_Request] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    mask: torch.Tensor | None = None  # [rows, cache_len], 1 for real tokens
+
+
+class TransformersEngine:
+    """A Hugging Face causal LM served with continuous batching on one worker thread."""
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        served_model_name: str | None = None,
+        max_batch_size: int = 16,
+        max_model_len: int | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        num_threads: int | None = None,
+    ) -> None:
+        self._model_path = str(model)
+        self.model_id = served_model_name or Path(self._model_path).name or self._model_path
+        self._max_batch_size = max_batch_size
+        self._requested_max_len = max_model_len
+        self._device = torch.device(device)
+        self._dtype = dtype
+        self._num_threads = num_threads
+        self.policy_version = 0
+        self.max_model_len = max_model_len or 0
+        self.tokenizer: PreTrainedTokenizerBase
+        self._model: Any = None
+        self._eos_ids: frozenset[int] = frozenset()
+        self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._active = 0
+        self._waiting = 0
+        self._total_requests = 0
+        self._total_tokens = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> TransformersEngine:
+        await anyio.to_thread.run_sync(self._load)
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            thread = self._thread
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(thread.join, 30.0)
+            self._thread = None
+
+    def _load(self) -> None:
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(self._model_path)
+        model = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self._dtype)
+        self._model = model.to(self._device).eval()
+        config = model.config
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
+        self.max_model_len = min(self._requested_max_len or limit, limit)
+        eos: set[int] = set()
+        for source in (model.generation_config.eos_token_id, config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source:
+                eos.update(int(s) for s in source)
+        self._eos_ids = frozenset(eos)
+
+    # -- public API ------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[EngineStep]:
+        """Queue a request and yield its steps as the worker samples them."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineUnavailable("the transformers engine is not running") from self._failure
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        stop_ids = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | self._eos_ids
+        request = _Request(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            loop=asyncio.get_running_loop(),
+            outbox=asyncio.Queue(),
+            generator=generator,
+            stop_ids=stop_ids,
+        )
+        self._waiting += 1
+        self._total_requests += 1
+        self._inbox.put(request)
+        try:
+            while True:
+                item = await request.outbox.get()
+                if isinstance(item, BaseException):
+                    raise EngineError(f"the transformers engine failed: {item}") from item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            # Synchronous on purpose: this runs even when the consumer is being cancelled.
+            request.aborted = True
+
+    async def load_weights(self, path: str, policy_version: int) -> None:
+        """Load a safetensors checkpoint directory between two decode steps."""
+        loop = asyncio.get_running_loop()
+        update = _WeightUpdate(path, policy_version, loop.create_future(), loop)
+        self._inbox.put(update)
+        await update.done
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's load."""
+        return EngineStatistics(
+            active_requests=self._active,
+            waiting_requests=self._waiting,
+            total_requests=self._total_requests,
+            total_generated_tokens=self._total_tokens,
+        )
+
+    # -- worker thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        batch = _Batch()
+        try:
+            with torch.inference_mode():
+                while True:
+                    if not self._admit(batch):
+                        return
+                    if batch.rows:
+                        self._decode(batch)
+        except BaseException as exc:  # report to every waiting request, then die loudly
+            self._failure = exc
+            log.exception("transformers engine worker crashed")
+            for row in batch.rows:
+                row.loop.call_soon_threadsafe(row.outbox.put_nowait, exc)
+            raise
+
+    def _admit(self, batch: _Batch) -> bool:
+        """Take new work from the inbox; block only when the batch is empty. False means stop."""
+        while len(batch.rows) < self._max_batch_size:
+            try:
+                item = self._inbox.get(block=not batch.rows, timeout=None if not batch.rows else 0)
+            except queue.Empty:
+                return True
+            if item is _STOP:
+                return False
+            if isinstance(item, _WeightUpdate):
+                self._apply_weights(item)
+                continue
+            assert isinstance(item, _Request)
+            self._waiting -= 1
+            if item.aborted:
+                continue
+            self._active += 1
+            self._prefill(batch, item)
+        return True
+
+    def _prefill(self, batch: _Batch, request: _Request) -> None:
+        cache = DynamicCache()
+        ids = torch.tensor([request.prompt_ids], device=self._device)
+        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True)
+        request.length = len(request.prompt_ids)
+        finished = self._emit(
+            [request], out.logits[:, -1, :], [request.params], [request.generator]
+        )
+        if finished[0]:
+            self._active -= 1
+            return
+        self._merge(batch, request, cache)
+
+    def _merge(self, batch: _Batch, request: _Request, cache: DynamicCache) -> None:
+        new_mask = torch.ones((1, request.length), dtype=torch.long, device=self._device)
+        if batch.cache is None or batch.mask is None:
+            batch.rows, batch.cache, batch.mask = [request], cache, new_mask
+            return
+        have, need = batch.mask.shape[1], request.length
+        width = max(have, need)
+        for old, new in zip(batch.cache.layers, cache.layers, strict=True):
+            old_keys, old_values = _left_pad(old.keys, width), _left_pad(old.values, width)
+            new_keys, new_values = _left_pad(new.keys, width), _left_pad(new.values, width)
+            old.keys = torch.cat([old_keys, new_keys], dim=0)
+            old.values = torch.cat([old_values, new_values], dim=0)
+        batch.mask = torch.cat([_left_pad(batch.mask, width), _left_pad(new_mask, width)], dim=0)
+        batch.rows.append(request)
+
+    def _decode(self, batch: _Batch) -> None:
+        assert batch.cache is not None and batch.mask is not None
+        rows = batch.rows
+        ids = torch.tensor([[r.pending_token] for r in rows], device=self._device)
+        positions = torch.tensor([[r.length] for r in rows], device=self._device)
+        batch.mask = torch.cat([batch.mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        out = self._model(
+            input_ids=ids,
+            attention_mask=batch.mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        for r in rows:
+            r.length += 1
+        finished = self._emit(rows, out.logits[:, -1, :], [r.params for r in rows], [r.generator for r in rows])
+        keep = [i for i, (r, done) in enumerate(zip(rows, finished, strict=True)) if not (done or r.aborted)]
+        if len(keep) == len(rows):
+            return
+        self._active -= len(rows) - len(keep)
+        if not keep:
+            batch.rows, batch.cache, batch.mask = [], None, None
+            return
+        index = torch.tensor(keep, device=self._device)
+        batch.rows = [rows[i] for i in keep]
+        batch.mask = batch.mask[index]
+        # Columns that are padding in every remaining row are dead weight for attention.
+        trim = int((batch.mask.cumsum(dim=1) == 0).all(dim=0).sum())
+        batch.mask = batch.mask[:, trim:]
+        for layer in batch.cache.layers:
+            layer.keys = layer.keys[index, :, trim:, :]
+            layer.values = layer.values[index, :, trim:, :]
+
+    def _emit(
+        self,
+        rows: list[_Request],
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+    ) -> list[bool]:
+        """Sample one token per row, deliver the steps, and say which rows finished."""
+        sampled = sample_batch(logits, params, generators)
+        finished: list[bool] = []
+        deliveries: list[tuple[_Request, EngineStep]] = []
+        for i, row in enumerate(rows):
+            token = sampled.token_ids[i]
+            row.generated += 1
+            row.pending_token = token
+            reason: Any = None
+            if token in row.stop_ids:
+                reason = "stop"
+            elif row.generated >= row.params.max_tokens or row.length + 1 >= self.max_model_len:
+                reason = "length"
+            top = sampled.top_logprobs[i]
+            step = EngineStep((token,), (sampled.logprobs[i],), (top,) if top is not None else None, reason)
+            finished.append(reason is not None)
+            if not row.aborted:
+                deliveries.append((row, step))
+        self._total_tokens += len(rows)
+        if deliveries:
+            rows[0].loop.call_soon_threadsafe(_deliver, deliveries)
+        return finished
+
+    def _apply_weights(self, update: _WeightUpdate) -> None:
+        try:
+            from safetensors.torch import load_file
+
+            state: dict[str, torch.Tensor] = {}
+            for file in sorted(Path(update.path).glob("*.safetensors")):
+                state.update(load_file(str(file), device=str(self._device)))
+            if not state:
+                raise FileNotFoundError(f"no *.safetensors files in {update.path}")
+            _, unexpected = self._model.load_state_dict(state, strict=False)
+            if unexpected:
+                raise ValueError(f"checkpoint has unknown tensors: {sorted(unexpected)[:5]}")
+            self.policy_version = update.policy_version
+            update.loop.call_soon_threadsafe(_resolve, update.done, None)
+        except Exception as exc:  # surfaced to the caller of load_weights
+            update.loop.call_soon_threadsafe(_resolve, update.done, exc)
+
+
+def _deliver(deliveries: list[tuple[_Request, EngineStep]]) -> None:
+    for request, step in deliveries:
+        request.outbox.put_nowait(step)
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad the sequence axis (-2 for KV [B,H,L,D], -1 for masks [B,L]) with zeros."""
+    axis = -1 if tensor.dim() == 2 else -2
+    missing = width - tensor.shape[axis]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[axis] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
+
