@@ -1,0 +1,282 @@
+"""The ``vllm`` engine: vLLM's in-process V1 ``AsyncLLM``, token ids in, token ids out.
+
+vLLM is an optional extra (``pip install 'stream-gateway[vllm]'``) and needs a GPU, so nothing
+here imports it at module import time; :class:`VLLMEngine` looks for it when constructed and
+imports it when entered.
+
+Verified against vLLM's own source, 0.10.2 to 0.33.0 (``vllm/v1/engine/async_llm.py``,
+``vllm/sampling_params.py``, ``vllm/v1/engine/logprobs.py``, ``vllm/v1/worker/gpu_worker.py``).
+Where this module deliberately differs from how vLLM's OpenAI server drives the same engine:
+
+- ``logprobs_mode="processed_logprobs"``: vLLM defaults to raw logprobs (before temperature and
+  top-k/top-p); RL needs the distribution each token was actually drawn from.
+- ``logprobs=N`` always, N = the requested top alternatives (0 is allowed): vLLM then returns the
+  sampled token's logprob plus the N most likely, as one ``{token_id: Logprob}`` dict per token.
+- ``detokenize=False``: the gateway decodes text itself from the ids it streams; vLLM's detokenizer
+  would be wasted work, and stop *strings* (which need it) are never sent to the engine.
+- The tokenizer is loaded with ``AutoTokenizer`` rather than taken from vLLM, because vLLM's
+  ``get_tokenizer()`` changed from async to sync across releases and may wrap the HF tokenizer.
+- The engine is built synchronously inside ``__aenter__``, as vLLM's own API server does: a
+  worker thread would make vLLM fork its engine process from a non-main thread.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+from packaging.version import InvalidVersion, Version
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from .._errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
+from ._base import EngineStatistics, EngineStep, SamplingParams
+
+__all__ = ["VLLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+_MISSING = "the vllm engine needs `pip install 'stream-gateway[vllm]'` and a GPU"
+# ``reload_weights(weights_path=...)`` and ``pause_generation(mode="keep")`` exist from 0.16;
+# ``reset_prefix_cache`` can preempt running requests (so none keeps KV blocks computed by the old
+# weights) from 0.13.
+_RELOAD_FROM_PATH = Version("0.16")
+_RESET_RUNNING = Version("0.13")
+
+
+class VLLMEngine:
+    """An :class:`~stream_gateway.engines._base.Engine` backed by vLLM's in-process ``AsyncLLM``.
+
+    ``engine_kwargs`` go to ``AsyncEngineArgs`` unchanged (``dtype``, ``enforce_eager``, ``seed``,
+    ``tensor_parallel_size``...); the keyword arguments named here always win over them for the
+    settings the gateway's contracts depend on (``logprobs_mode``).
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        served_model_name: str | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+        max_logprobs: int = 20,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        # Fail at construction (e.g. ``--engine vllm`` on a CPU box), not on the first request.
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineUnavailable(_MISSING)
+        self.model = model
+        self.model_id = served_model_name or model
+        self.max_model_len = max_model_len or 0  # the real value is read from vLLM on enter
+        self.policy_version = 0
+        self.tokenizer: PreTrainedTokenizerBase
+        self._max_logprobs = max_logprobs
+        self._engine_args: dict[str, Any] = {
+            **(engine_kwargs or {}),
+            "model": model,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "max_logprobs": max_logprobs,
+            "logprobs_mode": "processed_logprobs",
+        }
+        if served_model_name is not None:
+            self._engine_args["served_model_name"] = served_model_name
+        if max_model_len is not None:
+            self._engine_args["max_model_len"] = max_model_len
+        self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once entered
+        self._version = Version("0")
+        self._client_errors: tuple[type[BaseException], ...] = (ValueError,)
+        self._dead_errors: tuple[type[BaseException], ...] = ()
+        self._reload_lock = anyio.Lock()
+        self._active = 0
+        self._waiting = 0
+        self._total_requests = 0
+        self._total_tokens = 0
+
+    async def __aenter__(self) -> VLLMEngine:
+        try:
+            import vllm
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.engine.exceptions import EngineDeadError
+        except ImportError as exc:
+            raise EngineUnavailable(_MISSING) from exc
+        try:
+            # Request validation errors are ValueErrors up to ~0.2x, VLLMClientError after.
+            from vllm.exceptions import VLLMClientError
+
+            self._client_errors = (ValueError, VLLMClientError)
+        except ImportError:
+            self._client_errors = (ValueError,)
+        self._dead_errors = (EngineDeadError,)
+        try:
+            self._version = Version(vllm.__version__)
+        except InvalidVersion:
+            self._version = Version("9999")  # an unparseable dev build: assume the newest API
+
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self._engine_args.get("tokenizer") or self.model,
+            trust_remote_code=bool(self._engine_args.get("trust_remote_code", False)),
+        )
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        except Exception as exc:
+            raise EngineUnavailable(f"vLLM failed to start {self.model!r}: {exc}") from exc
+        self.max_model_len = int(self._llm.model_config.max_model_len)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            # Stops the engine-core process and its output task; in-flight generators then fail.
+            llm.shutdown()
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[EngineStep, None]:
+        """Stream vLLM's DELTA outputs as steps; closing this iterator aborts the vLLM request."""
+        llm = self._llm
+        if llm is None:
+            raise EngineUnavailable("the vllm engine is not running")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens and the completion needs at least one"
+            )
+        if params.top_logprobs > self._max_logprobs:
+            raise InvalidRequest(f"top_logprobs may be at most {self._max_logprobs}", param="top_logprobs")
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        self._total_requests += 1
+        self._active += 1
+        self._waiting += 1
+        started = False
+        try:
+            # ``aclosing``: our own early close must close vLLM's generator now, not at garbage
+            # collection: its GeneratorExit/CancelledError handler is what aborts the request.
+            async with aclosing(llm.generate(prompt, self._vllm_params(params), request_id)) as outs:
+                while True:
+                    try:
+                        output = await anext(outs)
+                    except StopAsyncIteration:
+                        return
+                    except self._client_errors as exc:
+                        raise InvalidRequest(str(exc)) from exc
+                    except self._dead_errors as exc:
+                        raise EngineUnavailable(f"the vLLM engine died: {exc}") from exc
+                    except Exception as exc:  # EngineGenerateError and anything unforeseen
+                        raise EngineError(f"vLLM failed request {request_id}: {exc!r}") from exc
+                    if not started:
+                        started = True
+                        self._waiting -= 1
+                    step = _to_step(output.outputs[0], params.top_logprobs)
+                    if step is None:  # an abort we did not cause through this iterator
+                        return
+                    self._total_tokens += len(step.token_ids)
+                    yield step
+                    if step.finish_reason is not None:
+                        return
+        finally:
+            self._active -= 1
+            if not started:
+                self._waiting -= 1
+
+    async def load_weights(self, path: str, policy_version: int) -> None:
+        """Reload the weights in place from a checkpoint directory, then drop the prefix cache.
+
+        vLLM >= 0.16 (its documented async-RL recipe): ``pause_generation(mode="keep")`` freezes
+        requests in flight, ``collective_rpc("reload_weights", kwargs={"weights_path": path})``
+        loads, ``reset_prefix_cache(reset_running_requests=True)`` drops every KV block the old
+        weights computed (frozen requests are recomputed), ``resume_generation()``. Older releases
+        have no keep-mode pause: ``collective_rpc("update_config", ...)`` points the workers at
+        ``path`` and ``collective_rpc("reload_weights")`` loads, between two scheduler steps.
+        """
+        llm = self._llm
+        if llm is None:
+            raise EngineUnavailable("the vllm engine is not running")
+        async with self._reload_lock:
+            try:
+                if self._version >= _RELOAD_FROM_PATH:
+                    await llm.pause_generation(mode="keep", clear_cache=False)
+                    try:
+                        await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                        await llm.reset_prefix_cache(reset_running_requests=True)
+                        # Bumped while paused: every token sampled after resuming is new-policy.
+                        self.policy_version = policy_version
+                    finally:
+                        await llm.resume_generation()
+                    return
+                overrides = {"model_config": {"model": path, "revision": None}}
+                await llm.collective_rpc("update_config", args=(overrides,))
+                await llm.collective_rpc("reload_weights")
+                if self._version >= _RESET_RUNNING:
+                    await llm.reset_prefix_cache(reset_running_requests=True)
+                elif await llm.reset_prefix_cache() is False:
+                    # 0.10-0.12 keep the cache while running requests hold blocks: cached
+                    # prefixes from the old weights may then be reused until they are evicted.
+                    logger.warning("vLLM kept its prefix cache after loading %s", path)
+                self.policy_version = policy_version
+            except Exception as exc:
+                raise EngineError(f"vLLM could not load weights from {path!r}: {exc}") from exc
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot: ``active_requests`` counts every open iterator, ``waiting_requests`` those
+        of them still before their first token (queued or prefilling)."""
+        return EngineStatistics(
+            active_requests=self._active,
+            waiting_requests=self._waiting,
+            total_requests=self._total_requests,
+            total_generated_tokens=self._total_tokens,
+        )
+
+    def _vllm_params(self, params: SamplingParams) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import SamplingParams as VLLMSamplingParams
+
+        return VLLMSamplingParams(
+            n=1,
+            temperature=params.temperature,  # 0 is greedy in vLLM too
+            top_p=params.top_p,
+            top_k=params.top_k,  # 0 disables top-k in vLLM >= 0.10 (-1 is accepted as well)
+            seed=params.seed,
+            max_tokens=params.max_tokens,
+            logprobs=params.top_logprobs,  # 0: only the sampled token's logprob
+            stop_token_ids=sorted(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+
+
+def _to_step(completion: Any, top_n: int) -> EngineStep | None:
+    """Map one vLLM ``CompletionOutput`` delta to an :class:`EngineStep` (None for an abort).
+
+    vLLM puts the sampled token first in each position's dict, then the top-N in rank order; a
+    sampled token that is also in the top-N appears once. So the top-N are re-sorted by logprob.
+    """
+    reason = completion.finish_reason
+    if reason == "abort":
+        return None
+    if reason not in (None, "stop", "length"):  # "error" in newer releases, or anything unknown
+        raise EngineError(f"vLLM ended the request with finish_reason={reason!r}")
+    token_ids = tuple(int(t) for t in completion.token_ids)
+    positions = list(completion.logprobs or ())
+    if len(positions) != len(token_ids):
+        raise EngineError(f"vLLM returned {len(positions)} logprobs for {len(token_ids)} tokens")
+    logprobs = tuple(float(pos[tid].logprob) for tid, pos in zip(token_ids, positions, strict=True))
+    top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    if top_n > 0:
+        top = tuple(
+            tuple(
+                (int(tid), float(lp.logprob))
+                for tid, lp in sorted(pos.items(), key=lambda item: -item[1].logprob)[:top_n]
+            )
+            for pos in positions
+        )
+    return EngineStep(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish_reason=reason)

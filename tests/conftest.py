@@ -1,0 +1,49 @@
+"""Shared fixtures: the tiny model on disk and real uvicorn gateways on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from stream_gateway import Settings
+from stream_gateway.cli import build_engine
+from stream_gateway.model_store import build_tiny_model
+
+from .servers import RunningGateway, run_gateway
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """The deterministic tiny Qwen2 test model (built once, cached)."""
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def gateway(tiny_model_path: Path) -> Iterator[RunningGateway]:
+    """A gateway on the transformers engine serving the tiny model, shared by the session."""
+    settings = Settings(model=str(tiny_model_path), served_model_name="tiny", max_batch_size=8)
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running
+
+
+@pytest.fixture
+def client(gateway: RunningGateway) -> Iterator[OpenAI]:
+    """The official synchronous OpenAI client pointed at the shared gateway."""
+    with OpenAI(base_url=gateway.base_url + "/v1", api_key="sk-test", timeout=60, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+async def async_client(gateway: RunningGateway) -> AsyncIterator[AsyncOpenAI]:
+    """The official asynchronous OpenAI client pointed at the shared gateway."""
+    async with AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key="sk-test", timeout=60, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests run on asyncio, like the gateway."""
+    return "asyncio"

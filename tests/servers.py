@@ -1,0 +1,59 @@
+"""Running a real gateway for tests: uvicorn on a socket bound to a free loopback port.
+
+The server runs in a thread with its own event loop, as httpx's tests do, so tests talk to it
+over a real TCP socket with real clients.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+
+from stream_gateway import Settings, create_app
+from stream_gateway.engines import Engine
+
+
+@dataclass(frozen=True)
+class RunningGateway:
+    """Where a test gateway listens, and the engine behind it (for its tokenizer only)."""
+
+    base_url: str
+    engine: Engine
+
+    def health(self) -> dict[str, object]:
+        """``GET /health`` over the socket."""
+        response = httpx.get(self.base_url + "/health", timeout=10)
+        response.raise_for_status()
+        result: dict[str, object] = response.json()
+        return result
+
+
+@contextmanager
+def run_gateway(engine: Engine, settings: Settings, *, startup_timeout: float = 120.0) -> Iterator[RunningGateway]:
+    """Serve ``engine`` on 127.0.0.1:<free port> until the block exits."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(engine, settings), log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test gateway did not start")
+        time.sleep(0.05)
+    try:
+        yield RunningGateway(f"http://127.0.0.1:{port}", engine)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
