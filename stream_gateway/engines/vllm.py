@@ -4,8 +4,9 @@ vLLM is an optional extra (``pip install 'stream-gateway[vllm]'``) and needs a G
 here imports it at module import time; :class:`VLLMEngine` looks for it when constructed and
 imports it when entered.
 
-Verified against vLLM's own source, 0.10.2 to 0.33.0 (``vllm/v1/engine/async_llm.py``,
-``vllm/sampling_params.py``, ``vllm/v1/engine/logprobs.py``, ``vllm/v1/worker/gpu_worker.py``).
+Written against vLLM's own source, 0.10.2 to 0.33.0 (``vllm/v1/engine/async_llm.py``,
+``vllm/sampling_params.py``, ``vllm/v1/engine/logprobs.py``, ``vllm/v1/worker/gpu_worker.py``);
+with this project's torch and transformers pins, pip can only install 0.27.1 to 0.31.0.
 Where this module deliberately differs from how vLLM's OpenAI server drives the same engine:
 
 - ``logprobs_mode="processed_logprobs"``: vLLM defaults to raw logprobs (before temperature and
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import re
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
 import anyio
-from packaging.version import InvalidVersion, Version
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from .._errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
@@ -43,23 +45,23 @@ _MISSING = "the vllm engine needs `pip install 'stream-gateway[vllm]'` and a GPU
 # ``reload_weights(weights_path=...)`` and ``pause_generation(mode="keep")`` exist from 0.16;
 # ``reset_prefix_cache`` can preempt running requests (so none keeps KV blocks computed by the old
 # weights) from 0.13.
-_RELOAD_FROM_PATH = Version("0.16")
-_RESET_RUNNING = Version("0.13")
+_RELOAD_FROM_PATH = (0, 16)
+_RESET_RUNNING = (0, 13)
 
 
 class VLLMEngine:
     """An :class:`~stream_gateway.engines._base.Engine` backed by vLLM's in-process ``AsyncLLM``.
 
     ``engine_kwargs`` go to ``AsyncEngineArgs`` unchanged (``dtype``, ``enforce_eager``, ``seed``,
-    ``tensor_parallel_size``...); the keyword arguments named here always win over them for the
-    settings the gateway's contracts depend on (``logprobs_mode``).
+    ``tensor_parallel_size``...); the keyword arguments named here win over them, and
+    ``logprobs_mode`` is always ``"processed_logprobs"`` because capture depends on it.
     """
 
     name = "vllm"
 
     def __init__(
         self,
-        model: str,
+        model: str | os.PathLike[str],
         *,
         served_model_name: str | None = None,
         max_model_len: int | None = None,
@@ -70,15 +72,15 @@ class VLLMEngine:
         # Fail at construction (e.g. ``--engine vllm`` on a CPU box), not on the first request.
         if importlib.util.find_spec("vllm") is None:
             raise EngineUnavailable(_MISSING)
-        self.model = model
-        self.model_id = served_model_name or model
+        self.model = os.fspath(model)
+        self.model_id = served_model_name or self.model
         self.max_model_len = max_model_len or 0  # the real value is read from vLLM on enter
         self.policy_version = 0
         self.tokenizer: PreTrainedTokenizerBase
         self._max_logprobs = max_logprobs
         self._engine_args: dict[str, Any] = {
             **(engine_kwargs or {}),
-            "model": model,
+            "model": self.model,
             "gpu_memory_utilization": gpu_memory_utilization,
             "max_logprobs": max_logprobs,
             "logprobs_mode": "processed_logprobs",
@@ -88,7 +90,7 @@ class VLLMEngine:
         if max_model_len is not None:
             self._engine_args["max_model_len"] = max_model_len
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once entered
-        self._version = Version("0")
+        self._version = (0, 0)
         self._client_errors: tuple[type[BaseException], ...] = (ValueError,)
         self._dead_errors: tuple[type[BaseException], ...] = ()
         self._reload_lock = anyio.Lock()
@@ -113,10 +115,7 @@ class VLLMEngine:
         except ImportError:
             self._client_errors = (ValueError,)
         self._dead_errors = (EngineDeadError,)
-        try:
-            self._version = Version(vllm.__version__)
-        except InvalidVersion:
-            self._version = Version("9999")  # an unparseable dev build: assume the newest API
+        self._version = _release(vllm.__version__)
 
         self.tokenizer = AutoTokenizer.from_pretrained(
             self._engine_args.get("tokenizer") or self.model,
@@ -153,7 +152,6 @@ class VLLMEngine:
 
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         self._total_requests += 1
-        self._active += 1
         self._waiting += 1
         started = False
         try:
@@ -174,16 +172,23 @@ class VLLMEngine:
                     if not started:
                         started = True
                         self._waiting -= 1
+                        self._active += 1
                     step = _to_step(output.outputs[0], params.top_logprobs)
                     if step is None:  # an abort we did not cause through this iterator
                         return
                     self._total_tokens += len(step.token_ids)
-                    yield step
                     if step.finish_reason is not None:
+                        # Let vLLM's generator end by itself before our consumer can close us:
+                        # closing it after its last output would send a needless abort.
+                        async for _ in outs:
+                            pass
+                        yield step
                         return
+                    yield step
         finally:
-            self._active -= 1
-            if not started:
+            if started:
+                self._active -= 1
+            else:
                 self._waiting -= 1
 
     async def load_weights(self, path: str, policy_version: int) -> None:
@@ -225,8 +230,8 @@ class VLLMEngine:
                 raise EngineError(f"vLLM could not load weights from {path!r}: {exc}") from exc
 
     def statistics(self) -> EngineStatistics:
-        """A snapshot: ``active_requests`` counts every open iterator, ``waiting_requests`` those
-        of them still before their first token (queued or prefilling)."""
+        """A snapshot: ``waiting_requests`` are before their first token (queued or prefilling),
+        ``active_requests`` are streaming; a request leaves both when its iterator closes."""
         return EngineStatistics(
             active_requests=self._active,
             waiting_requests=self._waiting,
@@ -252,6 +257,12 @@ class VLLMEngine:
             detokenize=False,
             skip_special_tokens=False,
         )
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a vLLM version string; an unparseable dev build counts as the newest."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else (9999, 0)
 
 
 def _to_step(completion: Any, top_n: int) -> EngineStep | None:
