@@ -166,12 +166,14 @@ async def _parse(request: Request, model: type[ChatCompletionRequest]) -> ChatCo
 
 
 def _validation_error(exc: ValidationError) -> InvalidRequest:
+    """The first validation error as OpenAI words it; ``param`` is the top-level field."""
     first = exc.errors(include_url=False)[0]
-    location = [str(part) for part in first["loc"]]
-    param = ".".join(location) if location else None
+    location = first["loc"]
+    param = str(location[0]) if location else None
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in location).lstrip(".")
     if first["type"] == "extra_forbidden" and len(location) == 1:
-        return InvalidRequest(f"Unrecognized request argument supplied: {location[0]}", param=param)
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)
     if first["type"] == "missing":
-        return InvalidRequest(f"Missing required parameter: '{param}'.", param=param)
+        return InvalidRequest(f"Missing required parameter: '{path}'.", param=param)
     message = first["msg"].removeprefix("Value error, ")
-    return InvalidRequest(f"Invalid value for '{param}': {message}", param=param)
+    return InvalidRequest(f"Invalid value for '{path}': {message}", param=param)
