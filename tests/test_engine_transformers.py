@@ -1,0 +1,107 @@
+"""The transformers engine on the real tiny model: batching is exact, aborts free rows."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stream_gateway.engines import EngineStep, SamplingParams
+from stream_gateway.engines.transformers import TransformersEngine
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def engine(tiny_model_path: Path) -> AsyncIterator[TransformersEngine]:
+    async with TransformersEngine(tiny_model_path, max_batch_size=8) as e:
+        yield e
+
+
+async def _collect(engine: TransformersEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[EngineStep]:
+    return [step async for step in engine.generate(rid, prompt, params)]
+
+
+async def test_concurrent_requests_equal_one_at_a_time(engine: TransformersEngine, tiny_model_path: Path) -> None:
+    """Rows joining a running batch (different prompt lengths, left padding) decode exactly as alone."""
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    alone = [await _collect(engine, f"a{i}", p, params) for i, p in enumerate(prompts)]
+    together: dict[int, list[EngineStep]] = {}
+    peak = 0
+
+    async def run(i: int) -> None:
+        nonlocal peak
+        steps = []
+        async for step in engine.generate(f"b{i}", prompts[i], params):
+            peak = max(peak, engine.statistics().active_requests)
+            steps.append(step)
+        together[i] = steps
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(run, i)
+    assert peak > 1, "requests were never batched together"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        ids_alone = [s.token_ids[0] for s in alone[i]]
+        ids_together = [s.token_ids[0] for s in together[i]]
+        assert ids_together == ids_alone
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + ids_together])).logits[0]
+        reference = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).max(-1).values
+        torch.testing.assert_close(torch.tensor([s.logprobs[0] for s in together[i]]), reference, atol=2e-4, rtol=0)
+        assert together[i][-1].finish_reason == "length"
+        assert all(s.finish_reason is None for s in together[i][:-1])
+
+
+async def test_stop_token_ids_end_with_stop(engine: TransformersEngine) -> None:
+    free = await _collect(engine, "f", [9, 9, 9], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    target = free[4].token_ids[0]
+    first = next(i for i, s in enumerate(free) if s.token_ids[0] == target)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=frozenset({target}))
+    steps = await _collect(engine, "s", [9, 9, 9], params)
+    assert [s.token_ids[0] for s in steps] == [s.token_ids[0] for s in free[: first + 1]]
+    assert steps[-1].finish_reason == "stop"
+
+
+async def test_closing_the_iterator_frees_the_row(engine: TransformersEngine) -> None:
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    steps = engine.generate("long", [1, 2, 3], params)
+    async for i, _ in _enumerate(steps):
+        if i == 5:
+            break
+    await steps.aclose()  # type: ignore[attr-defined]
+    with anyio.fail_after(10):
+        while engine.statistics().active_requests:
+            await anyio.sleep(0.01)
+    assert engine.statistics().total_generated_tokens < 1000
+
+
+async def test_weights_reload_bumps_the_policy_version(engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    state = {k: v * 1.5 if k.endswith("norm.weight") else v for k, v in model.state_dict().items()}
+    state.pop("lm_head.weight", None)  # tied to the embeddings
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, top_logprobs=1)
+    before = await _collect(engine, "w0", [4, 5, 6], params)
+    await engine.load_weights(str(tmp_path), policy_version=3)
+    after = await _collect(engine, "w1", [4, 5, 6], params)
+    assert engine.policy_version == 3
+    assert [s.logprobs for s in before] != [s.logprobs for s in after]
+    with pytest.raises(FileNotFoundError):
+        await engine.load_weights(str(tmp_path / "missing"), policy_version=4)
+    assert engine.policy_version == 3
+
+
+async def _enumerate(steps: AsyncIterator[EngineStep]) -> AsyncIterator[tuple[int, EngineStep]]:
+    i = 0
+    async for step in steps:
+        yield i, step
+        i += 1

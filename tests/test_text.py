@@ -1,0 +1,77 @@
+"""Incremental detokenization: whole characters only, stop strings never leak."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from stream_gateway._text import TextAssembler
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+TEXTS = ["plain ascii words", "café naïve Zürich", "東京 你好，世界", "emoji 😀👍🏽 mixed", "½ ≈ 0.5 → ✓"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_yields_only_whole_characters(tokenizer: PreTrainedTokenizerBase, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assembler = TextAssembler(tokenizer.backend_tokenizer)
+    pieces = [assembler.feed([token]).text for token in ids]
+    assert "".join(pieces) + assembler.flush() == text
+    assert all("\ufffd" not in piece for piece in pieces)
+    # Byte-level BPE really does split some of these characters across tokens.
+    if any(ord(c) > 0x7FF for c in text):
+        assert "" in pieces
+
+
+def test_special_tokens_are_not_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer.encode("done", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assembler = TextAssembler(tokenizer.backend_tokenizer)
+    assert "".join(assembler.feed([t]).text for t in ids) == "done"
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "expected"),
+    [
+        ("hello world. bye", ["."], "hello world"),
+        ("hello world. bye", ["world"], "hello "),
+        ("abcSTOPdef", ["STOP", "cS"], "ab"),
+        ("no stop here", ["zzz"], "no stop here"),
+        ("almost STO", ["STOP"], "almost STO"),
+    ],
+)
+def test_stop_strings(tokenizer: PreTrainedTokenizerBase, text: str, stops: list[str], expected: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assembler = TextAssembler(tokenizer.backend_tokenizer, stops)
+    out, stopped = [], False
+    for token in ids:
+        delta = assembler.feed([token])
+        out.append(delta.text)
+        # Nothing sent so far may contain a stop string or its start at the end.
+        assert not any(s in "".join(out) for s in stops)
+        if delta.stopped:
+            stopped = True
+            break
+    if not stopped:
+        out.append(assembler.flush())
+    assert "".join(out) == expected
+    assert stopped == (expected != text)
+
+
+def test_partial_stop_is_held_back_until_resolved(tokenizer: PreTrainedTokenizerBase) -> None:
+    assembler = TextAssembler(tokenizer.backend_tokenizer, ["</end>"])
+    sent = ""
+    for token in tokenizer.encode("value</en", add_special_tokens=False):
+        sent += assembler.feed([token]).text
+    assert sent == "value"
+    for token in tokenizer.encode("d>", add_special_tokens=False):
+        delta = assembler.feed([token])
+        sent += delta.text
+    assert delta.stopped
+    assert sent == "value"
