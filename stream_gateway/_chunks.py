@@ -124,9 +124,7 @@ class ChunkEncoder:
         }
         if self._logprobs:
             choice["logprobs"] = {
-                "content": logprobs_content(
-                    self._token_text, update.token_ids, update.logprobs, update.top_logprobs
-                )
+                "content": logprobs_content(self._token_text, update.token_ids, update.logprobs, update.top_logprobs)
             }
         if self._token_ids:
             choice["token_ids"] = update.token_ids
@@ -173,9 +171,7 @@ def completion_body(
         }
         if logprobs:
             top = result.top_logprobs or None
-            choice["logprobs"] = {
-                "content": logprobs_content(token_text, result.token_ids, result.logprobs, top)
-            }
+            choice["logprobs"] = {"content": logprobs_content(token_text, result.token_ids, result.logprobs, top)}
         if token_ids:
             choice["token_ids"] = result.token_ids
         choices.append(choice)

@@ -122,9 +122,7 @@ class CompletionService:
             except* GatewayError as group:
                 await send.send(group.exceptions[0])  # type: ignore[arg-type]
 
-    async def _run_choice(
-        self, prepared: PreparedCompletion, index: int, send: ObjectSendStream[ProducerItem]
-    ) -> None:
+    async def _run_choice(self, prepared: PreparedCompletion, index: int, send: ObjectSendStream[ProducerItem]) -> None:
         params = prepared.params
         if index and params.seed is not None:
             params = replace(params, seed=params.seed + index)  # n seeded choices must differ
@@ -256,15 +254,14 @@ def _token_text_function(tokenizer: PreTrainedTokenizerBase) -> Any:
     """
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
 
     def token_text(token_id: int) -> tuple[str, list[int]]:
         piece = tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(piece, str) and piece and all(c in byte_of for c in piece):
             raw = bytes(byte_of[c] for c in piece)
             return raw.decode("utf-8", errors="replace"), list(raw)
-        text = tokenizer.decode([token_id])
+        text = str(tokenizer.decode([token_id]))
         return text, list(text.encode("utf-8"))
 
     return token_text
-

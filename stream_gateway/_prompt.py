@@ -49,7 +49,7 @@ def render_prompt(
     """Render ``messages`` with the generation prompt appended and tokenize the result."""
     if tokenizer.chat_template is None:
         raise InvalidRequest("the served model has no chat template; chat completions need one")
-    tool_specs = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+    tool_specs: Any = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
     try:
         text = tokenizer.apply_chat_template(
             [template_message(m) for m in messages],

@@ -111,7 +111,12 @@ def test_stop_string_truncates_and_never_leaks(client: OpenAI) -> None:
     assert plain.choices[0].finish_reason == "stop"
 
     streamed = client.chat.completions.create(
-        model="tiny", messages=USER, max_tokens=40, temperature=0, stop=stop, stream=True,
+        model="tiny",
+        messages=USER,
+        max_tokens=40,
+        temperature=0,
+        stop=stop,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     parts, finish = [], None
@@ -125,6 +130,7 @@ def test_stop_string_truncates_and_never_leaks(client: OpenAI) -> None:
 
 def test_seeded_sampling_is_reproducible(client: OpenAI) -> None:
     """The same seed gives the same tokens; a different seed (almost surely) does not."""
+
     def sample(seed: int) -> str:
         reply = client.chat.completions.create(
             model="tiny", messages=USER, max_tokens=24, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}

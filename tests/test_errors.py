@@ -58,11 +58,21 @@ def _assert_error(response: httpx.Response, status: int, *, code: str | None = N
         ({"model": "tiny", "messages": USER, "logprobs": True, "top_logprobs": 50}, 400, None, "top_logprobs"),
         ({"model": "tiny", "messages": USER, "presence_penalty": 0.5}, 400, "unsupported_parameter", None),
         ({"model": "tiny", "messages": USER, "logit_bias": {"5": 1}}, 400, "unsupported_parameter", None),
-        ({"model": "tiny", "messages": USER, "response_format": {"type": "json_object"}}, 400, "unsupported_parameter", None),
+        (
+            {"model": "tiny", "messages": USER, "response_format": {"type": "json_object"}},
+            400,
+            "unsupported_parameter",
+            None,
+        ),
         ({"model": "tiny", "messages": USER, "tool_choice": "auto"}, 400, None, "tool_choice"),
         ({"model": "tiny", "messages": USER, "frobnicate": True}, 400, None, "frobnicate"),
         ({"model": "tiny", "messages": USER, "stop": ["a"] * 40}, 400, None, "stop"),
-        ({"model": "tiny", "messages": USER, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400, None, None),
+        (
+            {"model": "tiny", "messages": USER, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            400,
+            None,
+            None,
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(
@@ -120,9 +130,12 @@ def test_generation_stops_at_the_context_limit(short_context_gateway: RunningGat
 
 
 def test_api_keys_are_enforced_when_configured(short_context_gateway: RunningGateway) -> None:
-    response = _post(short_context_gateway, {"model": "tiny", "messages": USER}, headers={"authorization": "Bearer sk-bad"})
+    response = _post(
+        short_context_gateway, {"model": "tiny", "messages": USER}, headers={"authorization": "Bearer sk-bad"}
+    )
     _assert_error(response, 401, code="invalid_api_key")
-    with OpenAI(base_url=short_context_gateway.base_url + "/v1", api_key="sk-bad", max_retries=0) as c, pytest.raises(
-        openai.AuthenticationError
+    with (
+        OpenAI(base_url=short_context_gateway.base_url + "/v1", api_key="sk-bad", max_retries=0) as c,
+        pytest.raises(openai.AuthenticationError),
     ):
         c.models.list()

@@ -15,7 +15,7 @@ def tokenizer(tiny_model_path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
-TEXTS = ["plain ascii words", "café naïve Zürich", "東京 你好，世界", "emoji 😀👍🏽 mixed", "½ ≈ 0.5 → ✓"]
+TEXTS = ["plain ascii words", "café naïve Zürich", "東京 你好，世界", "emoji 😀👍🏽 mixed", "½ ≈ 0.5 → ✓"]  # noqa: RUF001
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -31,7 +31,7 @@ def test_one_token_at_a_time_yields_only_whole_characters(tokenizer: PreTrainedT
 
 
 def test_special_tokens_are_not_text(tokenizer: PreTrainedTokenizerBase) -> None:
-    ids = tokenizer.encode("done", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    ids = [*tokenizer.encode("done", add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")]
     assembler = TextAssembler(tokenizer.backend_tokenizer)
     assert "".join(assembler.feed([t]).text for t in ids) == "done"
 

@@ -26,7 +26,9 @@ def reference(tiny_model_path: Path) -> AutoModelForCausalLM:
     return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
 
 
-def _forward_logprobs(model: AutoModelForCausalLM, prompt: list[int], sampled: list[int], temperature: float) -> torch.Tensor:
+def _forward_logprobs(
+    model: AutoModelForCausalLM, prompt: list[int], sampled: list[int], temperature: float
+) -> torch.Tensor:
     ids = torch.tensor([prompt + sampled])
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0].float()
@@ -36,7 +38,9 @@ def _forward_logprobs(model: AutoModelForCausalLM, prompt: list[int], sampled: l
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_streamed_ids_and_logprobs_match_a_forward_pass(client: OpenAI, reference: AutoModelForCausalLM, temperature: float) -> None:
+def test_streamed_ids_and_logprobs_match_a_forward_pass(
+    client: OpenAI, reference: AutoModelForCausalLM, temperature: float
+) -> None:
     stream = client.chat.completions.create(
         model="tiny",
         messages=MESSAGES,
@@ -88,7 +92,11 @@ def test_prompt_ids_are_the_chat_template_rendering(client: OpenAI, tiny_model_p
 def test_greedy_logprobs_are_the_raw_distribution(client: OpenAI, reference: AutoModelForCausalLM) -> None:
     """temperature=0 picks the argmax and reports its log-probability under the raw model."""
     reply = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     extra = reply.model_extra or {}

@@ -12,7 +12,7 @@ model distribution). That is what RL training needs to compute importance ratios
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -82,7 +82,7 @@ class Engine(Protocol):
 
     def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[EngineStep]:
+    ) -> AsyncGenerator[EngineStep, None]:
         """Start sampling; the returned iterator yields steps until one has a finish reason.
 
         Closing the iterator early aborts the request.

@@ -7,7 +7,7 @@ produces is fit for training; it exists to measure the gateway and the event pip
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
 import anyio
@@ -58,7 +58,7 @@ class SyntheticEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[EngineStep]:
+    ) -> AsyncGenerator[EngineStep, None]:
         """Yield ``max_tokens`` passage tokens (fewer if the context fills up), one per step."""
         self._active += 1
         self._total_requests += 1

@@ -27,14 +27,15 @@ import logging
 import queue
 import secrets
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from .._errors import EngineError, EngineUnavailable
 from ._base import EngineStatistics, EngineStep, SamplingParams
@@ -134,7 +135,7 @@ class TransformersEngine:
 
     def _load(self) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(self._model_path)
-        model = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self._dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self._dtype)
         threads = self._num_threads
         if threads is None and self._device.type == "cpu" and getattr(model.config, "hidden_size", 0) < 256:
             # Matrices this small finish faster than intra-op threads wake up: with two threads a
@@ -158,7 +159,7 @@ class TransformersEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[EngineStep]:
+    ) -> AsyncGenerator[EngineStep, None]:
         """Queue a request and yield its steps as the worker samples them."""
         if self._thread is None or not self._thread.is_alive():
             raise EngineUnavailable("the transformers engine is not running") from self._failure
@@ -248,9 +249,7 @@ class TransformersEngine:
         ids = torch.tensor([request.prompt_ids], device=self._device)
         out = self._model(input_ids=ids, past_key_values=cache, use_cache=True)
         request.length = len(request.prompt_ids)
-        finished = self._emit(
-            [request], out.logits[:, -1, :], [request.params], [request.generator]
-        )
+        finished = self._emit([request], out.logits[:, -1, :], [request.params], [request.generator])
         if finished[0]:
             self._active -= 1
             return
@@ -261,13 +260,11 @@ class TransformersEngine:
         if batch.cache is None or batch.mask is None:
             batch.rows, batch.cache, batch.mask = [request], cache, new_mask
             return
-        have, need = batch.mask.shape[1], request.length
-        width = max(have, need)
-        for old, new in zip(batch.cache.layers, cache.layers, strict=True):
-            old_keys, old_values = _left_pad(old.keys, width), _left_pad(old.values, width)
-            new_keys, new_values = _left_pad(new.keys, width), _left_pad(new.values, width)
-            old.keys = torch.cat([old_keys, new_keys], dim=0)
-            old.values = torch.cat([old_values, new_values], dim=0)
+        width = max(batch.mask.shape[1], request.length)
+        for old, new in zip(_layers(batch.cache), _layers(cache), strict=True):
+            (old_keys, old_values), (new_keys, new_values) = _kv(old), _kv(new)
+            old.keys = torch.cat([_left_pad(old_keys, width), _left_pad(new_keys, width)], dim=0)
+            old.values = torch.cat([_left_pad(old_values, width), _left_pad(new_values, width)], dim=0)
         batch.mask = torch.cat([_left_pad(batch.mask, width), _left_pad(new_mask, width)], dim=0)
         batch.rows.append(request)
 
@@ -300,9 +297,9 @@ class TransformersEngine:
         # Columns that are padding in every remaining row are dead weight for attention.
         trim = int((batch.mask.cumsum(dim=1) == 0).all(dim=0).sum())
         batch.mask = batch.mask[:, trim:]
-        for layer in batch.cache.layers:
-            layer.keys = layer.keys[index, :, trim:, :]
-            layer.values = layer.values[index, :, trim:, :]
+        for layer in _layers(batch.cache):
+            keys, values = _kv(layer)
+            layer.keys, layer.values = keys[index, :, trim:, :], values[index, :, trim:, :]
 
     def _emit(
         self,
@@ -366,6 +363,16 @@ def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_exception(error)
 
 
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's per-layer KV tensors (full attention only: this engine serves such models)."""
+    return cast(list[DynamicLayer], cache.layers)
+
+
+def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    assert layer.keys is not None and layer.values is not None, "prefill fills every layer"
+    return layer.keys, layer.values
+
+
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
     """Left-pad the sequence axis (-2 for KV [B,H,L,D], -1 for masks [B,L]) with zeros."""
     axis = -1 if tensor.dim() == 2 else -2
@@ -375,4 +382,3 @@ def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[axis] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
-
