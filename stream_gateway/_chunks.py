@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from ._errors import GatewayError
+from .tool_parsers import ToolCall, ToolCallDelta
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
@@ -31,6 +32,7 @@ class ChoiceUpdate:
     logprobs: list[float]
     top_logprobs: list[tuple[tuple[int, float], ...]] | None
     finish_reason: str | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(slots=True)
@@ -43,16 +45,26 @@ class ChoiceResult:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish_reason: str | None = None
+    call_deltas: list[ToolCallDelta] = field(default_factory=list)
 
     def add(self, update: ChoiceUpdate) -> None:
         """Fold one update in."""
         self.text_parts.append(update.text)
+        self.call_deltas.extend(update.tool_calls)
         self.token_ids.extend(update.token_ids)
         self.logprobs.extend(update.logprobs)
         if update.top_logprobs is not None:
             self.top_logprobs.extend(update.top_logprobs)
         if update.finish_reason is not None:
             self.finish_reason = update.finish_reason
+
+    def tool_calls(self) -> list[ToolCall]:
+        """The complete tool calls, reassembled from their deltas."""
+        calls: dict[int, list[str]] = {}
+        for delta in self.call_deltas:
+            entry = calls.setdefault(delta.index, [delta.id or "", delta.name or "", ""])
+            entry[2] += delta.arguments
+        return [ToolCall(i, name, arguments) for i, name, arguments in (calls[k] for k in sorted(calls))]
 
 
 def logprobs_content(
@@ -116,9 +128,12 @@ class ChunkEncoder:
 
     def update(self, update: ChoiceUpdate) -> bytes:
         """A content delta, with finish reason, logprobs and token ids as configured."""
+        delta: dict[str, Any] = {"content": update.text} if update.text else {}
+        if update.tool_calls:
+            delta["tool_calls"] = [_tool_call_delta(d) for d in update.tool_calls]
         choice: dict[str, Any] = {
             "index": update.index,
-            "delta": {"content": update.text} if update.text else {},
+            "delta": delta,
             "logprobs": None,
             "finish_reason": update.finish_reason,
         }
@@ -138,6 +153,17 @@ class ChunkEncoder:
     def error(error: GatewayError) -> bytes:
         """An error event in the stream (the OpenAI SDKs raise it as an API error)."""
         return b"data: " + orjson.dumps(error.body()) + b"\n\n"
+
+
+def _tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {
+        "index": delta.index,
+        "id": delta.id,
+        "type": "function",
+        "function": {"name": delta.name, "arguments": delta.arguments},
+    }
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -163,9 +189,17 @@ def completion_body(
     """A whole non-streamed ``chat.completion`` body."""
     choices = []
     for result in results:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(result.text_parts)}
+        calls = result.tool_calls()
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
+            if not message["content"].strip():
+                message["content"] = None  # as OpenAI sends a message that only calls tools
         choice: dict[str, Any] = {
             "index": result.index,
-            "message": {"role": "assistant", "content": "".join(result.text_parts)},
+            "message": message,
             "logprobs": None,
             "finish_reason": result.finish_reason,
         }

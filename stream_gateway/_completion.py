@@ -23,12 +23,15 @@ from transformers import PreTrainedTokenizerBase
 
 from ._api_types import ChatCompletionRequest
 from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
+from ._context import Context, ContextBuilder
 from ._errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
+from ._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from ._metrics import GatewayMetrics
-from ._prompt import render_prompt
+from ._sessions import AssistantToolCall, Session, SessionStore, Turn
 from ._settings import Settings
 from ._text import TextAssembler
 from .engines import Engine, SamplingParams
+from .tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
 
 ProducerItem = ChoiceUpdate | GatewayError
 
@@ -41,6 +44,10 @@ class PreparedCompletion:
     created: int
     arrived: float
     model: str
+    session: Session
+    context: Context
+    conversation_key: bytes  # prefix key of the request's messages (turn keys extend it)
+    context_length: int
     prompt_ids: list[int]
     params: SamplingParams
     n: int
@@ -48,15 +55,23 @@ class PreparedCompletion:
     logprobs: bool
     return_token_ids: bool
     include_usage: bool
+    tool_parser: str | None  # None: the output is plain content
+    tool_names: frozenset[str]
 
 
 class CompletionService:
     """Turns validated requests into engine requests and engine steps into responses."""
 
-    def __init__(self, engine: Engine, settings: Settings, metrics: GatewayMetrics) -> None:
+    def __init__(self, engine: Engine, settings: Settings, metrics: GatewayMetrics, sessions: SessionStore) -> None:
         self._engine = engine
         self._settings = settings
         self._metrics = metrics
+        self._sessions = sessions
+
+    @cached_property
+    def _context_builder(self) -> ContextBuilder:
+        # Lazily: the engine's tokenizer exists only once the engine has started.
+        return ContextBuilder(self._engine.tokenizer)
 
     @cached_property
     def _token_text(self) -> Any:
@@ -65,8 +80,14 @@ class CompletionService:
 
     # -- request preparation ---------------------------------------------------------------
 
-    async def prepare(self, body: ChatCompletionRequest) -> PreparedCompletion:
-        """Validate ``body`` against the served model and render its prompt (off the event loop)."""
+    async def prepare(
+        self, body: ChatCompletionRequest, *, tenant: str, session_id: str | None = None
+    ) -> PreparedCompletion:
+        """Validate ``body``, place it in a session, and build its token-exact prompt.
+
+        With ``session_id`` the request belongs to that session (created on first use);
+        without, it joins the tenant's session whose conversation it continues, or a new one.
+        """
         arrived = time.perf_counter()
         engine = self._engine
         if body.model != engine.model_id:
@@ -74,7 +95,20 @@ class CompletionService:
         body.check_supported()
         if body.n > self._settings.max_n:
             raise InvalidRequest(f"n must be at most {self._settings.max_n}", param="n")
-        prompt_ids = await anyio.to_thread.run_sync(render_prompt, engine.tokenizer, body.messages, body.tools)
+        keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
+        parent: Turn | None
+        if session_id is not None:
+            session = self._sessions.get_or_create(session_id, tenant)
+            parent = session.match(keys)
+        elif (found := self._sessions.find(tenant, keys)) is not None:
+            session, parent = found
+        else:
+            session, parent = self._sessions.create(tenant), None
+        self._sessions.touch(session)
+        context = await anyio.to_thread.run_sync(self._context_builder.build, body.messages, body.tools, parent)
+        if context.fallback_reason is not None:
+            self._metrics.context_fallbacks.inc()
+        prompt_ids = context.prompt_ids
         limit = engine.max_model_len
         room = limit - len(prompt_ids)
         requested = body.requested_max_tokens()
@@ -84,7 +118,9 @@ class CompletionService:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(prompt_ids) + completion} tokens ({len(prompt_ids)} in the messages, "
                 f"{completion} in the completion). Please reduce the length of the messages or completion.",
-                param="max_tokens" if room > 0 else "messages",
+                param=("max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+                if room > 0
+                else "messages",
             )
         params = SamplingParams(
             max_tokens=requested if requested is not None else min(self._settings.default_max_tokens, room),
@@ -100,6 +136,10 @@ class CompletionService:
             created=int(time.time()),
             arrived=arrived,
             model=engine.model_id,
+            session=session,
+            context=context,
+            conversation_key=keys[-1],
+            context_length=len(body.messages),
             prompt_ids=prompt_ids,
             params=params,
             n=body.n,
@@ -107,6 +147,8 @@ class CompletionService:
             logprobs=body.logprobs,
             return_token_ids=body.return_token_ids,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            tool_parser=self._settings.tool_parser if body.tools and body.tool_choice != "none" else None,
+            tool_names=frozenset(t.function.name for t in body.tools or ()),
         )
 
     # -- producing -------------------------------------------------------------------------
@@ -127,34 +169,91 @@ class CompletionService:
         if index and params.seed is not None:
             params = replace(params, seed=params.seed + index)  # n seeded choices must differ
         assembler = TextAssembler(self._engine.tokenizer.backend_tokenizer, prepared.stops)
+        parser = create_tool_parser(prepared.tool_parser, prepared.tool_names) if prepared.tool_parser else None
+        result = ChoiceResult(index)
         ids: list[int] = []
         logprobs: list[float] = []
         top: list[tuple[tuple[int, float], ...]] | None = [] if params.top_logprobs else None
         metrics = self._metrics
         last = prepared.arrived
-        first = True
+        first_token_s: float | None = None
+        policy_version = self._engine.policy_version
         request_id = f"{prepared.completion_id}-{index}"
-        async with aclosing(self._engine.generate(request_id, prepared.prompt_ids, params)) as steps:
-            async for step in steps:
-                now = time.perf_counter()
-                (metrics.time_to_first_token if first else metrics.inter_token_latency).observe(now - last)
-                first, last = False, now
-                metrics.completion_tokens.inc(len(step.token_ids))
-                ids.extend(step.token_ids)
-                logprobs.extend(step.logprobs)
-                if top is not None and step.top_logprobs is not None:
-                    top.extend(step.top_logprobs)
-                delta = assembler.feed(step.token_ids)
-                finish = "stop" if delta.stopped else step.finish_reason
-                text = delta.text if finish is None or delta.stopped else delta.text + assembler.flush()
-                # Tokens that produced no text yet (half a character, a possible stop string)
-                # ride along with the next frame that has text, so no frame is empty.
-                if text or finish is not None:
-                    await send.send(ChoiceUpdate(index, text, ids, logprobs, top, finish))
-                    ids, logprobs = [], []
-                    top = [] if top is not None else None
-                if finish is not None:
-                    return  # leaving the block closes the iterator: a stop string aborts the request
+        try:
+            async with aclosing(self._engine.generate(request_id, prepared.prompt_ids, params)) as steps:
+                async for step in steps:
+                    now = time.perf_counter()
+                    if first_token_s is None:
+                        first_token_s = now - prepared.arrived
+                        metrics.time_to_first_token.observe(first_token_s)
+                    else:
+                        metrics.inter_token_latency.observe(now - last)
+                    last = now
+                    metrics.completion_tokens.inc(len(step.token_ids))
+                    ids.extend(step.token_ids)
+                    logprobs.extend(step.logprobs)
+                    if top is not None and step.top_logprobs is not None:
+                        top.extend(step.top_logprobs)
+                    delta = assembler.feed(step.token_ids)
+                    finish: str | None = "stop" if delta.stopped else step.finish_reason
+                    text = delta.text if finish is None or delta.stopped else delta.text + assembler.flush()
+                    calls: tuple[ToolCallDelta, ...] = ()
+                    if parser is not None:
+                        parsed = parser.feed(text)
+                        if finish is not None:
+                            tail = parser.finish()
+                            parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
+                        text, calls = parsed.content, parsed.tool_calls
+                        if finish == "stop" and parser.calls:
+                            finish = "tool_calls"
+                    # Tokens that produced nothing to send yet (half a character, a possible stop
+                    # string, an unfinished tool call) ride along with the next frame that has
+                    # something, so no frame is empty.
+                    if text or calls or finish is not None:
+                        update = ChoiceUpdate(index, text, ids, logprobs, top, finish, calls)
+                        result.add(update)
+                        await send.send(update)
+                        ids, logprobs = [], []
+                        top = [] if top is not None else None
+                    if finish is not None:
+                        return  # leaving the block closes the iterator: a stop string aborts the request
+        finally:
+            # Runs on normal ends, errors and cancellation alike; recording is synchronous.
+            result.token_ids.extend(ids)
+            result.logprobs.extend(logprobs)
+            self._record_turn(prepared, result, policy_version, first_token_s)
+
+    def _record_turn(
+        self, prepared: PreparedCompletion, result: ChoiceResult, policy_version: int, first_token_s: float | None
+    ) -> None:
+        content = "".join(result.text_parts)
+        calls = tuple(AssistantToolCall(c.id, c.name, c.arguments) for c in result.tool_calls())
+        finished = result.finish_reason is not None
+        key = None
+        if finished:
+            fingerprint = assistant_fingerprint(content, [(c.name, c.arguments) for c in calls])
+            key = extend_key(prepared.conversation_key, fingerprint)
+        context = prepared.context
+        turn = Turn(
+            turn_id=f"turn{secrets.token_hex(12)}",
+            session_id=prepared.session.session_id,
+            parent_id=context.parent.turn_id if context.parent is not None else None,
+            key=key,
+            context_length=prepared.context_length,
+            prompt_ids=tuple(prepared.prompt_ids),
+            reused_prompt_tokens=context.reused_prompt_tokens,
+            output_ids=tuple(result.token_ids),
+            logprobs=tuple(result.logprobs),
+            finish_reason=result.finish_reason,
+            content=content,
+            tool_calls=calls,
+            policy_version=policy_version,
+            created_at=time.time(),
+            time_to_first_token_s=first_token_s,
+            duration_s=time.perf_counter() - prepared.arrived,
+            matches_full_render=context.matches_full_render,
+        )
+        prepared.session.add(turn)
 
     # -- responses -------------------------------------------------------------------------
 

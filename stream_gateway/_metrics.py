@@ -36,6 +36,12 @@ class GatewayMetrics:
             "gateway_aborted_requests", "Requests whose client went away before the end", registry=self.registry
         )
 
+        self.context_fallbacks = Counter(
+            "gateway_context_fallbacks",
+            "Continued conversations rendered afresh because the template was not prefix-stable",
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)

@@ -30,6 +30,10 @@ class Settings(BaseSettings):
     device: str = "cpu"
     synthetic_tokens_per_second: float = Field(0.0, ge=0.0, description="synthetic engine rate, 0 = max")
 
+    tool_parser: str = Field("hermes", description="how tool calls are read from model output (hermes, qwen)")
+    max_sessions: int = Field(10_000, ge=1, description="sessions kept in memory before the oldest are evicted")
+    session_idle_seconds: float = Field(3600.0, gt=0, description="a session idle this long is evicted")
+
     default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")
     max_n: int = Field(8, ge=1, description="largest accepted n")
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")

@@ -32,6 +32,7 @@ from ._api_types import ChatCompletionRequest
 from ._completion import CompletionService, ProducerItem
 from ._errors import AuthenticationFailed, GatewayError, InvalidRequest
 from ._metrics import GatewayMetrics
+from ._sessions import SessionStore, session_body
 from ._settings import Settings
 from .engines import Engine
 
@@ -48,7 +49,8 @@ class ORJSONResponse(JSONResponse):
 def create_app(engine: Engine, settings: Settings) -> FastAPI:
     """The gateway's ASGI app serving ``engine``; entering its lifespan starts the engine."""
     metrics = GatewayMetrics()
-    service = CompletionService(engine, settings, metrics)
+    sessions = SessionStore(max_sessions=settings.max_sessions, idle_seconds=settings.session_idle_seconds)
+    service = CompletionService(engine, settings, metrics, sessions)
     started = int(time.time())
 
     @asynccontextmanager
@@ -59,19 +61,23 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
 
     app = FastAPI(title="stream-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    def authorize(request: Request) -> None:
-        if not settings.api_keys:
-            return
+    def authorize(request: Request) -> str:
+        """The request's tenant: its bearer key (``anonymous`` without one)."""
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in settings.api_keys:
+        key = key.strip() if scheme.lower() == "bearer" else ""
+        if settings.api_keys and key not in settings.api_keys:
             raise AuthenticationFailed("Incorrect API key provided.")
+        return key or "anonymous"
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        authorize(request)
+    async def chat_completion(request: Request, session_id: str | None) -> Response:
+        tenant = authorize(request)
         body = await _parse(request, ChatCompletionRequest)
-        prepared = await service.prepare(body)
+        session_id = session_id or request.headers.get("x-session-id") or None
+        if session_id is not None:
+            _check_session_id(session_id)
+        prepared = await service.prepare(body, tenant=tenant, session_id=session_id)
+        headers = {"x-session-id": prepared.session.session_id}
         if body.stream:
             send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
 
@@ -80,6 +86,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
 
             return EventSourceResponse(
                 service.stream_frames(prepared, receive),
+                headers=headers,
                 data_sender_callable=producer,
                 ping=settings.sse_ping_seconds,
                 send_timeout=settings.sse_send_timeout_seconds,
@@ -92,9 +99,23 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         result = await service.complete(prepared, wait_disconnect)
         if result is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
-        return ORJSONResponse(result)
+        return ORJSONResponse(result, headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat_completion(request, None)
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def session_chat_completions(request: Request, session_id: str) -> Response:
+        return await chat_completion(request, session_id)
+
+    @app.get("/sessions/{session_id}")
+    async def inspect_session(request: Request, session_id: str) -> Response:
+        tenant = authorize(request)
+        return ORJSONResponse(session_body(sessions.get(session_id, tenant)))
 
     @app.get("/v1/models")
+    @app.get("/sessions/{session_id}/v1/models")
     async def list_models(request: Request) -> Response:
         authorize(request)
         model = {
@@ -148,6 +169,11 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         return ORJSONResponse(body, status_code=500)
 
     return app
+
+
+def _check_session_id(session_id: str) -> None:
+    if not (0 < len(session_id) <= 128 and session_id.isascii() and session_id.isprintable()):
+        raise InvalidRequest("A session id must be 1-128 printable ASCII characters.", param="session_id")
 
 
 async def _parse(request: Request, model: type[ChatCompletionRequest]) -> ChatCompletionRequest:

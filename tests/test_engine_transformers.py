@@ -108,3 +108,13 @@ async def _enumerate(steps: AsyncIterator[EngineStep]) -> AsyncIterator[tuple[in
     async for step in steps:
         yield i, step
         i += 1
+
+
+async def test_a_bad_prompt_fails_its_request_only(engine: TransformersEngine) -> None:
+    from stream_gateway import EngineError
+
+    with pytest.raises(EngineError):
+        await _collect(engine, "bad", [10**9], SamplingParams(max_tokens=3))
+    steps = await _collect(engine, "good", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(steps) == 3
+    assert engine.statistics().active_requests == 0

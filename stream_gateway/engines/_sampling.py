@@ -61,7 +61,8 @@ def sample_batch(
         draws = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1)).squeeze(1)
         chosen[rows] = torch.clamp(draws, max=logits.shape[1] - 1)
 
-    reported = torch.where(torch.tensor(greedy).unsqueeze(1), raw_logprobs, logprobs)
+    # Tokens filtered out by top-k/top-p have -inf; report -9999.0 as vLLM and OpenAI do (JSON has no -inf).
+    reported = torch.where(torch.tensor(greedy).unsqueeze(1), raw_logprobs, logprobs).clamp(min=-9999.0)
     chosen_logprobs = reported.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
     top: list[tuple[tuple[int, float], ...] | None] = [None] * batch

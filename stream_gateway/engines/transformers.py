@@ -112,6 +112,7 @@ class TransformersEngine:
         self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._prefilling: _Request | None = None
         self._active = 0
         self._waiting = 0
         self._total_requests = 0
@@ -217,10 +218,22 @@ class TransformersEngine:
                         return
                     if batch.rows:
                         self._decode(batch)
-        except BaseException as exc:  # report to every waiting request, then die loudly
+        except BaseException as exc:  # tell every request there is, then die loudly
             self._failure = exc
             log.exception("transformers engine worker crashed")
-            for row in batch.rows:
+            waiting = list(batch.rows)
+            if self._prefilling is not None:
+                waiting.append(self._prefilling)
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Request):
+                    waiting.append(item)
+                elif isinstance(item, _WeightUpdate):
+                    item.loop.call_soon_threadsafe(_resolve, item.done, exc)
+            for row in waiting:
                 row.loop.call_soon_threadsafe(row.outbox.put_nowait, exc)
             raise
 
@@ -241,7 +254,13 @@ class TransformersEngine:
             if item.aborted:
                 continue
             self._active += 1
-            self._prefill(batch, item)
+            self._prefilling = item
+            try:
+                self._prefill(batch, item)
+            except Exception as exc:  # e.g. an id outside the vocabulary: fail this request only
+                self._active -= 1
+                item.loop.call_soon_threadsafe(item.outbox.put_nowait, exc)
+            self._prefilling = None
         return True
 
     def _prefill(self, batch: _Batch, request: _Request) -> None:
@@ -251,7 +270,6 @@ class TransformersEngine:
         request.length = len(request.prompt_ids)
         finished = self._emit([request], out.logits[:, -1, :], [request.params], [request.generator])
         if finished[0]:
-            self._active -= 1
             return
         self._merge(batch, request, cache)
 
@@ -273,7 +291,7 @@ class TransformersEngine:
         rows = batch.rows
         ids = torch.tensor([[r.pending_token] for r in rows], device=self._device)
         positions = torch.tensor([[r.length] for r in rows], device=self._device)
-        batch.mask = torch.cat([batch.mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(rows), 1))], dim=1)
         out = self._model(
             input_ids=ids,
             attention_mask=batch.mask,
@@ -287,7 +305,8 @@ class TransformersEngine:
         keep = [i for i, (r, done) in enumerate(zip(rows, finished, strict=True)) if not (done or r.aborted)]
         if len(keep) == len(rows):
             return
-        self._active -= len(rows) - len(keep)
+        # Finished rows were already counted out by _emit; aborted ones leave here.
+        self._active -= sum(1 for r, done in zip(rows, finished, strict=True) if r.aborted and not done)
         if not keep:
             batch.rows, batch.cache, batch.mask = [], None, None
             return
@@ -309,7 +328,9 @@ class TransformersEngine:
         generators: list[torch.Generator],
     ) -> list[bool]:
         """Sample one token per row, deliver the steps, and say which rows finished."""
-        sampled = sample_batch(logits, params, generators)
+        # Sampling is per-row Python work on [rows, vocab]; doing it on the CPU keeps the
+        # per-request generators (CPU) and the result lists cheap on any device.
+        sampled = sample_batch(logits.float().cpu(), params, generators)
         finished: list[bool] = []
         deliveries: list[tuple[_Request, EngineStep]] = []
         for i, row in enumerate(rows):
@@ -324,6 +345,8 @@ class TransformersEngine:
             top = sampled.top_logprobs[i]
             step = EngineStep((token,), (sampled.logprobs[i],), (top,) if top is not None else None, reason)
             finished.append(reason is not None)
+            if reason is not None:
+                self._active -= 1  # before the last step is delivered, so statistics never lag it
             if not row.aborted:
                 deliveries.append((row, step))
         self._total_tokens += len(rows)

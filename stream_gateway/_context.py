@@ -1,0 +1,120 @@
+"""Token-exact prompts for continued conversations (contract T2 and T3 of DESIGN.md).
+
+When a request continues a known turn, its prompt is that turn's prompt ids, then the ids the
+engine sampled for it, then only the *new* messages tokenized as the chat template renders them at
+that position. The echoed assistant message is never re-tokenized, however the client
+re-serialised it.
+
+Finding "the new messages as rendered at that position" uses the template itself::
+
+    head = render(context,               generation prompt)   # what the parent turn was given
+    upto = render(context + [assistant], no generation prompt)
+    full = render(all messages,          generation prompt)
+
+``upto`` must start with ``head`` and ``full`` with ``upto`` (the template is *prefix-stable* at
+this boundary). The new text is ``full[len(upto):]``, preceded by whatever of the template's
+end-of-turn marker the model did not sample itself (``"\\n"`` after a sampled ``<|im_end|>``,
+all of ``"<|im_end|>\\n"`` after a turn cut by ``max_tokens``).
+
+Templates that are not prefix-stable (Qwen3-style templates that strip ``<think>`` blocks of
+earlier turns, or templates that render the system prompt differently as the conversation
+grows) fail that check: the request then starts a new root turn from a full render. Tokens are
+never spliced where the text does not line up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from ._api_types import Message, Tool
+from ._errors import InvalidRequest
+from ._prompt import template_message
+from ._sessions import Turn
+
+_PROBE = "\u2063probe\u2063"
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """The prompt for one request and where it came from."""
+
+    prompt_ids: list[int]
+    parent: Turn | None
+    reused_prompt_tokens: int
+    matches_full_render: bool
+    fallback_reason: str | None = None  # why a matched parent could not be continued
+
+
+class ContextBuilder:
+    """Builds prompts for one tokenizer and its chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        if tokenizer.chat_template is None:
+            raise InvalidRequest("the served model has no chat template; chat completions need one")
+        self._tokenizer = tokenizer
+        self._turn_end = self._probe_turn_end()
+        self._end_ids = {
+            int(i)
+            for i in (tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens)
+            if isinstance(i, int)
+        }
+
+    def build(self, messages: Sequence[Message], tools: Sequence[Tool] | None, parent: Turn | None) -> Context:
+        """The prompt for ``messages``, continuing ``parent`` (a turn they extend) when possible."""
+        specs = _tool_specs(tools)
+        rendered = [template_message(m) for m in messages]
+        full = self._render(rendered, specs, generation=True)
+        full_ids = self._encode(full)
+        if parent is None:
+            return Context(full_ids, None, 0, True)
+        k = parent.context_length
+        try:
+            head = self._render(rendered[:k], specs, generation=True)
+            upto = self._render(rendered[: k + 1], specs, generation=False)
+        except InvalidRequest:
+            return Context(full_ids, None, 0, True, "the template cannot render the shorter conversation")
+        if not (upto.startswith(head) and full.startswith(upto) and upto.endswith(self._turn_end)):
+            return Context(full_ids, None, 0, True, "the chat template is not prefix-stable here")
+        sampled = parent.output_ids
+        bridge = self._turn_end
+        if sampled and sampled[-1] in self._end_ids:
+            end_text = str(self._tokenizer.decode([sampled[-1]]))
+            if self._turn_end.startswith(end_text):
+                bridge = self._turn_end[len(end_text) :]
+        reused = len(parent.prompt_ids) + len(sampled)
+        prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + full[len(upto) :])]
+        return Context(prompt, parent, reused, prompt == full_ids)
+
+    def render_ids(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> list[int]:
+        """A fresh full render of ``messages`` with the generation prompt, tokenized."""
+        return self._encode(self._render([template_message(m) for m in messages], _tool_specs(tools), generation=True))
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any, *, generation: bool) -> str:
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation, tokenize=False
+            )
+        except TemplateError as exc:
+            # Templates raise for conversations they cannot render (e.g. roles out of order).
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        assert isinstance(text, str)
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def _probe_turn_end(self) -> str:
+        """The text a template puts after an assistant message's content (``"<|im_end|>\\n"``)."""
+        conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+        text = self._render(conversation, None, generation=False)
+        return text[text.rindex(_PROBE) + len(_PROBE) :]
+
+
+def _tool_specs(tools: Sequence[Tool] | None) -> Any:
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None

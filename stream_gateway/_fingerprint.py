@@ -1,0 +1,74 @@
+"""Message fingerprints: when is a message the client sends "the same" as one we know?
+
+Agents re-serialise the history they echo back. These differences are not differences:
+
+* tool-call ``arguments`` re-encoded (key order, whitespace): compared as parsed JSON;
+* tool-call ids rewritten (OpenClaw strips non-alphanumerics): ids are not compared at all, on
+  assistant tool calls or on tool results' ``tool_call_id``;
+* ``content`` as a string or as a list of text parts; ``null`` vs ``""``; surrounding whitespace;
+* reasoning (``reasoning_content``, ``reasoning``) dropped from history: never compared;
+* ``developer`` vs ``system``.
+
+Everything else (roles, text, tool names, argument values, order) is compared exactly.
+A fingerprint is a short digest, and a conversation prefix is identified by a rolling digest
+of its messages' fingerprints, so a lookup costs one hash per message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from ._api_types import Message
+
+Fingerprint = bytes
+
+
+def canonical_arguments(arguments: str) -> Any:
+    """Tool-call arguments as a comparable value (parsed JSON, or the raw string if not JSON)."""
+    try:
+        return orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return arguments.strip()
+
+
+def assistant_fingerprint(content: str, tool_calls: Sequence[tuple[str, str]]) -> Fingerprint:
+    """Fingerprint of an assistant message from its text and ``(name, arguments)`` calls."""
+    calls = [[name, canonical_arguments(arguments)] for name, arguments in tool_calls]
+    return _digest(["assistant", content.strip(), calls])
+
+
+def message_fingerprint(message: Message) -> Fingerprint:
+    """Fingerprint of a request message, blind to the re-serialisations listed above."""
+    if message.role == "assistant":
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+        return assistant_fingerprint(message.text(), calls)
+    role = "system" if message.role == "developer" else message.role
+    return _digest([role, message.text().strip(), message.name or ""])
+
+
+def tools_fingerprint(tools: Sequence[Any] | None) -> Fingerprint:
+    """Fingerprint of the request's tool definitions: they are part of the rendered prompt."""
+    return _digest([t.model_dump(exclude_none=True) for t in tools] if tools else [])
+
+
+def prefix_keys(seed: Fingerprint, fingerprints: Sequence[Fingerprint]) -> list[bytes]:
+    """``keys[i]`` identifies the conversation prefix ``fingerprints[:i + 1]`` under ``seed``."""
+    keys = []
+    state = seed
+    for fp in fingerprints:
+        state = extend_key(state, fp)
+        keys.append(state)
+    return keys
+
+
+def extend_key(key: bytes, fingerprint: Fingerprint) -> bytes:
+    """The key of the conversation ``key`` identifies, followed by one more message."""
+    return hashlib.blake2b(key + fingerprint, digest_size=16).digest()
+
+
+def _digest(value: Any) -> Fingerprint:
+    return hashlib.blake2b(orjson.dumps(value, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()

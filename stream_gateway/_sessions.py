@@ -1,0 +1,236 @@
+"""Sessions: trees of turns, found by id or by recognising a continued conversation.
+
+A :class:`Turn` is one engine generation: the exact prompt ids fed to the engine, the ids it
+sampled with their logprobs, and the assistant message as the client received it. A turn's
+``key`` identifies the conversation it closes (its context messages plus its own assistant
+message), so a later request whose messages start with that conversation continues it.
+
+A :class:`Session` is a tree: a turn's parent is the turn whose conversation the request
+continued; a request that continues nothing opens a new root. Chains (root-to-leaf paths) are what
+become training trajectories.
+
+The store is bounded: sessions idle longer than ``idle_seconds`` and, beyond ``max_sessions``,
+the least recently used ones are evicted (the event pipeline keeps the durable record).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import NotFound
+
+
+@dataclass(frozen=True, slots=True)
+class AssistantToolCall:
+    """A tool call as sent to the client."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One generation, token-exact."""
+
+    turn_id: str
+    session_id: str
+    parent_id: str | None
+    key: bytes | None  # prefix key of context + assistant message; None: cannot be continued
+    context_length: int  # number of request messages that formed the prompt
+    prompt_ids: tuple[int, ...]
+    reused_prompt_tokens: int  # leading prompt ids taken verbatim from the parent turn
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None  # None: aborted (client gone, engine error)
+    content: str
+    tool_calls: tuple[AssistantToolCall, ...]
+    policy_version: int
+    created_at: float
+    time_to_first_token_s: float | None
+    duration_s: float
+    matches_full_render: bool  # prompt ids equal a fresh tokenization of the full conversation
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A root-to-leaf path: the leaf's tokens contain every ancestor's, model spans masked 1."""
+
+    turn_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+@dataclass(slots=True)
+class Session:
+    """A tree of turns owned by one tenant (API key)."""
+
+    session_id: str
+    tenant: str
+    created_at: float
+    last_active: float
+    turns: dict[str, Turn] = field(default_factory=dict)
+    by_key: dict[bytes, list[str]] = field(default_factory=dict)
+
+    def add(self, turn: Turn) -> None:
+        """Record a finished (or aborted) turn."""
+        self.turns[turn.turn_id] = turn
+        if turn.key is not None:
+            self.by_key.setdefault(turn.key, []).append(turn.turn_id)
+        self.last_active = time.time()
+
+    def match(self, keys: list[bytes]) -> Turn | None:
+        """The deepest continuable turn whose conversation is a proper prefix of the request's."""
+        # keys[i] is the prefix of i + 1 messages; the request's last message is always new.
+        for i in range(len(keys) - 2, -1, -1):
+            ids = self.by_key.get(keys[i])
+            if ids:
+                return self.turns[ids[-1]]  # the most recent of equal candidates (a retried turn)
+        return None
+
+    def children(self) -> dict[str | None, list[Turn]]:
+        """Turns by parent id (``None`` for roots), in creation order."""
+        out: dict[str | None, list[Turn]] = {}
+        for turn in self.turns.values():
+            out.setdefault(turn.parent_id, []).append(turn)
+        return out
+
+    def chains(self) -> list[Chain]:
+        """Every root-to-leaf path, with tokens, loss mask and logprobs aligned."""
+        children = self.children()
+        chains = []
+        for leaf in self.turns.values():
+            if children.get(leaf.turn_id):
+                continue
+            path = [leaf]
+            while path[-1].parent_id is not None:
+                path.append(self.turns[path[-1].parent_id])
+            path.reverse()
+            chains.append(_chain(path))
+        return chains
+
+
+def _chain(path: list[Turn]) -> Chain:
+    tokens: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    for turn in path:
+        # Each turn's prompt starts with everything before it (checked when it was built).
+        new_prompt = turn.prompt_ids[len(tokens) :]
+        tokens.extend(new_prompt)
+        mask.extend([0] * len(new_prompt))
+        logprobs.extend([0.0] * len(new_prompt))
+        tokens.extend(turn.output_ids)
+        mask.extend([1] * len(turn.output_ids))
+        logprobs.extend(turn.logprobs)
+    return Chain(tuple(t.turn_id for t in path), tuple(tokens), tuple(mask), tuple(logprobs))
+
+
+class SessionStore:
+    """In-memory sessions of all tenants, bounded by idle time and count."""
+
+    def __init__(self, *, max_sessions: int = 10_000, idle_seconds: float = 3600.0) -> None:
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._idle_seconds = idle_seconds
+
+    def get(self, session_id: str, tenant: str) -> Session:
+        """The tenant's session ``session_id``; another tenant's is reported as not found."""
+        session = self._sessions.get(session_id)
+        if session is None or session.tenant != tenant:
+            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+        return session
+
+    def get_or_create(self, session_id: str, tenant: str) -> Session:
+        """The named session, created on first use. Another tenant's id is refused."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return self._create(session_id, tenant)
+        if session.tenant != tenant:
+            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+        self._sessions.move_to_end(session_id)
+        return session
+
+    def create(self, tenant: str) -> Session:
+        """A new session with a generated id."""
+        return self._create(f"sess{secrets.token_hex(12)}", tenant)
+
+    def find(self, tenant: str, keys: list[bytes]) -> tuple[Session, Turn] | None:
+        """The tenant's session holding the deepest turn that the conversation continues."""
+        best: tuple[Session, Turn] | None = None
+        for session in reversed(self._sessions.values()):
+            if session.tenant != tenant:
+                continue
+            turn = session.match(keys)
+            if turn is not None and (best is None or turn.context_length > best[1].context_length):
+                best = (session, turn)
+        return best
+
+    def touch(self, session: Session) -> None:
+        """Mark ``session`` as just used (it is evicted last)."""
+        if session.session_id in self._sessions:
+            self._sessions.move_to_end(session.session_id)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def _create(self, session_id: str, tenant: str) -> Session:
+        now = time.time()
+        self._evict(now)
+        session = Session(session_id, tenant, now, now)
+        self._sessions[session_id] = session
+        return session
+
+    def _evict(self, now: float) -> None:
+        while self._sessions:
+            oldest = next(iter(self._sessions.values()))
+            if len(self._sessions) < self._max_sessions and now - oldest.last_active < self._idle_seconds:
+                return
+            del self._sessions[oldest.session_id]
+
+
+def session_body(session: Session) -> dict[str, Any]:
+    """``GET /sessions/{id}``: the turn tree with token ids and logprobs, and its chains."""
+    return {
+        "session_id": session.session_id,
+        "created_at": session.created_at,
+        "last_active": session.last_active,
+        "turns": [
+            {
+                "turn_id": t.turn_id,
+                "parent_id": t.parent_id,
+                "prompt_ids": t.prompt_ids,
+                "reused_prompt_tokens": t.reused_prompt_tokens,
+                "output_ids": t.output_ids,
+                "logprobs": t.logprobs,
+                "finish_reason": t.finish_reason,
+                "message": {
+                    "role": "assistant",
+                    "content": t.content,
+                    "tool_calls": [
+                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in t.tool_calls
+                    ],
+                },
+                "policy_version": t.policy_version,
+                "created_at": t.created_at,
+                "time_to_first_token_s": t.time_to_first_token_s,
+                "duration_s": t.duration_s,
+                "matches_full_render": t.matches_full_render,
+            }
+            for t in session.turns.values()
+        ],
+        "chains": [
+            {"turn_ids": c.turn_ids, "token_ids": c.token_ids, "mask": c.mask, "logprobs": c.logprobs}
+            for c in session.chains()
+        ],
+    }
