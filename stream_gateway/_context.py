@@ -7,12 +7,13 @@ re-serialised it.
 
 Finding "the new messages as rendered at that position" uses the template itself::
 
-    head = render(context,               generation prompt)   # what the parent turn was given
+    base = render(context,               no generation prompt)  # the parent's prompt, less its generation prompt
     upto = render(context + [assistant], no generation prompt)
     full = render(all messages,          generation prompt)
 
-``upto`` must start with ``head`` and ``full`` with ``upto`` (the template is *prefix-stable* at
-this boundary). The new text is ``full[len(upto):]``, preceded by whatever of the template's
+``upto`` must start with ``base`` and ``full`` with ``upto`` (the template is *prefix-stable* at
+this boundary). How the template would render the assistant message itself does not matter: the
+sampled ids stand in for it. The new text is ``full[len(upto):]``, preceded by whatever of the template's
 end-of-turn marker the model did not sample itself (``"\\n"`` after a sampled ``<|im_end|>``,
 all of ``"<|im_end|>\\n"`` after a turn cut by ``max_tokens``).
 
@@ -74,11 +75,11 @@ class ContextBuilder:
             return Context(full_ids, None, 0, True)
         k = parent.context_length
         try:
-            head = self._render(rendered[:k], specs, generation=True)
+            base = self._render(rendered[:k], specs, generation=False)
             upto = self._render(rendered[: k + 1], specs, generation=False)
         except InvalidRequest:
             return Context(full_ids, None, 0, True, "the template cannot render the shorter conversation")
-        if not (upto.startswith(head) and full.startswith(upto) and upto.endswith(self._turn_end)):
+        if not (upto.startswith(base) and full.startswith(upto) and upto.endswith(self._turn_end)):
             return Context(full_ids, None, 0, True, "the chat template is not prefix-stable here")
         sampled = parent.output_ids
         bridge = self._turn_end
