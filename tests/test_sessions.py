@@ -7,6 +7,7 @@ verbatim proves the echoed message was not re-tokenized.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,7 +78,7 @@ def test_multi_turn_chain_reuses_sampled_ids(
     assert len(turns) == 4
     assert [t["parent_id"] for t in turns] == [None] + [t["turn_id"] for t in turns[:-1]]
     re_tokenized_differs = 0
-    for parent, child in zip(turns, turns[1:], strict=False):
+    for parent, child in itertools.pairwise(turns):
         sampled = parent["prompt_ids"] + parent["output_ids"]
         assert child["prompt_ids"][: len(sampled)] == sampled  # T2: verbatim, never re-tokenized
         assert child["reused_prompt_tokens"] == len(sampled)
