@@ -9,6 +9,7 @@ engine requests. No task group ever straddles a ``yield``.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from ._api_types import ChatCompletionRequest
 from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
 from ._context import Context, ContextBuilder
-from ._errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
+from ._errors import ContextLengthExceeded, EngineError, GatewayError, InvalidRequest, ModelNotFound
 from ._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from ._metrics import GatewayMetrics
 from ._sessions import AssistantToolCall, Session, SessionStore, Turn
@@ -34,6 +35,8 @@ from .engines import Engine, SamplingParams
 from .tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
 
 ProducerItem = ChoiceUpdate | GatewayError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,18 +99,19 @@ class CompletionService:
         if body.n > self._settings.max_n:
             raise InvalidRequest(f"n must be at most {self._settings.max_n}", param="n")
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
-        parent: Turn | None
+        session: Session | None
+        parent: Turn | None = None
         if session_id is not None:
-            session = self._sessions.get_or_create(session_id, tenant)
-            parent = session.match(keys)
+            session = self._sessions.lookup(session_id, tenant)
+            parent = session.match(keys) if session is not None else None
         elif (found := self._sessions.find(tenant, keys)) is not None:
             session, parent = found
         else:
-            session, parent = self._sessions.create(tenant), None
-        self._sessions.touch(session)
+            session = None
         context = await anyio.to_thread.run_sync(self._context_builder.build, body.messages, body.tools, parent)
         if context.fallback_reason is not None:
             self._metrics.context_fallbacks.inc()
+            log.info("session %s: new root instead of continuing a turn: %s", session_id, context.fallback_reason)
         prompt_ids = context.prompt_ids
         limit = engine.max_model_len
         room = limit - len(prompt_ids)
@@ -122,6 +126,10 @@ class CompletionService:
                 if room > 0
                 else "messages",
             )
+        # Only a request that will run gets a session: failed ones leave nothing behind.
+        if session is None:
+            session = self._sessions.get_or_create(session_id, tenant) if session_id else self._sessions.create(tenant)
+        self._sessions.touch(session)
         params = SamplingParams(
             max_tokens=requested if requested is not None else min(self._settings.default_max_tokens, room),
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -163,6 +171,11 @@ class CompletionService:
                         tg.start_soon(self._run_choice, prepared, index, send)
             except* GatewayError as group:
                 await send.send(group.exceptions[0])  # type: ignore[arg-type]
+            except* Exception as group:
+                # A bug, not bad input: log it, and end the stream with an error frame rather than a
+                # silent [DONE] that a client would take for a complete answer.
+                log.error("completion %s failed", prepared.completion_id, exc_info=group.exceptions[0])
+                await send.send(EngineError("The server had an error while processing your request."))
 
     async def _run_choice(self, prepared: PreparedCompletion, index: int, send: ObjectSendStream[ProducerItem]) -> None:
         params = prepared.params
@@ -234,6 +247,7 @@ class CompletionService:
             fingerprint = assistant_fingerprint(content, [(c.name, c.arguments) for c in calls])
             key = extend_key(prepared.conversation_key, fingerprint)
         context = prepared.context
+        duration = time.perf_counter() - prepared.arrived
         turn = Turn(
             turn_id=f"turn{secrets.token_hex(12)}",
             session_id=prepared.session.session_id,
@@ -248,12 +262,13 @@ class CompletionService:
             content=content,
             tool_calls=calls,
             policy_version=policy_version,
-            created_at=time.time(),
+            created_at=time.time() - duration,
             time_to_first_token_s=first_token_s,
-            duration_s=time.perf_counter() - prepared.arrived,
+            duration_s=duration,
             matches_full_render=context.matches_full_render,
+            fallback_reason=context.fallback_reason,
         )
-        prepared.session.add(turn)
+        self._sessions.add_turn(prepared.session, turn)
 
     # -- responses -------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ class Turn:
     time_to_first_token_s: float | None
     duration_s: float
     matches_full_render: bool  # prompt ids equal a fresh tokenization of the full conversation
+    fallback_reason: str | None  # why a matching parent could not be continued (a new root instead)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,6 @@ class Session:
         self.turns[turn.turn_id] = turn
         if turn.key is not None:
             self.by_key.setdefault(turn.key, []).append(turn.turn_id)
-        self.last_active = time.time()
 
     def match(self, keys: list[bytes]) -> Turn | None:
         """The deepest continuable turn whose conversation is a proper prefix of the request's."""
@@ -133,29 +133,37 @@ def _chain(path: list[Turn]) -> Chain:
 
 
 class SessionStore:
-    """In-memory sessions of all tenants, bounded by idle time and count."""
+    """In-memory sessions of all tenants, bounded by idle time and count.
+
+    Automatic lookup goes through an index from (tenant, turn key) to session, so finding the
+    session a conversation continues costs one dictionary probe per request message, however many
+    sessions are open.
+    """
 
     def __init__(self, *, max_sessions: int = 10_000, idle_seconds: float = 3600.0) -> None:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._index: dict[tuple[str, bytes], str] = {}
         self._max_sessions = max_sessions
         self._idle_seconds = idle_seconds
 
     def get(self, session_id: str, tenant: str) -> Session:
         """The tenant's session ``session_id``; another tenant's is reported as not found."""
+        session = self.lookup(session_id, tenant)
+        if session is None:
+            raise _not_found(session_id)
+        return session
+
+    def lookup(self, session_id: str, tenant: str) -> Session | None:
+        """The tenant's session ``session_id``, ``None`` if there is none; another tenant's raises."""
         session = self._sessions.get(session_id)
-        if session is None or session.tenant != tenant:
-            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+        if session is not None and session.tenant != tenant:
+            raise _not_found(session_id)
         return session
 
     def get_or_create(self, session_id: str, tenant: str) -> Session:
         """The named session, created on first use. Another tenant's id is refused."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            return self._create(session_id, tenant)
-        if session.tenant != tenant:
-            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
-        self._sessions.move_to_end(session_id)
-        return session
+        session = self.lookup(session_id, tenant)
+        return session if session is not None else self._create(session_id, tenant)
 
     def create(self, tenant: str) -> Session:
         """A new session with a generated id."""
@@ -163,19 +171,28 @@ class SessionStore:
 
     def find(self, tenant: str, keys: list[bytes]) -> tuple[Session, Turn] | None:
         """The tenant's session holding the deepest turn that the conversation continues."""
-        best: tuple[Session, Turn] | None = None
-        for session in reversed(self._sessions.values()):
-            if session.tenant != tenant:
+        for i in range(len(keys) - 2, -1, -1):
+            session_id = self._index.get((tenant, keys[i]))
+            if session_id is None:
                 continue
-            turn = session.match(keys)
-            if turn is not None and (best is None or turn.context_length > best[1].context_length):
-                best = (session, turn)
-        return best
+            session = self._sessions.get(session_id)
+            turn = session.match(keys[: i + 2]) if session is not None else None
+            if session is not None and turn is not None:
+                return session, turn
+        return None
+
+    def add_turn(self, session: Session, turn: Turn) -> None:
+        """Record ``turn`` in ``session`` and make it findable."""
+        session.add(turn)
+        if turn.key is not None and session.session_id in self._sessions:
+            self._index[(session.tenant, turn.key)] = session.session_id
 
     def touch(self, session: Session) -> None:
-        """Mark ``session`` as just used (it is evicted last)."""
+        """Mark ``session`` as just used (it is evicted last), and evict what is due."""
+        session.last_active = time.time()
         if session.session_id in self._sessions:
             self._sessions.move_to_end(session.session_id)
+        self._evict(session.last_active)
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
@@ -185,17 +202,24 @@ class SessionStore:
 
     def _create(self, session_id: str, tenant: str) -> Session:
         now = time.time()
-        self._evict(now)
         session = Session(session_id, tenant, now, now)
         self._sessions[session_id] = session
+        self._evict(now)
         return session
 
     def _evict(self, now: float) -> None:
         while self._sessions:
             oldest = next(iter(self._sessions.values()))
-            if len(self._sessions) < self._max_sessions and now - oldest.last_active < self._idle_seconds:
+            if len(self._sessions) <= self._max_sessions and now - oldest.last_active < self._idle_seconds:
                 return
             del self._sessions[oldest.session_id]
+            for key in oldest.by_key:
+                if self._index.get((oldest.tenant, key)) == oldest.session_id:
+                    del self._index[(oldest.tenant, key)]
+
+
+def _not_found(session_id: str) -> NotFound:
+    return NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
 
 
 def session_body(session: Session) -> dict[str, Any]:
@@ -226,6 +250,7 @@ def session_body(session: Session) -> dict[str, Any]:
                 "time_to_first_token_s": t.time_to_first_token_s,
                 "duration_s": t.duration_s,
                 "matches_full_render": t.matches_full_render,
+                "fallback_reason": t.fallback_reason,
             }
             for t in session.turns.values()
         ],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -39,3 +39,12 @@ class Settings(BaseSettings):
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")
     sse_send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing this long is dropped")
     log_level: str = "info"
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str) -> str:
+        from .tool_parsers import TOOL_PARSERS
+
+        if value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser {value!r}; available: {', '.join(sorted(TOOL_PARSERS))}")
+        return value

@@ -145,3 +145,10 @@ def test_smollm2_default_answers_in_english(tmp_path: Path) -> None:
         )
         text = "".join(choice.delta.content or "" for chunk in stream for choice in chunk.choices)
     assert "Paris" in text, text
+
+
+def test_unknown_tool_parser_is_refused_at_start() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="unknown tool parser 'nope'; available: hermes, qwen"):
+        Settings(tool_parser="nope")

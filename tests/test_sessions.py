@@ -231,3 +231,31 @@ def test_bad_session_ids_are_refused(gateway: RunningGateway) -> None:
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "session_id"
+
+
+def test_a_failed_request_leaves_no_session(gateway: RunningGateway) -> None:
+    r = httpx.post(
+        f"{gateway.base_url}/sessions/doomed/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9},
+        timeout=10,
+    )
+    assert r.status_code == 400
+    assert httpx.get(f"{gateway.base_url}/sessions/doomed", timeout=10).status_code == 404
+
+
+def test_store_is_bounded_and_its_index_follows_evictions() -> None:
+    from stream_gateway._sessions import SessionStore, Turn
+
+    store = SessionStore(max_sessions=2)
+    sessions = [store.create("t") for _ in range(3)]
+    assert len(store) == 2
+    for i, session in enumerate(sessions):
+        turn = Turn(
+            f"turn{i}", session.session_id, None, bytes([i]) * 16, 1, (1,), 0, (2,), (-0.1,), "stop", "", (),
+            0, 0.0, None, 0.0, True, None,
+        )  # fmt: skip
+        store.add_turn(session, turn)
+    assert store.find("t", [bytes([0]) * 16, b"next"]) is None  # evicted with its session
+    found = store.find("t", [bytes([2]) * 16, b"next"])
+    assert found is not None and found[1].turn_id == "turn2"
+    assert store.find("other-tenant", [bytes([2]) * 16, b"next"]) is None
