@@ -28,7 +28,7 @@ from ._context import Context, ContextBuilder
 from ._errors import ContextLengthExceeded, EngineError, GatewayError, InvalidRequest, ModelNotFound
 from ._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from ._metrics import GatewayMetrics
-from ._sessions import AssistantToolCall, Session, SessionStore, Turn
+from ._sessions import Session, SessionStore, Turn
 from ._settings import Settings
 from ._text import TextAssembler
 from .engines import Engine, SamplingParams
@@ -240,7 +240,7 @@ class CompletionService:
         self, prepared: PreparedCompletion, result: ChoiceResult, policy_version: int, first_token_s: float | None
     ) -> None:
         content = "".join(result.text_parts)
-        calls = tuple(AssistantToolCall(c.id, c.name, c.arguments) for c in result.tool_calls())
+        calls = tuple(result.tool_calls())
         finished = result.finish_reason is not None
         key = None
         if finished:

@@ -23,15 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import NotFound
-
-
-@dataclass(frozen=True, slots=True)
-class AssistantToolCall:
-    """A tool call as sent to the client."""
-
-    id: str
-    name: str
-    arguments: str
+from .tool_parsers import ToolCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +41,7 @@ class Turn:
     logprobs: tuple[float, ...]
     finish_reason: str | None  # None: aborted (client gone, engine error)
     content: str
-    tool_calls: tuple[AssistantToolCall, ...]
+    tool_calls: tuple[ToolCall, ...]  # as sent to the client
     policy_version: int
     created_at: float
     time_to_first_token_s: float | None

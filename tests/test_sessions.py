@@ -19,6 +19,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from .fidelity import assert_chain_logprobs
 from .servers import RunningGateway
 
 SYSTEM = {"role": "system", "content": "You are a test."}
@@ -112,13 +113,7 @@ def test_chain_tokens_reproduce_recorded_logprobs(
         messages.append({"role": "user", "content": f"more {i}"})
     [chain] = _session(gateway, session_id)["chains"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    ids = torch.tensor([chain["token_ids"]])
-    with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0, :-1].float() / 0.8
-    predicted = torch.log_softmax(logits, -1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
-    mask = torch.tensor(chain["mask"][1:], dtype=torch.bool)
-    recorded = torch.tensor(chain["logprobs"][1:])
-    torch.testing.assert_close(predicted[mask], recorded[mask], atol=2e-4, rtol=0)
+    assert_chain_logprobs(model, chain["token_ids"], chain["mask"], chain["logprobs"], temperature=0.8)
 
 
 def test_client_reserialisation_still_continues_the_chain(
