@@ -131,7 +131,7 @@ class ChatCompletionRequest(_Wire):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -178,9 +178,11 @@ class ChatCompletionRequest(_Wire):
             )
         if self.modalities and set(self.modalities) != {"text"}:
             raise UnsupportedParameter("only the 'text' modality is supported", param="modalities")
-        if isinstance(self.tool_choice, dict):
+        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
+            # Forcing a call needs constrained decoding, which the engines do not do yet.
             raise UnsupportedParameter(
-                "a named tool_choice is not supported; use 'auto' or 'none'", param="tool_choice"
+                "tool_choice 'required' or a named function is not supported; use 'auto' or 'none'",
+                param="tool_choice",
             )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")

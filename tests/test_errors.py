@@ -17,6 +17,7 @@ from stream_gateway.cli import build_engine
 from .servers import RunningGateway, run_gateway
 
 USER = [{"role": "user", "content": "hello"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 def _post(gateway: RunningGateway, body: Any, **kwargs: Any) -> httpx.Response:
@@ -65,6 +66,34 @@ def _assert_error(response: httpx.Response, status: int, *, code: str | None = N
             None,
         ),
         ({"model": "tiny", "messages": USER, "tool_choice": "auto"}, 400, None, "tool_choice"),
+        (
+            {"model": "tiny", "messages": USER, "tools": TOOLS, "tool_choice": "required"},
+            400,
+            "unsupported_parameter",
+            "tool_choice",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": USER,
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            400,
+            "unsupported_parameter",
+            "tool_choice",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": USER,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+            },
+            400,
+            None,
+            "tools",
+        ),
+        ({"model": "tiny", "messages": USER, "tools": [{"type": "retrieval"}]}, 400, None, "tools"),
         ({"model": "tiny", "messages": USER, "frobnicate": True}, 400, None, "frobnicate"),
         ({"model": "tiny", "messages": USER, "stop": ["a"] * 40}, 400, None, "stop"),
         (
