@@ -241,7 +241,8 @@ class TransformersEngine:
         """Take new work from the inbox; block only when the batch is empty. False means stop."""
         while len(batch.rows) < self._max_batch_size:
             try:
-                item = self._inbox.get(block=not batch.rows, timeout=None if not batch.rows else 0)
+                # Idle: sleep until work arrives (shutdown sends a sentinel). Busy: never wait.
+                item = self._inbox.get_nowait() if batch.rows else self._inbox.get()
             except queue.Empty:
                 return True
             if item is _STOP:
