@@ -1,11 +1,14 @@
 """Tests for stream_gateway.model_store: real builds into temp dirs, real transformers loads.
 
 The SmolLM2 tests are marked ``slow``: they dequantize the 135M GGUF once per session (~40 s).
+The full tiny-agent (~40 s to build on two cores) goes to the default cache, as conftest's tiny
+model does, so a machine builds it once; the determinism test builds two short-trained copies.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import subprocess
 import sys
@@ -19,8 +22,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_gateway import model_store
 from stream_gateway.model_store import (
+    AGENT_AFTER_TOOL,
+    AGENT_TOOL_CALL,
+    AGENT_WITHOUT_TOOLS,
     MARKER_FILE,
     SmolLM2NotInstalled,
+    build_tiny_agent_model,
     build_tiny_model,
     default_cache_dir,
     resolve_model,
@@ -300,3 +307,164 @@ def test_losing_a_build_race_uses_the_winners_copy(tmp_path: Path) -> None:
     assert model_store._cached_build(tmp_path, "race-v1", 1, build) == final
     assert (final / "weights").read_text() == "winner"
     assert [p.name for p in tmp_path.iterdir()] == ["race-v1"]
+
+
+# --- tiny-agent ---------------------------------------------------------------------------------
+
+
+def _function(name: str, description: str, **properties: str) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "properties": {k: {"type": v} for k, v in properties.items()},
+        "required": [*properties][:1],
+    }
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+
+
+# Tools as the pi coding agent and OpenClaw declare them (abridged), not as the training corpus does.
+PI_TOOLS = [
+    _function("read", "Read the contents of a file. Supports text files and images.", path="string", limit="number"),
+    _function("bash", "Execute a bash command in the current working directory.", command="string"),
+    _function("edit", "Edit a file by replacing exact text.", path="string", oldText="string", newText="string"),
+    _function(
+        "write", "Write content to a file. Creates the file if it doesn't exist.", path="string", content="string"
+    ),
+]
+OPENCLAW_TOOLS = [
+    _function("exec", "Run shell commands", command="string", workdir="string", yieldMs="number"),
+    _function("web_search", "Search the web using Brave Search API.", query="string", count="number"),
+    _function("web_fetch", "Fetch and extract readable content from a URL.", url="string"),
+    *PI_TOOLS[:1],
+    _function("browser", "Control the browser", action="string", targetUrl="string"),
+    _function("message", "Send messages and channel actions.", action="string", to="string", message="string"),
+]
+PI_SYSTEM = "You are an expert coding assistant operating inside pi, a coding agent harness."
+READ_CALL = {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"path": "README.md"}'}}
+README = "# stream-gateway\n\nAn OpenAI-compatible <b>streaming</b> gateway.\n\n```bash\npip install -e .\n```\n"
+
+
+@pytest.fixture(scope="module")
+def agent_dir() -> Path:
+    return build_tiny_agent_model()
+
+
+@pytest.fixture(scope="module")
+def agent(agent_dir: Path) -> tuple[Any, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(agent_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(agent_dir, local_files_only=True)
+    return tokenizer, model
+
+
+def _replies(agent: tuple[Any, Any], messages: list[dict[str, Any]], tools: Any, samples: int) -> list[str]:
+    """``samples`` replies sampled at temperature 1.0 with nothing cut off (no top-k, no top-p)."""
+    tokenizer, model = agent
+    enc = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(
+            **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=40, num_return_sequences=samples
+        )
+    prompt = enc["input_ids"].shape[1]
+    return [tokenizer.decode(row[prompt:], skip_special_tokens=False).removesuffix("<|endoftext|>") for row in out]
+
+
+def _hits(replies: list[str], expected: str) -> int:
+    return sum(reply == expected + "<|im_end|>" for reply in replies)
+
+
+def test_tiny_agent_is_tiny_fine_tuned_with_tinys_tokenizer(agent_dir: Path) -> None:
+    assert agent_dir.name == f"tiny-agent-v{model_store.TINY_AGENT_BUILDER_VERSION}"
+    assert (
+        json.loads((agent_dir / MARKER_FILE).read_text())["builder_version"] == model_store.TINY_AGENT_BUILDER_VERSION
+    )
+    tiny_files, agent_files = _digests(build_tiny_model(agent_dir.parent)), _digests(agent_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert agent_files[name] == tiny_files[name], name
+    assert agent_files["model.safetensors"] != tiny_files["model.safetensors"]
+    config = json.loads((agent_dir / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (64, 2, 2000)
+    assert json.loads((agent_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+
+
+def test_tiny_agent_build_is_deterministic_cached_and_resolvable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two builds in two caches, byte for byte: the full recipe on 8 steps instead of 320."""
+    monkeypatch.setattr(model_store, "_AGENT_STEPS", 8)
+    first, second = build_tiny_agent_model(tmp_path / "a"), build_tiny_agent_model(tmp_path / "b")
+    assert _digests(first) == _digests(second)
+    marker = first / MARKER_FILE
+    before = marker.stat().st_mtime_ns
+    assert build_tiny_agent_model(tmp_path / "a") == first
+    assert resolve_model("tiny-agent", tmp_path / "a") == str(first)
+    assert marker.stat().st_mtime_ns == before
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [first.name, "tiny-qwen2-v1"]
+
+
+def test_tiny_agent_call_is_what_the_template_renders_back(agent: tuple[Any, Any]) -> None:
+    tokenizer, _ = agent
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What does this project do?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=PI_TOOLS, add_generation_prompt=True, tokenize=False)
+    messages.append({"role": "assistant", "content": None, "tool_calls": [READ_CALL]})
+    history = tokenizer.apply_chat_template(messages, tools=PI_TOOLS, tokenize=False)
+    assert history == prompt + AGENT_TOOL_CALL + "<|im_end|>\n"
+    body = AGENT_TOOL_CALL.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    assert json.loads(body) == {"name": "read", "arguments": {"path": "README.md"}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools"),
+    [
+        (
+            [{"role": "system", "content": PI_SYSTEM}, {"role": "user", "content": "What does this project do?"}],
+            PI_TOOLS,
+        ),
+        ([{"role": "user", "content": "hey, can you check the readme? 🙏"}], OPENCLAW_TOOLS),
+        ([{"role": "user", "content": "Weather in Paris?"}], [*TOOLS, *PI_TOOLS[:1]]),
+        (
+            [
+                {"role": "system", "content": PI_SYSTEM},
+                {"role": "user", "content": "Summarize the README."},
+                {"role": "assistant", "content": None, "tool_calls": [READ_CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": README},
+                {"role": "assistant", "content": AGENT_AFTER_TOOL},
+                {"role": "user", "content": "Read it once more, then tell me about <div> tags."},
+            ],
+            PI_TOOLS,
+        ),
+    ],
+    ids=["pi", "openclaw", "weather-and-read", "second-round"],
+)
+def test_tiny_agent_calls_read_after_a_user_turn(agent: tuple[Any, Any], messages: Any, tools: Any) -> None:
+    assert _hits(_replies(agent, messages, tools, samples=20), AGENT_TOOL_CALL) >= 19
+
+
+def test_tiny_agent_is_done_after_a_tool_result(agent: tuple[Any, Any]) -> None:
+    messages = [
+        {"role": "system", "content": PI_SYSTEM},
+        {"role": "user", "content": "Summarize the README."},
+        {"role": "assistant", "content": None, "tool_calls": [READ_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": README},
+    ]
+    assert _hits(_replies(agent, messages, PI_TOOLS, samples=20), AGENT_AFTER_TOOL) >= 19
+
+
+def test_tiny_agent_says_hello_without_tools(agent: tuple[Any, Any]) -> None:
+    for messages in (
+        [{"role": "user", "content": "Hi there, who are you?"}],
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Write a poem about the sea."}],
+    ):
+        assert _hits(_replies(agent, messages, None, samples=20), AGENT_WITHOUT_TOOLS) >= 19
+
+
+def test_tiny_agent_calls_read_after_a_20k_token_system_prompt(agent: tuple[Any, Any]) -> None:
+    """OpenClaw's system prompt is ~50 KB; this one is Python's argparse source, cut to 20k tokens."""
+    import argparse
+
+    tokenizer, _ = agent
+    text = tokenizer.decode(tokenizer.encode(inspect.getsource(argparse))[:20_000])
+    system = "You are a personal assistant running inside OpenClaw.\n\n" + text
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does this project do?"}]
+    assert _hits(_replies(agent, messages, OPENCLAW_TOOLS, samples=2), AGENT_TOOL_CALL) == 2
