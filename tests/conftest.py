@@ -10,7 +10,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from stream_gateway import Settings
 from stream_gateway.cli import build_engine
-from stream_gateway.model_store import build_tiny_model
+from stream_gateway.model_store import build_tiny_agent_model, build_tiny_model
 
 from .servers import RunningGateway, run_gateway
 
@@ -19,6 +19,20 @@ from .servers import RunningGateway, run_gateway
 def tiny_model_path() -> Path:
     """The deterministic tiny Qwen2 test model (built once, cached)."""
     return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def agent_model_path() -> Path:
+    """``tiny-agent``: the tiny model fine-tuned (at build time) to call the ``read`` tool."""
+    return build_tiny_agent_model()
+
+
+@pytest.fixture(scope="session")
+def agent_gateway(agent_model_path: Path) -> Iterator[RunningGateway]:
+    """A gateway serving ``tiny-agent``, shared by the session."""
+    settings = Settings(model=str(agent_model_path), served_model_name="tiny-agent")
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")
