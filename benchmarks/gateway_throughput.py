@@ -55,7 +55,12 @@ def baseline(path: str, tokens: int, repeats: int) -> dict[str, float]:
     texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
     single = tokenizer(texts[:1], return_tensors="pt", add_special_tokens=False)
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    kwargs = {"do_sample": True, "max_new_tokens": tokens, "min_new_tokens": tokens, "pad_token_id": tokenizer.pad_token_id}
+    kwargs = {
+        "do_sample": True,
+        "max_new_tokens": tokens,
+        "min_new_tokens": tokens,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
     def rate(inputs: dict[str, torch.Tensor], n: int) -> float:
         best = 0.0
@@ -175,10 +180,15 @@ def main() -> None:
     print(f"{'':52} {'HF generate':>12} {'gateway':>10} {'ratio':>7}")
     for name, b, g in rows:
         print(f"{name:52} {b:12.1f} {g:10.1f} {g / b:7.2f}")
-    print(f"{'8 streams vs 1 stream through the gateway':52} {'':12} {'':10} {gw['tokens_per_s_8'] / gw['tokens_per_s_1']:7.2f}")
-    print(f"{'gateway 8 streams vs HF generate 1 stream':52} {'':12} {'':10} {gw['tokens_per_s_8'] / base['tokens_per_s_1']:7.2f}")
+    for name, ratio in (
+        ("8 streams vs 1 stream through the gateway", gw["tokens_per_s_8"] / gw["tokens_per_s_1"]),
+        ("gateway 8 streams vs HF generate 1 stream", gw["tokens_per_s_8"] / base["tokens_per_s_1"]),
+    ):
+        print(f"{name:52} {'':12} {'':10} {ratio:7.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "tokens": args.tokens, "baseline": base, "gateway": gw}, indent=2))
+        args.json.write_text(
+            json.dumps({"model": args.model, "tokens": args.tokens, "baseline": base, "gateway": gw}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="STREAM_GATEWAY_", frozen=True)
 
-    model: str = Field("smollm2", description="'smollm2', 'tiny', a local HF model directory or a hub id")
+    model: str = Field("smollm2", description="'smollm2', 'tiny', 'tiny-agent', a local HF model directory or a hub id")
     engine: str = Field("transformers", description="transformers, synthetic or vllm")
     served_model_name: str | None = Field(None, description="model name clients use (default: derived)")
     host: str = "127.0.0.1"

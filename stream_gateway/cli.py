@@ -3,7 +3,7 @@
 Subcommands:
 
 * ``serve``: the OpenAI-compatible gateway on one engine.
-* ``prepare-model``: build or convert a local model (``tiny``, ``smollm2``) and print its path.
+* ``prepare-model``: build or convert a local model (``tiny``, ``tiny-agent``, ``smollm2``) and print its path.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible gateway")
-    serve.add_argument("--model", help="'smollm2' (default), 'tiny', a local HF model dir, or a hub id")
+    serve.add_argument("--model", help="'smollm2' (default), 'tiny', 'tiny-agent', a local HF model dir, or a hub id")
     serve.add_argument("--engine", choices=ENGINE_NAMES, help="default: transformers")
     serve.add_argument("--served-model-name", help="the model name clients send (default: from --model)")
     serve.add_argument("--host", help="default: 127.0.0.1")
@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     prepare = commands.add_parser("prepare-model", help="build/convert a local model and print its path")
-    prepare.add_argument("--model", help="'smollm2' (default) or 'tiny'")
+    prepare.add_argument("--model", help="'smollm2' (default), 'tiny' or 'tiny-agent'")
     prepare.add_argument("--model-cache-dir", help="where built/converted models are cached")
     prepare.set_defaults(run=_prepare_model)
     return parser

