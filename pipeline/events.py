@@ -1,0 +1,303 @@
+"""The event contract between the gateway and its consumers: versioned pydantic models, orjson bytes.
+
+Every event carries ``schema_version``, a ``kind``, a unique ``event_id`` (published as
+``Nats-Msg-Id``, so a replay is deduplicated), the wall-clock ``time`` it happened, the tenant,
+the session and, for turn events, the turn and its parent turn, the model and the policy version.
+
+Kinds (the ``kind`` field, also the last two subject tokens)::
+
+    session.opened      a session got its first turn
+    session.closed      closed by the client, evicted as idle, or the gateway shut down
+    turn.started        a generation was admitted: its prompt size and sampling parameters
+    turn.delta          live tier only: a few sampled tokens, coalesced (never in the stream)
+    turn.completed      the whole generation: prompt ids, sampled ids, logprobs, tool calls, usage
+    turn.aborted        the same record for a generation that did not finish (client gone, error)
+    feedback.recorded   a reward for a turn or a whole session, from a live user or a program
+    policy.updated      the engine switched to new weights
+
+Deliberate choices:
+
+* **Prompts by reference.** A turn that continues a parent turn starts with exactly the parent's
+  prompt ids followed by the parent's sampled ids (the gateway's token-exactness contract), so
+  ``turn.completed`` carries only what it appends: ``prompt_ids`` are the ids after the first
+  ``reused_prompt_tokens``, which are the parent's ``prompt + output``. A root turn
+  (``parent_turn_id`` null) carries its whole prompt and ``reused_prompt_tokens`` is 0.
+  :func:`full_prompt_ids` resolves a turn given its parent's full ids. An agent loop of n turns
+  therefore publishes O(total tokens), not O(n * context).
+* **``seq``** numbers the durable events of one session from 0 in the order the gateway produced
+  them. The stream keeps publication order, which equals ``seq`` order unless a fault sent
+  events through the disk outbox; consumers that must not care sort by ``seq``.
+* **Tenants are not API keys.** ``tenant`` is a short non-reversible digest of the caller's key
+  (:func:`tenant_id`), so subjects and payloads never carry a secret.
+* Models are frozen; the gateway builds them with ``model_construct`` (its data is already
+  valid), consumers decode them with full validation (:func:`decode_event`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+__all__ = [
+    "DURABLE_KINDS",
+    "EVENT_TYPES",
+    "SCHEMA_VERSION",
+    "AnyEvent",
+    "Event",
+    "FeedbackRecorded",
+    "PolicyUpdated",
+    "SamplingRecord",
+    "SessionClosed",
+    "SessionOpened",
+    "ToolCallRecord",
+    "TurnAborted",
+    "TurnCompleted",
+    "TurnDelta",
+    "TurnRecord",
+    "TurnStarted",
+    "Usage",
+    "decode_event",
+    "encode_event",
+    "event_json_schemas",
+    "full_prompt_ids",
+    "new_event_id",
+    "subject_token",
+    "tenant_id",
+]
+
+SCHEMA_VERSION: Literal[1] = 1
+
+_SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def new_event_id() -> str:
+    """A unique event id: 24 hex digits from the OS's random source."""
+    return f"ev{secrets.token_hex(12)}"
+
+
+def tenant_id(api_key: str | None) -> str:
+    """The tenant of an API key as it appears in events and subjects: never the key itself."""
+    if not api_key or api_key == "anonymous":
+        return "anonymous"
+    return "t" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def subject_token(value: str) -> str:
+    """``value`` if it is a safe NATS subject token, else a digest of it (stable, prefixed ``h``)."""
+    if _SAFE_TOKEN.fullmatch(value):
+        return value
+    return "h" + hashlib.sha256(value.encode()).hexdigest()[:24]
+
+
+class Event(BaseModel):
+    """Fields every event has."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    kind: str
+    event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
+    time: float = Field(description="when it happened, Unix seconds")
+    tenant: str = Field(description="digest of the caller's API key ('anonymous' without one)")
+    session_id: str | None = Field(description="null only for events that belong to no session")
+    seq: int = Field(ge=0, description="position among the session's durable events, from 0")
+    model: str = Field(description="the served model name")
+    policy_version: int = Field(ge=0, description="the engine's weights version when the event happened")
+
+    @property
+    def durable(self) -> bool:
+        """Whether the event goes to the JetStream stream (all but ``turn.delta``)."""
+        return self.kind in DURABLE_KINDS
+
+
+class SessionOpened(Event):
+    """A session got its first turn."""
+
+    kind: Literal["session.opened"] = "session.opened"
+    agent: str | None = Field(None, description="the client's User-Agent header, if any")
+    metadata: dict[str, str] = Field(
+        default_factory=dict, description="the first request's `metadata` (e.g. a GRPO `group`)"
+    )
+
+
+class SessionClosed(Event):
+    """No more turns will be added to this session."""
+
+    kind: Literal["session.closed"] = "session.closed"
+    reason: Literal["client", "idle", "evicted", "shutdown"]
+    turns: int = Field(ge=0, description="turns recorded in the session")
+
+
+class SamplingRecord(BaseModel):
+    """The sampling parameters a turn ran with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int | None
+
+
+class TurnStarted(Event):
+    """A generation was admitted to the engine."""
+
+    kind: Literal["turn.started"] = "turn.started"
+    turn_id: str
+    parent_turn_id: str | None
+    request_id: str = Field(description="the chat completion id the client received")
+    choice_index: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    reused_prompt_tokens: int = Field(ge=0, description="leading prompt ids that are the parent's prompt + output")
+    sampling: SamplingRecord
+
+
+class TurnDelta(Event):
+    """A few freshly sampled tokens (live tier: coalesced, best-effort, never stored)."""
+
+    kind: Literal["turn.delta"] = "turn.delta"
+    turn_id: str
+    offset: int = Field(ge=0, description="position of the first token in the turn's output")
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class ToolCallRecord(BaseModel):
+    """A tool call as the client received it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    name: str
+    arguments: str
+
+
+class Usage(BaseModel):
+    """Token counts as reported to the client."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class TurnRecord(Event):
+    """A generation, token-exact: what ``turn.completed`` and ``turn.aborted`` share."""
+
+    turn_id: str
+    parent_turn_id: str | None = Field(description="the turn this one continues; null: a root")
+    request_id: str
+    choice_index: int = Field(ge=0)
+    reused_prompt_tokens: int = Field(
+        ge=0, description="the prompt starts with the parent's prompt ids + output ids, this many in all"
+    )
+    prompt_ids: list[int] = Field(description="the prompt ids after the reused ones (the whole prompt for a root)")
+    output_ids: list[int] = Field(description="the ids the engine sampled, in order")
+    logprobs: list[float] = Field(description="one per output id: the processed logprob it was sampled with")
+    content: str = Field(description="the assistant text sent to the client")
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+    usage: Usage
+    sampling: SamplingRecord
+    started_at: float = Field(description="Unix seconds the request arrived")
+    time_to_first_token_s: float | None
+    duration_s: float
+    matches_full_render: bool = Field(description="the prompt equals a fresh tokenization of the conversation")
+    fallback_reason: str | None = Field(description="why a matching parent turn could not be continued")
+
+
+class TurnCompleted(TurnRecord):
+    """A generation that finished."""
+
+    kind: Literal["turn.completed"] = "turn.completed"
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class TurnAborted(TurnRecord):
+    """A generation that did not finish; its output so far is kept."""
+
+    kind: Literal["turn.aborted"] = "turn.aborted"
+    reason: Literal["client_disconnected", "engine_error", "cancelled"]
+    detail: str | None = None
+
+
+class FeedbackRecorded(Event):
+    """A reward for one turn or a whole session."""
+
+    kind: Literal["feedback.recorded"] = "feedback.recorded"
+    turn_id: str | None = Field(description="null: the feedback is about the whole session")
+    score: float = Field(allow_inf_nan=False)
+    label: str | None = None
+    comment: str | None = None
+    source: str = Field("user", description="who gave it: 'user' (a live user) or a program's name")
+
+
+class PolicyUpdated(Event):
+    """The engine now samples from new weights."""
+
+    kind: Literal["policy.updated"] = "policy.updated"
+    previous_version: int = Field(ge=0)
+    weights: str | None = Field(None, description="where the weights came from (a path or URI)")
+
+
+AnyEvent = Annotated[
+    SessionOpened
+    | SessionClosed
+    | TurnStarted
+    | TurnDelta
+    | TurnCompleted
+    | TurnAborted
+    | FeedbackRecorded
+    | PolicyUpdated,
+    Field(discriminator="kind"),
+]
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    SessionOpened,
+    SessionClosed,
+    TurnStarted,
+    TurnDelta,
+    TurnCompleted,
+    TurnAborted,
+    FeedbackRecorded,
+    PolicyUpdated,
+)
+DURABLE_KINDS = frozenset(t.model_fields["kind"].default for t in EVENT_TYPES) - {"turn.delta"}
+
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyEvent)
+
+
+def encode_event(event: Event) -> bytes:
+    """The event's wire form: compact JSON via orjson."""
+    return orjson.dumps(event.model_dump(mode="python"))
+
+
+def decode_event(data: bytes | str) -> Event:
+    """Parse and validate one event; raises ``pydantic.ValidationError`` for anything else."""
+    event: Event = _ADAPTER.validate_json(data)
+    return event
+
+
+def full_prompt_ids(event: TurnRecord, parent_ids: list[int] | None) -> list[int]:
+    """The turn's whole prompt, given its parent's full ids (the parent's prompt + output).
+
+    Raises ``ValueError`` if the parent's ids are needed and missing or too short.
+    """
+    if event.reused_prompt_tokens == 0:
+        return list(event.prompt_ids)
+    if parent_ids is None or len(parent_ids) != event.reused_prompt_tokens:
+        raise ValueError(
+            f"turn {event.turn_id} reuses {event.reused_prompt_tokens} ids of {event.parent_turn_id}, "
+            f"got {None if parent_ids is None else len(parent_ids)}"
+        )
+    return [*parent_ids, *event.prompt_ids]
+
+
+def event_json_schemas() -> dict[str, dict[str, Any]]:
+    """The JSON Schema of every event kind, keyed by kind (what ``docs/events/`` holds)."""
+    return {t.model_fields["kind"].default: t.model_json_schema(mode="serialization") for t in EVENT_TYPES}

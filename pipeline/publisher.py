@@ -1,0 +1,387 @@
+"""Publishing events without ever blocking a stream and without losing a durable one.
+
+The request path calls :meth:`EventPublisher.publish_nowait`, which encodes the event and
+appends it to a bounded in-memory buffer (or, see below, the disk outbox) and returns: it never
+awaits, so a slow or dead NATS cannot slow a client's tokens. One drain task publishes:
+
+* **Durable events** go to JetStream with ``publish_async``, up to ``window`` in flight, each
+  with ``Nats-Msg-Id`` = event id. A window is removed from the buffer only once every message in
+  it is acknowledged; a failed window (ack timeout, connection lost, server error) is retried
+  whole after a backoff, and the stream's deduplication drops the copies that had arrived.
+* **Spilling.** When NATS has been failing for ``spill_after_s``, or the buffer is full, new
+  durable events go to the disk outbox instead (:mod:`pipeline._outbox`). The buffer then holds
+  only events older than anything on disk, so the drain task publishes the buffer first, then
+  replays the outbox oldest segment first, and only when both are empty do new events go to the
+  buffer again: the stream receives events in the order they were produced. On shutdown,
+  whatever is still buffered after ``drain_timeout_s`` is written to the front of the outbox; on
+  start, a non-empty outbox is replayed before anything new.
+* **Large events** (over the server's max payload, e.g. a long prompt's ids) are stored in the
+  JetStream object store under their event id, and a small pointer message with header
+  ``Sg-Payload-Object: <bucket>/<event id>`` takes their place on the stream;
+  :func:`pipeline.subscriber.message_payload` resolves it.
+* **Live deltas** (``turn.delta``) are published on core NATS from a small ring of their own;
+  when it is full, or NATS is not connected, they are dropped and counted: they are a live view,
+  the durable ``turn.completed`` carries the same tokens.
+
+Guarantee: every durable event handed to ``publish_nowait`` reaches the stream exactly once
+(within the stream's duplicate window), unless the process dies with events still in the memory
+buffer (bounded by ``buffer_size``; a graceful shutdown writes them to disk first) or the disk
+fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+import anyio
+import orjson
+
+from ._outbox import Outbox, OutboxRecord
+from .events import Event, encode_event
+from .streams import PAYLOAD_OBJECT_HEADER, StreamSpec, delta_subject, ensure_object_store, ensure_stream, event_subject
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from anyio.abc import TaskGroup
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
+    from nats.js.object_store import ObjectStore
+
+__all__ = ["EventPublisher", "PublisherConfig", "PublisherStatistics"]
+
+log = logging.getLogger(__name__)
+
+_PAYLOAD_HEADROOM = 8 * 1024  # headers and protocol overhead under the server's max payload
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherConfig:
+    """How the publisher buffers, retries and spills."""
+
+    servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    outbox_dir: Path = Path("outbox")
+    stream: StreamSpec = field(default_factory=StreamSpec)
+    buffer_size: int = 10_000  # durable events held in memory before new ones go to disk
+    delta_buffer_size: int = 2_000  # live deltas waiting; beyond, they are dropped
+    window: int = 256  # durable publishes awaiting their ack at once
+    ack_timeout_s: float = 5.0  # for a whole window
+    spill_after_s: float = 2.0  # NATS failing this long: new durable events go to disk
+    retry_backoff_s: tuple[float, float] = (0.05, 2.0)  # first and largest wait between retries
+    drain_timeout_s: float = 5.0  # on shutdown, before the rest is written to the outbox
+    provision: bool = True  # create/update the stream and the payload bucket on connect
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStatistics:
+    """A snapshot of the publisher's counters."""
+
+    connected: bool
+    published: int  # durable events acknowledged by JetStream (replays included)
+    pending: int  # durable events not yet acknowledged: buffer + outbox
+    buffered: int
+    outbox: int
+    spilled: int  # durable events written to the outbox
+    replayed: int  # durable events published from the outbox
+    large: int  # durable events sent through the object store
+    failures: int  # failed publish attempts (each retried)
+    deltas_published: int
+    deltas_dropped: int
+
+
+class EventPublisher:
+    """Owns one NATS connection and the drain task; an async context manager.
+
+    ``async with EventPublisher(config) as publisher:`` returns at once, whether or not NATS is
+    reachable: connecting (and reconnecting) happens in the background.
+    """
+
+    def __init__(self, config: PublisherConfig) -> None:
+        self._config = config
+        self._subject_prefix = config.stream.prefix
+        self._buffer: deque[OutboxRecord] = deque()
+        self._deltas: deque[tuple[str, bytes]] = deque()
+        self._outbox = Outbox(config.outbox_dir)
+        self._spilling = len(self._outbox) > 0  # leftovers from a previous run go first
+        self._wake = anyio.Event()
+        self._delta_wake = anyio.Event()
+        self._drained = anyio.Event()  # set while nothing is pending
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._ready = False  # connected and provisioned
+        self._failing_since: float | None = None
+        self._closing = False
+        self._tg: TaskGroup | None = None
+        self._store: ObjectStore | None = None
+        self._published = self._spilled = self._replayed = self._large = self._failures = 0
+        self._deltas_published = self._deltas_dropped = 0
+        if self._spilling:
+            log.info("outbox %s holds %d events from a previous run: replaying", config.outbox_dir, len(self._outbox))
+
+    # -- the request path --------------------------------------------------------------------
+
+    def publish_nowait(self, event: Event) -> None:
+        """Queue ``event`` for publishing; never blocks, never raises for NATS trouble."""
+        if not event.durable:
+            if len(self._deltas) >= self._config.delta_buffer_size or not self._ready:
+                self._deltas_dropped += 1
+                return
+            self._deltas.append((delta_subject(self._subject_prefix, event), encode_event(event)))
+            self._delta_wake.set()
+            return
+        record = OutboxRecord(event_subject(self._subject_prefix, event), event.event_id, encode_event(event))
+        if self._closing:
+            self._spill([record])
+        elif self._spilling or len(self._buffer) >= self._config.buffer_size or self._down_too_long():
+            if not self._spilling:
+                log.warning("NATS is behind or away: new events go to %s", self._outbox.directory)
+            self._spilling = True
+            self._spill([record])
+        else:
+            self._buffer.append(record)
+        if self._drained.is_set():
+            self._drained = anyio.Event()
+        self._wake.set()
+
+    def _down_too_long(self) -> bool:
+        since = self._failing_since
+        return not self._ready and since is not None and time.monotonic() - since >= self._config.spill_after_s
+
+    def statistics(self) -> PublisherStatistics:
+        """The counters now."""
+        return PublisherStatistics(
+            connected=self._ready,
+            published=self._published,
+            pending=len(self._buffer) + len(self._outbox),
+            buffered=len(self._buffer),
+            outbox=len(self._outbox),
+            spilled=self._spilled,
+            replayed=self._replayed,
+            large=self._large,
+            failures=self._failures,
+            deltas_published=self._deltas_published,
+            deltas_dropped=self._deltas_dropped,
+        )
+
+    async def wait_published(self) -> None:
+        """Wait until nothing is pending: every durable event so far acknowledged by JetStream."""
+        while self._buffer or len(self._outbox):
+            await self._drained.wait()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        self._failing_since = time.monotonic()  # until the first connection: see _down_too_long
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._connect_and_drain)
+        self._tg.start_soon(self._drain_deltas)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self._config.drain_timeout_s):
+                await self.wait_published()
+        self._closing = True
+        self._tg.cancel_scope.cancel()
+        try:
+            return await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            left = list(self._buffer)
+            self._buffer.clear()
+            if left:
+                self._outbox.prepend(left)  # older than anything already on disk
+                self._spilled += len(left)
+                log.warning("shutdown: %d events not yet published saved to %s", len(left), self._outbox.directory)
+            self._outbox.close()
+            if self._nc is not None and not self._nc.is_closed:
+                with anyio.move_on_after(2, shield=True):
+                    await self._nc.close()
+
+    # -- the drain task ----------------------------------------------------------------------
+
+    async def _connect_and_drain(self) -> None:
+        import nats
+
+        config = self._config
+
+        async def disconnected() -> None:
+            self._ready = False
+            log.warning("NATS connection lost; events are kept until it returns")
+
+        async def reconnected() -> None:
+            self._ready = True
+            log.info("NATS connection back")
+            self._wake.set()
+
+        async def error(exc: Exception) -> None:
+            log.debug("NATS client error: %r", exc)
+
+        backoff = config.retry_backoff_s[0]
+        while self._nc is None:
+            try:
+                self._nc = await nats.connect(
+                    list(config.servers),
+                    name="stream-gateway-publisher",
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected,
+                    error_cb=error,
+                )
+            except Exception as exc:  # nats-py raises several unrelated types for "cannot connect"
+                log.warning("cannot connect to NATS at %s (%s); retrying, events are kept", config.servers, exc)
+                self._note_failure()
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, config.retry_backoff_s[1])
+        self._js = self._nc.jetstream()
+        await self._drain()
+
+    async def _drain(self) -> None:
+        config = self._config
+        backoff = config.retry_backoff_s[0]
+        segment: tuple[Path, list[OutboxRecord]] | None = None
+        done_in_segment = 0
+        while True:
+            if not self._ready and not await self._provision():
+                await self._sleep_backoff(backoff)
+                backoff = min(backoff * 2, config.retry_backoff_s[1])
+                continue
+            if self._buffer:
+                window = [self._buffer[i] for i in range(min(config.window, len(self._buffer)))]
+                if await self._publish_window(window):
+                    for _ in window:
+                        self._buffer.popleft()
+                    backoff = config.retry_backoff_s[0]
+                else:
+                    await self._sleep_backoff(backoff)
+                    backoff = min(backoff * 2, config.retry_backoff_s[1])
+                continue
+            if segment is None and len(self._outbox):
+                segment, done_in_segment = self._outbox.oldest(), 0
+            if segment is not None:
+                path, records = segment
+                window = records[done_in_segment : done_in_segment + config.window]
+                if window and not await self._publish_window(window):
+                    await self._sleep_backoff(backoff)
+                    backoff = min(backoff * 2, config.retry_backoff_s[1])
+                    continue
+                backoff = config.retry_backoff_s[0]
+                self._replayed += len(window)
+                done_in_segment += len(window)
+                if done_in_segment >= len(records):
+                    self._outbox.remove(path, len(records))
+                    segment = None
+                continue
+            if self._spilling:
+                log.info("outbox replayed; events go straight to NATS again")
+                self._spilling = False
+            self._wake = anyio.Event()
+            self._drained.set()
+            await self._wake.wait()
+
+    async def _provision(self) -> bool:
+        """Make sure the stream and bucket exist once connected; ``True`` when ready to publish."""
+        assert self._nc is not None and self._js is not None
+        if not self._nc.is_connected:
+            self._note_failure()
+            return False
+        if self._config.provision:
+            try:
+                with anyio.fail_after(self._config.ack_timeout_s):
+                    await ensure_stream(self._js, self._config.stream)
+                    await ensure_object_store(self._js, self._config.stream)
+            except Exception as exc:  # timeouts and JetStream API errors alike: retried
+                log.warning("cannot provision stream %s yet: %r", self._config.stream.stream, exc)
+                self._note_failure()
+                return False
+        self._ready = True
+        self._failing_since = None
+        return True
+
+    async def _publish_window(self, window: list[OutboxRecord]) -> bool:
+        """Publish and await every ack; ``False`` (and nothing raised) if any failed."""
+        assert self._nc is not None and self._js is not None
+        js = self._js
+        limit = self._nc.max_payload - _PAYLOAD_HEADROOM
+        futures: list[Any] = []
+        large = 0
+        try:
+            with anyio.fail_after(self._config.ack_timeout_s):
+                for record in window:
+                    subject, payload = record.subject, record.payload
+                    headers = {"Nats-Msg-Id": record.msg_id}
+                    if len(payload) > limit:
+                        payload = await self._store_large(record)
+                        headers[PAYLOAD_OBJECT_HEADER] = f"{self._config.stream.payload_bucket}/{record.msg_id}"
+                        large += 1
+                    futures.append(await js.publish_async(subject, payload, headers=headers))
+                for future in futures:
+                    await future
+        except Exception as exc:  # ack timeout, connection trouble, JetStream errors: all retried
+            self._note_failure()
+            log.debug("publishing %d events failed: %r", len(window), exc)
+            return False
+        finally:
+            for future in futures:
+                if not future.done():
+                    future.cancel()  # frees nats-py's pending slot; a late ack is simply ignored
+        self._published += len(window)
+        self._large += large
+        self._failing_since = None
+        return True
+
+    async def _store_large(self, record: OutboxRecord) -> bytes:
+        """Put an oversized event in the object store; the pointer body that replaces it."""
+        assert self._js is not None
+        if self._store is None:
+            self._store = await ensure_object_store(self._js, self._config.stream)
+        await self._store.put(record.msg_id, record.payload)
+        pointer = {"event_id": record.msg_id, "object": record.msg_id, "size": len(record.payload)}
+        pointer["bucket"] = self._config.stream.payload_bucket
+        return orjson.dumps(pointer)
+
+    def _note_failure(self) -> None:
+        self._failures += 1
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        elif not self._spilling and now - self._failing_since >= self._config.spill_after_s:
+            log.warning("NATS failing for %.1f s: new events go to disk", now - self._failing_since)
+            self._spilling = True
+
+    def _spill(self, records: list[OutboxRecord]) -> None:
+        self._spilled += self._outbox.append(records)
+
+    async def _sleep_backoff(self, seconds: float) -> None:
+        # A new event does not end the wait: retrying sooner would not help a failing server.
+        await anyio.sleep(seconds)
+
+    # -- live deltas -------------------------------------------------------------------------
+
+    async def _drain_deltas(self) -> None:
+        while True:
+            while self._deltas:
+                subject, payload = self._deltas.popleft()
+                nc = self._nc
+                if nc is None or not nc.is_connected:
+                    self._deltas_dropped += 1 + len(self._deltas)
+                    self._deltas.clear()
+                    break
+                try:
+                    await nc.publish(subject, payload)
+                    self._deltas_published += 1
+                except Exception:  # best effort by design: a live view, not a record
+                    self._deltas_dropped += 1
+            self._delta_wake = anyio.Event()
+            await self._delta_wake.wait()
