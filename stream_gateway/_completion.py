@@ -23,9 +23,10 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from transformers import PreTrainedTokenizerBase
 
 from ._api_types import ChatCompletionRequest
+from ._capture import EventRecorder
 from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
 from ._context import Context, ContextBuilder
-from ._errors import ContextLengthExceeded, EngineError, GatewayError, InvalidRequest, ModelNotFound
+from ._errors import Conflict, ContextLengthExceeded, EngineError, GatewayError, InvalidRequest, ModelNotFound
 from ._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from ._metrics import GatewayMetrics
 from ._sessions import Session, SessionStore, Turn
@@ -65,11 +66,19 @@ class PreparedCompletion:
 class CompletionService:
     """Turns validated requests into engine requests and engine steps into responses."""
 
-    def __init__(self, engine: Engine, settings: Settings, metrics: GatewayMetrics, sessions: SessionStore) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        sessions: SessionStore,
+        recorder: EventRecorder,
+    ) -> None:
         self._engine = engine
         self._settings = settings
         self._metrics = metrics
         self._sessions = sessions
+        self._recorder = recorder
 
     @cached_property
     def _context_builder(self) -> ContextBuilder:
@@ -84,12 +93,13 @@ class CompletionService:
     # -- request preparation ---------------------------------------------------------------
 
     async def prepare(
-        self, body: ChatCompletionRequest, *, tenant: str, session_id: str | None = None
+        self, body: ChatCompletionRequest, *, tenant: str, session_id: str | None = None, agent: str | None = None
     ) -> PreparedCompletion:
         """Validate ``body``, place it in a session, and build its token-exact prompt.
 
         With ``session_id`` the request belongs to that session (created on first use);
         without, it joins the tenant's session whose conversation it continues, or a new one.
+        ``agent`` (the User-Agent) goes into the ``session.opened`` event.
         """
         arrived = time.perf_counter()
         engine = self._engine
@@ -103,6 +113,8 @@ class CompletionService:
         parent: Turn | None = None
         if session_id is not None:
             session = self._sessions.lookup(session_id, tenant)
+            if session is not None and session.closed:
+                raise Conflict(f"Session `{session_id}` is closed.", param="session_id", code="session_closed")
             parent = session.match(keys) if session is not None else None
         elif (found := self._sessions.find(tenant, keys)) is not None:
             session, parent = found
@@ -129,6 +141,10 @@ class CompletionService:
         # Only a request that will run gets a session: failed ones leave nothing behind.
         if session is None:
             session = self._sessions.get_or_create(session_id, tenant) if session_id else self._sessions.create(tenant)
+        if session.closed:  # closed while this request's prompt was being built
+            raise Conflict(f"Session `{session.session_id}` is closed.", param="session_id", code="session_closed")
+        if not session.turns and session.event_seq == 0:
+            self._recorder.session_opened(session, engine.policy_version, agent, body.metadata or {})
         self._sessions.touch(session)
         params = SamplingParams(
             max_tokens=requested if requested is not None else min(self._settings.default_max_tokens, room),
@@ -192,6 +208,23 @@ class CompletionService:
         first_token_s: float | None = None
         policy_version = self._engine.policy_version
         request_id = f"{prepared.completion_id}-{index}"
+        turn_id = f"turn{secrets.token_hex(12)}"
+        context = prepared.context
+        recorder = self._recorder
+        recorder.turn_started(
+            prepared.session,
+            turn_id,
+            context.parent.turn_id if context.parent is not None else None,
+            prepared.completion_id,
+            index,
+            len(prepared.prompt_ids),
+            context.reused_prompt_tokens,
+            params,
+            policy_version,
+        )
+        deltas = recorder.deltas(prepared.session, turn_id, policy_version)
+        abort_reason: str | None = None
+        abort_detail: str | None = None
         try:
             async with aclosing(self._engine.generate(request_id, prepared.prompt_ids, params)) as steps:
                 async for step in steps:
@@ -203,6 +236,8 @@ class CompletionService:
                         metrics.inter_token_latency.observe(now - last)
                     last = now
                     metrics.completion_tokens.inc(len(step.token_ids))
+                    if deltas is not None:
+                        deltas.feed(step.token_ids, step.logprobs)
                     ids.extend(step.token_ids)
                     logprobs.extend(step.logprobs)
                     if top is not None and step.top_logprobs is not None:
@@ -230,15 +265,37 @@ class CompletionService:
                         top = [] if top is not None else None
                     if finish is not None:
                         return  # leaving the block closes the iterator: a stop string aborts the request
+        except anyio.get_cancelled_exc_class():
+            abort_reason = "client_disconnected"  # or a sibling choice failed; either way nobody reads on
+            raise
+        except Exception as exc:
+            abort_reason, abort_detail = "engine_error", str(exc)
+            raise
         finally:
             # Runs on normal ends, errors and cancellation alike; recording is synchronous.
+            if deltas is not None:
+                deltas.flush()
             result.token_ids.extend(ids)
             result.logprobs.extend(logprobs)
-            self._record_turn(prepared, result, policy_version, first_token_s)
+            turn = self._record_turn(prepared, turn_id, result, policy_version, first_token_s)
+            recorder.turn_finished(
+                prepared.session,
+                turn,
+                prepared.completion_id,
+                index,
+                params,
+                abort_reason,
+                abort_detail,
+            )
 
     def _record_turn(
-        self, prepared: PreparedCompletion, result: ChoiceResult, policy_version: int, first_token_s: float | None
-    ) -> None:
+        self,
+        prepared: PreparedCompletion,
+        turn_id: str,
+        result: ChoiceResult,
+        policy_version: int,
+        first_token_s: float | None,
+    ) -> Turn:
         content = "".join(result.text_parts)
         calls = tuple(result.tool_calls())
         finished = result.finish_reason is not None
@@ -249,7 +306,7 @@ class CompletionService:
         context = prepared.context
         duration = time.perf_counter() - prepared.arrived
         turn = Turn(
-            turn_id=f"turn{secrets.token_hex(12)}",
+            turn_id=turn_id,
             session_id=prepared.session.session_id,
             parent_id=context.parent.turn_id if context.parent is not None else None,
             key=key,
@@ -269,6 +326,7 @@ class CompletionService:
             fallback_reason=context.fallback_reason,
         )
         self._sessions.add_turn(prepared.session, turn)
+        return turn
 
     # -- responses -------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@
     ├── AuthenticationFailed         401 code=invalid_api_key
     ├── NotFound                     404 not_found_error
     │   └── ModelNotFound            404 code=model_not_found
+    ├── Conflict                     409 code=session_closed (the resource's state forbids it)
     └── EngineError                  500 server_error
         └── EngineUnavailable        503 code=engine_unavailable
 
@@ -84,6 +85,13 @@ class ModelNotFound(NotFound):
     """The request names a model this gateway does not serve."""
 
     default_code = "model_not_found"
+
+
+class Conflict(GatewayError):
+    """The request is valid but the resource's state forbids it (a closed session)."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
 
 
 class EngineError(GatewayError):

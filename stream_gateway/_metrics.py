@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Publisher statistics fields: counters grow, gauges go up and down.
+_PUBLISHER_COUNTERS = ("published", "spilled", "replayed", "large", "failures", "deltas_published", "deltas_dropped")
+_PUBLISHER_GAUGES = ("pending", "buffered", "outbox", "connected")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -42,6 +51,24 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+    def watch_publisher(self, statistics: Callable[[], Any]) -> None:
+        """Export the event publisher's statistics (read at scrape time) as ``gateway_events_*``."""
+        self.registry.register(_PublisherCollector(statistics))
+
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+
+class _PublisherCollector(Collector):
+    def __init__(self, statistics: Callable[[], Any]) -> None:
+        self._statistics = statistics
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._statistics()
+        for name in _PUBLISHER_COUNTERS:
+            yield CounterMetricFamily(f"gateway_events_{name}", f"Event publisher: {name}", value=getattr(stats, name))
+        for name in _PUBLISHER_GAUGES:
+            yield GaugeMetricFamily(
+                f"gateway_events_{name}", f"Event publisher: {name}", value=float(getattr(stats, name))
+            )

@@ -10,7 +10,11 @@ continued; a request that continues nothing opens a new root. Chains (root-to-le
 become training trajectories.
 
 The store is bounded: sessions idle longer than ``idle_seconds`` and, beyond ``max_sessions``,
-the least recently used ones are evicted (the event pipeline keeps the durable record).
+the least recently used ones are evicted (the event pipeline keeps the durable record; the
+store's ``on_close`` callback says why each one went: ``idle`` or ``evicted``).
+
+A closed session (``POST /sessions/{id}/close``) takes no more turns and is no longer found by
+automatic lookup, but stays inspectable and accepts feedback until it is evicted.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +74,9 @@ class Session:
     last_active: float
     turns: dict[str, Turn] = field(default_factory=dict)
     by_key: dict[bytes, list[str]] = field(default_factory=dict)
+    event_seq: int = 0  # durable events published for this session so far
+    closed: bool = False
+    feedback: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, turn: Turn) -> None:
         """Record a finished (or aborted) turn."""
@@ -132,11 +139,18 @@ class SessionStore:
     sessions are open.
     """
 
-    def __init__(self, *, max_sessions: int = 10_000, idle_seconds: float = 3600.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 10_000,
+        idle_seconds: float = 3600.0,
+        on_close: Callable[[Session, str], None] | None = None,
+    ) -> None:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._index: dict[tuple[str, bytes], str] = {}
         self._max_sessions = max_sessions
         self._idle_seconds = idle_seconds
+        self._on_close = on_close
 
     def get(self, session_id: str, tenant: str) -> Session:
         """The tenant's session ``session_id``; another tenant's is reported as not found."""
@@ -174,10 +188,25 @@ class SessionStore:
         return None
 
     def add_turn(self, session: Session, turn: Turn) -> None:
-        """Record ``turn`` in ``session`` and make it findable."""
+        """Record ``turn`` in ``session`` and make it findable (unless the session was closed)."""
         session.add(turn)
-        if turn.key is not None and session.session_id in self._sessions:
+        if turn.key is not None and session.session_id in self._sessions and not session.closed:
             self._index[(session.tenant, turn.key)] = session.session_id
+
+    def close(self, session: Session, reason: str = "client") -> bool:
+        """Close ``session``: no more turns, not found automatically. ``False`` if it already was."""
+        if session.closed:
+            return False
+        session.closed = True
+        self._unindex(session)
+        if self._on_close is not None:
+            self._on_close(session, reason)
+        return True
+
+    def close_all(self, reason: str) -> None:
+        """Close every open session (the gateway is shutting down)."""
+        for session in list(self._sessions.values()):
+            self.close(session, reason)
 
     def touch(self, session: Session) -> None:
         """Mark ``session`` as just used (it is evicted last), and evict what is due."""
@@ -205,9 +234,17 @@ class SessionStore:
             if len(self._sessions) <= self._max_sessions and now - oldest.last_active < self._idle_seconds:
                 return
             del self._sessions[oldest.session_id]
-            for key in oldest.by_key:
-                if self._index.get((oldest.tenant, key)) == oldest.session_id:
-                    del self._index[(oldest.tenant, key)]
+            reason = "idle" if now - oldest.last_active >= self._idle_seconds else "evicted"
+            if not oldest.closed:
+                oldest.closed = True
+                if self._on_close is not None:
+                    self._on_close(oldest, reason)
+            self._unindex(oldest)
+
+    def _unindex(self, session: Session) -> None:
+        for key in session.by_key:
+            if self._index.get((session.tenant, key)) == session.session_id:
+                del self._index[(session.tenant, key)]
 
 
 def _not_found(session_id: str) -> NotFound:
@@ -220,6 +257,8 @@ def session_body(session: Session) -> dict[str, Any]:
         "session_id": session.session_id,
         "created_at": session.created_at,
         "last_active": session.last_active,
+        "closed": session.closed,
+        "feedback": session.feedback,
         "turns": [
             {
                 "turn_id": t.turn_id,

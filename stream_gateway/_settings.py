@@ -34,6 +34,18 @@ class Settings(BaseSettings):
     max_sessions: int = Field(10_000, ge=1, description="sessions kept in memory before the oldest are evicted")
     session_idle_seconds: float = Field(3600.0, gt=0, description="a session idle this long is evicted")
 
+    nats_url: str | None = Field(None, description="NATS server(s), comma-separated; unset: capture is off")
+    outbox_dir: Path | None = Field(None, description="disk outbox for events NATS has not taken yet")
+    subject_prefix: str = Field("sg", pattern=r"^[A-Za-z0-9_-]+$", description="first token of event subjects")
+    events_stream: str = Field("SG_EVENTS", description="JetStream stream holding durable events")
+    stream_replicas: int = Field(1, ge=1, le=5, description="replicas of the stream (NATS cluster)")
+    stream_max_bytes: int = Field(-1, ge=-1, description="stream size limit, -1 unlimited (oldest go first)")
+    stream_max_age_seconds: float = Field(0.0, ge=0, description="stream age limit, 0 keeps events forever")
+    event_buffer_size: int = Field(10_000, ge=1, description="durable events held in memory before disk")
+    live_deltas: bool = Field(True, description="publish coalesced token deltas on the live subjects")
+    delta_tokens: int = Field(16, ge=1, description="a live delta every this many tokens...")
+    delta_interval_ms: float = Field(50.0, gt=0, description="...or when this long has passed since the last")
+
     default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")
     max_n: int = Field(8, ge=1, description="largest accepted n")
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")

@@ -8,7 +8,10 @@ Deliberate choices:
 * Every error, including unknown routes and wrong methods, is rendered as
   ``{"error": {"message", "type", "param", "code"}}``.
 * The engine belongs to the app's lifespan: it starts before the first request is accepted and
-  stops after the last response ended.
+  stops after the last response ended. So does the event publisher when ``nats_url`` is set:
+  it starts after the engine (so it is ready before the first request), and on shutdown every
+  open session is closed (``session.closed``, reason ``shutdown``) before the publisher drains,
+  writing what NATS has not taken to its disk outbox.
 """
 
 from __future__ import annotations
@@ -17,26 +20,42 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import anyio
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ._api_types import ChatCompletionRequest
+from ._capture import EventRecorder
 from ._completion import CompletionService, ProducerItem
-from ._errors import AuthenticationFailed, GatewayError, InvalidRequest
+from ._errors import AuthenticationFailed, GatewayError, InvalidRequest, NotFound
 from ._metrics import GatewayMetrics
-from ._sessions import SessionStore, session_body
+from ._sessions import Session, SessionStore, session_body
 from ._settings import Settings
 from .engines import Engine
 
 log = logging.getLogger(__name__)
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class FeedbackBody(BaseModel):
+    """``POST /sessions/{id}/feedback``: a reward for the session, or for one of its turns."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    score: float = Field(strict=True, allow_inf_nan=False)
+    label: str | None = Field(None, max_length=256)
+    comment: str | None = Field(None, max_length=16_384)
+    turn_id: str | None = Field(None, max_length=128)
+    source: str = Field("user", min_length=1, max_length=128)
 
 
 class ORJSONResponse(JSONResponse):
@@ -49,15 +68,42 @@ class ORJSONResponse(JSONResponse):
 def create_app(engine: Engine, settings: Settings) -> FastAPI:
     """The gateway's ASGI app serving ``engine``; entering its lifespan starts the engine."""
     metrics = GatewayMetrics()
-    sessions = SessionStore(max_sessions=settings.max_sessions, idle_seconds=settings.session_idle_seconds)
-    service = CompletionService(engine, settings, metrics, sessions)
+    recorder = EventRecorder(
+        None,
+        engine.model_id,
+        live_deltas=settings.live_deltas,
+        delta_tokens=settings.delta_tokens,
+        delta_interval_s=settings.delta_interval_ms / 1000,
+    )
+
+    def session_closed(session: Session, reason: str) -> None:
+        recorder.session_closed(session, engine.policy_version, reason)
+
+    sessions = SessionStore(
+        max_sessions=settings.max_sessions, idle_seconds=settings.session_idle_seconds, on_close=session_closed
+    )
+    service = CompletionService(engine, settings, metrics, sessions, recorder)
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with engine:
             log.info("engine %s ready: model %s", engine.name, engine.model_id)
-            yield
+            if settings.nats_url is None:
+                yield
+                return
+            from pipeline.publisher import EventPublisher
+
+            config = publisher_config(settings)
+            async with EventPublisher(config) as publisher:
+                recorder.attach(publisher.publish_nowait)
+                metrics.watch_publisher(publisher.statistics)
+                log.info("capturing events to %s (outbox %s)", ", ".join(config.servers), config.outbox_dir)
+                try:
+                    yield
+                finally:
+                    sessions.close_all("shutdown")
+                    recorder.attach(None)
 
     app = FastAPI(title="stream-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -76,7 +122,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         session_id = session_id or request.headers.get("x-session-id") or None
         if session_id is not None:
             _check_session_id(session_id)
-        prepared = await service.prepare(body, tenant=tenant, session_id=session_id)
+        agent = request.headers.get("user-agent")
+        prepared = await service.prepare(body, tenant=tenant, session_id=session_id, agent=agent)
         headers = {"x-session-id": prepared.session.session_id}
         if body.stream:
             send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
@@ -113,6 +160,39 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     async def inspect_session(request: Request, session_id: str) -> Response:
         tenant = authorize(request)
         return ORJSONResponse(session_body(sessions.get(session_id, tenant)))
+
+    async def record_feedback(request: Request, session_id: str, turn_id: str | None) -> Response:
+        tenant = authorize(request)
+        body = await _parse(request, FeedbackBody)
+        session = sessions.get(session_id, tenant)
+        if turn_id is not None and body.turn_id is not None and body.turn_id != turn_id:
+            raise InvalidRequest("turn_id in the body differs from the one in the path.", param="turn_id")
+        turn_id = turn_id or body.turn_id
+        if turn_id is not None and turn_id not in session.turns:
+            raise NotFound(f"No turn `{turn_id}` in session `{session_id}`.", param="turn_id", code="turn_not_found")
+        event_id = recorder.feedback(
+            session, engine.policy_version, turn_id, body.score, body.label, body.comment, body.source
+        )
+        record = {"id": event_id, "object": "session.feedback", "session_id": session_id, "turn_id": turn_id}
+        record |= body.model_dump(exclude={"turn_id"})
+        session.feedback.append(record)
+        return ORJSONResponse(record)
+
+    @app.post("/sessions/{session_id}/feedback")
+    async def session_feedback(request: Request, session_id: str) -> Response:
+        return await record_feedback(request, session_id, None)
+
+    @app.post("/sessions/{session_id}/turns/{turn_id}/feedback")
+    async def turn_feedback(request: Request, session_id: str, turn_id: str) -> Response:
+        return await record_feedback(request, session_id, turn_id)
+
+    @app.post("/sessions/{session_id}/close")
+    async def close_session(request: Request, session_id: str) -> Response:
+        tenant = authorize(request)
+        session = sessions.get(session_id, tenant)
+        closed_now = sessions.close(session, "client")
+        body = {"id": session_id, "object": "session", "closed": True, "already_closed": not closed_now}
+        return ORJSONResponse(body | {"turns": len(session.turns)})
 
     @app.get("/v1/models")
     @app.get("/sessions/{session_id}/v1/models")
@@ -171,12 +251,30 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     return app
 
 
+def publisher_config(settings: Settings) -> Any:
+    """The event publisher's configuration from the gateway's settings (``nats_url`` must be set)."""
+    from pipeline.publisher import PublisherConfig
+    from pipeline.streams import StreamSpec
+
+    assert settings.nats_url is not None
+    outbox = settings.outbox_dir or Path.home() / ".local" / "state" / "stream-gateway" / f"outbox-{settings.port}"
+    stream = StreamSpec(
+        prefix=settings.subject_prefix,
+        stream=settings.events_stream,
+        replicas=settings.stream_replicas,
+        max_bytes=settings.stream_max_bytes,
+        max_age_s=settings.stream_max_age_seconds,
+    )
+    servers = tuple(s.strip() for s in settings.nats_url.split(",") if s.strip())
+    return PublisherConfig(servers=servers, outbox_dir=outbox, stream=stream, buffer_size=settings.event_buffer_size)
+
+
 def _check_session_id(session_id: str) -> None:
     if not (0 < len(session_id) <= 128 and session_id.isascii() and session_id.isprintable()):
         raise InvalidRequest("A session id must be 1-128 printable ASCII characters.", param="session_id")
 
 
-async def _parse(request: Request, model: type[ChatCompletionRequest]) -> ChatCompletionRequest:
+async def _parse(request: Request, model: type[BodyT]) -> BodyT:
     """Parse and validate a JSON body, translating every failure into a 400 InvalidRequest."""
     raw = await request.body()
     try:

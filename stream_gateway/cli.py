@@ -2,16 +2,25 @@
 
 Subcommands:
 
-* ``serve``: the OpenAI-compatible gateway on one engine.
+* ``up``: everything on one machine: an embedded ``nats-server`` (JetStream, local data dir)
+  and the gateway capturing every turn into it.
+* ``serve``: the OpenAI-compatible gateway on one engine; ``--nats-url`` captures its events
+  to an existing NATS server or cluster.
+* ``tail``: a live, readable view of the events on a NATS server.
 * ``prepare-model``: build or convert a local model (``tiny``, ``tiny-agent``, ``smollm2``) and print its path.
+
+This module is the composition root: the only place that wires the gateway, the pipeline and
+(lazily, per subcommand) anything else together.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ._settings import Settings
@@ -58,14 +67,86 @@ def _serve(settings: Settings) -> int:
 
     engine = build_engine(settings)
     app = create_app(engine, settings)
+    capture = f"events to {settings.nats_url}" if settings.nats_url else "event capture off (no --nats-url)"
     print(
         f"stream-gateway: {settings.engine} engine, model {engine.model_id!r}, "
-        f"OpenAI API at http://{settings.host}:{settings.port}/v1 (metrics at /metrics)",
+        f"OpenAI API at http://{settings.host}:{settings.port}/v1 (metrics at /metrics), {capture}",
         file=sys.stderr,
         flush=True,
     )
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
+
+
+def _up(settings: Settings, args: argparse.Namespace) -> int:
+    """Embedded NATS + the gateway, in this process; Ctrl-C stops both (events drained first)."""
+    import uvicorn
+
+    from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
+
+    from .app import create_app
+
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else _default_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    nats_config = NatsServerConfig(
+        host=settings.host, port=args.nats_port, store_dir=data_dir / "nats", monitor_port=args.nats_monitor_port
+    )
+    say = _progress
+    say(f"starting nats-server (JetStream, data in {data_dir / 'nats'})")
+    with EmbeddedNatsServer(nats_config) as nats_server:
+        settings = settings.model_copy(update={"nats_url": nats_server.url, "outbox_dir": data_dir / "outbox"})
+        say(f"loading model {settings.model!r} on the {settings.engine} engine")
+        engine = build_engine(settings)
+        app = create_app(engine, settings)
+        say("ready:")
+        say(f"  OpenAI API     http://{settings.host}:{settings.port}/v1   (model {engine.model_id!r})")
+        say(f"  sessions       http://{settings.host}:{settings.port}/sessions/<id>/v1")
+        say(f"  metrics        http://{settings.host}:{settings.port}/metrics")
+        stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
+        say(f"  NATS           {nats_server.url}   ({stream})")
+        if nats_server.monitor_url:
+            say(f"  NATS monitor   {nats_server.monitor_url}")
+        say(f"  outbox         {settings.outbox_dir}")
+        say(f"  watch events:  stream-gateway tail --nats-url {nats_server.url}")
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    say("stopped")
+    return 0
+
+
+def _tail(args: argparse.Namespace) -> int:
+    import anyio
+
+    from pipeline.streams import StreamSpec
+    from pipeline.tail import TailFilter, tail_events
+
+    flt = TailFilter(
+        session=args.session,
+        tenant=args.tenant,
+        kinds=tuple(args.kinds or ()),
+        live=args.live,
+        from_start=args.from_start,
+    )
+    spec = StreamSpec(prefix=args.subject_prefix, stream=args.events_stream)
+    servers = [s.strip() for s in args.nats_url.split(",") if s.strip()]
+    color = sys.stdout.isatty() and not args.no_color
+
+    def write(line: str) -> None:
+        print(line, flush=True)
+
+    async def run() -> int:
+        return await tail_events(servers, spec, flt, write, limit=args.limit, color=color)
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how one stops watching
+        anyio.run(run)
+    return 0
+
+
+def _default_data_dir() -> Path:
+    return Path.home() / ".local" / "state" / "stream-gateway" / "up"
+
+
+def _progress(message: str) -> None:
+    print(f"stream-gateway: {message}", file=sys.stderr, flush=True)
 
 
 def _prepare_model(settings: Settings) -> int:
@@ -75,42 +156,81 @@ def _prepare_model(settings: Settings) -> int:
     return 0
 
 
+def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--model", help="'smollm2' (default), 'tiny', 'tiny-agent', a local HF model dir, or a hub id")
+    command.add_argument("--engine", choices=ENGINE_NAMES, help="default: transformers")
+    command.add_argument("--served-model-name", help="the model name clients send (default: from --model)")
+    command.add_argument("--host", help="default: 127.0.0.1")
+    command.add_argument("--port", type=int, help="default: 8000")
+    command.add_argument("--api-key", action="append", dest="api_keys", help="accepted key (repeatable)")
+    command.add_argument("--max-batch-size", type=int, help="transformers engine batch size (default 16)")
+    command.add_argument("--max-model-len", type=int, help="cap on prompt + completion tokens")
+    command.add_argument("--device", help="torch device for the transformers engine (default cpu)")
+    command.add_argument("--synthetic-tokens-per-second", type=float, help="synthetic engine rate")
+    command.add_argument("--default-max-tokens", type=int, help="completion budget when none is asked")
+    command.add_argument("--model-cache-dir", help="where built/converted models are cached")
+    command.add_argument("--log-level", help="uvicorn/gateway log level (default info)")
+    command.add_argument("--events-stream", help="JetStream stream for durable events (default SG_EVENTS)")
+    command.add_argument("--subject-prefix", help="first token of event subjects (default sg)")
+    command.add_argument("--stream-replicas", type=int, help="stream replicas on a NATS cluster (default 1)")
+    command.add_argument("--stream-max-bytes", type=int, help="stream size limit in bytes (default unlimited)")
+    command.add_argument("--stream-max-age-seconds", type=float, help="stream age limit (default forever)")
+    command.add_argument("--no-live-deltas", dest="live_deltas", action="store_const", const=False)
+    command.add_argument("--delta-tokens", type=int, help="a live delta every N tokens (default 16)")
+    command.add_argument("--delta-interval-ms", type=float, help="...or every T ms (default 50)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
+    up = commands.add_parser("up", help="embedded NATS + the gateway capturing into it, on this machine")
+    _add_gateway_flags(up)
+    up.add_argument("--data-dir", help="NATS store and outbox (default ~/.local/state/stream-gateway/up)")
+    up.add_argument("--nats-port", type=int, default=4222, help="embedded NATS port (default 4222; 0: any free)")
+    up.add_argument("--nats-monitor-port", type=int, default=8222, help="its HTTP monitor port (default 8222)")
+    up.set_defaults(run=_up, uses_settings=True, extra=("data_dir", "nats_port", "nats_monitor_port"))
+
     serve = commands.add_parser("serve", help="run the OpenAI-compatible gateway")
-    serve.add_argument("--model", help="'smollm2' (default), 'tiny', 'tiny-agent', a local HF model dir, or a hub id")
-    serve.add_argument("--engine", choices=ENGINE_NAMES, help="default: transformers")
-    serve.add_argument("--served-model-name", help="the model name clients send (default: from --model)")
-    serve.add_argument("--host", help="default: 127.0.0.1")
-    serve.add_argument("--port", type=int, help="default: 8000")
-    serve.add_argument("--api-key", action="append", dest="api_keys", help="accepted key (repeatable)")
-    serve.add_argument("--max-batch-size", type=int, help="transformers engine batch size (default 16)")
-    serve.add_argument("--max-model-len", type=int, help="cap on prompt + completion tokens")
-    serve.add_argument("--device", help="torch device for the transformers engine (default cpu)")
-    serve.add_argument("--synthetic-tokens-per-second", type=float, help="synthetic engine rate")
-    serve.add_argument("--default-max-tokens", type=int, help="completion budget when none is asked")
-    serve.add_argument("--model-cache-dir", help="where built/converted models are cached")
-    serve.add_argument("--log-level", help="uvicorn/gateway log level (default info)")
-    serve.set_defaults(run=_serve)
+    _add_gateway_flags(serve)
+    serve.add_argument("--nats-url", help="capture events to this NATS server or cluster (comma-separated URLs)")
+    serve.add_argument("--outbox-dir", help="disk outbox for events NATS has not taken yet")
+    serve.set_defaults(run=_serve, uses_settings=True, extra=())
+
+    tail = commands.add_parser("tail", help="watch events as they are published")
+    tail.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server(s), comma-separated")
+    tail.add_argument("--session", help="only this session id")
+    tail.add_argument("--tenant", help="only this tenant (as it appears in events)")
+    tail.add_argument("--kind", action="append", dest="kinds", help="only this kind, e.g. turn.completed (repeatable)")
+    tail.add_argument("--live", action="store_true", help="also show live token deltas")
+    tail.add_argument("--from-start", action="store_true", help="replay the stream from its first event")
+    tail.add_argument("--limit", type=int, help="stop after this many events")
+    tail.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (default SG_EVENTS)")
+    tail.add_argument("--subject-prefix", default="sg", help="first token of event subjects (default sg)")
+    tail.add_argument("--no-color", action="store_true", help="plain text even on a terminal")
+    tail.set_defaults(run=_tail, uses_settings=False)
 
     prepare = commands.add_parser("prepare-model", help="build/convert a local model and print its path")
     prepare.add_argument("--model", help="'smollm2' (default), 'tiny' or 'tiny-agent'")
     prepare.add_argument("--model-cache-dir", help="where built/converted models are cached")
-    prepare.set_defaults(run=_prepare_model)
+    prepare.set_defaults(run=_prepare_model, uses_settings=True, extra=())
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-gateway`` console script."""
     args = _parser().parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "run") and v is not None}
+    if not args.uses_settings:
+        logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+        result: int = args.run(args)
+        return result
+    skip = {"command", "run", "uses_settings", "extra", *args.extra}
+    flags = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     if "api_keys" in flags:
         flags["api_keys"] = tuple(flags["api_keys"])
     settings = Settings(**flags)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result: int = args.run(settings)
+    result = args.run(settings, args) if args.extra else args.run(settings)
     return result
 
 

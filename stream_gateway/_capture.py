@@ -1,0 +1,298 @@
+"""Capture: what the gateway does, as pipeline events.
+
+:class:`EventRecorder` turns session and turn activity into :mod:`pipeline.events` models and
+hands them to a publish function that never blocks (``EventPublisher.publish_nowait``). With
+capture off (no ``--nats-url``) the recorder is disabled and every call returns at once.
+
+Deliberate choices:
+
+* Events are built with ``model_construct``: the gateway's data is already valid, and
+  validating a 100k-id prompt on the request path would cost more than the publish.
+* Token deltas are coalesced per turn by :class:`DeltaCoalescer`: one ``turn.delta`` every
+  ``delta_tokens`` tokens or, when a token arrives ``delta_interval_s`` after the last flush,
+  then; the rest goes out when the turn ends. No timer task: a stalled stream has nothing to say.
+* ``seq`` counts a session's durable events; it lives on the session, so concurrent requests
+  of one session (n > 1, parallel sub-agents) still number their events without gaps.
+* ``policy.updated`` is emitted the first time a turn runs under a new policy version, whatever
+  reloaded the weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pipeline.events import (
+    Event,
+    FeedbackRecorded,
+    PolicyUpdated,
+    SamplingRecord,
+    SessionClosed,
+    SessionOpened,
+    ToolCallRecord,
+    TurnAborted,
+    TurnCompleted,
+    TurnDelta,
+    TurnStarted,
+    Usage,
+    new_event_id,
+    tenant_id,
+)
+
+if TYPE_CHECKING:
+    from ._sessions import Session, Turn
+    from .engines import SamplingParams
+
+__all__ = ["DeltaCoalescer", "EventRecorder"]
+
+
+class DeltaCoalescer:
+    """Collects one turn's sampled tokens into few ``turn.delta`` events."""
+
+    __slots__ = ("_emit", "_ids", "_interval", "_last_flush", "_logprobs", "_make", "_offset", "_tokens")
+
+    def __init__(
+        self,
+        make: Callable[[int, list[int], list[float]], Event],
+        emit: Callable[[Event], None],
+        tokens: int,
+        interval_s: float,
+    ) -> None:
+        self._make, self._emit = make, emit
+        self._tokens, self._interval = tokens, interval_s
+        self._ids: list[int] = []
+        self._logprobs: list[float] = []
+        self._offset = 0
+        self._last_flush = time.monotonic()
+
+    def feed(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """Add a step's tokens; flush if enough tokens or time have gathered."""
+        self._ids.extend(ids)
+        self._logprobs.extend(logprobs)
+        if len(self._ids) >= self._tokens or time.monotonic() - self._last_flush >= self._interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Emit what has gathered, if anything."""
+        if not self._ids:
+            return
+        ids, logprobs = self._ids, self._logprobs
+        self._emit(self._make(self._offset, ids, logprobs))
+        self._offset += len(ids)
+        self._ids, self._logprobs = [], []
+        self._last_flush = time.monotonic()
+
+
+class EventRecorder:
+    """Builds and publishes the gateway's events; a no-op when ``publish`` is ``None``."""
+
+    def __init__(
+        self,
+        publish: Callable[[Event], None] | None,
+        model: str,
+        *,
+        live_deltas: bool = True,
+        delta_tokens: int = 16,
+        delta_interval_s: float = 0.05,
+    ) -> None:
+        self._publish = publish
+        self._model = model
+        self._live_wanted = live_deltas
+        self._live = live_deltas and publish is not None
+        self._delta_tokens = delta_tokens
+        self._delta_interval = delta_interval_s
+        self._policy_version: int | None = None
+
+    def attach(self, publish: Callable[[Event], None] | None) -> None:
+        """Start (or, with ``None``, stop) publishing: the publisher lives in the app's lifespan."""
+        self._publish = publish
+        self._live = self._live_wanted and publish is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events go anywhere."""
+        return self._publish is not None
+
+    def session_opened(
+        self, session: Session, policy_version: int, agent: str | None, metadata: dict[str, str]
+    ) -> None:
+        """A session's first request was admitted."""
+        if self._publish is None:
+            return
+        self._emit_durable(
+            SessionOpened.model_construct(
+                **self._common(session, policy_version), agent=agent, metadata=dict(metadata)
+            ),
+            session,
+        )
+
+    def session_closed(self, session: Session, policy_version: int, reason: str) -> None:
+        """No more turns will join ``session``."""
+        if self._publish is None:
+            return
+        self._emit_durable(
+            SessionClosed.model_construct(
+                **self._common(session, policy_version), reason=reason, turns=len(session.turns)
+            ),
+            session,
+        )
+
+    def turn_started(
+        self,
+        session: Session,
+        turn_id: str,
+        parent_turn_id: str | None,
+        request_id: str,
+        index: int,
+        prompt_tokens: int,
+        reused_prompt_tokens: int,
+        params: SamplingParams,
+        policy_version: int,
+    ) -> None:
+        """A generation was admitted to the engine."""
+        if self._publish is None:
+            return
+        if policy_version != self._policy_version:
+            if self._policy_version is not None:
+                self._policy_changed(self._policy_version, policy_version)
+            self._policy_version = policy_version
+        self._emit_durable(
+            TurnStarted.model_construct(
+                **self._common(session, policy_version),
+                turn_id=turn_id,
+                parent_turn_id=parent_turn_id,
+                request_id=request_id,
+                choice_index=index,
+                prompt_tokens=prompt_tokens,
+                reused_prompt_tokens=reused_prompt_tokens,
+                sampling=_sampling(params),
+            ),
+            session,
+        )
+
+    def deltas(self, session: Session, turn_id: str, policy_version: int) -> DeltaCoalescer | None:
+        """A coalescer for one turn's live deltas, or ``None`` when they are off."""
+        publish = self._publish
+        if publish is None or not self._live:
+            return None
+        common = self._common(session, policy_version)
+        common["seq"] = 0  # deltas are not durable: they take no place in the session's sequence
+
+        def make(offset: int, ids: list[int], logprobs: list[float]) -> Event:
+            return TurnDelta.model_construct(
+                **{**common, "event_id": new_event_id(), "time": time.time()},
+                turn_id=turn_id,
+                offset=offset,
+                token_ids=ids,
+                logprobs=logprobs,
+            )
+
+        return DeltaCoalescer(make, publish, self._delta_tokens, self._delta_interval)
+
+    def turn_finished(
+        self,
+        session: Session,
+        turn: Turn,
+        request_id: str,
+        index: int,
+        params: SamplingParams,
+        abort_reason: str | None,
+        abort_detail: str | None = None,
+    ) -> None:
+        """``turn.completed`` for a finished turn, ``turn.aborted`` otherwise."""
+        if self._publish is None:
+            return
+        fields = {
+            **self._common(session, turn.policy_version),
+            "turn_id": turn.turn_id,
+            "parent_turn_id": turn.parent_id,
+            "request_id": request_id,
+            "choice_index": index,
+            "reused_prompt_tokens": turn.reused_prompt_tokens,
+            "prompt_ids": list(turn.prompt_ids[turn.reused_prompt_tokens :]),
+            "output_ids": list(turn.output_ids),
+            "logprobs": list(turn.logprobs),
+            "content": turn.content,
+            "tool_calls": [
+                ToolCallRecord.model_construct(id=c.id, name=c.name, arguments=c.arguments) for c in turn.tool_calls
+            ],
+            "usage": Usage.model_construct(prompt_tokens=len(turn.prompt_ids), completion_tokens=len(turn.output_ids)),
+            "sampling": _sampling(params),
+            "started_at": turn.created_at,
+            "time_to_first_token_s": turn.time_to_first_token_s,
+            "duration_s": turn.duration_s,
+            "matches_full_render": turn.matches_full_render,
+            "fallback_reason": turn.fallback_reason,
+        }
+        event: Event
+        if turn.finish_reason is not None:
+            event = TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
+        else:
+            event = TurnAborted.model_construct(**fields, reason=abort_reason or "cancelled", detail=abort_detail)
+        self._emit_durable(event, session)
+
+    def feedback(
+        self,
+        session: Session,
+        policy_version: int,
+        turn_id: str | None,
+        score: float,
+        label: str | None,
+        comment: str | None,
+        source: str,
+    ) -> str:
+        """Record a reward; returns the event id (also when capture is off, for the response)."""
+        event = FeedbackRecorded.model_construct(
+            **self._common(session, policy_version),
+            turn_id=turn_id,
+            score=score,
+            label=label,
+            comment=comment,
+            source=source,
+        )
+        if self._publish is not None:
+            self._emit_durable(event, session)
+        return event.event_id
+
+    def _policy_changed(self, previous: int, current: int) -> None:
+        assert self._publish is not None
+        self._publish(
+            PolicyUpdated.model_construct(
+                event_id=new_event_id(),
+                time=time.time(),
+                tenant="_",
+                session_id=None,
+                seq=0,
+                model=self._model,
+                policy_version=current,
+                previous_version=previous,
+                weights=None,
+            )
+        )
+
+    def _common(self, session: Session, policy_version: int) -> dict[str, Any]:
+        return {
+            "event_id": new_event_id(),
+            "time": time.time(),
+            "tenant": tenant_id(session.tenant),
+            "session_id": session.session_id,
+            "seq": session.event_seq,
+            "model": self._model,
+            "policy_version": policy_version,
+        }
+
+    def _emit_durable(self, event: Event, session: Session) -> None:
+        assert self._publish is not None
+        session.event_seq += 1
+        self._publish(event)
+
+
+def _sampling(params: SamplingParams) -> SamplingRecord:
+    return SamplingRecord.model_construct(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        seed=params.seed,
+    )
