@@ -12,7 +12,10 @@ from stream_gateway import Settings
 from stream_gateway.cli import build_engine
 from stream_gateway.model_store import build_tiny_agent_model, build_tiny_model
 
+from .nats_fixtures import nats_server
 from .servers import RunningGateway, run_gateway
+
+__all__ = ["nats_server"]  # a fixture defined elsewhere, offered to every test
 
 
 @pytest.fixture(scope="session")
