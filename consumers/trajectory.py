@@ -1,0 +1,95 @@
+"""Trajectories: what the assembler emits and the batcher consumes.
+
+A trajectory is one chain of turns of a session (root to leaf of its turn tree), token-exact:
+
+* ``token_ids`` is the whole sequence the chain's last turn saw plus what it sampled: the first
+  turn's prompt, then for every turn its sampled ids, then the ids the next turn appended (tool
+  results, user messages, template text), and so on;
+* ``loss_mask`` is 1 exactly on sampled ids, 0 elsewhere; ``logprobs`` holds the logprob each
+  sampled id was drawn with and 0.0 elsewhere (contract T1);
+* ``prompt_length`` is the length of the first turn's prompt: verl's ``prompts`` are
+  ``token_ids[:prompt_length]`` and its ``responses`` the rest (assistant and tool tokens
+  alike, told apart by ``response_mask`` = ``loss_mask[prompt_length:]``).
+
+A turn that did not extend its parent (a new root) starts a trajectory of its own; the gateway
+never splices, so neither does the assembler. The trajectory id is a digest of the session id
+and the chain's turn ids, so the same chain always gets the same id, and publishing it twice
+(after a crash) is deduplicated by JetStream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["TRAJECTORY_SCHEMA_VERSION", "Trajectory", "TurnSummary", "trajectory_id"]
+
+TRAJECTORY_SCHEMA_VERSION: Literal[1] = 1
+
+
+def trajectory_id(session_id: str, turn_ids: list[str]) -> str:
+    """The deterministic id of a chain of turns."""
+    digest = hashlib.sha256("\x1f".join([session_id, *turn_ids]).encode()).hexdigest()
+    return f"tr{digest[:32]}"
+
+
+class TurnSummary(BaseModel):
+    """Where one turn sits in a trajectory, and what it was."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    turn_id: str
+    start: int = Field(ge=0, description="index in token_ids of the turn's first sampled id")
+    length: int = Field(ge=0, description="how many ids it sampled")
+    finish_reason: str | None = Field(description="null: aborted")
+    policy_version: int
+    reward: float | None = Field(None, description="turn-level feedback (the latest), if any")
+    time_to_first_token_s: float | None = None
+    duration_s: float = 0.0
+
+
+class Trajectory(BaseModel):
+    """One chain of turns, token-exact, with its rewards and provenance."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = TRAJECTORY_SCHEMA_VERSION
+    trajectory_id: str
+    session_id: str
+    tenant: str
+    model: str
+    agent: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict, description="the session's metadata (e.g. group)")
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    prompt_length: int = Field(ge=0)
+    turns: list[TurnSummary]
+    num_turns: int = Field(ge=1)
+    min_policy_version: int
+    max_policy_version: int
+    reward: float | None = Field(description="the trajectory's scalar reward; null: none (by policy)")
+    reward_source: str | None = Field(None, description="'feedback', 'default', or a reward function's name")
+    aborted: bool = Field(False, description="the last turn did not finish (kept by policy)")
+    truncated: bool = Field(False, description="cut at the turn or length cap")
+    complete: bool = Field(True, description="every event of the session was there when it was emitted")
+    emitted_because: Literal["closed", "idle", "cap"]
+    started_at: float
+    ended_at: float
+
+    @property
+    def response_length(self) -> int:
+        """Ids after the first prompt."""
+        return len(self.token_ids) - self.prompt_length
+
+    def encode(self) -> bytes:
+        """The wire form: compact JSON via orjson."""
+        return orjson.dumps(self.model_dump(mode="python"))
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> Trajectory:
+        """Parse and validate."""
+        return cls.model_validate_json(data)
