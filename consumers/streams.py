@@ -1,0 +1,80 @@
+"""Names of what the consumers publish, and their provisioning.
+
+::
+
+    sg.trajectories.<tenant>.<session>   SG_TRAJECTORIES   one message per trajectory (Nats-Msg-Id = its id)
+    sg.batches.ready                     SG_BATCHES        one manifest per training batch (Nats-Msg-Id = batch id)
+    object store sg_batches              <batch id>.parquet, the batch itself
+
+Trajectories over the server's max payload travel like oversized events: in the
+``sg_payloads`` object store, with a pointer message (``pipeline.durable.publish_durable``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.durable import ensure_named_stream
+from pipeline.events import subject_token
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+    from .trajectory import Trajectory
+
+__all__ = ["ConsumerStreams", "ensure_consumer_streams"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStreams:
+    """Stream, subject and bucket names of the consumers' outputs (and the events they read)."""
+
+    prefix: str = "sg"
+    events: str = "SG_EVENTS"
+    trajectories: str = "SG_TRAJECTORIES"
+    batches: str = "SG_BATCHES"
+    payload_bucket: str = "sg_payloads"  # oversized messages (shared with the gateway's events)
+    batch_bucket: str = "sg_batches"
+    state_bucket: str = "sg_assembler"  # the assembler's per-session state (JetStream KV)
+    replicas: int = 1
+    duplicate_window_s: float = 600.0
+
+    @property
+    def event_subjects(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    @property
+    def trajectory_subjects(self) -> str:
+        return f"{self.prefix}.trajectories.>"
+
+    @property
+    def batch_subject(self) -> str:
+        return f"{self.prefix}.batches.ready"
+
+    def trajectory_subject(self, trajectory: Trajectory) -> str:
+        """Where one trajectory is published."""
+        return f"{self.prefix}.trajectories.{subject_token(trajectory.tenant)}.{subject_token(trajectory.session_id)}"
+
+
+async def ensure_consumer_streams(js: JetStreamContext, names: ConsumerStreams) -> None:
+    """Create (or update) the trajectory and batch streams and the object-store buckets."""
+    from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    common = {"replicas": names.replicas, "duplicate_window_s": names.duplicate_window_s}
+    await ensure_named_stream(js, names.trajectories, [names.trajectory_subjects], **common)  # type: ignore[arg-type]
+    await ensure_named_stream(js, names.batches, [names.batch_subject], **common)  # type: ignore[arg-type]
+    for bucket in (names.payload_bucket, names.batch_bucket):
+        try:
+            await js.object_store(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            config = ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, replicas=names.replicas)
+            await js.create_object_store(bucket, config=config)
+    try:
+        await js.key_value(names.state_bucket)
+    except (BucketNotFoundError, NotFoundError):
+        config_kv = KeyValueConfig(
+            bucket=names.state_bucket, storage=StorageType.FILE, replicas=names.replicas, history=1
+        )
+        await js.create_key_value(config=config_kv)
