@@ -141,6 +141,32 @@ def _tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _assemble(args: argparse.Namespace) -> int:
+    import anyio
+
+    from consumers.assembler import AssemblerConfig, run_assembler
+    from consumers.streams import ConsumerStreams
+
+    config = AssemblerConfig(
+        servers=tuple(s.strip() for s in args.nats_url.split(",") if s.strip()),
+        names=ConsumerStreams(prefix=args.subject_prefix, events=args.events_stream),
+        durable=args.durable,
+        idle_timeout_s=args.idle_timeout,
+        close_grace_s=args.close_grace,
+        reward_wait_s=args.reward_wait,
+        default_reward=args.default_reward,
+        reward_function=args.reward_function,
+        aborted=args.aborted,
+        max_turns=args.max_turns,
+        max_tokens=args.max_tokens,
+        ack_wait_s=args.ack_wait,
+    )
+    _progress(f"assembler {config.durable!r} reading {config.names.events} at {args.nats_url}")
+    with contextlib.suppress(KeyboardInterrupt):
+        anyio.run(run_assembler, config, _progress)
+    return 0
+
+
 def _default_data_dir() -> Path:
     return Path.home() / ".local" / "state" / "stream-gateway" / "up"
 
@@ -209,6 +235,22 @@ def _parser() -> argparse.ArgumentParser:
     tail.add_argument("--subject-prefix", default="sg", help="first token of event subjects (default sg)")
     tail.add_argument("--no-color", action="store_true", help="plain text even on a terminal")
     tail.set_defaults(run=_tail, uses_settings=False)
+
+    assemble = commands.add_parser("assemble", help="turn session events into trajectories (a durable consumer)")
+    assemble.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server(s), comma-separated")
+    assemble.add_argument("--durable", default="assembler", help="consumer name; instances with one name share work")
+    assemble.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (default SG_EVENTS)")
+    assemble.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    assemble.add_argument("--idle-timeout", type=float, default=900.0, help="emit a session idle this long (s)")
+    assemble.add_argument("--close-grace", type=float, default=30.0, help="wait for late events after close (s)")
+    assemble.add_argument("--reward-wait", type=float, default=0.0, help="wait for feedback after close (s)")
+    assemble.add_argument("--default-reward", type=float, help="reward of sessions with no feedback")
+    assemble.add_argument("--reward-function", help="module:function computing a reward per trajectory")
+    assemble.add_argument("--aborted", choices=("drop", "keep"), default="drop", help="aborted turns (default drop)")
+    assemble.add_argument("--max-turns", type=int, help="emit a session (truncated) at this many turns")
+    assemble.add_argument("--max-tokens", type=int, help="cut trajectories at this many tokens")
+    assemble.add_argument("--ack-wait", type=float, default=60.0, help="redelivery delay after a crash (s)")
+    assemble.set_defaults(run=_assemble, uses_settings=False)
 
     prepare = commands.add_parser("prepare-model", help="build/convert a local model and print its path")
     prepare.add_argument("--model", help="'smollm2' (default), 'tiny' or 'tiny-agent'")

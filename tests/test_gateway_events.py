@@ -40,6 +40,8 @@ def read_stream(url: str, stream: str = "SG_EVENTS") -> list[tuple[str, Event]]:
             js = nc.jetstream()
             info = await js.stream_info(stream)
             out: list[tuple[str, Event]] = []
+            if not info.state.messages:
+                return out
             for seq in range(info.state.first_seq, info.state.last_seq + 1):
                 msg = await js.get_msg(stream, seq)
                 out.append((msg.subject, await decode_message(msg, js)))  # type: ignore[arg-type]

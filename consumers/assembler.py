@@ -1,0 +1,390 @@
+"""The trajectory assembler: events in, each session's trajectories out, exactly once.
+
+Instances share one durable pull consumer on the events stream (JetStream hands each message
+to one of them). None of them keeps a session in memory: a session's state is a small record in
+a JetStream key-value bucket holding *references* (stream sequence numbers) to its events, the
+``seq`` of its ``session.closed`` if any, and timers. Updates are compare-and-set, so two
+instances receiving events of one session never lose each other's writes. When a session is
+due, the instance that notices loads the referenced events from the stream, builds the
+trajectories (:func:`consumers.trajectories.build_trajectories`), publishes each one with its
+deterministic id as ``Nats-Msg-Id``, then marks the session emitted.
+
+A session is due when:
+
+* **closed**: its ``session.closed`` arrived and every ``seq`` before it too (events may come out
+  of order); if some never come, after ``close_grace_s`` it is emitted marked incomplete. With
+  ``reward_wait_s`` a closed session without session-level feedback waits that long for one;
+* **idle**: no event for ``idle_timeout_s`` (the gateway evicts idle sessions too and says so
+  with ``session.closed`` reason ``idle``; this covers gateways that died);
+* **cap**: it reached ``max_turns`` turns: emitted then, truncated and marked; later events of
+  the session are acknowledged and counted as late.
+
+Exactly once, under crashes at any point: a message is acknowledged only after its effect is
+durable: after the state record that references it is stored, and, for the message that makes
+a session due, after the trajectories are published and the session is marked emitted. A
+crash before the state write: the message is redelivered (after ``ack_wait_s``) and merged
+again (merging is idempotent: refs are keyed by ``seq``). A crash after publishing but before
+marking: the redelivered message publishes the same trajectory ids again, which JetStream drops
+as duplicates (its duplicate window, 10 minutes by default, must exceed ``ack_wait_s``). A crash
+after marking: the state says emitted; the message is just acknowledged.
+
+Memory holds only the current fetch batch and, per open session this instance has seen, its
+deadline (a float): state lives in the bucket. A restarted instance scans the bucket's keys once
+to find the deadlines of sessions it never saw.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import orjson
+
+from pipeline.durable import publish_durable
+from pipeline.events import subject_token
+from pipeline.subscriber import decode_message, message_payload
+
+from .streams import ConsumerStreams, ensure_consumer_streams
+from .trajectories import SessionEvents, build_trajectories
+from .trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
+
+__all__ = ["Assembler", "AssemblerConfig", "AssemblerStatistics", "load_reward_function", "run_assembler"]
+
+log = logging.getLogger(__name__)
+
+RewardFunction = Callable[[Trajectory], "float | Awaitable[float | None] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class AssemblerConfig:
+    """How sessions become trajectories."""
+
+    servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    names: ConsumerStreams = field(default_factory=ConsumerStreams)
+    durable: str = "assembler"
+    idle_timeout_s: float = 900.0
+    close_grace_s: float = 30.0
+    reward_wait_s: float = 0.0
+    default_reward: float | None = None  # for sessions with no feedback and no reward function result
+    reward_function: str | None = None  # "module:function", called per trajectory, may be async
+    reward_timeout_s: float = 10.0
+    aborted: Literal["drop", "keep"] = "drop"
+    max_turns: int | None = None
+    max_tokens: int | None = None
+    ack_wait_s: float = 60.0
+    fetch_batch: int = 256
+    sweep_interval_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class AssemblerStatistics:
+    """Counters since start."""
+
+    events: int
+    sessions_emitted: int
+    trajectories: int
+    late_events: int
+    sessions_waiting: int  # open sessions this instance holds a deadline for
+    rewards_pending: int  # closed sessions waiting for feedback
+    conflicts: int  # compare-and-set retries (another instance wrote first)
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """``"package.module:function"`` → the function; a clear error if either is missing."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"reward function {spec!r}: expected 'module:function'")
+    function = getattr(importlib.import_module(module_name), name, None)
+    if not callable(function):
+        raise ValueError(f"reward function {spec!r}: {module_name} has no callable {name!r}")
+    return function  # type: ignore[no-any-return]
+
+
+class Assembler:
+    """One assembler instance; ``await run()`` until cancelled."""
+
+    def __init__(self, config: AssemblerConfig, progress: Callable[[str], None] | None = None) -> None:
+        self._config = config
+        self._progress = progress
+        self._reward_function = load_reward_function(config.reward_function) if config.reward_function else None
+        self._deadlines: dict[str, float] = {}  # state key -> when to look at the session again
+        self._waiting_reward: set[str] = set()
+        self._events = self._emitted = self._trajectories = self._late = self._conflicts = 0
+
+    def statistics(self) -> AssemblerStatistics:
+        """A snapshot of the counters."""
+        return AssemblerStatistics(
+            events=self._events,
+            sessions_emitted=self._emitted,
+            trajectories=self._trajectories,
+            late_events=self._late,
+            sessions_waiting=len(self._deadlines),
+            rewards_pending=len(self._waiting_reward),
+            conflicts=self._conflicts,
+        )
+
+    async def run(self) -> None:
+        """Consume, assemble and publish until cancelled."""
+        import nats
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        config, names = self._config, self._config.names
+        nc = await nats.connect(list(config.servers), name=f"assembler-{config.durable}", max_reconnect_attempts=-1)
+        try:
+            js = nc.jetstream()
+            await ensure_consumer_streams(js, names)
+            kv = await js.key_value(names.state_bucket)
+            subscription = await js.pull_subscribe(
+                names.event_subjects,
+                durable=config.durable,
+                stream=names.events,
+                config=ConsumerConfig(
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    ack_wait=config.ack_wait_s,
+                    max_ack_pending=max(config.fetch_batch * 8, 1024),
+                ),
+            )
+            await self._load_deadlines(kv)
+            work = _Work(nc, js, kv)
+            last_report = time.monotonic()
+            while True:
+                try:
+                    messages = await subscription.fetch(config.fetch_batch, timeout=config.sweep_interval_s)
+                except nats.errors.TimeoutError:
+                    messages = []
+                if messages:
+                    await self._handle(work, messages)
+                await self._sweep(work)
+                if self._progress is not None and time.monotonic() - last_report >= 10:
+                    last_report = time.monotonic()
+                    s = self.statistics()
+                    self._progress(
+                        f"assembler: {s.events} events, {s.sessions_waiting} sessions open, "
+                        f"{s.sessions_emitted} emitted ({s.trajectories} trajectories), "
+                        f"{s.rewards_pending} waiting for rewards"
+                    )
+        finally:
+            with anyio.move_on_after(2, shield=True):
+                await nc.close()
+
+    # -- consuming -------------------------------------------------------------------------------
+
+    async def _handle(self, work: _Work, messages: list[Msg]) -> None:
+        by_session: dict[str, list[tuple[Msg, dict[str, Any]]]] = {}
+        for msg in messages:
+            self._events += 1
+            try:
+                body = orjson.loads(await message_payload(msg, work.js))
+                session_id, tenant, seq, kind = body["session_id"], body["tenant"], body["seq"], body["kind"]
+            except Exception:
+                log.exception("undecodable message %s on %s: skipped", msg.metadata.sequence.stream, msg.subject)
+                await msg.ack()
+                continue
+            if session_id is None:  # policy.updated and the like: not part of any trajectory
+                await msg.ack()
+                continue
+            key = f"s.{subject_token(tenant)}.{subject_token(session_id)}"
+            entry = {"seq": seq, "kind": kind, "ref": msg.metadata.sequence.stream, "session_id": session_id}
+            entry["tenant"] = tenant
+            by_session.setdefault(key, []).append((msg, entry))
+        for key, items in by_session.items():
+            state = await self._merge(work, key, [entry for _, entry in items])
+            if state is not None and not state.get("emitted"):
+                await self._emit_if_due(work, key, state)
+            for msg, _ in items:
+                await msg.ack()
+
+    async def _merge(self, work: _Work, key: str, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Add the entries' refs to the session's state record (compare-and-set); the new state."""
+        now = time.time()
+        while True:
+            state, revision = await work.load(key)
+            if state is None:
+                state = {"session_id": entries[0]["session_id"], "tenant": entries[0]["tenant"], "refs": {}}
+                state |= {"kinds": {}, "closed_seq": None, "closed_at": None, "emitted": False}
+            if state["emitted"]:
+                self._late += len(entries)
+                return state
+            for entry in entries:
+                seq = str(entry["seq"])
+                state["refs"][seq] = entry["ref"]
+                state["kinds"][seq] = entry["kind"]
+                if entry["kind"] == "session.closed" and state["closed_seq"] is None:
+                    state["closed_seq"], state["closed_at"] = entry["seq"], now
+            state["seen_at"] = now
+            if await work.store(key, state, revision):
+                self._deadlines[key] = self._deadline(state)
+                return state
+            self._conflicts += 1
+
+    def _deadline(self, state: dict[str, Any]) -> float:
+        config = self._config
+        if state["closed_seq"] is None:
+            return float(state["seen_at"]) + config.idle_timeout_s
+        return float(state["closed_at"]) + max(config.close_grace_s, config.reward_wait_s)
+
+    async def _sweep(self, work: _Work) -> None:
+        now = time.time()
+        for key in [k for k, due in self._deadlines.items() if due <= now]:
+            state, _ = await work.load(key)
+            if state is None or state["emitted"]:
+                self._deadlines.pop(key, None)
+                continue
+            await self._emit_if_due(work, key, state, timed_out=True)
+
+    async def _load_deadlines(self, kv: KeyValue) -> None:
+        from nats.js.errors import NoKeysError
+
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            return
+        for key in keys:
+            state = orjson.loads((await kv.get(key)).value or b"{}")
+            if state and not state.get("emitted"):
+                self._deadlines[key] = self._deadline(state)
+
+    # -- emitting --------------------------------------------------------------------------------
+
+    async def _emit_if_due(self, work: _Work, key: str, state: dict[str, Any], *, timed_out: bool = False) -> None:
+        config = self._config
+        kinds: dict[str, str] = state["kinds"]
+        turns = sum(kind in ("turn.completed", "turn.aborted") for kind in kinds.values())
+        closed_seq = state["closed_seq"]
+        because: Literal["closed", "idle", "cap"]
+        complete = True
+        if config.max_turns is not None and turns >= config.max_turns:
+            because = "cap"
+        elif closed_seq is not None:
+            complete = all(str(s) in kinds for s in range(closed_seq))
+            has_feedback = "feedback.recorded" in kinds.values()
+            waited = time.time() - float(state["closed_at"])
+            if not complete and waited < config.close_grace_s:
+                return
+            if not has_feedback and config.reward_wait_s and waited < config.reward_wait_s:
+                self._waiting_reward.add(key)
+                return
+            because = "closed"
+        elif timed_out:
+            because = "idle"
+            complete = all(str(s) in kinds for s in range(len(kinds)))
+        else:
+            return
+        await self._emit(work, key, state, because, complete)
+
+    async def _emit(
+        self, work: _Work, key: str, state: dict[str, Any], because: Literal["closed", "idle", "cap"], complete: bool
+    ) -> None:
+        config, names = self._config, self._config.names
+        events = []
+        for ref in state["refs"].values():
+            raw = await work.js.get_msg(names.events, ref)
+            events.append(await decode_message(raw, work.js))  # type: ignore[arg-type]
+        trajectories = build_trajectories(
+            SessionEvents.of(events),
+            emitted_because=because,
+            complete=complete,
+            keep_aborted=config.aborted == "keep",
+            max_turns=config.max_turns,
+            max_tokens=config.max_tokens,
+            default_reward=None if self._reward_function is not None else config.default_reward,
+        )
+        if self._reward_function is not None:
+            trajectories = [await self._apply_reward(t) for t in trajectories]
+        for trajectory in trajectories:
+            await publish_durable(
+                work.nc,
+                work.js,
+                names.trajectory_subject(trajectory),
+                trajectory.trajectory_id,
+                trajectory.encode(),
+                bucket=names.payload_bucket,
+            )
+        while True:  # mark emitted; a concurrent writer only ever adds refs, which come too late now
+            current, revision = await work.load(key)
+            if current is None or current["emitted"]:
+                break
+            current |= {
+                "emitted": True,
+                "emitted_because": because,
+                "trajectory_ids": [t.trajectory_id for t in trajectories],
+            }
+            if await work.store(key, current, revision):
+                break
+            self._conflicts += 1
+        self._deadlines.pop(key, None)
+        self._waiting_reward.discard(key)
+        self._emitted += 1
+        self._trajectories += len(trajectories)
+        log.info("session %s: %d trajectories (%s)", state["session_id"], len(trajectories), because)
+
+    async def _apply_reward(self, trajectory: Trajectory) -> Trajectory:
+        if trajectory.reward_source == "feedback":
+            return trajectory  # a live user's score wins over a program's
+        assert self._reward_function is not None
+        name = self._config.reward_function
+        try:
+            with anyio.fail_after(self._config.reward_timeout_s):
+                value = self._reward_function(trajectory)
+                if inspect.isawaitable(value):
+                    value = await value
+        except Exception as exc:  # a broken reward function must not stop the assembler
+            log.warning("reward function %s failed on %s: %r", name, trajectory.trajectory_id, exc)
+            value = None
+        if value is None:
+            value, source = self._config.default_reward, "default" if self._config.default_reward is not None else None
+        else:
+            source = name
+        return trajectory.model_copy(
+            update={"reward": None if value is None else float(value), "reward_source": source}
+        )
+
+
+@dataclass(slots=True)
+class _Work:
+    """The connection and bucket one run uses."""
+
+    nc: Client
+    js: JetStreamContext
+    kv: KeyValue
+
+    async def load(self, key: str) -> tuple[dict[str, Any] | None, int | None]:
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None, None
+        return orjson.loads(entry.value or b"{}"), entry.revision
+
+    async def store(self, key: str, state: dict[str, Any], revision: int | None) -> bool:
+        """Write if nobody wrote since ``revision`` (``None``: if the key does not exist)."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        data = orjson.dumps(state)
+        try:
+            if revision is None:
+                await self.kv.create(key, data)
+            else:
+                await self.kv.update(key, data, last=revision)
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+
+async def run_assembler(config: AssemblerConfig, progress: Callable[[str], None] | None = None) -> None:
+    """Run one assembler instance until cancelled."""
+    await Assembler(config, progress).run()

@@ -1,0 +1,167 @@
+"""Building trajectories from one session's events: a pure function, order- and duplicate-blind.
+
+:func:`build_trajectories` takes whatever events of a session arrived (any order, any number
+of copies) and returns the same trajectories for the same set of events: events are keyed by
+``seq``, turns by id, and output is sorted. Each trajectory is a root-to-leaf chain of the turn
+tree the events describe. A turn whose parent is missing (a session emitted incomplete), or
+whose reference to its parent's ids does not add up, cannot be rebuilt exactly: it is left out,
+with its descendants, and logged. (Events from this gateway never splice, so this only happens
+when events were lost or cut by the stream's retention.)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnRecord
+
+from .trajectory import Trajectory, TurnSummary, trajectory_id
+
+__all__ = ["SessionEvents", "build_trajectories"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEvents:
+    """One session's durable events, deduplicated by ``seq`` and sorted."""
+
+    events: tuple[Event, ...]
+
+    @classmethod
+    def of(cls, events: Iterable[Event]) -> SessionEvents:
+        by_seq: dict[int, Event] = {}
+        for event in events:
+            by_seq.setdefault(event.seq, event)
+        return cls(tuple(by_seq[s] for s in sorted(by_seq)))
+
+    @property
+    def session_feedback(self) -> list[FeedbackRecorded]:
+        return [e for e in self.events if isinstance(e, FeedbackRecorded) and e.turn_id is None]
+
+
+def build_trajectories(
+    session: SessionEvents,
+    *,
+    emitted_because: Literal["closed", "idle", "cap"],
+    complete: bool = True,
+    keep_aborted: bool = False,
+    max_turns: int | None = None,
+    max_tokens: int | None = None,
+    default_reward: float | None = None,
+) -> list[Trajectory]:
+    """Every chain of the session's turn tree as a trajectory (see the module docstring)."""
+    events = session.events
+    opened = next((e for e in events if isinstance(e, SessionOpened)), None)
+    records = [e for e in events if isinstance(e, TurnRecord) and (keep_aborted or e.kind == "turn.completed")]
+    records.sort(key=lambda r: (r.started_at, r.seq))
+    capped = max_turns is not None and len(records) > max_turns
+    if max_turns is not None:
+        records = records[:max_turns]
+    if not records:
+        return []
+    turn_rewards = {e.turn_id: e.score for e in events if isinstance(e, FeedbackRecorded) and e.turn_id is not None}
+    session_rewards = session.session_feedback
+    reward = session_rewards[-1].score if session_rewards else default_reward
+    reward_source = "feedback" if session_rewards else ("default" if default_reward is not None else None)
+
+    turns = {r.turn_id: r for r in records}
+    full: dict[str, list[int]] = {}  # turn id -> its whole prompt + its output
+    parent_of: dict[str, str | None] = {}
+    for record in records:  # parents start before their children, so they come first
+        parent = record.parent_turn_id
+        if parent is not None and (parent not in full or len(full[parent]) != record.reused_prompt_tokens):
+            log.warning(
+                "session %s: turn %s cannot be rebuilt (parent %s missing)", record.session_id, record.turn_id, parent
+            )
+            continue
+        prompt = [*full[parent], *record.prompt_ids] if parent is not None else list(record.prompt_ids)
+        parent_of[record.turn_id] = parent
+        full[record.turn_id] = [*prompt, *record.output_ids]
+    has_child = {p for p in parent_of.values() if p is not None}
+    trajectories = []
+    for leaf in (t for t in parent_of if t not in has_child):
+        path = [leaf]
+        while (up := parent_of[path[-1]]) is not None:
+            path.append(up)
+        path.reverse()
+        chain = [turns[t] for t in path]
+        trajectories.append(
+            _trajectory(
+                chain, opened, turn_rewards, reward, reward_source, emitted_because, complete, capped, max_tokens
+            )
+        )
+    trajectories.sort(key=lambda t: (t.started_at, t.trajectory_id))
+    return trajectories
+
+
+def _trajectory(
+    chain: list[TurnRecord],
+    opened: SessionOpened | None,
+    turn_rewards: dict[str, float],
+    reward: float | None,
+    reward_source: str | None,
+    emitted_because: Literal["closed", "idle", "cap"],
+    complete: bool,
+    capped: bool,
+    max_tokens: int | None,
+) -> Trajectory:
+    root = chain[0]
+    tokens = list(root.prompt_ids)
+    prompt_length = len(tokens)
+    mask = [0] * prompt_length
+    logprobs = [0.0] * prompt_length
+    summaries = []
+    for i, turn in enumerate(chain):
+        if i:  # what this turn appended after its parent's output: tool results, user text, template
+            tokens.extend(turn.prompt_ids)
+            mask.extend([0] * len(turn.prompt_ids))
+            logprobs.extend([0.0] * len(turn.prompt_ids))
+        summaries.append(
+            TurnSummary(
+                turn_id=turn.turn_id,
+                start=len(tokens),
+                length=len(turn.output_ids),
+                finish_reason=getattr(turn, "finish_reason", None),
+                policy_version=turn.policy_version,
+                reward=turn_rewards.get(turn.turn_id),
+                time_to_first_token_s=turn.time_to_first_token_s,
+                duration_s=turn.duration_s,
+            )
+        )
+        tokens.extend(turn.output_ids)
+        mask.extend([1] * len(turn.output_ids))
+        logprobs.extend(turn.logprobs)
+    truncated = capped
+    if max_tokens is not None and len(tokens) > max_tokens:
+        tokens, mask, logprobs = tokens[:max_tokens], mask[:max_tokens], logprobs[:max_tokens]
+        summaries = [s for s in summaries if s.start < max_tokens]
+        truncated = True
+    versions = [t.policy_version for t in chain]
+    return Trajectory(
+        trajectory_id=trajectory_id(root.session_id or "", [t.turn_id for t in chain]),
+        session_id=root.session_id or "",
+        tenant=root.tenant,
+        model=root.model,
+        agent=opened.agent if opened is not None else None,
+        metadata=dict(opened.metadata) if opened is not None else {},
+        token_ids=tokens,
+        loss_mask=mask,
+        logprobs=logprobs,
+        prompt_length=prompt_length,
+        turns=summaries,
+        num_turns=len(summaries),
+        min_policy_version=min(versions),
+        max_policy_version=max(versions),
+        reward=reward,
+        reward_source=reward_source,
+        aborted=chain[-1].kind == "turn.aborted",
+        truncated=truncated,
+        complete=complete,
+        emitted_because=emitted_because,
+        started_at=root.started_at,
+        ended_at=chain[-1].started_at + chain[-1].duration_s,
+    )
