@@ -117,15 +117,19 @@ def _tail(args: argparse.Namespace) -> int:
     import anyio
 
     from pipeline.streams import StreamSpec
-    from pipeline.tail import TailFilter, tail_events
+    from pipeline.tail import TailError, TailFilter, tail_events
 
-    flt = TailFilter(
-        session=args.session,
-        tenant=args.tenant,
-        kinds=tuple(args.kinds or ()),
-        live=args.live,
-        from_start=args.from_start,
-    )
+    try:
+        flt = TailFilter(
+            session=args.session,
+            tenant=args.tenant,
+            kinds=tuple(args.kinds or ()),
+            live=args.live,
+            from_start=args.from_start,
+        )
+    except ValueError as exc:  # an unknown kind
+        print(f"stream-gateway tail: {exc}", file=sys.stderr)
+        return 2
     spec = StreamSpec(prefix=args.subject_prefix, stream=args.events_stream)
     servers = [s.strip() for s in args.nats_url.split(",") if s.strip()]
     color = sys.stdout.isatty() and not args.no_color
@@ -136,8 +140,12 @@ def _tail(args: argparse.Namespace) -> int:
     async def run() -> int:
         return await tail_events(servers, spec, flt, write, limit=args.limit, color=color)
 
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how one stops watching
-        anyio.run(run)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how one stops watching
+            anyio.run(run)
+    except TailError as exc:
+        print(f"stream-gateway tail: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
