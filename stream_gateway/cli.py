@@ -164,6 +164,7 @@ def _assemble(args: argparse.Namespace) -> int:
         reward_wait_s=args.reward_wait,
         default_reward=args.default_reward,
         reward_function=args.reward_function,
+        reward_timeout_s=args.reward_timeout,
         aborted=args.aborted,
         max_turns=args.max_turns,
         max_tokens=args.max_tokens,
@@ -254,6 +255,7 @@ def _parser() -> argparse.ArgumentParser:
     assemble.add_argument("--reward-wait", type=float, default=0.0, help="wait for feedback after close (s)")
     assemble.add_argument("--default-reward", type=float, help="reward of sessions with no feedback")
     assemble.add_argument("--reward-function", help="module:function computing a reward per trajectory")
+    assemble.add_argument("--reward-timeout", type=float, default=10.0, help="reward function time limit (s)")
     assemble.add_argument("--aborted", choices=("drop", "keep"), default="drop", help="aborted turns (default drop)")
     assemble.add_argument("--max-turns", type=int, help="emit a session (truncated) at this many turns")
     assemble.add_argument("--max-tokens", type=int, help="cut trajectories at this many tokens")
