@@ -1,0 +1,315 @@
+"""verl training batches from trajectories: the padded ``DataProto`` layout and the jagged ``TensorDict`` one.
+
+Both layouts follow verl 0.9.1's own code, not a reading of its docs:
+
+* **Padded** (:func:`padded_batch`, :func:`to_data_proto`): what
+  ``verl.experimental.agent_loop.agent_loop.AgentLoopWorker._agent_loop_postprocess`` and
+  ``_postprocess`` build. ``prompts`` left-padded with the pad id, ``responses`` right-padded,
+  ``attention_mask`` = the two pad masks side by side, ``position_ids`` =
+  ``verl.utils.model.compute_position_id_with_mask(attention_mask)`` (cumsum - 1, clipped at 0),
+  ``response_mask`` = mask x response attention mask (int64), ``rollout_log_probs`` float32
+  zero-padded, ``rm_scores`` float32 with the reward at ``attention_mask[:, P:].sum(1) - 1``.
+  The tests run those two verl methods on the same rows and get the same tensors, bit for bit.
+* **Jagged** (:func:`to_jagged_tensordict`): what verl's v1 trainers keep per sample
+  (``verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ._agent_loop_postprocess``, which stores
+  ``AgentLoopOutput.as_dict()`` plus ``loss_mask``/``input_ids``/``position_ids``, stacked by
+  ``verl.utils.tensordict_utils.list_of_dict_to_tensordict``): every per-token field is a
+  ``torch.jagged`` nested tensor of the sample's real length, no padding anywhere. Its
+  ``input_ids``/``position_ids`` equal what ``verl.workers.utils.padding.left_right_2_no_padding``
+  makes of the padded batch (the tests check both constructions against verl's own).
+
+Where this module deliberately differs from verl's agent loop, and why:
+
+* ``rm_scores`` is always present: a trajectory without a reward (``reward=None``, kept by policy)
+  scores 0.0. verl leaves ``rm_scores`` out of a batch unless every row has a score, and then
+  computes rewards itself; our rewards were joined upstream, so a batch never waits for them.
+* ``__num_turns__`` counts messages the way verl's agent loops do (``ToolAgentLoop``:
+  ``user_turns + assistant_turns + 1``; ``SingleTurnAgentLoop``: 2): the first prompt, each
+  generation, and each insertion between generations (tool results, user messages), i.e.
+  ``2 * trajectory.num_turns``. It is not the number of generations.
+* A row must have a non-empty prompt and a non-empty response: verl's ``no_padding_2_padding``
+  asserts ``prompt_len > 0``, and ``AgentLoopOutput.as_dict`` cannot place the reward of an
+  empty response (``rm_scores[-1]`` of an empty tensor). Dropping such rows is the batcher's job.
+* No ``raw_prompt`` (we have token ids, not the dataset's messages) and no ``metrics`` per row.
+
+verl and tensordict are optional (the ``verl`` extra): they are imported inside the functions
+that need them. ``import verl`` pulls in ray, sets up the root logger
+(``logging.basicConfig``) and takes seconds, so nothing here imports it at module import time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+
+__all__ = [
+    "PaddedBatch",
+    "group_uid",
+    "padded_batch",
+    "to_data_proto",
+    "to_jagged_tensordict",
+]
+
+# verl's AgentLoopWorker._postprocess always fills these per-row keys (None where unknown), so that
+# batches from different agent loops concatenate; we fill them too.
+_EXTRA_FIELD_KEYS = ("turn_scores", "tool_rewards", "min_global_steps", "max_global_steps", "extras")
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedBatch:
+    """A batch in verl's padded layout: the three parts of a ``DataProto``.
+
+    ``tensors`` (B rows, P = ``prompt_length``, R = ``response_length``): ``prompts`` [B,P] and
+    ``responses`` [B,R] int64; ``response_mask`` [B,R] int64; ``input_ids``, ``attention_mask``,
+    ``position_ids`` [B,P+R] int64; ``rollout_log_probs`` and ``rm_scores`` [B,R] float32.
+
+    ``non_tensors``: one-dimensional arrays of length B: ``uid``, ``trajectory_id``,
+    ``session_id`` (str, dtype object); ``__num_turns__`` (int32, as verl); ``multi_modal_inputs``
+    (empty dicts: verl's trainer iterates it unconditionally); ``turn_scores`` (turn-level
+    rewards in turn order), ``tool_rewards`` (empty lists), ``min_global_steps`` and
+    ``max_global_steps`` (the policy versions the trajectory spans), ``extras`` (None), all
+    dtype object as verl's ``extra_fields``.
+
+    ``meta_info``: ``timing`` (empty; verl's trainer pops it) and ``reward_extra_keys`` (empty).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    non_tensors: dict[str, npt.NDArray[Any]]
+    meta_info: dict[str, Any]
+
+    def __len__(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One trajectory cut where verl cuts it: the first prompt, and everything after."""
+
+    prompt: list[int]
+    response: list[int]
+    mask: list[int]
+    logprobs: list[float]
+
+
+def group_uid(trajectory: Trajectory, key: str) -> str:
+    """The GRPO group a trajectory belongs to, by ``key``.
+
+    ``"metadata:<name>"``: the session's ``metadata[name]`` (a :class:`ValueError` if missing);
+    ``"prompt"``: the sha256 of the first prompt's token ids (``token_ids[:prompt_length]``), so
+    trajectories that started from the same tokens share a group.
+    """
+    if key == "prompt":
+        prompt = trajectory.token_ids[: trajectory.prompt_length]
+        return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()
+    if key.startswith("metadata:") and len(key) > len("metadata:"):
+        name = key.removeprefix("metadata:")
+        try:
+            return trajectory.metadata[name]
+        except KeyError:
+            raise ValueError(
+                f"trajectory {trajectory.trajectory_id} (session {trajectory.session_id}) has no metadata "
+                f"`{name}` to group by (it has {sorted(trajectory.metadata)})"
+            ) from None
+    raise ValueError(f"unknown group key {key!r}: expected 'prompt' or 'metadata:<name>'")
+
+
+def padded_batch(
+    trajectories: Sequence[Trajectory],
+    uids: Sequence[str],
+    *,
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+) -> PaddedBatch:
+    """The padded layout of verl's agent loop (see the module docstring) for ``trajectories``.
+
+    ``uids[i]`` is row i's group id (GRPO's ``index``). A prompt longer than ``prompt_length`` or
+    a response longer than ``response_length`` is a :class:`ValueError`: truncating or dropping
+    is the batcher's decision, made before this.
+    """
+    if prompt_length < 1 or response_length < 1:
+        raise ValueError(f"prompt_length and response_length must be >= 1, got {prompt_length}, {response_length}")
+    rows = _rows(trajectories, uids)
+    size = len(rows)
+    prompts = torch.full((size, prompt_length), pad_token_id, dtype=torch.int64)
+    responses = torch.full((size, response_length), pad_token_id, dtype=torch.int64)
+    prompt_attention = torch.zeros((size, prompt_length), dtype=torch.int64)
+    response_attention = torch.zeros((size, response_length), dtype=torch.int64)
+    response_mask = torch.zeros((size, response_length), dtype=torch.int64)
+    rollout_log_probs = torch.zeros((size, response_length), dtype=torch.float32)
+    for i, (trajectory, row) in enumerate(zip(trajectories, rows, strict=True)):
+        if len(row.prompt) > prompt_length:
+            raise ValueError(
+                f"trajectory {trajectory.trajectory_id}: prompt of {len(row.prompt)} tokens is longer than "
+                f"prompt_length={prompt_length} (truncate or drop it before batching)"
+            )
+        if len(row.response) > response_length:
+            raise ValueError(
+                f"trajectory {trajectory.trajectory_id}: response of {len(row.response)} tokens is longer than "
+                f"response_length={response_length} (truncate or drop it before batching)"
+            )
+        p, r = len(row.prompt), len(row.response)
+        prompts[i, prompt_length - p :] = torch.tensor(row.prompt, dtype=torch.int64)
+        prompt_attention[i, prompt_length - p :] = 1
+        responses[i, :r] = torch.tensor(row.response, dtype=torch.int64)
+        response_attention[i, :r] = 1
+        mask = torch.tensor(row.mask, dtype=torch.int64)
+        response_mask[i, :r] = mask
+        # Non-sampled positions carry 0.0 (contract T1); enforced here rather than trusted.
+        logprobs = torch.tensor(row.logprobs, dtype=torch.float32)
+        rollout_log_probs[i, :r] = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
+    attention_mask = torch.cat([prompt_attention, response_attention], dim=1)
+    # verl.utils.model.compute_position_id_with_mask, as the agent loop uses for text-only models.
+    position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    # AgentLoopWorker._postprocess: the score sits at the last valid response position.
+    rm_scores = torch.zeros((size, response_length), dtype=torch.float32)
+    last = response_attention.sum(dim=1) - 1
+    rm_scores[torch.arange(size), last] = torch.tensor([_reward(t) for t in trajectories], dtype=torch.float32)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "rollout_log_probs": rollout_log_probs,
+        "rm_scores": rm_scores,
+    }
+    non_tensors: dict[str, npt.NDArray[Any]] = {
+        "uid": _objects(list(uids)),
+        "__num_turns__": np.array([_verl_num_turns(t) for t in trajectories], dtype=np.int32),
+        "trajectory_id": _objects([t.trajectory_id for t in trajectories]),
+        "session_id": _objects([t.session_id for t in trajectories]),
+        "multi_modal_inputs": _objects([{} for _ in trajectories]),
+    }
+    extra = [_extra_fields(t) for t in trajectories]
+    for key in _EXTRA_FIELD_KEYS:
+        non_tensors[key] = _objects([e[key] for e in extra])
+    return PaddedBatch(tensors, non_tensors, {"timing": {}, "reward_extra_keys": []})
+
+
+def to_data_proto(batch: PaddedBatch) -> DataProto:
+    """The batch as a ``verl.protocol.DataProto`` (its ``check_consistency`` runs on construction).
+
+    The tensors are shared, not copied; the dicts are (``DataProto.from_dict`` mutates them).
+    """
+    from verl.protocol import DataProto
+
+    proto: DataProto = DataProto.from_dict(
+        tensors=dict(batch.tensors), non_tensors=dict(batch.non_tensors), meta_info=dict(batch.meta_info)
+    )
+    return proto
+
+
+def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]) -> TensorDict:
+    """The trajectories in the per-sample, no-padding layout of verl's v1 trainers.
+
+    Nested (``torch.jagged``) tensors, one component per row at its real length: ``prompts``,
+    ``responses``, ``response_mask`` and ``loss_mask`` (the same values, as verl v1 keeps both),
+    ``input_ids`` (prompt + response), ``position_ids`` (``0..len-1``), all int64;
+    ``rollout_log_probs`` and ``rm_scores`` (the reward on the last response token) float32.
+    Per-row non-tensor data (``NonTensorStack``): ``uid``, ``num_turns`` (counted as verl does, see
+    the module docstring), ``trajectory_id``, ``session_id`` (ours, a string; verl v1's agent loop
+    uses a ``session_id`` of its own, the rollout index, only to build TransferQueue keys),
+    ``extra_fields`` (a dict with ``turn_scores``, ``tool_rewards``, ``min_global_steps``,
+    ``max_global_steps``, ``extras``) and ``multi_modal_inputs`` (empty dicts). No length limits:
+    nothing is padded.
+    """
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    rows = _rows(trajectories, uids)
+
+    def nested(values: list[list[int]] | list[list[float]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.nested.as_nested_tensor([torch.tensor(v, dtype=dtype) for v in values], layout=torch.jagged)
+
+    def stack(values: list[Any]) -> Any:
+        return NonTensorStack.from_list([NonTensorData(v) for v in values])
+
+    masks = [row.mask for row in rows]
+    source: dict[str, Any] = {
+        "prompts": nested([row.prompt for row in rows], torch.int64),
+        "responses": nested([row.response for row in rows], torch.int64),
+        "response_mask": nested(masks, torch.int64),
+        "loss_mask": nested(masks, torch.int64),
+        "input_ids": nested([row.prompt + row.response for row in rows], torch.int64),
+        "position_ids": nested([list(range(len(row.prompt) + len(row.response))) for row in rows], torch.int64),
+        "rollout_log_probs": nested(
+            [[lp if m else 0.0 for lp, m in zip(row.logprobs, row.mask, strict=True)] for row in rows],
+            torch.float32,
+        ),
+        "rm_scores": nested(
+            [[0.0] * (len(row.response) - 1) + [_reward(t)] for t, row in zip(trajectories, rows, strict=True)],
+            torch.float32,
+        ),
+        "uid": stack(list(uids)),
+        "num_turns": stack([_verl_num_turns(t) for t in trajectories]),
+        "trajectory_id": stack([t.trajectory_id for t in trajectories]),
+        "session_id": stack([t.session_id for t in trajectories]),
+        "extra_fields": stack([_extra_fields(t) for t in trajectories]),
+        "multi_modal_inputs": stack([{} for _ in trajectories]),
+    }
+    return TensorDict(source, batch_size=[len(rows)])
+
+
+def _rows(trajectories: Sequence[Trajectory], uids: Sequence[str]) -> list[_Row]:
+    if not trajectories:
+        raise ValueError("a batch needs at least one trajectory")
+    if len(uids) != len(trajectories):
+        raise ValueError(f"{len(uids)} uids for {len(trajectories)} trajectories")
+    return [_row(t) for t in trajectories]
+
+
+def _row(trajectory: Trajectory) -> _Row:
+    ids, mask, logprobs, p = trajectory.token_ids, trajectory.loss_mask, trajectory.logprobs, trajectory.prompt_length
+    where = f"trajectory {trajectory.trajectory_id}"
+    if not len(ids) == len(mask) == len(logprobs):
+        raise ValueError(f"{where}: {len(ids)} token ids, {len(mask)} mask values and {len(logprobs)} logprobs")
+    if any(m not in (0, 1) for m in mask):
+        raise ValueError(f"{where}: loss_mask holds values other than 0 and 1")
+    if not 0 < p < len(ids):
+        raise ValueError(
+            f"{where}: prompt_length {p} of {len(ids)} tokens leaves an empty prompt or response "
+            "(verl needs both non-empty)"
+        )
+    if any(mask[:p]):
+        raise ValueError(f"{where}: sampled (mask 1) tokens inside the first prompt would be lost")
+    return _Row(list(ids[:p]), list(ids[p:]), list(mask[p:]), list(logprobs[p:]))
+
+
+def _reward(trajectory: Trajectory) -> float:
+    return 0.0 if trajectory.reward is None else trajectory.reward
+
+
+def _verl_num_turns(trajectory: Trajectory) -> int:
+    # The first prompt, each generation, and the insertion between consecutive generations.
+    return 2 * trajectory.num_turns
+
+
+def _extra_fields(trajectory: Trajectory) -> dict[str, Any]:
+    return {
+        "turn_scores": [turn.reward for turn in trajectory.turns if turn.reward is not None],
+        "tool_rewards": [],
+        "min_global_steps": trajectory.min_policy_version,
+        "max_global_steps": trajectory.max_policy_version,
+        "extras": None,
+    }
+
+
+def _objects(values: list[Any]) -> npt.NDArray[Any]:
+    # Element by element: numpy would otherwise turn equal-length lists into a 2-D array.
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
