@@ -73,6 +73,8 @@ __all__ = [
 SCHEMA_VERSION: Literal[1] = 1
 
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Serialization-mode JSON Schemas mark defaulted fields required: the wire always carries them.
+_MODEL_CONFIG = ConfigDict(frozen=True, extra="forbid", json_schema_serialization_defaults_required=True)
 
 
 def new_event_id() -> str:
@@ -97,10 +99,10 @@ def subject_token(value: str) -> str:
 class Event(BaseModel):
     """Fields every event has."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _MODEL_CONFIG
 
-    schema_version: Literal[1] = SCHEMA_VERSION
-    kind: str
+    schema_version: Literal[1] = Field(SCHEMA_VERSION, description="bumped on an incompatible change")
+    kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
     time: float = Field(description="when it happened, Unix seconds")
     tenant: str = Field(description="digest of the caller's API key ('anonymous' without one)")
@@ -129,71 +131,73 @@ class SessionClosed(Event):
     """No more turns will be added to this session."""
 
     kind: Literal["session.closed"] = "session.closed"
-    reason: Literal["client", "idle", "evicted", "shutdown"]
+    reason: Literal["client", "idle", "evicted", "shutdown"] = Field(
+        description="closed by the client, idle too long, evicted to make room, or the gateway shut down"
+    )
     turns: int = Field(ge=0, description="turns recorded in the session")
 
 
 class SamplingRecord(BaseModel):
     """The sampling parameters a turn ran with."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _MODEL_CONFIG
 
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int
-    seed: int | None
+    temperature: float = Field(description="the engine's temperature (the request's, or the default)")
+    top_p: float = Field(description="nucleus sampling mass; 1.0: no cut")
+    top_k: int = Field(description="0 (or -1): no top-k cut")
+    max_tokens: int = Field(description="the most output tokens the turn could sample")
+    seed: int | None = Field(description="the request's seed; null: unseeded")
 
 
 class TurnStarted(Event):
     """A generation was admitted to the engine."""
 
     kind: Literal["turn.started"] = "turn.started"
-    turn_id: str
-    parent_turn_id: str | None
+    turn_id: str = Field(description="unique id of the turn (one generation of one choice)")
+    parent_turn_id: str | None = Field(description="the turn this one continues; null: a root")
     request_id: str = Field(description="the chat completion id the client received")
-    choice_index: int = Field(ge=0)
-    prompt_tokens: int = Field(ge=0)
+    choice_index: int = Field(ge=0, description="which of the request's `n` choices")
+    prompt_tokens: int = Field(ge=0, description="length of the whole prompt in tokens")
     reused_prompt_tokens: int = Field(ge=0, description="leading prompt ids that are the parent's prompt + output")
-    sampling: SamplingRecord
+    sampling: SamplingRecord = Field(description="the sampling parameters it runs with")
 
 
 class TurnDelta(Event):
     """A few freshly sampled tokens (live tier: coalesced, best-effort, never stored)."""
 
     kind: Literal["turn.delta"] = "turn.delta"
-    turn_id: str
+    turn_id: str = Field(description="the turn the tokens belong to")
     offset: int = Field(ge=0, description="position of the first token in the turn's output")
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: list[int] = Field(description="the ids sampled since the previous delta")
+    logprobs: list[float] = Field(description="one per token id")
 
 
 class ToolCallRecord(BaseModel):
     """A tool call as the client received it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _MODEL_CONFIG
 
-    id: str
-    name: str
-    arguments: str
+    id: str = Field(description="the tool call id sent to the client")
+    name: str = Field(description="the function name")
+    arguments: str = Field(description="the arguments exactly as sent (a JSON text)")
 
 
 class Usage(BaseModel):
     """Token counts as reported to the client."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _MODEL_CONFIG
 
-    prompt_tokens: int = Field(ge=0)
-    completion_tokens: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0, description="the whole prompt, reused ids included")
+    completion_tokens: int = Field(ge=0, description="the sampled ids")
 
 
 class TurnRecord(Event):
     """A generation, token-exact: what ``turn.completed`` and ``turn.aborted`` share."""
 
-    turn_id: str
+    turn_id: str = Field(description="unique id of the turn; a child turn names it as its parent")
     parent_turn_id: str | None = Field(description="the turn this one continues; null: a root")
-    request_id: str
-    choice_index: int = Field(ge=0)
+    request_id: str = Field(description="the chat completion id the client received")
+    choice_index: int = Field(ge=0, description="which of the request's `n` choices")
     reused_prompt_tokens: int = Field(
         ge=0, description="the prompt starts with the parent's prompt ids + output ids, this many in all"
     )
@@ -201,12 +205,12 @@ class TurnRecord(Event):
     output_ids: list[int] = Field(description="the ids the engine sampled, in order")
     logprobs: list[float] = Field(description="one per output id: the processed logprob it was sampled with")
     content: str = Field(description="the assistant text sent to the client")
-    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
-    usage: Usage
-    sampling: SamplingRecord
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list, description="parsed from the output, in order")
+    usage: Usage = Field(description="token counts as reported to the client")
+    sampling: SamplingRecord = Field(description="the sampling parameters it ran with")
     started_at: float = Field(description="Unix seconds the request arrived")
-    time_to_first_token_s: float | None
-    duration_s: float
+    time_to_first_token_s: float | None = Field(description="seconds from arrival to the first token; null: none")
+    duration_s: float = Field(description="seconds from arrival to the end of the generation")
     matches_full_render: bool = Field(description="the prompt equals a fresh tokenization of the conversation")
     fallback_reason: str | None = Field(description="why a matching parent turn could not be continued")
 
@@ -215,15 +219,15 @@ class TurnCompleted(TurnRecord):
     """A generation that finished."""
 
     kind: Literal["turn.completed"] = "turn.completed"
-    finish_reason: Literal["stop", "length", "tool_calls"]
+    finish_reason: Literal["stop", "length", "tool_calls"] = Field(description="as sent to the client")
 
 
 class TurnAborted(TurnRecord):
     """A generation that did not finish; its output so far is kept."""
 
     kind: Literal["turn.aborted"] = "turn.aborted"
-    reason: Literal["client_disconnected", "engine_error", "cancelled"]
-    detail: str | None = None
+    reason: Literal["client_disconnected", "engine_error", "cancelled"] = Field(description="why it stopped")
+    detail: str | None = Field(None, description="more about the reason, e.g. the engine's error")
 
 
 class FeedbackRecorded(Event):
@@ -231,9 +235,9 @@ class FeedbackRecorded(Event):
 
     kind: Literal["feedback.recorded"] = "feedback.recorded"
     turn_id: str | None = Field(description="null: the feedback is about the whole session")
-    score: float = Field(allow_inf_nan=False)
-    label: str | None = None
-    comment: str | None = None
+    score: float = Field(allow_inf_nan=False, description="the reward: any finite number, higher is better")
+    label: str | None = Field(None, description="a short category chosen by whoever gave the feedback")
+    comment: str | None = Field(None, description="free text from whoever gave the feedback")
     source: str = Field("user", description="who gave it: 'user' (a live user) or a program's name")
 
 
@@ -241,7 +245,7 @@ class PolicyUpdated(Event):
     """The engine now samples from new weights."""
 
     kind: Literal["policy.updated"] = "policy.updated"
-    previous_version: int = Field(ge=0)
+    previous_version: int = Field(ge=0, description="the version sampled from before (`policy_version` is the new one)")
     weights: str | None = Field(None, description="where the weights came from (a path or URI)")
 
 

@@ -12,7 +12,8 @@ awaits, so a slow or dead NATS cannot slow a client's tokens. One drain task pub
   durable events go to the disk outbox instead (:mod:`pipeline._outbox`). The buffer then holds
   only events older than anything on disk, so the drain task publishes the buffer first, then
   replays the outbox oldest segment first, and only when both are empty do new events go to the
-  buffer again: the stream receives events in the order they were produced. On shutdown,
+  buffer again: the stream receives events in the order they were produced (but see
+  "Ordering" below). On shutdown,
   whatever is still buffered after ``drain_timeout_s`` is written to the front of the outbox; on
   start, a non-empty outbox is replayed before anything new.
 * **Large events** (over the server's max payload, e.g. a long prompt's ids) are stored in the
@@ -27,6 +28,11 @@ Guarantee: every durable event handed to ``publish_nowait`` reaches the stream e
 (within the stream's duplicate window), unless the process dies with events still in the memory
 buffer (bounded by ``buffer_size``; a graceful shutdown writes them to disk first) or the disk
 fails.
+
+Ordering is the production order, with one rare exception: when the connection drops in the
+middle of a window, nats-py re-sends the part of it still in its own write buffer as soon as it
+reconnects, before the publisher retries the whole window, so the head of that window can land
+after its tail. Consumers that need order sort each session's events by ``seq``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ __all__ = ["EventPublisher", "PublisherConfig", "PublisherStatistics"]
 log = logging.getLogger(__name__)
 
 _PAYLOAD_HEADROOM = 8 * 1024  # headers and protocol overhead under the server's max payload
+_OBJECT_CHUNK_BYTES = 128 * 1024  # nats-py's default object store chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +222,8 @@ class EventPublisher:
 
         async def disconnected() -> None:
             self._ready = False
-            log.warning("NATS connection lost; events are kept until it returns")
+            if not self._closing:  # closing the connection ourselves is no loss
+                log.warning("NATS connection lost; events are kept until it returns")
 
         async def reconnected() -> None:
             self._ready = True
@@ -311,6 +319,8 @@ class EventPublisher:
 
     async def _publish_window(self, window: list[OutboxRecord]) -> bool:
         """Publish and await every ack; ``False`` (and nothing raised) if any failed."""
+        from nats.js.errors import NoStreamResponseError
+
         assert self._nc is not None and self._js is not None
         js = self._js
         limit = self._nc.max_payload - _PAYLOAD_HEADROOM
@@ -331,11 +341,17 @@ class EventPublisher:
         except Exception as exc:  # ack timeout, connection trouble, JetStream errors: all retried
             self._note_failure()
             log.debug("publishing %d events failed: %r", len(window), exc)
+            if isinstance(exc, NoStreamResponseError):
+                # The stream is gone (deleted, or a server with a fresh store answered the
+                # reconnect): provision it again before the retry.
+                self._ready = False
             return False
         finally:
             for future in futures:
                 if not future.done():
                     future.cancel()  # frees nats-py's pending slot; a late ack is simply ignored
+                elif not future.cancelled():
+                    future.exception()  # seen, so asyncio does not log the rest of a failed window
         self._published += len(window)
         self._large += large
         self._failing_since = None
@@ -343,10 +359,15 @@ class EventPublisher:
 
     async def _store_large(self, record: OutboxRecord) -> bytes:
         """Put an oversized event in the object store; the pointer body that replaces it."""
-        assert self._js is not None
+        from nats.js.api import ObjectMeta, ObjectMetaOptions
+
+        assert self._nc is not None and self._js is not None
         if self._store is None:
             self._store = await ensure_object_store(self._js, self._config.stream)
-        await self._store.put(record.msg_id, record.payload)
+        # nats-py's default chunk (128 KiB) is itself too large for a server with a smaller max payload.
+        chunk = min(_OBJECT_CHUNK_BYTES, self._nc.max_payload - _PAYLOAD_HEADROOM)
+        meta = ObjectMeta(name=record.msg_id, options=ObjectMetaOptions(max_chunk_size=chunk))
+        await self._store.put(record.msg_id, record.payload, meta=meta)
         pointer = {"event_id": record.msg_id, "object": record.msg_id, "size": len(record.payload)}
         pointer["bucket"] = self._config.stream.payload_bucket
         return orjson.dumps(pointer)
