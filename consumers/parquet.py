@@ -1,0 +1,165 @@
+"""The batch artifact: a parquet file of trajectories, and the manifest that announces it.
+
+A training batch is stored once, as parquet (the canonical artifact: the object
+``<batch id>.parquet`` in the ``sg_batches`` object store, and optionally the same bytes in a
+directory), and announced by a small JSON :class:`BatchManifest` on ``sg.batches.ready``.
+
+One row per trajectory, in batch order (groups one after another, each group's members in
+arrival order), with every :class:`~consumers.trajectory.Trajectory` field plus the ``uid``
+its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajectories exactly::
+
+    uid              string        the group's id in this batch (verl's ``uid``)
+    trajectory_id    string
+    session_id, tenant, model, agent (nullable), emitted_because, reward_source (nullable)
+    token_ids        list<int32>   prompt + response ids
+    loss_mask        list<int8>    1 on sampled ids
+    logprobs         list<double>  the sampling logprobs (0.0 where not sampled), exact
+    prompt_length, num_turns, min_policy_version, max_policy_version   int64
+    reward           double (nullable)
+    aborted, truncated, complete   bool
+    started_at, ended_at           double (Unix seconds)
+    metadata, turns                string (JSON)
+    schema_version                 int8
+
+The file's key-value metadata carries ``sg.batch_id``, ``sg.prompt_length`` and
+``sg.response_length``. Logprobs stay float64 (not verl's float32) so a row equals the
+trajectory it came from; the padded tensors are cast when the batch is built.
+
+pyarrow is imported lazily: it comes with the ``verl`` extra.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from .trajectory import Trajectory
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["MANIFEST_SCHEMA_VERSION", "BatchManifest", "decode_batch", "encode_batch", "require_pyarrow"]
+
+MANIFEST_SCHEMA_VERSION: Literal[1] = 1
+
+_JSON_COLUMNS = ("metadata", "turns")
+
+
+class BatchManifest(BaseModel):
+    """What ``sg.batches.ready`` carries for each batch (``Nats-Msg-Id`` = ``batch_id``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = MANIFEST_SCHEMA_VERSION
+    batch_id: str = Field(description="sha256 of the sorted member trajectory ids")
+    bucket: str = Field(description="the object store holding the parquet")
+    object: str = Field(description="the parquet's object name, '<batch_id>.parquet'")
+    size: int = Field(ge=0, description="the parquet's size in bytes")
+    sha256: str = Field(description="hex digest of the parquet bytes")
+    group_size: int = Field(ge=1)
+    groups: list[str] = Field(description="the groups' uids in batch order; group i is rows i*group_size onwards")
+    trajectory_ids: list[str] = Field(description="the rows' trajectory ids, in order")
+    min_policy_version: int
+    max_policy_version: int
+    prompt_length: int = Field(description="the batcher's prompt_length (every row's prompt fits)")
+    response_length: int = Field(description="the batcher's response_length (every row's response fits)")
+    created_at: float = Field(description="when the batch was first assembled, Unix seconds")
+
+    def encode(self) -> bytes:
+        """The wire form: compact JSON."""
+        return orjson.dumps(self.model_dump(mode="python"))
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> BatchManifest:
+        """Parse and validate."""
+        return cls.model_validate_json(data)
+
+
+def require_pyarrow() -> None:
+    """Fail now, clearly, if pyarrow (the ``verl`` extra) is missing, rather than at the first batch."""
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            "batches are written as parquet, which needs pyarrow: pip install 'stream-gateway[verl]' (or pyarrow)"
+        ) from exc
+
+
+def _schema() -> pa.Schema:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("uid", pa.string()),
+            ("trajectory_id", pa.string()),
+            ("session_id", pa.string()),
+            ("tenant", pa.string()),
+            ("model", pa.string()),
+            ("agent", pa.string()),
+            ("token_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("logprobs", pa.list_(pa.float64())),
+            ("prompt_length", pa.int64()),
+            ("num_turns", pa.int64()),
+            ("min_policy_version", pa.int64()),
+            ("max_policy_version", pa.int64()),
+            ("reward", pa.float64()),
+            ("reward_source", pa.string()),
+            ("aborted", pa.bool_()),
+            ("truncated", pa.bool_()),
+            ("complete", pa.bool_()),
+            ("emitted_because", pa.string()),
+            ("started_at", pa.float64()),
+            ("ended_at", pa.float64()),
+            ("metadata", pa.string()),
+            ("turns", pa.string()),
+            ("schema_version", pa.int8()),
+        ]
+    )
+
+
+def encode_batch(
+    trajectories: list[Trajectory], uids: list[str], *, batch_id: str, prompt_length: int, response_length: int
+) -> bytes:
+    """The parquet bytes of one batch (rows in the given order)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if len(trajectories) != len(uids):
+        raise ValueError(f"{len(trajectories)} trajectories but {len(uids)} uids")
+    rows: list[dict[str, Any]] = []
+    for trajectory, uid in zip(trajectories, uids, strict=True):
+        row = trajectory.model_dump(mode="python")
+        for column in _JSON_COLUMNS:
+            row[column] = orjson.dumps(row[column], option=orjson.OPT_SORT_KEYS).decode()
+        row["uid"] = uid
+        rows.append(row)
+    schema = _schema().with_metadata(
+        {
+            "sg.batch_id": batch_id,
+            "sg.prompt_length": str(prompt_length),
+            "sg.response_length": str(response_length),
+        }
+    )
+    table = pa.Table.from_pylist(rows, schema=schema)
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def decode_batch(data: bytes) -> tuple[list[Trajectory], list[str]]:
+    """The trajectories of a batch's parquet, and their uids, in row order."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(io.BytesIO(data))
+    trajectories: list[Trajectory] = []
+    uids: list[str] = []
+    for row in table.to_pylist():
+        uids.append(row.pop("uid"))
+        for column in _JSON_COLUMNS:
+            row[column] = orjson.loads(row[column])
+        trajectories.append(Trajectory.model_validate(row))
+    return trajectories, uids
