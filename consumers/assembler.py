@@ -163,7 +163,7 @@ class Assembler:
             while True:
                 try:
                     messages = await subscription.fetch(config.fetch_batch, timeout=config.sweep_interval_s)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
                     messages = []
                 if messages:
                     await self._handle(work, messages)

@@ -368,7 +368,7 @@ class Batcher:
             room = max(1, min(self._config.fetch_batch, self._config.max_pending - len(self._held)))
             try:
                 messages = await subscription.fetch(room, timeout=_FETCH_TIMEOUT_S)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
                 messages = []
             except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError) as exc:
                 log.warning("batcher: fetch failed (%r); retrying", exc)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.durable import ensure_named_stream
 from pipeline.events import subject_token
+from pipeline.streams import StreamSpec, ensure_stream
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -58,10 +59,14 @@ class ConsumerStreams:
 
 
 async def ensure_consumer_streams(js: JetStreamContext, names: ConsumerStreams) -> None:
-    """Create (or update) the trajectory and batch streams and the object-store buckets."""
+    """Create (or update) the trajectory and batch streams, the buckets, and a missing events stream."""
     from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
+    try:
+        await js.stream_info(names.events)
+    except NotFoundError:  # consumers started before any gateway: create it as a gateway would
+        await ensure_stream(js, StreamSpec(prefix=names.prefix, stream=names.events, replicas=names.replicas))
     common = {"replicas": names.replicas, "duplicate_window_s": names.duplicate_window_s}
     await ensure_named_stream(js, names.trajectories, [names.trajectory_subjects], **common)  # type: ignore[arg-type]
     await ensure_named_stream(js, names.batches, [names.batch_subject], **common)  # type: ignore[arg-type]

@@ -266,7 +266,7 @@ class StreamAgentLoopManager:
                 if self._subscription is None:
                     await self._connect()
                 messages = await self._subscription.fetch(1, timeout=max(0.01, min(remaining, _POLL_S)))
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
                 continue
             except (OSError, nats.errors.Error) as exc:  # down, restarting, or gone: reconnect and wait on
                 problem = f"NATS unavailable: {exc!r}"

@@ -102,6 +102,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
                 try:
                     yield
                 finally:
+                    log.info("shutting down: closing %d open sessions, draining events", len(sessions))
                     sessions.close_all("shutdown")
                     recorder.attach(None)
 

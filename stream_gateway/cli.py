@@ -2,11 +2,14 @@
 
 Subcommands:
 
-* ``up``: everything on one machine: an embedded ``nats-server`` (JetStream, local data dir)
-  and the gateway capturing every turn into it.
+* ``up``: everything on one machine: an embedded ``nats-server`` (JetStream, local data dir),
+  the gateway capturing every turn into it, the assembler and the batcher writing batches to
+  ``<data dir>/batches``.
 * ``serve``: the OpenAI-compatible gateway on one engine; ``--nats-url`` captures its events
   to an existing NATS server or cluster.
 * ``tail``: a live, readable view of the events on a NATS server.
+* ``assemble``: session events → token-exact trajectories (a durable consumer; run several).
+* ``batch``: trajectories → verl training batches (parquet, in the object store and a directory).
 * ``prepare-model``: build or convert a local model (``tiny``, ``tiny-agent``, ``smollm2``) and print its path.
 
 This module is the composition root: the only place that wires the gateway, the pipeline and
@@ -79,36 +82,73 @@ def _serve(settings: Settings) -> int:
 
 
 def _up(settings: Settings, args: argparse.Namespace) -> int:
-    """Embedded NATS + the gateway, in this process; Ctrl-C stops both (events drained first)."""
+    """Embedded NATS, the gateway, the assembler and the batcher, in this process.
+
+    Ctrl-C stops the gateway first (its events are drained to NATS or its outbox), then the
+    consumers (their unacknowledged input is redelivered next time), then NATS.
+    """
+    import anyio
     import uvicorn
 
+    from consumers.assembler import AssemblerConfig, run_assembler
+    from consumers.batcher import run_batcher
+    from consumers.streams import ConsumerStreams
     from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
 
     from .app import create_app
 
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else _default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
+    batch_dir = data_dir / "batches"
     nats_config = NatsServerConfig(
         host=settings.host, port=args.nats_port, store_dir=data_dir / "nats", monitor_port=args.nats_monitor_port
     )
     say = _progress
     say(f"starting nats-server (JetStream, data in {data_dir / 'nats'})")
     with EmbeddedNatsServer(nats_config) as nats_server:
+        servers = (nats_server.url,)
         settings = settings.model_copy(update={"nats_url": nats_server.url, "outbox_dir": data_dir / "outbox"})
+        names = ConsumerStreams(prefix=settings.subject_prefix, events=settings.events_stream)
+        assembler = AssemblerConfig(
+            servers=servers,
+            names=names,
+            idle_timeout_s=args.idle_timeout,
+            default_reward=args.default_reward,
+            reward_function=args.reward_function,
+        )
+        batcher = _batcher_config(args, servers, batch_dir)
         say(f"loading model {settings.model!r} on the {settings.engine} engine")
         engine = build_engine(settings)
         app = create_app(engine, settings)
+        stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
         say("ready:")
         say(f"  OpenAI API     http://{settings.host}:{settings.port}/v1   (model {engine.model_id!r})")
-        say(f"  sessions       http://{settings.host}:{settings.port}/sessions/<id>/v1")
+        base = f"http://{settings.host}:{settings.port}"
+        say(f"  sessions       {base}/sessions/<id>/v1   (end one: POST {base}/sessions/<id>/close)")
         say(f"  metrics        http://{settings.host}:{settings.port}/metrics")
-        stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
         say(f"  NATS           {nats_server.url}   ({stream})")
         if nats_server.monitor_url:
             say(f"  NATS monitor   {nats_server.monitor_url}")
-        say(f"  outbox         {settings.outbox_dir}")
+        say(f"  trajectories   stream {names.trajectories} (assembler, idle timeout {args.idle_timeout:g} s)")
+        say(f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})")
         say(f"  watch events:  stream-gateway tail --nats-url {nats_server.url}")
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        )
+
+        async def everything() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run_assembler, assembler, say)
+                tg.start_soon(run_batcher, batcher, say)
+                try:
+                    await server.serve()  # returns on Ctrl-C / SIGTERM, after the gateway's shutdown
+                except KeyboardInterrupt:
+                    pass  # uvicorn re-raises the Ctrl-C it handled; stopping is what we are doing
+                finally:
+                    tg.cancel_scope.cancel()
+
+        with contextlib.suppress(KeyboardInterrupt):
+            anyio.run(everything)
     say("stopped")
     return 0
 
@@ -176,6 +216,55 @@ def _assemble(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batcher_config(args: argparse.Namespace, servers: tuple[str, ...], output_dir: Path | None) -> Any:
+    from consumers.batcher import BatcherConfig
+    from consumers.streams import ConsumerStreams
+
+    return BatcherConfig(
+        servers=servers,
+        names=ConsumerStreams(prefix=args.subject_prefix or "sg", events=args.events_stream or "SG_EVENTS"),
+        batch_size=args.batch_size,
+        group_size=args.group_size,
+        group_key=args.group_key,
+        max_staleness=args.max_staleness,
+        prompt_length=args.prompt_length,
+        response_length=args.response_length,
+        overlong=args.overlong,
+        no_reward=args.no_reward,
+        output_dir=output_dir,
+    )
+
+
+def _batch(args: argparse.Namespace) -> int:
+    import anyio
+
+    from consumers.batcher import run_batcher
+
+    servers = tuple(s.strip() for s in args.nats_url.split(",") if s.strip())
+    output_dir = Path(args.output_dir).expanduser() if args.output_dir else None
+    try:
+        config = _batcher_config(args, servers, output_dir)
+    except ValueError as exc:
+        print(f"stream-gateway batch: {exc}", file=sys.stderr)
+        return 2
+    where = f", parquet files in {output_dir}" if output_dir else ""
+    _progress(f"batcher: batches of {config.batch_size} (groups of {config.group_size}) from {args.nats_url}{where}")
+    with contextlib.suppress(KeyboardInterrupt):
+        anyio.run(run_batcher, config, _progress)
+    return 0
+
+
+def _add_batch_flags(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--batch-size", type=int, default=16, help="trajectories per batch (default 16)")
+    command.add_argument("--group-size", type=int, default=1, help="GRPO group size; batches hold whole groups")
+    command.add_argument("--group-key", default="metadata:group", help="'metadata:<name>' or 'prompt'")
+    command.add_argument("--max-staleness", type=int, help="drop samples this many policy versions old")
+    command.add_argument("--prompt-length", type=int, default=1024, help="verl prompt length (longer: dropped)")
+    command.add_argument("--response-length", type=int, default=2048, help="verl response length")
+    command.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="too-long responses")
+    command.add_argument("--no-reward", choices=("drop", "zero"), default="drop", help="samples without a reward")
+
+
 def _default_data_dir() -> Path:
     return Path.home() / ".local" / "state" / "stream-gateway" / "up"
 
@@ -224,7 +313,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", help="NATS store and outbox (default ~/.local/state/stream-gateway/up)")
     up.add_argument("--nats-port", type=int, default=4222, help="embedded NATS port (default 4222; 0: any free)")
     up.add_argument("--nats-monitor-port", type=int, default=8222, help="its HTTP monitor port (default 8222)")
-    up.set_defaults(run=_up, uses_settings=True, extra=("data_dir", "nats_port", "nats_monitor_port"))
+    up.add_argument("--idle-timeout", type=float, default=900.0, help="assembler: emit sessions idle this long (s)")
+    up.add_argument("--default-reward", type=float, help="assembler: reward of sessions with no feedback")
+    up.add_argument("--reward-function", help="assembler: module:function computing a reward per trajectory")
+    _add_batch_flags(up)
+    up_only = ("data_dir", "nats_port", "nats_monitor_port", "idle_timeout", "default_reward", "reward_function")
+    batch_only = ("batch_size", "group_size", "group_key", "max_staleness", "prompt_length", "response_length")
+    up.set_defaults(run=_up, uses_settings=True, extra=(*up_only, *batch_only, "overlong", "no_reward"))
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible gateway")
     _add_gateway_flags(serve)
@@ -261,6 +356,14 @@ def _parser() -> argparse.ArgumentParser:
     assemble.add_argument("--max-tokens", type=int, help="cut trajectories at this many tokens")
     assemble.add_argument("--ack-wait", type=float, default=60.0, help="redelivery delay after a crash (s)")
     assemble.set_defaults(run=_assemble, uses_settings=False)
+
+    batch = commands.add_parser("batch", help="group trajectories into verl training batches (a durable consumer)")
+    batch.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server(s), comma-separated")
+    batch.add_argument("--output-dir", help="also write each batch as <batch id>.parquet here")
+    batch.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (for policy.updated)")
+    batch.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    _add_batch_flags(batch)
+    batch.set_defaults(run=_batch, uses_settings=False)
 
     prepare = commands.add_parser("prepare-model", help="build/convert a local model and print its path")
     prepare.add_argument("--model", help="'smollm2' (default), 'tiny' or 'tiny-agent'")
