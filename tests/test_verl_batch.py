@@ -32,19 +32,18 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from consumers.trajectory import Trajectory, TurnSummary
-from consumers.verl_batch import PaddedBatch, group_uid, padded_batch, to_data_proto, to_jagged_tensordict
-
-from .servers import RunningGateway
-from .trajectories import trajectories_from_session
-
-pytest.importorskip("verl", reason="the verl extra is not installed")
-
+# verl is part of the test environment (scripts/install.sh installs the `verl` extra): no skip.
 from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
 from verl.utils.model import compute_position_id_with_mask
 from verl.workers.config import ActorConfig
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+from consumers.trajectory import Trajectory, TurnSummary
+from consumers.verl_batch import PaddedBatch, group_uid, padded_batch, to_data_proto, to_jagged_tensordict
+
+from .servers import RunningGateway
+from .trajectories import trajectories_from_session
 
 # Importing verl's agent loop imports ray.experimental.state, which ray 2.60 deprecates with a
 # DeprecationWarning at import time; only the tests that import the agent loop ignore it.
