@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -152,3 +153,46 @@ def test_unknown_tool_parser_is_refused_at_start() -> None:
 
     with pytest.raises(ValidationError, match="unknown tool parser 'nope'; available: hermes, qwen"):
         Settings(tool_parser="nope")
+
+
+def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp_path: Path) -> None:
+    """``stream-gateway up``, the main job, in a real subprocess: traffic in, a verl batch on disk."""
+    port = _free_port()
+    data_dir = tmp_path / "up"
+    command = [sys.executable, "-m", "stream_gateway.cli", "up", "--model", str(tiny_model_path)]
+    command += ["--served-model-name", "tiny", "--port", str(port), "--data-dir", str(data_dir)]
+    command += ["--nats-port", "0", "--nats-monitor-port", "0", "--batch-size", "2", "--default-reward", "0.5"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "up did not become healthy"
+            time.sleep(0.2)
+        for session in ("one", "two"):
+            base = f"http://127.0.0.1:{port}/sessions/{session}"
+            with OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60) as c:
+                c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            assert httpx.post(f"{base}/close", headers={"authorization": "Bearer x"}).is_success
+        while not list((data_dir / "batches").glob("*.parquet")):
+            assert time.monotonic() < deadline + 60, "no batch was written"
+            time.sleep(0.2)
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    for where in (f"http://127.0.0.1:{port}/v1", "NATS ", str(data_dir / "batches"), "stopped"):
+        assert where in output, where
+    assert "Traceback" not in output, output
+    from consumers.parquet import decode_batch
+
+    [batch] = list((data_dir / "batches").glob("*.parquet"))
+    trajectories, _ = decode_batch(batch.read_bytes())
+    assert sorted(t.session_id for t in trajectories) == ["one", "two"]
+    assert all(t.reward == 0.5 and t.reward_source == "default" for t in trajectories)
