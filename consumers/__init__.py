@@ -1,4 +1,36 @@
 """Consumers of generation events: trajectory assembly, rewards, verl batches.
 
-Filled in by the consumers work; never imports :mod:`stream_gateway`.
+* :mod:`consumers.trajectory`: the :class:`Trajectory` model (token-exact chains of turns);
+* :mod:`consumers.trajectories`: building trajectories from one session's events (pure);
+* :mod:`consumers.assembler`: the durable consumer that emits trajectories exactly once;
+* :mod:`consumers.batcher`: groups trajectories into training batches (parquet + manifest);
+* :mod:`consumers.verl_batch`: verl's padded ``DataProto`` and jagged ``TensorDict`` layouts;
+* :mod:`consumers.verl_adapter`: a verl 0.9 agent loop manager that trains on the stream;
+* :mod:`consumers.streams`, :mod:`consumers.parquet`: names, provisioning, the batch artifact.
+
+Never imports :mod:`stream_gateway`. torch, verl and pyarrow are imported by the modules that
+need them, so importing this package stays cheap.
 """
+
+from .assembler import Assembler, AssemblerConfig, AssemblerStatistics, run_assembler
+from .batcher import Batcher, BatcherConfig, BatcherStatistics, run_batcher
+from .streams import ConsumerStreams
+from .trajectories import SessionEvents, build_trajectories
+from .trajectory import Trajectory, TurnSummary, trajectory_id
+
+__all__ = [
+    "Assembler",
+    "AssemblerConfig",
+    "AssemblerStatistics",
+    "Batcher",
+    "BatcherConfig",
+    "BatcherStatistics",
+    "ConsumerStreams",
+    "SessionEvents",
+    "Trajectory",
+    "TurnSummary",
+    "build_trajectories",
+    "run_assembler",
+    "run_batcher",
+    "trajectory_id",
+]
