@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.durable import ensure_named_stream
 from pipeline.events import subject_token
-from pipeline.streams import StreamSpec, ensure_stream
+from pipeline.streams import StreamSpec, ensure_named_stream, ensure_stream
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from nats.js.api import PubAck
 
-__all__ = ["ensure_named_stream", "publish_durable"]
+__all__ = ["publish_durable"]
 
 _PAYLOAD_HEADROOM = 8 * 1024
 
@@ -43,39 +43,3 @@ async def publish_durable(
         headers[PAYLOAD_OBJECT_HEADER] = f"{bucket}/{msg_id}"
         payload = orjson.dumps({"object": msg_id, "bucket": bucket, "size": len(payload)})
     return await js.publish(subject, payload, headers=headers, timeout=ack_wait_s)
-
-
-async def ensure_named_stream(
-    js: JetStreamContext,
-    name: str,
-    subjects: list[str],
-    *,
-    replicas: int = 1,
-    max_bytes: int = -1,
-    max_age_s: float = 0.0,
-    duplicate_window_s: float = 600.0,
-) -> None:
-    """Create a file-backed limits stream, or bring an existing one's settings to these."""
-    from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-    from nats.js.errors import NotFoundError
-
-    wanted = StreamConfig(
-        name=name,
-        subjects=subjects,
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        num_replicas=replicas,
-        max_bytes=max_bytes,
-        max_age=max_age_s,
-        duplicate_window=duplicate_window_s,
-    )
-    try:
-        info = await js.stream_info(name)
-    except NotFoundError:
-        await js.add_stream(wanted)
-        return
-    have = info.config
-    managed = ("subjects", "num_replicas", "max_bytes", "max_age", "duplicate_window")
-    if any(getattr(have, f) != getattr(wanted, f) for f in managed):
-        await js.update_stream(wanted)

@@ -33,6 +33,7 @@ __all__ = [
     "PAYLOAD_OBJECT_HEADER",
     "StreamSpec",
     "delta_subject",
+    "ensure_named_stream",
     "ensure_object_store",
     "ensure_stream",
     "event_subject",
@@ -76,31 +77,53 @@ def delta_subject(prefix: str, event: Event) -> str:
 
 async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> None:
     """Create the events stream, or bring an existing one's managed settings to ``spec``."""
+    await ensure_named_stream(
+        js,
+        spec.stream,
+        spec.subjects,
+        replicas=spec.replicas,
+        max_bytes=spec.max_bytes,
+        max_age_s=spec.max_age_s,
+        duplicate_window_s=spec.duplicate_window_s,
+    )
+
+
+async def ensure_named_stream(
+    js: JetStreamContext,
+    name: str,
+    subjects: list[str],
+    *,
+    replicas: int = 1,
+    max_bytes: int = -1,
+    max_age_s: float = 0.0,
+    duplicate_window_s: float = 600.0,
+) -> None:
+    """Create a file-backed limits stream, or bring an existing one's managed settings to these."""
     from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
     from nats.js.errors import NotFoundError
 
     wanted = StreamConfig(
-        name=spec.stream,
-        subjects=spec.subjects,
+        name=name,
+        subjects=subjects,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
-        num_replicas=spec.replicas,
-        max_bytes=spec.max_bytes,
-        max_age=spec.max_age_s,
-        duplicate_window=spec.duplicate_window_s,
+        num_replicas=replicas,
+        max_bytes=max_bytes,
+        max_age=max_age_s,
+        duplicate_window=duplicate_window_s,
     )
     try:
-        info = await js.stream_info(spec.stream)
+        info = await js.stream_info(name)
     except NotFoundError:
         await js.add_stream(wanted)
-        log.info("created stream %s (%s)", spec.stream, ", ".join(spec.subjects))
+        log.info("created stream %s (%s)", name, ", ".join(subjects))
         return
     have = info.config
     managed = ("subjects", "num_replicas", "max_bytes", "max_age", "duplicate_window", "retention", "discard")
     if any(getattr(have, f) != getattr(wanted, f) for f in managed):
         await js.update_stream(wanted)
-        log.info("updated stream %s to the configured settings", spec.stream)
+        log.info("updated stream %s to the configured settings", name)
 
 
 async def ensure_object_store(js: JetStreamContext, spec: StreamSpec) -> ObjectStore:
