@@ -46,6 +46,7 @@ from typing import Any
 
 import anyio
 import nats
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -184,7 +185,7 @@ async def caught_up(js: JetStreamContext, durable: str) -> None:
 
 
 async def live_latency(
-    nc: nats.NATS, publisher: EventPublisher, durable: str, sessions: list[list[Event]]
+    nc: Client, publisher: EventPublisher, durable: str, sessions: list[list[Event]]
 ) -> dict[str, Any]:
     """Per session: close-to-trajectory seconds, and the publisher's share of it."""
     js = nc.jetstream()
