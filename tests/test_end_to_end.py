@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -34,20 +33,11 @@ from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway import Settings
 from stream_gateway.cli import build_engine
 
+from .agent_loop import READ_TOOL, drive_session
 from .servers import RunningGateway, run_gateway
 
 ATOL = 2e-4
 KEY = "sk-e2e"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read",
-            "description": "Read a file",
-            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-        },
-    }
-]
 
 
 @contextlib.contextmanager
@@ -80,41 +70,19 @@ def _run_session(gateway: RunningGateway, model: str, group: str, seed: int, rew
         messages = [{"role": "user", "content": "Tell me a story."}]
         follow_ups = ["More."]
     with OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=120, max_retries=0) as client:
-        for _ in range(4):
-            content, calls, finish = "", {}, None
-            stream = client.chat.completions.create(
-                model=model,
-                messages=messages,  # type: ignore[arg-type]
-                stream=True,
-                temperature=1.0,
-                seed=seed,
-                max_tokens=64 if model == "tiny-agent" else 16,
-                metadata={"group": group},
-                **({"tools": TOOLS} if group == "readme" else {}),  # type: ignore[arg-type]
-            )
-            for chunk in stream:
-                for choice in chunk.choices:
-                    content += choice.delta.content or ""
-                    for delta in choice.delta.tool_calls or []:
-                        call = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
-                        if delta.function is not None:
-                            call["name"] += delta.function.name or ""
-                            call["arguments"] += delta.function.arguments or ""
-                    finish = choice.finish_reason or finish
-            if finish == "tool_calls":
-                echoed = [
-                    {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                    for c in calls.values()
-                ]
-                messages.append({"role": "assistant", "content": content or None, "tool_calls": echoed})
-                for c in calls.values():
-                    path = json.loads(c["arguments"]).get("path", "README.md")
-                    messages.append({"role": "tool", "tool_call_id": c["id"], "content": (workdir / path).read_text()})
-                continue
-            messages.append({"role": "assistant", "content": content})
-            if not follow_ups:
-                break
-            messages.append({"role": "user", "content": follow_ups.pop(0)})
+        drive_session(
+            client,
+            model,
+            messages,
+            follow_ups=follow_ups,
+            workdir=workdir,
+            tools=[READ_TOOL] if group == "readme" else None,
+            max_rounds=4,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=64 if model == "tiny-agent" else 16,
+            metadata={"group": group},
+        )
     headers = {"authorization": f"Bearer {KEY}"}
     assert httpx.post(f"{base}/feedback", json={"score": reward}, headers=headers).is_success
     assert httpx.post(f"{base}/close", headers=headers).is_success

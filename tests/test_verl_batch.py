@@ -17,7 +17,6 @@ pass of the same model over the batch reproduces ``rollout_log_probs`` wherever
 from __future__ import annotations
 
 import asyncio
-import json
 import pickle
 import secrets
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 from consumers.trajectory import Trajectory, TurnSummary
 from consumers.verl_batch import PaddedBatch, group_uid, padded_batch, to_data_proto, to_jagged_tensordict
 
+from .agent_loop import drive_session
 from .servers import RunningGateway
 from .trajectories import trajectories_from_session
 
@@ -118,46 +118,21 @@ def _session(gateway: RunningGateway, workdir: Path, plan: _Plan) -> dict[str, A
     otherwise the next follow-up user message continues the conversation, until none is left.
     """
     session = f"verl{secrets.token_hex(4)}"
-    extra: dict[str, Any] = {"tools": TOOLS} if plan.group == "readme" else {}
-    messages, follow = plan.messages, plan.follow_ups
     with OpenAI(
         base_url=f"{gateway.base_url}/sessions/{session}/v1", api_key="sk-verl", timeout=120, max_retries=0
-    ) as c:
-        for _ in range(6):
-            content, calls, finish = "", {}, None
-            stream = c.chat.completions.create(
-                model=plan.model,
-                messages=messages,  # type: ignore[arg-type]
-                stream=True,
-                temperature=plan.temperature,
-                top_p=1.0,
-                seed=plan.seed,
-                max_tokens=24 if plan.model == "tiny" else 64,
-                **extra,
-            )
-            for chunk in stream:
-                for choice in chunk.choices:
-                    content += choice.delta.content or ""
-                    for delta in choice.delta.tool_calls or []:
-                        call = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
-                        if delta.function is not None:
-                            call["name"] += delta.function.name or ""
-                            call["arguments"] += delta.function.arguments or ""
-                    finish = choice.finish_reason or finish
-            if finish == "tool_calls":
-                echoed = [
-                    {"id": x["id"], "type": "function", "function": {"name": x["name"], "arguments": x["arguments"]}}
-                    for x in calls.values()
-                ]
-                messages.append({"role": "assistant", "content": content or None, "tool_calls": echoed})
-                for x in calls.values():
-                    path = json.loads(x["arguments"]).get("path", "README.md")
-                    messages.append({"role": "tool", "tool_call_id": x["id"], "content": (workdir / path).read_text()})
-                continue
-            messages.append({"role": "assistant", "content": content})
-            if not follow:
-                break
-            messages.append({"role": "user", "content": follow.pop(0)})
+    ) as client:
+        drive_session(
+            client,
+            plan.model,
+            plan.messages,
+            follow_ups=plan.follow_ups,
+            workdir=workdir,
+            tools=TOOLS if plan.group == "readme" else None,
+            temperature=plan.temperature,
+            top_p=1.0,
+            seed=plan.seed,
+            max_tokens=24 if plan.model == "tiny" else 64,
+        )
     response = httpx.get(
         f"{gateway.base_url}/sessions/{session}", headers={"authorization": "Bearer sk-verl"}, timeout=10
     )
