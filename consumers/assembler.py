@@ -47,7 +47,7 @@ import anyio
 import orjson
 
 from pipeline.durable import publish_durable
-from pipeline.events import subject_token
+from pipeline.events import decode_event, subject_token
 from pipeline.subscriber import decode_message, message_payload
 
 from .streams import ConsumerStreams, ensure_consumer_streams
@@ -121,6 +121,7 @@ class Assembler:
         self._reward_function = load_reward_function(config.reward_function) if config.reward_function else None
         self._deadlines: dict[str, float] = {}  # state key -> when to look at the session again
         self._waiting_reward: set[str] = set()
+        self._limiter = anyio.CapacityLimiter(32)  # sessions of one fetch handled at once
         self._events = self._emitted = self._trajectories = self._late = self._conflicts = 0
 
     def statistics(self) -> AssemblerStatistics:
@@ -184,10 +185,12 @@ class Assembler:
 
     async def _handle(self, work: _Work, messages: list[Msg]) -> None:
         by_session: dict[str, list[tuple[Msg, dict[str, Any]]]] = {}
+        in_hand: dict[int, bytes] = {}  # stream sequence -> event JSON, so emitting needs no re-read
         for msg in messages:
             self._events += 1
             try:
-                body = orjson.loads(await message_payload(msg, work.js))
+                payload = await message_payload(msg, work.js)
+                body = orjson.loads(payload)
                 session_id, tenant, seq, kind = body["session_id"], body["tenant"], body["seq"], body["kind"]
             except Exception:
                 log.exception("undecodable message %s on %s: skipped", msg.metadata.sequence.stream, msg.subject)
@@ -197,18 +200,26 @@ class Assembler:
                 await msg.ack()
                 continue
             key = f"s.{subject_token(tenant)}.{subject_token(session_id)}"
-            entry = {"seq": seq, "kind": kind, "ref": msg.metadata.sequence.stream, "session_id": session_id}
-            entry["tenant"] = tenant
+            ref = msg.metadata.sequence.stream
+            in_hand[ref] = payload
+            entry = {"seq": seq, "kind": kind, "ref": ref, "session_id": session_id, "tenant": tenant}
             by_session.setdefault(key, []).append((msg, entry))
-        for key, items in by_session.items():
-            state = await self._merge(work, key, [entry for _, entry in items])
-            if state is not None and not state.get("emitted"):
-                await self._emit_if_due(work, key, state)
-            for msg, _ in items:
-                await msg.ack()
 
-    async def _merge(self, work: _Work, key: str, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """Add the entries' refs to the session's state record (compare-and-set); the new state."""
+        async def one_session(key: str, items: list[tuple[Msg, dict[str, Any]]]) -> None:
+            async with self._limiter:
+                state, revision = await self._merge(work, key, [entry for _, entry in items])
+                if not state.get("emitted"):
+                    await self._emit_if_due(work, key, state, revision, in_hand=in_hand)
+                for msg, _ in items:
+                    await msg.ack()
+
+        # Sessions are independent keys: their round trips overlap.
+        async with anyio.create_task_group() as tg:
+            for key, items in by_session.items():
+                tg.start_soon(one_session, key, items)
+
+    async def _merge(self, work: _Work, key: str, entries: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
+        """Add the entries' refs to the session's state record (compare-and-set); it and its revision."""
         now = time.time()
         while True:
             state, revision = await work.load(key)
@@ -217,7 +228,7 @@ class Assembler:
                 state |= {"kinds": {}, "closed_seq": None, "closed_at": None, "emitted": False}
             if state["emitted"]:
                 self._late += len(entries)
-                return state
+                return state, revision
             for entry in entries:
                 seq = str(entry["seq"])
                 state["refs"][seq] = entry["ref"]
@@ -225,9 +236,10 @@ class Assembler:
                 if entry["kind"] == "session.closed" and state["closed_seq"] is None:
                     state["closed_seq"], state["closed_at"] = entry["seq"], now
             state["seen_at"] = now
-            if await work.store(key, state, revision):
+            stored = await work.store(key, state, revision)
+            if stored is not None:
                 self._deadlines[key] = self._deadline(state)
-                return state
+                return state, stored
             self._conflicts += 1
 
     def _deadline(self, state: dict[str, Any]) -> float:
@@ -239,11 +251,11 @@ class Assembler:
     async def _sweep(self, work: _Work) -> None:
         now = time.time()
         for key in [k for k, due in self._deadlines.items() if due <= now]:
-            state, _ = await work.load(key)
+            state, revision = await work.load(key)
             if state is None or state["emitted"]:
                 self._deadlines.pop(key, None)
                 continue
-            await self._emit_if_due(work, key, state, timed_out=True)
+            await self._emit_if_due(work, key, state, revision, timed_out=True)
 
     async def _load_deadlines(self, kv: KeyValue) -> None:
         from nats.js.errors import NoKeysError
@@ -259,7 +271,16 @@ class Assembler:
 
     # -- emitting --------------------------------------------------------------------------------
 
-    async def _emit_if_due(self, work: _Work, key: str, state: dict[str, Any], *, timed_out: bool = False) -> None:
+    async def _emit_if_due(
+        self,
+        work: _Work,
+        key: str,
+        state: dict[str, Any],
+        revision: int | None,
+        *,
+        timed_out: bool = False,
+        in_hand: dict[int, bytes] | None = None,
+    ) -> None:
         config = self._config
         kinds: dict[str, str] = state["kinds"]
         turns = sum(kind in ("turn.completed", "turn.aborted") for kind in kinds.values())
@@ -283,16 +304,29 @@ class Assembler:
             complete = all(str(s) in kinds for s in range(len(kinds)))
         else:
             return
-        await self._emit(work, key, state, because, complete)
+        await self._emit(work, key, state, revision, because, complete, in_hand or {})
 
     async def _emit(
-        self, work: _Work, key: str, state: dict[str, Any], because: Literal["closed", "idle", "cap"], complete: bool
+        self,
+        work: _Work,
+        key: str,
+        state: dict[str, Any],
+        revision: int | None,
+        because: Literal["closed", "idle", "cap"],
+        complete: bool,
+        in_hand: dict[int, bytes],
     ) -> None:
         config, names = self._config, self._config.names
-        events = []
-        for ref in state["refs"].values():
+        events = [decode_event(in_hand[ref]) for ref in state["refs"].values() if ref in in_hand]
+        missing = [ref for ref in state["refs"].values() if ref not in in_hand]
+
+        async def fetch(ref: int) -> None:
             raw = await work.js.get_msg(names.events, ref)
             events.append(await decode_message(raw, work.js))  # type: ignore[arg-type]
+
+        async with anyio.create_task_group() as tg:  # earlier events of the session: read back at once
+            for ref in missing:
+                tg.start_soon(fetch, ref)
         trajectories = build_trajectories(
             SessionEvents.of(events),
             emitted_because=because,
@@ -313,18 +347,19 @@ class Assembler:
                 trajectory.encode(),
                 bucket=names.payload_bucket,
             )
+        current: dict[str, Any] | None = state
         while True:  # mark emitted; a concurrent writer only ever adds refs, which come too late now
-            current, revision = await work.load(key)
             if current is None or current["emitted"]:
                 break
-            current |= {
+            current = current | {
                 "emitted": True,
                 "emitted_because": because,
                 "trajectory_ids": [t.trajectory_id for t in trajectories],
             }
-            if await work.store(key, current, revision):
+            if await work.store(key, current, revision) is not None:
                 break
             self._conflicts += 1
+            current, revision = await work.load(key)
         self._deadlines.pop(key, None)
         self._waiting_reward.discard(key)
         self._emitted += 1
@@ -370,19 +405,20 @@ class _Work:
             return None, None
         return orjson.loads(entry.value or b"{}"), entry.revision
 
-    async def store(self, key: str, state: dict[str, Any], revision: int | None) -> bool:
-        """Write if nobody wrote since ``revision`` (``None``: if the key does not exist)."""
+    async def store(self, key: str, state: dict[str, Any], revision: int | None) -> int | None:
+        """Write if nobody wrote since ``revision`` (``None``: if the key does not exist).
+
+        Returns the new revision, or ``None`` if someone else wrote first.
+        """
         from nats.js.errors import KeyWrongLastSequenceError
 
         data = orjson.dumps(state)
         try:
             if revision is None:
-                await self.kv.create(key, data)
-            else:
-                await self.kv.update(key, data, last=revision)
+                return int(await self.kv.create(key, data))
+            return int(await self.kv.update(key, data, last=revision))
         except KeyWrongLastSequenceError:
-            return False
-        return True
+            return None
 
 
 async def run_assembler(config: AssemblerConfig, progress: Callable[[str], None] | None = None) -> None:
