@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     stream_max_age_seconds: float = Field(0.0, ge=0, description="stream age limit, 0 keeps events forever")
     event_buffer_size: int = Field(10_000, ge=1, description="durable events held in memory before disk")
     live_deltas: bool = Field(True, description="publish coalesced token deltas on the live subjects")
-    delta_tokens: int = Field(16, ge=1, description="a live delta every this many tokens...")
+    delta_tokens: int = Field(128, ge=1, description="a live delta every this many tokens...")
     delta_interval_ms: float = Field(50.0, gt=0, description="...or when this long has passed since the last")
 
     default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")

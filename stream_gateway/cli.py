@@ -300,7 +300,7 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--stream-max-bytes", type=int, help="stream size limit in bytes (default unlimited)")
     command.add_argument("--stream-max-age-seconds", type=float, help="stream age limit (default forever)")
     command.add_argument("--no-live-deltas", dest="live_deltas", action="store_const", const=False)
-    command.add_argument("--delta-tokens", type=int, help="a live delta every N tokens (default 16)")
+    command.add_argument("--delta-tokens", type=int, help="a live delta every N tokens (default 128)")
     command.add_argument("--delta-interval-ms", type=float, help="...or every T ms (default 50)")
 
 
