@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import anyio
-import orjson
 
 from ._outbox import Outbox, OutboxRecord
+from .durable import PAYLOAD_HEADROOM, put_oversized
 from .events import Event, encode_event
 from .streams import PAYLOAD_OBJECT_HEADER, StreamSpec, delta_subject, ensure_object_store, ensure_stream, event_subject
 
@@ -62,9 +62,6 @@ if TYPE_CHECKING:
 __all__ = ["EventPublisher", "PublisherConfig", "PublisherStatistics"]
 
 log = logging.getLogger(__name__)
-
-_PAYLOAD_HEADROOM = 8 * 1024  # headers and protocol overhead under the server's max payload
-_OBJECT_CHUNK_BYTES = 128 * 1024  # nats-py's default object store chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +320,7 @@ class EventPublisher:
 
         assert self._nc is not None and self._js is not None
         js = self._js
-        limit = self._nc.max_payload - _PAYLOAD_HEADROOM
+        limit = self._nc.max_payload - PAYLOAD_HEADROOM
         futures: list[Any] = []
         large = 0
         try:
@@ -359,18 +356,11 @@ class EventPublisher:
 
     async def _store_large(self, record: OutboxRecord) -> bytes:
         """Put an oversized event in the object store; the pointer body that replaces it."""
-        from nats.js.api import ObjectMeta, ObjectMetaOptions
-
         assert self._nc is not None and self._js is not None
         if self._store is None:
             self._store = await ensure_object_store(self._js, self._config.stream)
-        # nats-py's default chunk (128 KiB) is itself too large for a server with a smaller max payload.
-        chunk = min(_OBJECT_CHUNK_BYTES, self._nc.max_payload - _PAYLOAD_HEADROOM)
-        meta = ObjectMeta(name=record.msg_id, options=ObjectMetaOptions(max_chunk_size=chunk))
-        await self._store.put(record.msg_id, record.payload, meta=meta)
-        pointer = {"event_id": record.msg_id, "object": record.msg_id, "size": len(record.payload)}
-        pointer["bucket"] = self._config.stream.payload_bucket
-        return orjson.dumps(pointer)
+        bucket = self._config.stream.payload_bucket
+        return await put_oversized(self._nc, self._store, bucket, record.msg_id, record.payload)
 
     def _note_failure(self) -> None:
         self._failures += 1
