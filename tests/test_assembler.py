@@ -210,10 +210,15 @@ async def _publish(url: str, outbox: Path, events: list[Event]) -> None:
         await publisher.wait_published()
 
 
-def test_replayed_shuffled_and_duplicated_events_on_the_stream(tmp_path: Path) -> None:
-    """Events delivered out of order, and twice, through a real stream: the same trajectories."""
+@pytest.mark.parametrize("instances", [1, 3])
+def test_replayed_shuffled_and_duplicated_events_on_the_stream(tmp_path: Path, instances: int) -> None:
+    """Events delivered out of order, and twice, through a real stream: the same trajectories.
+
+    With three instances sharing the durable consumer, one session's events are spread over
+    them; the compare-and-set state still gives each trajectory exactly once.
+    """
     rng = random.Random(9)
-    sessions = [_fake_session(f"dup{i}", rng.randint(1, 4), rng) for i in range(6)]
+    sessions = [_fake_session(f"dup{i}", rng.randint(1, 4), rng) for i in range(6 * instances)]
     expected = {
         t.trajectory_id: t for s in sessions for t in build_trajectories(SessionEvents.of(s), emitted_because="closed")
     }
@@ -222,8 +227,10 @@ def test_replayed_shuffled_and_duplicated_events_on_the_stream(tmp_path: Path) -
     copies = [e.model_copy(update={"event_id": e.event_id + "copy"}) for e in rng.sample(stream_order, 10)]
     with EmbeddedNatsServer() as server:
         anyio.run(_publish, server.url, tmp_path / "outbox", stream_order + copies)
-        config = AssemblerConfig(servers=(server.url,), ack_wait_s=5, close_grace_s=1)
-        with background_assembler(config):
+        config = AssemblerConfig(servers=(server.url,), ack_wait_s=5, close_grace_s=1, fetch_batch=4)
+        with contextlib.ExitStack() as stack:
+            for _ in range(instances):
+                stack.enter_context(background_assembler(config))
             got = wait_for(lambda: (ts := read_trajectories(server.url)) and len(ts) >= len(expected) and ts)
             time.sleep(1)  # nothing more may come
             got = read_trajectories(server.url)
