@@ -21,6 +21,7 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._publisher_statistics: Callable[[], Any] | None = None
         self.requests = Counter(
             "gateway_requests", "Chat completion requests by outcome", ["stream", "status"], registry=self.registry
         )
@@ -53,7 +54,12 @@ class GatewayMetrics:
 
     def watch_publisher(self, statistics: Callable[[], Any]) -> None:
         """Export the event publisher's statistics (read at scrape time) as ``gateway_events_*``."""
+        self._publisher_statistics = statistics
         self.registry.register(_PublisherCollector(statistics))
+
+    def publisher_statistics(self) -> Any:
+        """The event publisher's statistics now, ``None`` with capture off."""
+        return self._publisher_statistics() if self._publisher_statistics is not None else None
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -211,18 +211,23 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         stats = engine.statistics()
-        return ORJSONResponse(
-            {
-                "status": "ok",
-                "engine": engine.name,
-                "model": engine.model_id,
-                "policy_version": engine.policy_version,
-                "active_requests": stats.active_requests,
-                "waiting_requests": stats.waiting_requests,
-                "total_requests": stats.total_requests,
-                "total_generated_tokens": stats.total_generated_tokens,
+        body: dict[str, Any] = {
+            "status": "ok" if stats.running else "unavailable",
+            "engine": engine.name,
+            "model": engine.model_id,
+            "policy_version": engine.policy_version,
+            "active_requests": stats.active_requests,
+            "waiting_requests": stats.waiting_requests,
+            "total_requests": stats.total_requests,
+            "total_generated_tokens": stats.total_generated_tokens,
+        }
+        if (publisher_stats := metrics.publisher_statistics()) is not None:
+            body["events"] = {
+                "connected": publisher_stats.connected,
+                "pending": publisher_stats.pending,
+                "outbox": publisher_stats.outbox,
             }
-        )
+        return ORJSONResponse(body, status_code=200 if stats.running else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -64,6 +64,7 @@ class EngineStatistics:
     waiting_requests: int
     total_requests: int
     total_generated_tokens: int
+    running: bool = True  # False once the engine has crashed or stopped: /health says 503
 
 
 @runtime_checkable

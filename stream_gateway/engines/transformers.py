@@ -205,6 +205,7 @@ class TransformersEngine:
             waiting_requests=self._waiting,
             total_requests=self._total_requests,
             total_generated_tokens=self._total_tokens,
+            running=self._thread is not None and self._thread.is_alive(),
         )
 
     # -- worker thread ---------------------------------------------------------------------
