@@ -17,8 +17,9 @@ Deliberate choices:
   that was 1.2x the CPU per token of capture off (``benchmarks/capture_overhead.py``).
 * ``seq`` counts a session's durable events; it lives on the session, so concurrent requests
   of one session (n > 1, parallel sub-agents) still number their events without gaps.
-* ``policy.updated`` is emitted the first time a turn runs under a new policy version, whatever
-  reloaded the weights.
+* ``policy.updated`` is emitted when weights are loaded through the gateway
+  (``POST /policy/weights``), and otherwise the first time a turn runs under a new policy
+  version, whatever reloaded the weights.
 """
 
 from __future__ import annotations
@@ -259,7 +260,13 @@ class EventRecorder:
             self._emit_durable(event, session)
         return event.event_id
 
-    def _policy_changed(self, previous: int, current: int) -> None:
+    def policy_updated(self, previous: int, current: int, weights: str | None) -> None:
+        """The engine now samples from new weights (loaded through the gateway)."""
+        self._policy_version = current
+        if self._publish is not None:
+            self._policy_changed(previous, current, weights)
+
+    def _policy_changed(self, previous: int, current: int, weights: str | None = None) -> None:
         assert self._publish is not None
         self._publish(
             PolicyUpdated.model_construct(
@@ -271,7 +278,7 @@ class EventRecorder:
                 model=self._model,
                 policy_version=current,
                 previous_version=previous,
-                weights=None,
+                weights=weights,
             )
         )
 

@@ -7,6 +7,7 @@
     │   ├── ContextLengthExceeded    400 code=context_length_exceeded
     │   └── UnsupportedParameter     400 code=unsupported_parameter
     ├── AuthenticationFailed         401 code=invalid_api_key
+    ├── PermissionDenied             403 code=permission_denied
     ├── NotFound                     404 not_found_error
     │   └── ModelNotFound            404 code=model_not_found
     ├── Conflict                     409 code=session_closed (the resource's state forbids it)
@@ -72,6 +73,14 @@ class AuthenticationFailed(GatewayError):
     status_code = 401
     error_type = "invalid_request_error"
     default_code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    """The key is valid but may not do this (weight updates need an admin key)."""
+
+    status_code = 403
+    error_type = "invalid_request_error"
+    default_code = "permission_denied"
 
 
 class NotFound(GatewayError):

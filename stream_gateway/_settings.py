@@ -23,6 +23,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_keys: tuple[str, ...] = Field((), description="accepted bearer keys; empty accepts any key")
+    admin_api_keys: tuple[str, ...] = Field((), description="keys allowed to load new weights; empty: nobody")
     model_cache_dir: Path | None = Field(None, description="where built/converted models are cached")
 
     max_batch_size: int = Field(16, ge=1, description="transformers engine: rows decoded together")

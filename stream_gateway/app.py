@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ._api_types import ChatCompletionRequest
 from ._capture import EventRecorder
 from ._completion import CompletionService, ProducerItem
-from ._errors import AuthenticationFailed, GatewayError, InvalidRequest, NotFound
+from ._errors import AuthenticationFailed, Conflict, GatewayError, InvalidRequest, NotFound, PermissionDenied
 from ._metrics import GatewayMetrics
 from ._sessions import Session, SessionStore, session_body
 from ._settings import Settings
@@ -44,6 +44,15 @@ from .engines import Engine
 log = logging.getLogger(__name__)
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class WeightsBody(BaseModel):
+    """``POST /policy/weights``: load a checkpoint as the next policy version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, description="a directory of *.safetensors files (the engine's model)")
+    policy_version: int = Field(strict=True, gt=0)
 
 
 class FeedbackBody(BaseModel):
@@ -113,7 +122,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         key = key.strip() if scheme.lower() == "bearer" else ""
-        if settings.api_keys and key not in settings.api_keys:
+        if settings.api_keys and key not in settings.api_keys and key not in settings.admin_api_keys:
             raise AuthenticationFailed("Incorrect API key provided.")
         return key or "anonymous"
 
@@ -194,6 +203,35 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         closed_now = sessions.close(session, "client")
         body = {"id": session_id, "object": "session", "closed": True, "already_closed": not closed_now}
         return ORJSONResponse(body | {"turns": len(session.turns)})
+
+    weights_lock = anyio.Lock()
+
+    @app.post("/policy/weights")
+    async def load_weights(request: Request) -> Response:
+        key = authorize(request)
+        if not settings.admin_api_keys:
+            raise PermissionDenied("Weight updates are disabled; start the gateway with --admin-api-key.")
+        if key not in settings.admin_api_keys:
+            raise PermissionDenied("This key may not load weights.")
+        body = await _parse(request, WeightsBody)
+        if not await anyio.Path(body.path).is_dir():
+            raise InvalidRequest(f"No directory `{body.path}` on the gateway's machine.", param="path")
+        async with weights_lock:  # one update at a time: versions must only go up
+            previous = engine.policy_version
+            if body.policy_version <= previous:
+                raise Conflict(
+                    f"policy_version must be above the current {previous}.",
+                    param="policy_version",
+                    code="stale_policy_version",
+                )
+            try:
+                await engine.load_weights(body.path, body.policy_version)
+            except (OSError, ValueError, RuntimeError) as exc:  # unreadable or mismatched checkpoint
+                raise InvalidRequest(f"The engine could not load `{body.path}`: {exc}", param="path") from exc
+            recorder.policy_updated(previous, body.policy_version, body.path)
+        log.info("policy %d -> %d from %s", previous, body.policy_version, body.path)
+        result = {"object": "policy", "policy_version": body.policy_version, "previous_version": previous}
+        return ORJSONResponse(result | {"weights": body.path})
 
     @app.get("/v1/models")
     @app.get("/sessions/{session_id}/v1/models")

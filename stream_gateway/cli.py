@@ -287,6 +287,9 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--host", help="default: 127.0.0.1")
     command.add_argument("--port", type=int, help="default: 8000")
     command.add_argument("--api-key", action="append", dest="api_keys", help="accepted key (repeatable)")
+    command.add_argument(
+        "--admin-api-key", action="append", dest="admin_api_keys", help="key allowed to load weights (repeatable)"
+    )
     command.add_argument("--max-batch-size", type=int, help="transformers engine batch size (default 16)")
     command.add_argument("--max-model-len", type=int, help="cap on prompt + completion tokens")
     command.add_argument("--device", help="torch device for the transformers engine (default cpu)")
@@ -381,8 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     skip = {"command", "run", "uses_settings", "extra", *args.extra}
     flags = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
-    if "api_keys" in flags:
-        flags["api_keys"] = tuple(flags["api_keys"])
+    for many in ("api_keys", "admin_api_keys"):
+        if many in flags:
+            flags[many] = tuple(flags[many])
     settings = Settings(**flags)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = args.run(settings, args) if args.extra else args.run(settings)
