@@ -111,7 +111,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
                 try:
                     yield
                 finally:
-                    log.info("shutting down: closing %d open sessions, draining events", len(sessions))
+                    still_open = sum(not s.closed for s in sessions)
+                    log.info("shutting down: closing %d open sessions, draining events", still_open)
                     sessions.close_all("shutdown")
                     recorder.attach(None)
 
