@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeline.events import subject_token
-from pipeline.streams import StreamSpec, ensure_named_stream, ensure_stream
+from pipeline.streams import StreamSpec, ensure_bucket, ensure_named_stream, ensure_stream
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -59,7 +59,7 @@ class ConsumerStreams:
 
 async def ensure_consumer_streams(js: JetStreamContext, names: ConsumerStreams) -> None:
     """Create (or update) the trajectory and batch streams, the buckets, and a missing events stream."""
-    from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+    from nats.js.api import KeyValueConfig, StorageType
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     try:
@@ -70,11 +70,7 @@ async def ensure_consumer_streams(js: JetStreamContext, names: ConsumerStreams) 
     await ensure_named_stream(js, names.trajectories, [names.trajectory_subjects], **common)  # type: ignore[arg-type]
     await ensure_named_stream(js, names.batches, [names.batch_subject], **common)  # type: ignore[arg-type]
     for bucket in (names.payload_bucket, names.batch_bucket):
-        try:
-            await js.object_store(bucket)
-        except (BucketNotFoundError, NotFoundError):
-            config = ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, replicas=names.replicas)
-            await js.create_object_store(bucket, config=config)
+        await ensure_bucket(js, bucket, replicas=names.replicas)
     try:
         await js.key_value(names.state_bucket)
     except (BucketNotFoundError, NotFoundError):

@@ -33,6 +33,7 @@ __all__ = [
     "PAYLOAD_OBJECT_HEADER",
     "StreamSpec",
     "delta_subject",
+    "ensure_bucket",
     "ensure_named_stream",
     "ensure_object_store",
     "ensure_stream",
@@ -128,17 +129,22 @@ async def ensure_named_stream(
 
 async def ensure_object_store(js: JetStreamContext, spec: StreamSpec) -> ObjectStore:
     """The bucket holding events too large for one message, created if missing."""
+    return await ensure_bucket(
+        js, spec.payload_bucket, replicas=spec.replicas, max_bytes=spec.max_bytes, max_age_s=spec.max_age_s
+    )
+
+
+async def ensure_bucket(
+    js: JetStreamContext, bucket: str, *, replicas: int = 1, max_bytes: int = -1, max_age_s: float = 0.0
+) -> ObjectStore:
+    """A file-backed object store bucket, created if missing (an existing one is used as is)."""
     from nats.js.api import ObjectStoreConfig, StorageType
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     try:
-        return await js.object_store(spec.payload_bucket)
+        return await js.object_store(bucket)
     except (BucketNotFoundError, NotFoundError):
         config = ObjectStoreConfig(
-            bucket=spec.payload_bucket,
-            storage=StorageType.FILE,
-            replicas=spec.replicas,
-            max_bytes=spec.max_bytes,
-            ttl=spec.max_age_s or None,
+            bucket=bucket, storage=StorageType.FILE, replicas=replicas, max_bytes=max_bytes, ttl=max_age_s or None
         )
-        return await js.create_object_store(spec.payload_bucket, config=config)
+        return await js.create_object_store(bucket, config=config)

@@ -20,18 +20,12 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .agent_loop import READ_TOOL
 from .fidelity import assert_chain_logprobs
 from .servers import RunningGateway
 
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read",
-            "description": "Read a file",
-            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-        },
-    },
+    READ_TOOL,
     {
         "type": "function",
         "function": {

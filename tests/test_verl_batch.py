@@ -41,7 +41,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 from consumers.trajectory import Trajectory, TurnSummary
 from consumers.verl_batch import PaddedBatch, group_uid, padded_batch, to_data_proto, to_jagged_tensordict
 
-from .agent_loop import drive_session
+from .agent_loop import READ_TOOL, drive_session
 from .servers import RunningGateway
 from .trajectories import trajectories_from_session
 
@@ -49,16 +49,7 @@ from .trajectories import trajectories_from_session
 # DeprecationWarning at import time; only the tests that import the agent loop ignore it.
 RAY_STATE_API_WARNING = "ignore:Ray state API is no longer experimental:DeprecationWarning"
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read",
-            "description": "Read a file",
-            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-        },
-    }
-]
+TOOLS = [READ_TOOL]
 ATOL = 2e-4  # as tests/fidelity.py: fp32 CPU, the engine's batch vs this one-off forward pass
 
 
