@@ -96,6 +96,7 @@ def fake_session(session_id: str, turns: int, rng: random.Random) -> list[Event]
             content="x" * 400,
             tool_calls=(),
             policy_version=0,
+            policy_versions=((0, 0),),
             created_at=now + i,
             time_to_first_token_s=0.05,
             duration_s=1.5,

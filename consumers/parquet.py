@@ -14,6 +14,8 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     token_ids        list<int32>   prompt + response ids
     loss_mask        list<int8>    1 on sampled ids
     logprobs         list<double>  the sampling logprobs (0.0 where not sampled), exact
+    token_policy_versions  list<int32>  the policy version that sampled each id (-1 where not sampled),
+                   derived from ``turns`` (whose spans are the record) for readers of the parquet alone
     prompt_length, num_turns, min_policy_version, max_policy_version   int64
     reward           double (nullable)
     aborted, truncated, complete   bool
@@ -102,6 +104,7 @@ def _schema() -> pa.Schema:
             ("token_ids", pa.list_(pa.int32())),
             ("loss_mask", pa.list_(pa.int8())),
             ("logprobs", pa.list_(pa.float64())),
+            ("token_policy_versions", pa.list_(pa.int32())),
             ("prompt_length", pa.int64()),
             ("num_turns", pa.int64()),
             ("min_policy_version", pa.int64()),
@@ -136,6 +139,7 @@ def encode_batch(
         for column in _JSON_COLUMNS:
             row[column] = orjson.dumps(row[column], option=orjson.OPT_SORT_KEYS).decode()
         row["uid"] = uid
+        row["token_policy_versions"] = trajectory.token_policy_versions()
         rows.append(row)
     schema = _schema().with_metadata(
         {
@@ -159,6 +163,7 @@ def decode_batch(data: bytes) -> tuple[list[Trajectory], list[str]]:
     uids: list[str] = []
     for row in table.to_pylist():
         uids.append(row.pop("uid"))
+        row.pop("token_policy_versions", None)  # derived; absent from batches written before it
         for column in _JSON_COLUMNS:
             row[column] = orjson.loads(row[column])
         trajectories.append(Trajectory.model_validate(row))

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnRecord
 
-from .trajectory import Trajectory, TurnSummary, trajectory_id
+from .trajectory import Trajectory, TurnSummary, token_policy_versions, trajectory_id
 
 __all__ = ["SessionEvents", "build_trajectories"]
 
@@ -127,6 +127,7 @@ def _trajectory(
                 length=len(turn.output_ids),
                 finish_reason=getattr(turn, "finish_reason", None),
                 policy_version=turn.policy_version,
+                policy_versions=list(turn.policy_versions),
                 reward=turn_rewards.get(turn.turn_id),
                 time_to_first_token_s=turn.time_to_first_token_s,
                 duration_s=turn.duration_s,
@@ -140,7 +141,8 @@ def _trajectory(
         tokens, mask, logprobs = tokens[:max_tokens], mask[:max_tokens], logprobs[:max_tokens]
         summaries = [s for s in summaries if s.start < max_tokens]
         truncated = True
-    versions = [t.policy_version for t in chain]
+    # Every kept token's version counts: a turn that spans a weight update holds several.
+    versions = [v for v in token_policy_versions(summaries, len(tokens)) if v >= 0] or [root.policy_version]
     return Trajectory(
         trajectory_id=trajectory_id(root.session_id or "", [t.turn_id for t in chain]),
         session_id=root.session_id or "",

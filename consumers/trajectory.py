@@ -10,6 +10,10 @@ A trajectory is one chain of turns of a session (root to leaf of its turn tree),
 * ``prompt_length`` is the length of the first turn's prompt: verl's ``prompts`` are
   ``token_ids[:prompt_length]`` and its ``responses`` the rest (assistant and tool tokens
   alike, told apart by ``response_mask`` = ``loss_mask[prompt_length:]``).
+* every sampled id is labelled with the policy version that sampled it: each turn's
+  ``policy_versions`` spans (``[version, first index in the turn's output]``), expanded by
+  :meth:`Trajectory.token_policy_versions`; ``min_policy_version`` is the oldest token's version
+  (what staleness is judged by), ``max_policy_version`` the newest.
 
 A turn that did not extend its parent (a new root) starts a trajectory of its own; the gateway
 never splices, so neither does the assembler. The trajectory id is a digest of the session id
@@ -25,15 +29,27 @@ from typing import Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["TRAJECTORY_SCHEMA_VERSION", "Trajectory", "TurnSummary", "trajectory_id"]
+__all__ = ["TRAJECTORY_SCHEMA_VERSION", "Trajectory", "TurnSummary", "token_policy_versions", "trajectory_id"]
 
-TRAJECTORY_SCHEMA_VERSION: Literal[1] = 1
+TRAJECTORY_SCHEMA_VERSION: Literal[2] = 2  # 2: per-token policy versions (turns' policy_versions)
 
 
 def trajectory_id(session_id: str, turn_ids: list[str]) -> str:
     """The deterministic id of a chain of turns."""
     digest = hashlib.sha256("\x1f".join([session_id, *turn_ids]).encode()).hexdigest()
     return f"tr{digest[:32]}"
+
+
+def token_policy_versions(turns: list[TurnSummary], length: int) -> list[int]:
+    """Per-position policy versions of a sequence of ``length`` ids holding ``turns`` (-1: not sampled)."""
+    out = [-1] * length
+    for turn in turns:
+        spans = turn.policy_versions or [(turn.policy_version, 0)]
+        for i, (version, first) in enumerate(spans):
+            last = spans[i + 1][1] if i + 1 < len(spans) else turn.length
+            start, end = turn.start + first, min(turn.start + last, length)
+            out[start:end] = [version] * max(0, end - start)
+    return out
 
 
 class TurnSummary(BaseModel):
@@ -45,7 +61,11 @@ class TurnSummary(BaseModel):
     start: int = Field(ge=0, description="index in token_ids of the turn's first sampled id")
     length: int = Field(ge=0, description="how many ids it sampled")
     finish_reason: str | None = Field(description="null: aborted")
-    policy_version: int
+    policy_version: int = Field(description="the version that sampled the turn's first id")
+    policy_versions: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description="[version, first index in the turn's output] spans; empty (schema 1): all policy_version",
+    )
     reward: float | None = Field(None, description="turn-level feedback (the latest), if any")
     time_to_first_token_s: float | None = None
     duration_s: float = 0.0
@@ -56,7 +76,7 @@ class Trajectory(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1] = TRAJECTORY_SCHEMA_VERSION
+    schema_version: Literal[1, 2] = TRAJECTORY_SCHEMA_VERSION
     trajectory_id: str
     session_id: str
     tenant: str
@@ -79,6 +99,10 @@ class Trajectory(BaseModel):
     emitted_because: Literal["closed", "idle", "cap"]
     started_at: float
     ended_at: float
+
+    def token_policy_versions(self) -> list[int]:
+        """The policy version of every position of ``token_ids``: -1 where nothing was sampled."""
+        return token_policy_versions(self.turns, len(self.token_ids))
 
     @property
     def response_length(self) -> int:

@@ -80,7 +80,9 @@ class PaddedBatch:
     (empty dicts: verl's trainer iterates it unconditionally); ``turn_scores`` (turn-level
     rewards in turn order), ``tool_rewards`` (empty lists), ``min_global_steps`` and
     ``max_global_steps`` (the policy versions the trajectory spans), ``extras`` (None), all
-    dtype object as verl's ``extra_fields``.
+    dtype object as verl's ``extra_fields``; ``policy_versions``: per row an int64 array of length R,
+    the policy version that sampled each response token (-1 where nothing was sampled, padding
+    included), so a trainer can weight or mask stale tokens (``np.stack`` gives [B,R]).
 
     ``meta_info``: ``timing`` (empty; verl's trainer pops it) and ``reward_extra_keys`` (empty).
     """
@@ -143,6 +145,7 @@ def padded_batch(
         raise ValueError(f"prompt_length and response_length must be >= 1, got {prompt_length}, {response_length}")
     rows = _rows(trajectories, uids)
     size = len(rows)
+    versions = np.full((size, response_length), -1, dtype=np.int64)
     prompts = torch.full((size, prompt_length), pad_token_id, dtype=torch.int64)
     responses = torch.full((size, response_length), pad_token_id, dtype=torch.int64)
     prompt_attention = torch.zeros((size, prompt_length), dtype=torch.int64)
@@ -170,6 +173,7 @@ def padded_batch(
         # Non-sampled positions carry 0.0 (contract T1); enforced here rather than trusted.
         logprobs = torch.tensor(row.logprobs, dtype=torch.float32)
         rollout_log_probs[i, :r] = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
+        versions[i, :r] = trajectory.token_policy_versions()[len(row.prompt) :]
     attention_mask = torch.cat([prompt_attention, response_attention], dim=1)
     # verl.utils.model.compute_position_id_with_mask, as the agent loop uses for text-only models.
     position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
@@ -193,6 +197,7 @@ def padded_batch(
         "trajectory_id": _objects([t.trajectory_id for t in trajectories]),
         "session_id": _objects([t.session_id for t in trajectories]),
         "multi_modal_inputs": _objects([{} for _ in trajectories]),
+        "policy_versions": _objects(list(versions)),
     }
     extra = [_extra_fields(t) for t in trajectories]
     for key in _EXTRA_FIELD_KEYS:
@@ -224,8 +229,9 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
     the module docstring), ``trajectory_id``, ``session_id`` (ours, a string; verl v1's agent loop
     uses a ``session_id`` of its own, the rollout index, only to build TransferQueue keys),
     ``extra_fields`` (a dict with ``turn_scores``, ``tool_rewards``, ``min_global_steps``,
-    ``max_global_steps``, ``extras``) and ``multi_modal_inputs`` (empty dicts). No length limits:
-    nothing is padded.
+    ``max_global_steps``, ``extras``) and ``multi_modal_inputs`` (empty dicts); ``policy_versions``
+    (nested int64, per response token: the version that sampled it, -1 where nothing was). No
+    length limits: nothing is padded.
     """
     from tensordict import NonTensorData, NonTensorStack, TensorDict
 
@@ -252,6 +258,10 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
         "rm_scores": nested(
             [[0.0] * (len(row.response) - 1) + [_reward(t)] for t, row in zip(trajectories, rows, strict=True)],
             torch.float32,
+        ),
+        "policy_versions": nested(
+            [t.token_policy_versions()[len(row.prompt) :] for t, row in zip(trajectories, rows, strict=True)],
+            torch.int64,
         ),
         "uid": stack(list(uids)),
         "num_turns": stack([_verl_num_turns(t) for t in trajectories]),

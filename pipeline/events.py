@@ -13,7 +13,9 @@ Kinds (the ``kind`` field, also the last two subject tokens)::
     turn.completed      the whole generation: prompt ids, sampled ids, logprobs, tool calls, usage
     turn.aborted        the same record for a generation that did not finish (client gone, error)
     feedback.recorded   a reward for a turn or a whole session, from a live user or a program
-    policy.updated      the engine switched to new weights
+    policy.updated      a trainer published new weights (in the policy object store) for every replica
+    policy.applied      one gateway replica now samples from a new policy version
+    policy.rejected     one gateway replica refused a published policy and kept its weights
 
 Deliberate choices:
 
@@ -29,6 +31,11 @@ Deliberate choices:
   events through the disk outbox; consumers that must not care sort by ``seq``.
 * **Tenants are not API keys.** ``tenant`` is a short non-reversible digest of the caller's key
   (:func:`tenant_id`), so subjects and payloads never carry a secret.
+* **Per-token policy versions** (schema 2). Weights can change between two decode steps of a
+  turn in flight; ``policy_versions`` on ``turn.completed``/``turn.aborted`` lists
+  ``[version, first_output_index]`` spans covering the output in order, so every sampled id is
+  labelled with the weights that sampled it. Schema-1 events (written before) decode with one
+  span, ``[[policy_version, 0]]``.
 * Models are frozen; the gateway builds them with ``model_construct`` (its data is already
   valid), consumers decode them with full validation (:func:`decode_event`).
 """
@@ -36,12 +43,13 @@ Deliberate choices:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import secrets
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 __all__ = [
     "DURABLE_KINDS",
@@ -50,6 +58,9 @@ __all__ = [
     "AnyEvent",
     "Event",
     "FeedbackRecorded",
+    "PolicyApplied",
+    "PolicyObject",
+    "PolicyRejected",
     "PolicyUpdated",
     "SamplingRecord",
     "SessionClosed",
@@ -70,7 +81,7 @@ __all__ = [
     "tenant_id",
 ]
 
-SCHEMA_VERSION: Literal[1] = 1
+SCHEMA_VERSION: Literal[2] = 2
 
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Serialization-mode JSON Schemas mark defaulted fields required: the wire always carries them.
@@ -101,7 +112,9 @@ class Event(BaseModel):
 
     model_config = _MODEL_CONFIG
 
-    schema_version: Literal[1] = Field(SCHEMA_VERSION, description="bumped on an incompatible change")
+    schema_version: Literal[1, 2] = Field(
+        SCHEMA_VERSION, description="bumped on an incompatible change (2: per-token policy versions)"
+    )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
     time: float = Field(description="when it happened, Unix seconds")
@@ -204,6 +217,10 @@ class TurnRecord(Event):
     prompt_ids: list[int] = Field(description="the prompt ids after the reused ones (the whole prompt for a root)")
     output_ids: list[int] = Field(description="the ids the engine sampled, in order")
     logprobs: list[float] = Field(description="one per output id: the processed logprob it was sampled with")
+    policy_versions: list[tuple[int, int]] = Field(
+        description="[version, first output index] spans covering output_ids in order: the weights that "
+        "sampled each id (one span unless weights changed mid-turn)"
+    )
     content: str = Field(description="the assistant text sent to the client")
     tool_calls: list[ToolCallRecord] = Field(default_factory=list, description="parsed from the output, in order")
     usage: Usage = Field(description="token counts as reported to the client")
@@ -213,6 +230,34 @@ class TurnRecord(Event):
     duration_s: float = Field(description="seconds from arrival to the end of the generation")
     matches_full_render: bool = Field(description="the prompt equals a fresh tokenization of the conversation")
     fallback_reason: str | None = Field(description="why a matching parent turn could not be continued")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_span_before_schema_2(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "policy_versions" not in data and data.get("schema_version") == 1:
+            return {**data, "policy_versions": [(data.get("policy_version", 0), 0)]}
+        return data
+
+    @model_validator(mode="after")
+    def _spans_cover_the_output(self) -> TurnRecord:
+        spans = self.policy_versions
+        if not spans:
+            raise ValueError("policy_versions needs at least one span")
+        if spans[0][1] != 0:
+            raise ValueError("policy_versions must start at output index 0")
+        for (v0, i0), (v1, i1) in itertools.pairwise(spans):
+            if not (i0 < i1 < len(self.output_ids)) or v1 <= v0:
+                raise ValueError("policy_versions spans must start at increasing output indices with rising versions")
+        return self
+
+    def token_policy_versions(self) -> list[int]:
+        """The policy version of every output id, expanded from the spans."""
+        out: list[int] = []
+        spans = self.policy_versions or [(self.policy_version, 0)]
+        for i, (version, start) in enumerate(spans):
+            end = spans[i + 1][1] if i + 1 < len(spans) else len(self.output_ids)
+            out.extend([version] * (end - start))
+        return out
 
 
 class TurnCompleted(TurnRecord):
@@ -241,12 +286,58 @@ class FeedbackRecorded(Event):
     source: str = Field("user", description="who gave it: 'user' (a live user) or a program's name")
 
 
+class PolicyObject(BaseModel):
+    """One file of a published policy, as stored in the policy object store."""
+
+    model_config = _MODEL_CONFIG
+
+    name: str = Field(description="the object's name in the bucket, e.g. `v00000007/model.safetensors`")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the file's bytes")
+    size: int = Field(ge=0, description="bytes")
+
+
 class PolicyUpdated(Event):
-    """The engine now samples from new weights."""
+    """A trainer published new weights; every gateway following the stream applies them.
+
+    ``policy_version`` is the new version. ``objects`` are safetensors files in the object store
+    ``bucket``: a whole state dict when ``full``, else only the tensors that changed since the
+    previous version.
+    """
 
     kind: Literal["policy.updated"] = "policy.updated"
-    previous_version: int = Field(ge=0, description="the version sampled from before (`policy_version` is the new one)")
-    weights: str | None = Field(None, description="where the weights came from (a path or URI)")
+    previous_version: int | None = Field(None, description="the version these weights follow, if the publisher knows")
+    weights: str | None = Field(None, description="where the weights came from (a path, a trainer step)")
+    bucket: str | None = Field(None, description="the JetStream object store holding `objects`")
+    objects: list[PolicyObject] = Field(default_factory=list, description="the safetensors files, with digests")
+    format: Literal["safetensors"] = Field("safetensors", description="the files' format")
+    full: bool = Field(True, description="a whole state dict; false: only the tensors that changed")
+
+
+class PolicyApplied(Event):
+    """One gateway replica applied a policy; `policy_version` is the version it now samples from."""
+
+    kind: Literal["policy.applied"] = "policy.applied"
+    replica: str = Field(description="the gateway replica (host-pid, or --replica-id)")
+    previous_version: int = Field(ge=0, description="the version it sampled from before")
+    source: str = Field(description="`nats` (a policy.updated event) or the local path of POST /policy/weights")
+    tensors: int = Field(ge=0, description="tensors copied into the model")
+    download_s: float = Field(ge=0, description="seconds to fetch and verify the objects (0 for a local path)")
+    apply_s: float = Field(ge=0, description="seconds from the weights being read to decoding with them")
+    pause_s: float = Field(ge=0, description="the longest pause of decoding it caused: copy + KV recompute")
+    copy_s: float = Field(ge=0, description="of which the in-memory copy of the tensors")
+    in_flight: int = Field(ge=0, description="requests that were decoding across the swap (none aborted)")
+
+
+class PolicyRejected(Event):
+    """One gateway replica refused a policy; `policy_version` is the version it keeps serving."""
+
+    kind: Literal["policy.rejected"] = "policy.rejected"
+    replica: str = Field(description="the gateway replica (host-pid, or --replica-id)")
+    rejected_version: int = Field(description="the version it refused")
+    reason: Literal[
+        "not_newer", "digest_mismatch", "download_failed", "unreadable", "unknown_tensors", "shape_mismatch", "engine"
+    ] = Field(description="why")
+    detail: str = Field(description="what exactly was wrong")
 
 
 AnyEvent = Annotated[
@@ -257,7 +348,9 @@ AnyEvent = Annotated[
     | TurnCompleted
     | TurnAborted
     | FeedbackRecorded
-    | PolicyUpdated,
+    | PolicyUpdated
+    | PolicyApplied
+    | PolicyRejected,
     Field(discriminator="kind"),
 ]
 
@@ -270,6 +363,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     TurnAborted,
     FeedbackRecorded,
     PolicyUpdated,
+    PolicyApplied,
+    PolicyRejected,
 )
 DURABLE_KINDS = frozenset(t.model_fields["kind"].default for t in EVENT_TYPES) - {"turn.delta"}
 

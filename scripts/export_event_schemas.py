@@ -54,6 +54,8 @@ def _type(prop: dict[str, Any]) -> str:
     if "anyOf" in prop:
         return " or ".join(_type(p) for p in prop["anyOf"])
     kind = prop.get("type", "any")
+    if kind == "array" and "prefixItems" in prop:  # a tuple, e.g. [version, first output index]
+        return "[" + ", ".join(_type(p) for p in prop["prefixItems"]) + "]"
     if kind == "array":
         return f"array of {_type(prop['items'])}"
     if kind == "object" and isinstance(prop.get("additionalProperties"), dict):

@@ -17,9 +17,9 @@ Deliberate choices:
   that was 1.2x the CPU per token of capture off (``benchmarks/capture_overhead.py``).
 * ``seq`` counts a session's durable events; it lives on the session, so concurrent requests
   of one session (n > 1, parallel sub-agents) still number their events without gaps.
-* ``policy.updated`` is emitted when weights are loaded through the gateway
-  (``POST /policy/weights``), and otherwise the first time a turn runs under a new policy
-  version, whatever reloaded the weights.
+* ``policy.applied`` / ``policy.rejected`` are this replica's answers to new weights, from a
+  ``policy.updated`` event (:mod:`._policy_sync`) or ``POST /policy/weights``; ``policy.updated``
+  itself is the trainer's (``pipeline.policies.publish_policy``).
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.events import (
+    SCHEMA_VERSION,
     Event,
     FeedbackRecorded,
-    PolicyUpdated,
+    PolicyApplied,
+    PolicyRejected,
     SamplingRecord,
     SessionClosed,
     SessionOpened,
@@ -47,7 +49,7 @@ from pipeline.events import (
 
 if TYPE_CHECKING:
     from ._sessions import Session, Turn
-    from .engines import SamplingParams
+    from .engines import SamplingParams, WeightUpdateReport
 
 __all__ = ["DeltaCoalescer", "EventRecorder"]
 
@@ -107,7 +109,6 @@ class EventRecorder:
         self._live = live_deltas and publish is not None
         self._delta_tokens = delta_tokens
         self._delta_interval = delta_interval_s
-        self._policy_version: int | None = None
 
     def attach(self, publish: Callable[[Event], None] | None) -> None:
         """Start (or, with ``None``, stop) publishing: the publisher lives in the app's lifespan."""
@@ -158,10 +159,6 @@ class EventRecorder:
         """A generation was admitted to the engine."""
         if self._publish is None:
             return
-        if policy_version != self._policy_version:
-            if self._policy_version is not None:
-                self._policy_changed(self._policy_version, policy_version)
-            self._policy_version = policy_version
         self._emit_durable(
             TurnStarted.model_construct(
                 **self._common(session, policy_version),
@@ -218,6 +215,7 @@ class EventRecorder:
             "prompt_ids": list(turn.prompt_ids[turn.reused_prompt_tokens :]),
             "output_ids": list(turn.output_ids),
             "logprobs": list(turn.logprobs),
+            "policy_versions": list(turn.policy_versions),
             "content": turn.content,
             "tool_calls": [
                 ToolCallRecord.model_construct(id=c.id, name=c.name, arguments=c.arguments) for c in turn.tool_calls
@@ -260,30 +258,52 @@ class EventRecorder:
             self._emit_durable(event, session)
         return event.event_id
 
-    def policy_updated(self, previous: int, current: int, weights: str | None) -> None:
-        """The engine now samples from new weights (loaded through the gateway)."""
-        self._policy_version = current
-        if self._publish is not None:
-            self._policy_changed(previous, current, weights)
-
-    def _policy_changed(self, previous: int, current: int, weights: str | None = None) -> None:
-        assert self._publish is not None
+    def policy_applied(self, report: WeightUpdateReport, *, replica: str, source: str, download_s: float,
+                       apply_s: float) -> None:  # fmt: skip
+        """This replica now samples from ``report.policy_version``."""
+        if self._publish is None:
+            return
         self._publish(
-            PolicyUpdated.model_construct(
-                event_id=new_event_id(),
-                time=time.time(),
-                tenant="_",
-                session_id=None,
-                seq=0,
-                model=self._model,
-                policy_version=current,
-                previous_version=previous,
-                weights=weights,
+            PolicyApplied.model_construct(
+                **self._global(report.policy_version),
+                replica=replica,
+                previous_version=report.previous_version,
+                source=source,
+                tensors=report.tensors,
+                download_s=download_s,
+                apply_s=apply_s,
+                pause_s=report.pause_s,
+                copy_s=report.copy_s,
+                in_flight=report.in_flight,
             )
         )
 
+    def policy_rejected(self, current: int, rejected: int, reason: str, detail: str, *, replica: str) -> None:
+        """This replica refused version ``rejected`` and keeps serving ``current``."""
+        if self._publish is None:
+            return
+        self._publish(
+            PolicyRejected.model_construct(
+                **self._global(current), replica=replica, rejected_version=rejected, reason=reason, detail=detail
+            )
+        )
+
+    def _global(self, policy_version: int) -> dict[str, Any]:
+        """Fields of an event that belongs to no session."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "event_id": new_event_id(),
+            "time": time.time(),
+            "tenant": "_",
+            "session_id": None,
+            "seq": 0,
+            "model": self._model,
+            "policy_version": policy_version,
+        }
+
     def _common(self, session: Session, policy_version: int) -> dict[str, Any]:
         return {
+            "schema_version": SCHEMA_VERSION,
             "event_id": new_event_id(),
             "time": time.time(),
             "tenant": tenant_id(session.tenant),

@@ -223,6 +223,9 @@ class CompletionService:
             policy_version,
         )
         deltas = recorder.deltas(prepared.session, turn_id, policy_version)
+        # [version, first output index] spans: a weight update between two steps starts a new one.
+        spans: list[tuple[int, int]] = []
+        produced = 0
         abort_reason: str | None = None
         abort_detail: str | None = None
         try:
@@ -236,6 +239,9 @@ class CompletionService:
                         metrics.inter_token_latency.observe(now - last)
                     last = now
                     metrics.completion_tokens.inc(len(step.token_ids))
+                    if not spans or spans[-1][0] != step.policy_version:
+                        spans.append((step.policy_version, produced))
+                    produced += len(step.token_ids)
                     if deltas is not None:
                         deltas.feed(step.token_ids, step.logprobs)
                     ids.extend(step.token_ids)
@@ -277,7 +283,7 @@ class CompletionService:
                 deltas.flush()
             result.token_ids.extend(ids)
             result.logprobs.extend(logprobs)
-            turn = self._record_turn(prepared, turn_id, result, policy_version, first_token_s)
+            turn = self._record_turn(prepared, turn_id, result, spans or [(policy_version, 0)], first_token_s)
             recorder.turn_finished(
                 prepared.session,
                 turn,
@@ -293,7 +299,7 @@ class CompletionService:
         prepared: PreparedCompletion,
         turn_id: str,
         result: ChoiceResult,
-        policy_version: int,
+        policy_versions: list[tuple[int, int]],
         first_token_s: float | None,
     ) -> Turn:
         content = "".join(result.text_parts)
@@ -318,7 +324,8 @@ class CompletionService:
             finish_reason=result.finish_reason,
             content=content,
             tool_calls=calls,
-            policy_version=policy_version,
+            policy_version=policy_versions[0][0],
+            policy_versions=tuple(policy_versions),
             created_at=time.time() - duration,
             time_to_first_token_s=first_token_s,
             duration_s=duration,

@@ -52,6 +52,28 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.policy_version = Gauge(
+            "gateway_policy_version", "The policy version the engine samples from", registry=self.registry
+        )
+        self.policy_updates = Counter(
+            "gateway_policy_updates",
+            "Policies applied or rejected, by outcome (applied, or the rejection reason)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.policy_pause = Histogram(
+            "gateway_policy_pause_seconds",
+            "How long one weight update stopped decoding (tensor copy + KV recompute)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.policy_download = Histogram(
+            "gateway_policy_download_seconds",
+            "Fetching and verifying a published policy (decoding goes on meanwhile)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
     def watch_publisher(self, statistics: Callable[[], Any]) -> None:
         """Export the event publisher's statistics (read at scrape time) as ``gateway_events_*``."""
         self._publisher_statistics = statistics

@@ -46,7 +46,8 @@ class Turn:
     finish_reason: str | None  # None: aborted (client gone, engine error)
     content: str
     tool_calls: tuple[ToolCall, ...]  # as sent to the client
-    policy_version: int
+    policy_version: int  # the version that sampled the first output token
+    policy_versions: tuple[tuple[int, int], ...]  # (version, first output index) spans covering the output
     created_at: float
     time_to_first_token_s: float | None
     duration_s: float
@@ -277,6 +278,7 @@ def session_body(session: Session) -> dict[str, Any]:
                     ],
                 },
                 "policy_version": t.policy_version,
+                "policy_versions": t.policy_versions,
                 "created_at": t.created_at,
                 "time_to_first_token_s": t.time_to_first_token_s,
                 "duration_s": t.duration_s,

@@ -47,6 +47,14 @@ class Settings(BaseSettings):
     delta_tokens: int = Field(128, ge=1, description="a live delta every this many tokens...")
     delta_interval_ms: float = Field(50.0, gt=0, description="...or when this long has passed since the last")
 
+    follow_policies: bool = Field(
+        True, description="with --nats-url: apply every policy published on NATS (policy.updated)"
+    )
+    policy_sync_timeout_seconds: float = Field(
+        300.0, ge=0, description="at start, wait this long to come up on the latest published policy"
+    )
+    replica_id: str | None = Field(None, description="this gateway's name in policy events (default: host-pid)")
+
     default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")
     max_n: int = Field(8, ge=1, description="largest accepted n")
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")

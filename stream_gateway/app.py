@@ -17,6 +17,8 @@ Deliberate choices:
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -37,9 +39,10 @@ from ._capture import EventRecorder
 from ._completion import CompletionService, ProducerItem
 from ._errors import AuthenticationFailed, Conflict, GatewayError, InvalidRequest, NotFound, PermissionDenied
 from ._metrics import GatewayMetrics
+from ._policy_sync import PolicyApplier, PolicyNotNewer
 from ._sessions import Session, SessionStore, session_body
 from ._settings import Settings
-from .engines import Engine
+from .engines import Engine, WeightsRejected
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     )
     service = CompletionService(engine, settings, metrics, sessions, recorder)
     started = int(time.time())
+    replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+    applier = PolicyApplier(engine, recorder, metrics, replica)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -104,13 +109,16 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             from pipeline.publisher import EventPublisher
 
             config = publisher_config(settings)
-            async with EventPublisher(config) as publisher:
+            async with EventPublisher(config) as publisher, anyio.create_task_group() as tg:
                 recorder.attach(publisher.publish_nowait)
                 metrics.watch_publisher(publisher.statistics)
                 log.info("capturing events to %s (outbox %s)", ", ".join(config.servers), config.outbox_dir)
+                if settings.follow_policies:
+                    await _start_follower(tg, applier, settings, config)
                 try:
                     yield
                 finally:
+                    tg.cancel_scope.cancel()
                     still_open = sum(not s.closed for s in sessions)
                     log.info("shutting down: closing %d open sessions, draining events", still_open)
                     sessions.close_all("shutdown")
@@ -205,8 +213,6 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         body = {"id": session_id, "object": "session", "closed": True, "already_closed": not closed_now}
         return ORJSONResponse(body | {"turns": len(session.turns)})
 
-    weights_lock = anyio.Lock()
-
     @app.post("/policy/weights")
     async def load_weights(request: Request) -> Response:
         key = authorize(request)
@@ -217,22 +223,24 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         body = await _parse(request, WeightsBody)
         if not await anyio.Path(body.path).is_dir():
             raise InvalidRequest(f"No directory `{body.path}` on the gateway's machine.", param="path")
-        async with weights_lock:  # one update at a time: versions must only go up
-            previous = engine.policy_version
-            if body.policy_version <= previous:
-                raise Conflict(
-                    f"policy_version must be above the current {previous}.",
-                    param="policy_version",
-                    code="stale_policy_version",
-                )
-            try:
-                await engine.load_weights(body.path, body.policy_version)
-            except (OSError, ValueError, RuntimeError) as exc:  # unreadable or mismatched checkpoint
-                raise InvalidRequest(f"The engine could not load `{body.path}`: {exc}", param="path") from exc
-            recorder.policy_updated(previous, body.policy_version, body.path)
-        log.info("policy %d -> %d from %s", previous, body.policy_version, body.path)
-        result = {"object": "policy", "policy_version": body.policy_version, "previous_version": previous}
-        return ORJSONResponse(result | {"weights": body.path})
+        try:
+            report = await applier.apply_directory(body.path, body.policy_version, source=body.path)
+        except PolicyNotNewer as exc:
+            raise Conflict(
+                f"policy_version must be above the current {engine.policy_version}.",
+                param="policy_version",
+                code="stale_policy_version",
+            ) from exc
+        except (WeightsRejected, OSError) as exc:  # unreadable or mismatched checkpoint
+            raise InvalidRequest(f"The engine could not load `{body.path}`: {exc}", param="path") from exc
+        result = {
+            "object": "policy",
+            "policy_version": report.policy_version,
+            "previous_version": report.previous_version,
+        }
+        return ORJSONResponse(
+            result | {"weights": body.path, "pause_s": report.pause_s, "copy_s": report.copy_s, "replica": replica}
+        )
 
     @app.get("/v1/models")
     @app.get("/sessions/{session_id}/v1/models")
@@ -255,6 +263,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             "engine": engine.name,
             "model": engine.model_id,
             "policy_version": engine.policy_version,
+            "replica": replica,
             "active_requests": stats.active_requests,
             "waiting_requests": stats.waiting_requests,
             "total_requests": stats.total_requests,
@@ -294,6 +303,22 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         return ORJSONResponse(body, status_code=500)
 
     return app
+
+
+async def _start_follower(tg: Any, applier: PolicyApplier, settings: Settings, config: Any) -> None:
+    """Follow published policies; wait (bounded) until this replica serves the latest one."""
+    from ._policy_sync import PolicyFollower
+
+    follower = PolicyFollower(applier, config.servers, config.stream)
+    tg.start_soon(follower.run)
+    with anyio.move_on_after(settings.policy_sync_timeout_seconds):
+        await follower.caught_up.wait()
+    if not follower.caught_up.is_set():
+        log.warning(
+            "policy follower: not caught up after %.0f s; serving version %d, applying the latest in the background",
+            settings.policy_sync_timeout_seconds,
+            applier.policy_version,
+        )
 
 
 def publisher_config(settings: Settings) -> Any:

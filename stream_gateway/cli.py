@@ -216,6 +216,53 @@ def _assemble(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish_weights(args: argparse.Namespace) -> int:
+    import anyio
+    import nats
+
+    from pipeline.policies import publish_policy
+    from pipeline.streams import StreamSpec
+
+    servers = [s.strip() for s in args.nats_url.split(",") if s.strip()]
+    spec = StreamSpec(prefix=args.subject_prefix, stream=args.events_stream)
+    if not Path(args.directory).is_dir():
+        print(f"stream-gateway publish-weights: no directory {args.directory}", file=sys.stderr)
+        return 2
+
+    async def run() -> int:
+        try:
+            nc = await nats.connect(servers, name="stream-gateway-publish-weights", connect_timeout=5)
+        except Exception as exc:  # nats-py raises several unrelated types for "cannot connect"
+            print(f"stream-gateway publish-weights: cannot connect to NATS at {args.nats_url}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            event = await publish_policy(
+                nc,
+                args.directory,
+                args.policy_version,
+                spec=spec,
+                bucket=args.bucket,
+                full=not args.partial,
+                weights=args.directory,
+                keep_full=args.keep,
+                progress=_progress,
+            )
+        finally:
+            await nc.close()
+        total = sum(o.size for o in event.objects)
+        _progress(
+            f"published policy {event.policy_version} ({len(event.objects)} files, {total / 2**20:.1f} MiB, "
+            f"{'full' if event.full else 'partial'}) as event {event.event_id}"
+        )
+        return 0
+
+    try:
+        return anyio.run(run)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"stream-gateway publish-weights: {exc}", file=sys.stderr)
+        return 2
+
+
 def _batcher_config(args: argparse.Namespace, servers: tuple[str, ...], output_dir: Path | None) -> Any:
     from consumers.batcher import BatcherConfig
     from consumers.streams import ConsumerStreams
@@ -367,6 +414,19 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
     _add_batch_flags(batch)
     batch.set_defaults(run=_batch, uses_settings=False)
+
+    publish = commands.add_parser(
+        "publish-weights", help="publish a safetensors checkpoint as a new policy version to every gateway"
+    )
+    publish.add_argument("directory", help="a directory of *.safetensors files (a whole HF state dict, or a part)")
+    publish.add_argument("--policy-version", type=int, required=True, help="the new version (above the current)")
+    publish.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server(s), comma-separated")
+    publish.add_argument("--partial", action="store_true", help="the files hold only the tensors that changed")
+    publish.add_argument("--bucket", default="sg_policies", help="the object store bucket (default sg_policies)")
+    publish.add_argument("--keep", type=int, default=2, help="full versions kept in the bucket (default 2)")
+    publish.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (default SG_EVENTS)")
+    publish.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    publish.set_defaults(run=_publish_weights, uses_settings=False)
 
     prepare = commands.add_parser("prepare-model", help="build/convert a local model and print its path")
     prepare.add_argument("--model", help="'smollm2' (default), 'tiny' or 'tiny-agent'")

@@ -173,6 +173,7 @@ def _fake_session(session_id: str, turns: int, rng: random.Random, *, close: boo
             content="x",
             tool_calls=(),
             policy_version=0,
+            policy_versions=((0, 0),),
             created_at=time.time() + i,
             time_to_first_token_s=0.01,
             duration_s=0.1,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stream_gateway.engines import EngineStep, SamplingParams
+from stream_gateway.engines import EngineStep, SamplingParams, WeightsRejected
 from stream_gateway.engines.transformers import TransformersEngine
 
 pytestmark = pytest.mark.anyio
@@ -98,7 +98,7 @@ async def test_weights_reload_bumps_the_policy_version(
     after = await _collect(engine, "w1", [4, 5, 6], params)
     assert engine.policy_version == 3
     assert [s.logprobs for s in before] != [s.logprobs for s in after]
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(WeightsRejected, match="no \\*.safetensors"):
         await engine.load_weights(str(tmp_path / "missing"), policy_version=4)
     assert engine.policy_version == 3
 

@@ -16,6 +16,9 @@ from pipeline.events import (
     EVENT_TYPES,
     Event,
     FeedbackRecorded,
+    PolicyApplied,
+    PolicyObject,
+    PolicyRejected,
     PolicyUpdated,
     SamplingRecord,
     SessionClosed,
@@ -78,6 +81,7 @@ def turn_completed(
         prompt_ids=prompt,
         output_ids=output,
         logprobs=[-0.5] * len(output),
+        policy_versions=[(3, 0), (4, 1)] if len(output) > 1 else [(3, 0)],
         content="hi",
         tool_calls=[ToolCallRecord(id="call_1", name="read", arguments='{"path": "a.txt"}')],
         usage=Usage(prompt_tokens=reused + len(prompt), completion_tokens=len(output)),
@@ -97,7 +101,32 @@ def one_of_each(session_id: str = "sess-1", tenant: str = TENANT) -> list[Event]
     aborted_fields = completed.model_dump(exclude={"kind", "finish_reason", "event_id", "seq", "turn_id"})
     return [
         SessionOpened(**common(session_id, 0, tenant), agent="pytest/1.0", metadata={"group": "g1"}),
-        PolicyUpdated(**common(None, 0, tenant), previous_version=2, weights="/ckpt/step-3"),
+        PolicyUpdated(
+            **common(None, 0, "_"),
+            previous_version=2,
+            weights="/ckpt/step-3",
+            bucket="sg_policies",
+            objects=[PolicyObject(name="v0000000003/model.safetensors", sha256="ab" * 32, size=1024)],
+        ),
+        PolicyApplied(
+            **common(None, 0, "_"),
+            replica="host-1",
+            previous_version=2,
+            source="nats",
+            tensors=12,
+            download_s=0.5,
+            apply_s=0.02,
+            pause_s=0.004,
+            copy_s=0.001,
+            in_flight=2,
+        ),
+        PolicyRejected(
+            **common(None, 0, "_"),
+            replica="host-2",
+            rejected_version=2,
+            reason="not_newer",
+            detail="version 2 is not above the current 3",
+        ),
         TurnStarted(
             **common(session_id, 1, tenant),
             turn_id="turn-1",
@@ -131,6 +160,9 @@ def test_public_names() -> None:
         "AnyEvent",
         "Event",
         "FeedbackRecorded",
+        "PolicyApplied",
+        "PolicyObject",
+        "PolicyRejected",
         "PolicyUpdated",
         "SamplingRecord",
         "SessionClosed",
@@ -168,7 +200,7 @@ def test_every_kind_round_trips(event: Event) -> None:
     assert decode_event(data.decode()) == event
     # The wire form is plain JSON: any JSON library reads it.
     assert json.loads(data)["kind"] == event.kind
-    assert json.loads(data)["schema_version"] == 1
+    assert json.loads(data)["schema_version"] == 2
 
 
 @pytest.mark.parametrize("event", one_of_each(), ids=lambda e: e.kind)
@@ -184,20 +216,20 @@ def test_events_are_frozen() -> None:
         event.seq = 9
 
 
+_DROP = object()
+
+
 def _wire(event: Event, **changes: Any) -> bytes:
     data = orjson.loads(encode_event(event))
     data.update(changes)
     return orjson.dumps({k: v for k, v in data.items() if v is not _DROP})
 
 
-_DROP = object()
-
-
 @pytest.mark.parametrize(
     ("changes", "problem"),
     [
         ({"kind": "turn.exploded"}, "kind"),
-        ({"schema_version": 2}, "schema_version"),
+        ({"schema_version": 3}, "schema_version"),
         ({"seq": -1}, "seq"),
         ({"policy_version": "latest"}, "policy_version"),
         ({"event_id": _DROP}, "event_id"),
@@ -207,11 +239,30 @@ _DROP = object()
         ({"usage": {"prompt_tokens": 1}}, "completion_tokens"),
         ({"tool_calls": [{"id": "c", "name": "read"}]}, "arguments"),
         ({"sampling": {**SAMPLING.model_dump(), "typical_p": 0.5}}, "typical_p"),
+        ({"policy_versions": [[3, 1]]}, "policy_versions"),  # does not start at the first output id
+        ({"policy_versions": [[3, 0], [4, 3]]}, "policy_versions"),  # past the 3 output ids
+        ({"policy_versions": [[4, 0], [3, 1]]}, "policy_versions"),  # versions go down
+        ({"policy_versions": _DROP}, "policy_versions"),  # schema 2 must carry them
     ],
 )
 def test_bad_payloads_raise_validation_error(changes: dict[str, Any], problem: str) -> None:
     with pytest.raises(ValidationError, match=problem):
         decode_event(_wire(turn_completed(), **changes))
+
+
+def test_per_token_policy_versions_expand_from_spans() -> None:
+    turn = turn_completed(output_ids=[7, 8, 9, 10])
+    assert turn.policy_versions == [(3, 0), (4, 1)]
+    assert turn.token_policy_versions() == [3, 4, 4, 4]
+
+
+def test_a_schema_1_turn_decodes_with_one_span() -> None:
+    """Events written before per-token versions read as sampled wholly by their policy_version."""
+    old = _wire(turn_completed(), schema_version=1, policy_versions=_DROP)
+    decoded = decode_event(old)
+    assert isinstance(decoded, TurnCompleted)
+    assert decoded.policy_versions == [(3, 0)]
+    assert decoded.token_policy_versions() == [3, 3, 3]
 
 
 @pytest.mark.parametrize("data", [b"", b"not json", b"[]", b'{"kind": "session.opened"}', b"null"])
@@ -231,9 +282,10 @@ def test_feedback_score_must_be_finite() -> None:
 def test_durable_kinds_are_everything_but_deltas() -> None:
     all_kinds = {t.model_fields["kind"].default for t in EVENT_TYPES}
     assert all_kinds - DURABLE_KINDS == {"turn.delta"}
-    assert len(all_kinds) == 8
+    assert len(all_kinds) == 10
     durable = {"session.opened", "session.closed", "turn.started", "turn.completed", "turn.aborted"}
-    assert durable | {"feedback.recorded", "policy.updated"} == DURABLE_KINDS
+    policy = {"policy.updated", "policy.applied", "policy.rejected"}
+    assert durable | {"feedback.recorded"} | policy == DURABLE_KINDS
     for event in one_of_each():
         assert event.durable == (event.kind != "turn.delta")
 

@@ -397,7 +397,7 @@ def test_new_weights_through_the_gateway_bump_the_policy_and_are_announced(
     nats_server: EmbeddedNatsServer, capture_settings: Callable[..., Settings], tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """``POST /policy/weights`` (admin key only): the engine samples from the new weights, turns
-    record the new version, and ``policy.updated`` names the checkpoint."""
+    record the new version, and ``policy.applied`` names the checkpoint and this replica."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -419,15 +419,29 @@ def test_new_weights_through_the_gateway_bump_the_policy_and_are_announced(
         assert _post(gateway, "/policy/weights", missing, key="sk-admin").status_code == 400
         ok = _post(gateway, "/policy/weights", body, key="sk-admin")
         assert ok.status_code == 200, ok.text
-        assert ok.json() == {"object": "policy", "policy_version": 1, "previous_version": 0, "weights": str(weights)}
+        answer = ok.json()
+        assert answer.pop("pause_s") >= answer.pop("copy_s") > 0
+        assert answer == {
+            "object": "policy",
+            "policy_version": 1,
+            "previous_version": 0,
+            "weights": str(weights),
+            "replica": gateway.health()["replica"],
+        }
         assert _post(gateway, "/policy/weights", body, key="sk-admin").json()["error"]["code"] == "stale_policy_version"
         assert gateway.health()["policy_version"] == 1
         _stream_turn(client, [{"role": "user", "content": "hi"}, before, {"role": "user", "content": "again"}])
         turns = _session_body(gateway, session_id)["turns"]
         assert [t["policy_version"] for t in turns] == [0, 1]
-        events = wait_for(nats_server.url, lambda es: len([e for e in es if e.kind == "policy.updated"]) >= 1)
-    [update] = [e for e in events if e.kind == "policy.updated"]
-    assert (update.policy_version, update.previous_version, update.weights) == (1, 0, str(weights))  # type: ignore[attr-defined]
+        replica = gateway.health()["replica"]
+        events = wait_for(
+            nats_server.url,
+            lambda es: any(e.kind == "policy.applied" and getattr(e, "replica", None) == replica for e in es),
+        )
+    [update] = [e for e in events if e.kind == "policy.applied" and getattr(e, "replica", None) == replica]
+    assert (update.policy_version, update.previous_version, update.source) == (1, 0, str(weights))  # type: ignore[attr-defined]
+    rejected = [e for e in events if e.kind == "policy.rejected" and getattr(e, "replica", None) == replica]
+    assert [e.reason for e in rejected] == ["not_newer"]  # type: ignore[attr-defined]
     # The second turn was sampled from the new weights: a forward pass of them reproduces its logprobs.
     model.load_state_dict(state, strict=False)
     second = turns[1]

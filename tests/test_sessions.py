@@ -247,7 +247,7 @@ def test_store_is_bounded_and_its_index_follows_evictions() -> None:
     for i, session in enumerate(sessions):
         turn = Turn(
             f"turn{i}", session.session_id, None, bytes([i]) * 16, 1, (1,), 0, (2,), (-0.1,), "stop", "", (),
-            0, 0.0, None, 0.0, True, None,
+            0, ((0, 0),), 0.0, None, 0.0, True, None,
         )  # fmt: skip
         store.add_turn(session, turn)
     assert store.find("t", [bytes([0]) * 16, b"next"]) is None  # evicted with its session

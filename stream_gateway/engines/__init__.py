@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import EngineUnavailable
-from ._base import Engine, EngineStatistics, EngineStep, FinishReason, SamplingParams
+from ._base import (
+    Engine,
+    EngineStatistics,
+    EngineStep,
+    FinishReason,
+    SamplingParams,
+    WeightsRejected,
+    WeightUpdateReport,
+)
 
 __all__ = [
     "ENGINE_NAMES",
@@ -19,6 +27,8 @@ __all__ = [
     "EngineStep",
     "FinishReason",
     "SamplingParams",
+    "WeightUpdateReport",
+    "WeightsRejected",
     "create_engine",
 ]
 

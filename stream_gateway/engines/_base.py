@@ -12,11 +12,14 @@ model distribution). That is what RL training needs to compute importance ratios
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length"]
 
@@ -54,6 +57,37 @@ class EngineStep:
     logprobs: tuple[float, ...]
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finish_reason: FinishReason | None = None
+    policy_version: int = 0  # the weights that sampled these tokens (a swap happens between steps)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdateReport:
+    """What applying new weights cost the requests in flight.
+
+    ``pause_s`` is how long decoding stood still: the in-memory copy of the tensors (``copy_s``)
+    plus recomputing the KV cache of the ``in_flight`` requests under the new weights, which keeps
+    every later token's logprob equal to a forward pass of the new weights over the whole
+    sequence. Reading and checking the tensors happen before the pause.
+    """
+
+    policy_version: int
+    previous_version: int
+    tensors: int
+    copy_s: float
+    pause_s: float
+    in_flight: int
+
+
+class WeightsRejected(ValueError):
+    """A checkpoint the engine refuses; the weights in service are untouched.
+
+    ``reason`` is one of ``unreadable`` (not safetensors, truncated, no files), ``unknown_tensors``
+    (names the model does not have) and ``shape_mismatch``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +124,16 @@ class Engine(Protocol):
         """
         ...
 
-    async def load_weights(self, path: str, policy_version: int) -> None:
-        """Replace the model's weights and bump :attr:`policy_version` between requests' steps."""
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor], policy_version: int) -> WeightUpdateReport:
+        """Copy ``tensors`` (all of the model's, or only those that changed) into the model between two
+        decode steps and bump :attr:`policy_version`; requests in flight continue on the new weights.
+
+        Raises :class:`WeightsRejected` (nothing changed) for unknown names or wrong shapes.
+        """
+        ...
+
+    async def load_weights(self, path: str, policy_version: int) -> WeightUpdateReport:
+        """:meth:`update_weights` with the ``*.safetensors`` files of the directory ``path``."""
         ...
 
     def statistics(self) -> EngineStatistics: ...

@@ -7,14 +7,20 @@ produces is fit for training; it exists to measure the gateway and the event pip
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+import time
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from ._base import EngineStatistics, EngineStep, SamplingParams
+from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+from ._weights import read_checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SyntheticEngine"]
 
@@ -75,13 +81,23 @@ class SyntheticEngine:
                 else:
                     # Yield to the loop as a real engine would, so other streams interleave.
                     await anyio.lowlevel.checkpoint()
-                yield EngineStep((token,), (-0.25,), (top,) if top else None, "length" if last else None)
+                yield EngineStep(
+                    (token,), (-0.25,), (top,) if top else None, "length" if last else None, self.policy_version
+                )
         finally:
             self._active -= 1
 
-    async def load_weights(self, path: str, policy_version: int) -> None:
-        """There are no weights; only the policy version moves."""
-        self.policy_version = policy_version
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor], policy_version: int) -> WeightUpdateReport:
+        """There are no weights to copy: any tensors are accepted and only the policy version moves."""
+        started = time.perf_counter()
+        previous, self.policy_version = self.policy_version, policy_version
+        pause = time.perf_counter() - started
+        return WeightUpdateReport(policy_version, previous, len(tensors), pause, pause, self._active)
+
+    async def load_weights(self, path: str, policy_version: int) -> WeightUpdateReport:
+        """Read the checkpoint (so an unreadable one is refused as by a real engine), then bump the version."""
+        tensors = await anyio.to_thread.run_sync(read_checkpoint, path)
+        return await self.update_weights(tensors, policy_version)
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of the engine's load."""

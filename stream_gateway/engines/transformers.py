@@ -18,6 +18,14 @@ attention kernels. The loop here is small:
 Aborting is a flag the worker checks before every step; closing the iterator returned by
 :meth:`TransformersEngine.generate` sets it, so a client that goes away frees its row at the
 next step.
+
+Weight updates (:meth:`TransformersEngine.update_weights`) are checked, converted to the model's
+dtype and moved to its device on the caller's side; the worker applies them between two decode
+steps, whether or not the batch is full: an in-memory copy into the parameters, then the KV cache
+of every running row is recomputed under the new weights (one prefill per row). Rows are never
+dropped or restarted; their next token is sampled from the new weights, and its logprob equals a
+forward pass of the new weights over the whole sequence (which keeping the old cache would not
+give). Every step carries the version of the weights that sampled it.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import logging
 import queue
 import secrets
 import threading
-from collections.abc import AsyncGenerator, Sequence
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -38,8 +48,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.cache_utils import DynamicLayer
 
 from .._errors import EngineError, EngineUnavailable
-from ._base import EngineStatistics, EngineStep, SamplingParams
+from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
 from ._sampling import sample_batch
+from ._weights import check_tensors, read_checkpoint
 
 __all__ = ["TransformersEngine"]
 
@@ -62,13 +73,14 @@ class _Request:
     # Set by the worker: the token that the next decode step feeds for this row.
     pending_token: int = -1
     length: int = 0  # real (unpadded) tokens in this row's cache
+    output_ids: list[int] = field(default_factory=list)  # to rebuild the cache after a weight update
 
 
 @dataclass(slots=True)
 class _WeightUpdate:
-    path: str
+    tensors: dict[str, torch.Tensor]  # already checked, on the model's device and in its dtype
     policy_version: int
-    done: asyncio.Future[None]
+    done: asyncio.Future[WeightUpdateReport]
     loop: asyncio.AbstractEventLoop
 
 
@@ -110,6 +122,8 @@ class TransformersEngine:
         self._model: Any = None
         self._eos_ids: frozenset[int] = frozenset()
         self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | object] = queue.SimpleQueue()
+        self._backlog: deque[_Request] = deque()  # taken from the inbox, waiting for a free row
+        self._targets: dict[str, torch.Tensor] = {}  # every state-dict name (tied ones too) -> tensor
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._prefilling: _Request | None = None
@@ -145,6 +159,7 @@ class TransformersEngine:
         if threads:
             torch.set_num_threads(threads)
         self._model = model.to(self._device).eval()
+        self._targets = dict(self._model.state_dict(keep_vars=True))
         config = model.config
         limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
         self.max_model_len = min(self._requested_max_len or limit, limit)
@@ -191,12 +206,33 @@ class TransformersEngine:
             # Synchronous on purpose: this runs even when the consumer is being cancelled.
             request.aborted = True
 
-    async def load_weights(self, path: str, policy_version: int) -> None:
-        """Load a safetensors checkpoint directory between two decode steps."""
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor], policy_version: int) -> WeightUpdateReport:
+        """Check ``tensors``, then copy them into the model between two decode steps.
+
+        Raises :class:`~._base.WeightsRejected` before anything changes for unknown names or
+        wrong shapes. Requests in flight continue on the new weights.
+        """
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineUnavailable("the transformers engine is not running") from self._failure
+        check_tensors(self._targets, tensors)
+        staged = await anyio.to_thread.run_sync(self._stage, tensors)
         loop = asyncio.get_running_loop()
-        update = _WeightUpdate(path, policy_version, loop.create_future(), loop)
+        update = _WeightUpdate(staged, policy_version, loop.create_future(), loop)
         self._inbox.put(update)
-        await update.done
+        return await update.done
+
+    async def load_weights(self, path: str, policy_version: int) -> WeightUpdateReport:
+        """:meth:`update_weights` with the ``*.safetensors`` files of the directory ``path``."""
+        tensors = await anyio.to_thread.run_sync(read_checkpoint, path)
+        return await self.update_weights(tensors, policy_version)
+
+    def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Conversion and device transfer happen here, off the worker: its pause is a plain copy.
+        staged = {}
+        for name, tensor in tensors.items():
+            target = self._targets[name]
+            staged[name] = tensor.to(device=target.device, dtype=target.dtype).contiguous()
+        return staged
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of the engine's load."""
@@ -222,7 +258,7 @@ class TransformersEngine:
         except BaseException as exc:  # tell every request there is, then die loudly
             self._failure = exc
             log.exception("transformers engine worker crashed")
-            waiting = list(batch.rows)
+            waiting = list(batch.rows) + list(self._backlog)
             if self._prefilling is not None:
                 waiting.append(self._prefilling)
             while True:
@@ -239,19 +275,26 @@ class TransformersEngine:
             raise
 
     def _admit(self, batch: _Batch) -> bool:
-        """Take new work from the inbox; block only when the batch is empty. False means stop."""
-        while len(batch.rows) < self._max_batch_size:
+        """Take new work from the inbox; block only when there is nothing to do. False means stop.
+
+        Weight updates are applied as soon as they arrive, also when the batch is full; requests
+        wait in the backlog until a row is free.
+        """
+        while True:
             try:
                 # Idle: sleep until work arrives (shutdown sends a sentinel). Busy: never wait.
-                item = self._inbox.get_nowait() if batch.rows else self._inbox.get()
+                item = self._inbox.get_nowait() if batch.rows or self._backlog else self._inbox.get()
             except queue.Empty:
-                return True
+                break
             if item is _STOP:
                 return False
             if isinstance(item, _WeightUpdate):
-                self._apply_weights(item)
-                continue
-            assert isinstance(item, _Request)
+                self._apply_weights(batch, item)
+            else:
+                assert isinstance(item, _Request)
+                self._backlog.append(item)
+        while self._backlog and len(batch.rows) < self._max_batch_size:
+            item = self._backlog.popleft()
             self._waiting -= 1
             if item.aborted:
                 continue
@@ -338,6 +381,7 @@ class TransformersEngine:
         for i, row in enumerate(rows):
             token = sampled.token_ids[i]
             row.generated += 1
+            row.output_ids.append(token)
             row.pending_token = token
             reason: Any = None
             if token in row.stop_ids:
@@ -345,7 +389,9 @@ class TransformersEngine:
             elif row.generated >= row.params.max_tokens or row.length + 1 >= self.max_model_len:
                 reason = "length"
             top = sampled.top_logprobs[i]
-            step = EngineStep((token,), (sampled.logprobs[i],), (top,) if top is not None else None, reason)
+            step = EngineStep(
+                (token,), (sampled.logprobs[i],), (top,) if top is not None else None, reason, self.policy_version
+            )
             finished.append(reason is not None)
             if reason is not None:
                 self._active -= 1  # before the last step is delivered, so statistics never lag it
@@ -356,22 +402,47 @@ class TransformersEngine:
             rows[0].loop.call_soon_threadsafe(_deliver, deliveries)
         return finished
 
-    def _apply_weights(self, update: _WeightUpdate) -> None:
+    def _apply_weights(self, batch: _Batch, update: _WeightUpdate) -> None:
+        started = time.perf_counter()
         try:
-            from safetensors.torch import load_file
-
-            state: dict[str, torch.Tensor] = {}
-            for file in sorted(Path(update.path).glob("*.safetensors")):
-                state.update(load_file(str(file), device=str(self._device)))
-            if not state:
-                raise FileNotFoundError(f"no *.safetensors files in {update.path}")
-            _, unexpected = self._model.load_state_dict(state, strict=False)
-            if unexpected:
-                raise ValueError(f"checkpoint has unknown tensors: {sorted(unexpected)[:5]}")
-            self.policy_version = update.policy_version
-            update.loop.call_soon_threadsafe(_resolve, update.done, None)
-        except Exception as exc:  # surfaced to the caller of load_weights
+            with torch.no_grad():
+                for name, tensor in update.tensors.items():
+                    self._targets[name].data.copy_(tensor)
+            copied = time.perf_counter()
+            previous, self.policy_version = self.policy_version, update.policy_version
+            in_flight = len(batch.rows)
+            self._recompute_cache(batch)
+        except Exception as exc:  # surfaced to the caller of update_weights
             update.loop.call_soon_threadsafe(_resolve, update.done, exc)
+            return
+        finished = time.perf_counter()
+        report = WeightUpdateReport(
+            policy_version=update.policy_version,
+            previous_version=previous,
+            tensors=len(update.tensors),
+            copy_s=copied - started,
+            pause_s=finished - started,
+            in_flight=in_flight,
+        )
+        log.info(
+            "policy %d -> %d: %d tensors copied in %.1f ms, %d rows recomputed, decoding paused %.1f ms",
+            previous, update.policy_version, report.tensors, report.copy_s * 1e3, in_flight, report.pause_s * 1e3,
+        )  # fmt: skip
+        update.loop.call_soon_threadsafe(_resolve, update.done, report)
+
+    def _recompute_cache(self, batch: _Batch) -> None:
+        """Rebuild every running row's KV cache with the current weights (prompt + output so far).
+
+        The last sampled token of a row is not in its cache yet: it is the next step's input.
+        """
+        rows = batch.rows
+        batch.rows, batch.cache, batch.mask = [], None, None
+        for row in rows:
+            sequence = row.prompt_ids + row.output_ids[:-1]
+            assert len(sequence) == row.length, "a row's cache holds its prompt and all but its last token"
+            cache = DynamicCache()
+            self._model(input_ids=torch.tensor([sequence], device=self._device), past_key_values=cache, use_cache=True)
+            self._merge(batch, row, cache)
 
 
 def _deliver(deliveries: list[tuple[_Request, EngineStep]]) -> None:
@@ -379,13 +450,13 @@ def _deliver(deliveries: list[tuple[_Request, EngineStep]]) -> None:
         request.outbox.put_nowait(step)
 
 
-def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:
     if future.done():
         return
-    if error is None:
-        future.set_result(None)
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
     else:
-        future.set_exception(error)
+        future.set_result(outcome)
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:

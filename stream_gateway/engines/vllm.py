@@ -27,15 +27,21 @@ import importlib.util
 import logging
 import os
 import re
+import tempfile
+import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from .._errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
-from ._base import EngineStatistics, EngineStep, SamplingParams
+from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["VLLMEngine"]
 
@@ -173,7 +179,7 @@ class VLLMEngine:
                         started = True
                         self._waiting -= 1
                         self._active += 1
-                    step = _to_step(output.outputs[0], params.top_logprobs)
+                    step = _to_step(output.outputs[0], params.top_logprobs, self.policy_version)
                     if step is None:  # an abort we did not cause through this iterator
                         return
                     self._total_tokens += len(step.token_ids)
@@ -191,7 +197,20 @@ class VLLMEngine:
             else:
                 self._waiting -= 1
 
-    async def load_weights(self, path: str, policy_version: int) -> None:
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor], policy_version: int) -> WeightUpdateReport:
+        """Write ``tensors`` as one safetensors file in a temporary directory and :meth:`load_weights` it.
+
+        vLLM's ``reload_weights`` reads checkpoints from disk; a full state dict is expected (a
+        partial one is applied only as far as vLLM's loader accepts it).
+        """
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="sg-weights-") as directory:
+            contiguous = {name: t.contiguous() for name, t in tensors.items()}
+            await anyio.to_thread.run_sync(save_file, contiguous, str(Path(directory) / "model.safetensors"))
+            return await self.load_weights(directory, policy_version)
+
+    async def load_weights(self, path: str, policy_version: int) -> WeightUpdateReport:
         """Reload the weights in place from a checkpoint directory, then drop the prefix cache.
 
         vLLM >= 0.16 (its documented async-RL recipe): ``pause_generation(mode="keep")`` freezes
@@ -204,7 +223,9 @@ class VLLMEngine:
         llm = self._llm
         if llm is None:
             raise EngineUnavailable("the vllm engine is not running")
+        previous = self.policy_version
         async with self._reload_lock:
+            started = time.perf_counter()
             try:
                 if self._version >= _RELOAD_FROM_PATH:
                     await llm.pause_generation(mode="keep", clear_cache=False)
@@ -215,7 +236,8 @@ class VLLMEngine:
                         self.policy_version = policy_version
                     finally:
                         await llm.resume_generation()
-                    return
+                    pause = time.perf_counter() - started
+                    return WeightUpdateReport(policy_version, previous, 0, pause, pause, self._active)
                 overrides = {"model_config": {"model": path, "revision": None}}
                 await llm.collective_rpc("update_config", args=(overrides,))
                 await llm.collective_rpc("reload_weights")
@@ -226,6 +248,8 @@ class VLLMEngine:
                     # prefixes from the old weights may then be reused until they are evicted.
                     logger.warning("vLLM kept its prefix cache after loading %s", path)
                 self.policy_version = policy_version
+                pause = time.perf_counter() - started
+                return WeightUpdateReport(policy_version, previous, 0, pause, pause, self._active)
             except Exception as exc:
                 raise EngineError(f"vLLM could not load weights from {path!r}: {exc}") from exc
 
@@ -265,7 +289,7 @@ def _release(version: str) -> tuple[int, int]:
     return (int(match[1]), int(match[2])) if match else (9999, 0)
 
 
-def _to_step(completion: Any, top_n: int) -> EngineStep | None:
+def _to_step(completion: Any, top_n: int, policy_version: int = 0) -> EngineStep | None:
     """Map one vLLM ``CompletionOutput`` delta to an :class:`EngineStep` (None for an abort).
 
     vLLM puts the sampled token first in each position's dict, then the top-N in rank order; a
@@ -290,4 +314,6 @@ def _to_step(completion: Any, top_n: int) -> EngineStep | None:
             )
             for pos in positions
         )
-    return EngineStep(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish_reason=reason)
+    return EngineStep(
+        token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish_reason=reason, policy_version=policy_version
+    )

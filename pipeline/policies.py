@@ -1,0 +1,274 @@
+"""Policies over NATS: a trainer publishes weights once, every gateway replica applies them.
+
+Publishing (:func:`publish_policy`, ``stream-gateway publish-weights``):
+
+1. every ``*.safetensors`` file of a directory becomes the object ``v<version>/<file name>`` of
+   the object store bucket ``sg_policies``, streamed from disk in chunks under the server's max
+   payload, its SHA-256 computed as it is read;
+2. only then is ``policy.updated`` published (acked, ``Nats-Msg-Id`` ``policy-<version>``) on
+   ``<prefix>.events._._.policy.updated``, naming the objects and their digests: a gateway never
+   hears of a policy whose files are not all stored;
+3. objects of versions older than the ``keep_full`` newest full versions are deleted.
+
+Following (:func:`download_policy`, used by the gateway): each object is written to a local
+directory and its SHA-256 compared with the event's; a mismatch, a missing or truncated object is
+a :class:`PolicyDownloadError` with a ``reason`` that ``policy.rejected`` reports.
+
+Deliberate choices:
+
+* The event is the single source of truth, kept on the events stream like every durable event,
+  so a gateway that starts later replays ``policy.updated`` events to find the newest full
+  version and the partial ones after it (:func:`policy_history`).
+* Objects are downloaded to disk, not into memory: nats-py's ``ObjectStore.get`` without
+  ``writeinto`` grows one ``bytes`` by concatenation, quadratic in the number of chunks (read in
+  nats-py 2.16.0, ``nats/js/object_store.py``).
+* Digests are ours (hex SHA-256 in the event) as well as nats-py's own per-object check: an object
+  replaced under the same name after the event was published is caught by ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .durable import PAYLOAD_HEADROOM
+from .events import PolicyObject, PolicyUpdated, decode_event, encode_event, new_event_id
+from .streams import StreamSpec, ensure_bucket, ensure_stream
+
+if TYPE_CHECKING:
+    import torch
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
+    from nats.js.object_store import ObjectStore
+
+__all__ = [
+    "POLICY_BUCKET",
+    "PolicyDownloadError",
+    "download_policy",
+    "policy_history",
+    "policy_subject",
+    "publish_policy",
+    "publish_tensors",
+]
+
+POLICY_BUCKET = "sg_policies"
+_CHUNK_BYTES = 128 * 1024
+_VERSION_PREFIX = re.compile(r"^v(\d+)/")
+
+log = logging.getLogger(__name__)
+
+
+class PolicyDownloadError(Exception):
+    """A published policy could not be fetched whole; ``reason`` is ``download_failed`` or ``digest_mismatch``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def policy_subject(prefix: str = "sg") -> str:
+    """The subject ``policy.updated`` events are published on."""
+    return f"{prefix}.events._._.policy.updated"
+
+
+def _object_name(version: int, file_name: str) -> str:
+    return f"v{version:010d}/{file_name}"
+
+
+async def publish_policy(
+    nc: Client,
+    directory: str | Path,
+    policy_version: int,
+    *,
+    spec: StreamSpec | None = None,
+    bucket: str = POLICY_BUCKET,
+    full: bool = True,
+    model: str = "",
+    weights: str | None = None,
+    previous_version: int | None = None,
+    keep_full: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> PolicyUpdated:
+    """Upload the ``*.safetensors`` files of ``directory`` and announce them as ``policy_version``.
+
+    ``full``: the files hold the whole state dict; otherwise only the tensors that changed since
+    the previous version. Returns the published event. Gateways refuse a version that is not
+    above the one they serve (``policy.rejected``, reason ``not_newer``).
+    """
+    if policy_version < 1:
+        raise ValueError("policy_version must be >= 1 (0 is the weights a gateway starts with)")
+    if keep_full < 1:
+        raise ValueError("keep_full must be >= 1")
+    files = sorted(await anyio.to_thread.run_sync(lambda: list(Path(directory).glob("*.safetensors"))))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    spec = spec or StreamSpec()
+    js = nc.jetstream()
+    await ensure_stream(js, spec)
+    store = await ensure_bucket(js, bucket, replicas=spec.replicas)
+    chunk = min(_CHUNK_BYTES, nc.max_payload - PAYLOAD_HEADROOM)
+    objects = []
+    for file in files:
+        started = time.monotonic()
+        name = _object_name(policy_version, file.name)
+        digest = await _put_file(store, name, file, chunk)
+        size = file.stat().st_size
+        objects.append(PolicyObject(name=name, sha256=digest, size=size))
+        if progress is not None:
+            seconds = time.monotonic() - started
+            progress(f"uploaded {file.name} ({size / 2**20:.1f} MiB) as {bucket}/{name} in {seconds:.1f} s")
+    event = PolicyUpdated.model_validate(
+        {
+            "event_id": new_event_id(),
+            "time": time.time(),
+            "tenant": "_",
+            "session_id": None,
+            "seq": 0,
+            "model": model,
+            "policy_version": policy_version,
+            "previous_version": previous_version,
+            "weights": weights or str(directory),
+            "bucket": bucket,
+            "objects": objects,
+            "full": full,
+        }
+    )
+    headers = {"Nats-Msg-Id": f"policy-{policy_version}"}
+    await js.publish(policy_subject(spec.prefix), encode_event(event), headers=headers, timeout=10)
+    if full:
+        await _prune(store, policy_version, keep_full)
+    return event
+
+
+async def publish_tensors(
+    nc: Client, tensors: Mapping[str, torch.Tensor], policy_version: int, **options: object
+) -> PolicyUpdated:
+    """:func:`publish_policy` for in-memory tensors (a trainer's state dict), via a temporary file."""
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="sg-policy-") as directory:
+        contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+        await anyio.to_thread.run_sync(save_file, contiguous, str(Path(directory) / "model.safetensors"))
+        return await publish_policy(nc, directory, policy_version, **options)  # type: ignore[arg-type]
+
+
+async def _put_file(store: ObjectStore, name: str, file: Path, chunk: int) -> str:
+    """Stream ``file`` into the object ``name``; its hex SHA-256."""
+    from nats.js.api import ObjectMeta, ObjectMetaOptions
+
+    digest = hashlib.sha256()
+
+    class _Hashing:
+        """A reader nats-py accepts (``readinto``) that hashes what it reads."""
+
+        def __init__(self, raw: object) -> None:
+            self._raw = raw
+
+        def readinto(self, buffer: bytearray) -> int:
+            n: int = self._raw.readinto(buffer)  # type: ignore[attr-defined]
+            digest.update(memoryview(buffer)[:n])
+            return n
+
+    with file.open("rb") as raw:
+        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk))
+        await store.put(name, _Hashing(raw), meta=meta)  # type: ignore[arg-type]
+    return digest.hexdigest()
+
+
+async def _prune(store: ObjectStore, newest_full: int, keep_full: int) -> None:
+    """Delete the objects of versions before the ``keep_full``-th newest full one (``newest_full`` counts)."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        infos = await store.list()
+    except NotFoundError:  # an empty bucket
+        return
+    versions: dict[int, list[str]] = {}
+    for info in infos:
+        match = _VERSION_PREFIX.match(info.name or "")
+        if match and not info.deleted:
+            versions.setdefault(int(match[1]), []).append(info.name)
+    # Which versions were full is in the events, not the bucket: keep the newest `keep_full`
+    # versions up to newest_full, and every version above it (published concurrently).
+    older = sorted(v for v in versions if v <= newest_full)
+    for version in older[: max(0, len(older) - keep_full)]:
+        for name in versions[version]:
+            await store.delete(name)
+        log.info("policy objects of version %d deleted (keeping %d older versions)", version, keep_full)
+
+
+async def download_policy(js: JetStreamContext, event: PolicyUpdated, directory: str | Path) -> list[Path]:
+    """Fetch the event's objects into ``directory`` and check their digests; the files' paths."""
+    import nats.errors
+    import nats.js.errors
+
+    if not event.objects or event.bucket is None:
+        raise PolicyDownloadError("download_failed", f"policy.updated {event.policy_version} names no objects")
+    paths = []
+    try:
+        store = await js.object_store(event.bucket)
+        for obj in event.objects:
+            path = Path(directory) / obj.name.rsplit("/", 1)[-1]
+            with path.open("wb") as file:
+                await store.get(obj.name, writeinto=file)
+            paths.append(path)
+    except nats.js.errors.DigestMismatchError as exc:  # nats-py's own check against the object's meta
+        raise PolicyDownloadError("digest_mismatch", f"an object of policy {event.policy_version} is corrupt") from exc
+    except (nats.errors.Error, OSError) as exc:
+        raise PolicyDownloadError(
+            "download_failed", f"policy {event.policy_version}: {type(exc).__name__}: {exc}"
+        ) from exc
+    for obj, path in zip(event.objects, paths, strict=True):
+        size, digest = await anyio.to_thread.run_sync(_file_digest, path)
+        if size != obj.size or digest != obj.sha256:
+            raise PolicyDownloadError(
+                "digest_mismatch",
+                f"{obj.name}: {size} bytes with SHA-256 {digest[:16]}..., the event says {obj.size} bytes, "
+                f"{obj.sha256[:16]}...",
+            )
+    return paths
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with path.open("rb") as file:
+        while block := file.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+async def policy_history(js: JetStreamContext, spec: StreamSpec | None = None) -> list[PolicyUpdated]:
+    """Every ``policy.updated`` event still on the events stream, oldest first."""
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+    from nats.js.errors import NotFoundError
+
+    spec = spec or StreamSpec()
+    subject = policy_subject(spec.prefix)
+    try:
+        last = await js.get_last_msg(spec.stream, subject)
+    except NotFoundError:
+        return []
+    events: list[PolicyUpdated] = []
+    subscription = await js.subscribe(
+        subject, stream=spec.stream, ordered_consumer=True, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    )
+    try:
+        while True:
+            msg = await subscription.next_msg(timeout=10)
+            event = decode_event(msg.data)
+            if isinstance(event, PolicyUpdated):
+                events.append(event)
+            if msg.metadata.sequence.stream >= (last.seq or 0):
+                return events
+    finally:
+        await subscription.unsubscribe()

@@ -1,0 +1,217 @@
+"""New weights for a running gateway: applied one at a time, from NATS or a local directory.
+
+:class:`PolicyApplier` is the one way weights change: versions only go up, a checkpoint the
+engine refuses leaves the old weights serving, and every outcome is a ``policy.applied`` or
+``policy.rejected`` event, a metric and a log line. ``POST /policy/weights`` and
+:class:`PolicyFollower` both go through it.
+
+:class:`PolicyFollower` (gateways started with ``--nats-url``) follows ``policy.updated`` on the
+events stream. On start it replays the stream's history and applies the newest full version and
+the partial ones after it, so a replica started late comes up on the latest policy (the app
+waits for this, up to ``policy_sync_timeout_seconds``, before taking requests); then it applies
+each new one as it arrives. Downloading, checking digests, reading the safetensors and checking
+names and shapes all happen while decoding goes on; decoding stops only for the copy into the
+model and the KV recompute (:meth:`Engine.update_weights`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from pipeline.events import PolicyUpdated, decode_event
+from pipeline.policies import PolicyDownloadError, download_policy, policy_history, policy_subject
+from pipeline.streams import StreamSpec
+
+from ._capture import EventRecorder
+from ._metrics import GatewayMetrics
+from .engines import Engine, WeightsRejected, WeightUpdateReport
+
+__all__ = ["PolicyApplier", "PolicyFollower", "PolicyNotNewer"]
+
+log = logging.getLogger(__name__)
+
+
+class PolicyNotNewer(ValueError):
+    """The version offered is not above the one the engine serves."""
+
+
+class PolicyApplier:
+    """Applies weights to ``engine`` one update at a time and reports each outcome."""
+
+    def __init__(self, engine: Engine, recorder: EventRecorder, metrics: GatewayMetrics, replica: str) -> None:
+        self._engine = engine
+        self._recorder = recorder
+        self._metrics = metrics
+        self.replica = replica
+        self._lock = anyio.Lock()
+        metrics.policy_version.set(engine.policy_version)
+
+    @property
+    def policy_version(self) -> int:
+        """The version the engine samples from now."""
+        return self._engine.policy_version
+
+    async def apply_directory(
+        self, path: str | Path, policy_version: int, *, source: str, download_s: float = 0.0
+    ) -> WeightUpdateReport:
+        """Load the safetensors files of ``path`` as ``policy_version``.
+
+        Raises :class:`PolicyNotNewer` or :class:`WeightsRejected` (after reporting them);
+        the weights in service are then unchanged.
+        """
+        async with self._lock:
+            current = self._engine.policy_version
+            if policy_version <= current:
+                detail = f"version {policy_version} is not above the current {current}"
+                self.reject(policy_version, "not_newer", detail)
+                raise PolicyNotNewer(detail)
+            started = time.perf_counter()
+            try:
+                report = await self._engine.load_weights(str(path), policy_version)
+            except WeightsRejected as exc:
+                self.reject(policy_version, exc.reason, str(exc))
+                raise
+        apply_s = time.perf_counter() - started
+        self._recorder.policy_applied(
+            report, replica=self.replica, source=source, download_s=download_s, apply_s=apply_s
+        )
+        metrics = self._metrics
+        metrics.policy_version.set(report.policy_version)
+        metrics.policy_updates.labels("applied").inc()
+        metrics.policy_pause.observe(report.pause_s)
+        if download_s:
+            metrics.policy_download.observe(download_s)
+        log.info(
+            "policy %d -> %d applied from %s: download %.2f s, apply %.2f s, decoding paused %.1f ms "
+            "(copy %.1f ms, %d requests in flight continued)",
+            report.previous_version, report.policy_version, source, download_s, apply_s,
+            report.pause_s * 1e3, report.copy_s * 1e3, report.in_flight,
+        )  # fmt: skip
+        return report
+
+    def reject(self, policy_version: int, reason: str, detail: str) -> None:
+        """Report a refused version (the engine keeps its weights)."""
+        current = self._engine.policy_version
+        log.warning("policy %d rejected (%s): %s; still serving version %d", policy_version, reason, detail, current)
+        self._metrics.policy_updates.labels(reason).inc()
+        self._recorder.policy_rejected(current, policy_version, reason, detail, replica=self.replica)
+
+
+class PolicyFollower:
+    """Applies every policy published on NATS (``policy.updated``) through a :class:`PolicyApplier`."""
+
+    def __init__(
+        self, applier: PolicyApplier, servers: tuple[str, ...], spec: StreamSpec, download_dir: Path | None = None
+    ) -> None:
+        self._applier = applier
+        self._servers = servers
+        self._spec = spec
+        self._download_dir = download_dir
+        self.caught_up = anyio.Event()  # set once the history was replayed (or there was none)
+        self._handled: set[str] = set()  # event ids applied or rejected: replays of them stay quiet
+
+    def _seen(self, event: PolicyUpdated) -> bool:
+        return event.event_id in self._handled
+
+    async def run(self) -> None:
+        """Connect, catch up with the history, then apply updates as they come; until cancelled.
+
+        NATS unreachable or failing: the gateway goes on serving its current weights (start-up
+        does not wait for a server that is down), and the follower retries, catching up again.
+        """
+        backoff = 0.5
+        while True:
+            try:
+                await self._follow()
+            except Exception as exc:  # nats-py raises several unrelated types for connection trouble
+                log.warning("policy follower: NATS at %s failed (%s); retrying", ",".join(self._servers), exc)
+            self.caught_up.set()  # never hold start-up for a server that is not there
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+    async def _follow(self) -> None:
+        import nats
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        from pipeline.streams import ensure_stream
+
+        nc = await nats.connect(
+            list(self._servers),
+            name=f"stream-gateway-policy-{self._applier.replica}",
+            connect_timeout=2,
+            allow_reconnect=False,  # a lost connection restarts the follow loop, which catches up
+        )
+        try:
+            js = nc.jetstream()
+            await ensure_stream(js, self._spec)
+            # Subscribe first, then read the history: an update published in between is seen twice
+            # at worst, and the second time it is not newer (skipped quietly).
+            subscription = await js.subscribe(
+                policy_subject(self._spec.prefix),
+                stream=self._spec.stream,
+                ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW),
+            )
+            await self._catch_up(js)
+            self.caught_up.set()
+            async for msg in subscription.messages:
+                try:
+                    event = decode_event(msg.data)
+                except ValueError as exc:
+                    log.warning("policy follower: undecodable policy.updated message: %s", exc)
+                    continue
+                if isinstance(event, PolicyUpdated):
+                    await self._apply(js, event, quiet_if_old=self._seen(event))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await nc.close()
+
+    async def _catch_up(self, js: object) -> None:
+        try:
+            history = await policy_history(js, self._spec)  # type: ignore[arg-type]
+        except Exception as exc:  # no stream yet, or NATS went away: follow live updates only
+            log.warning("policy follower: could not read the policy history (%s); following new updates", exc)
+            return
+        current = self._applier.policy_version
+        newer = [e for e in history if e.policy_version > current]
+        if not newer:
+            return
+        # The newest full version, then the partial ones published after it with higher versions.
+        fulls = [i for i, e in enumerate(newer) if e.full]
+        start = fulls[-1] if fulls else 0
+        plan: list[PolicyUpdated] = []
+        for event in newer[start:]:
+            if not plan or event.policy_version > plan[-1].policy_version:
+                plan.append(event)
+        log.info("policy follower: catching up with versions %s", [e.policy_version for e in plan])
+        for event in plan:
+            await self._apply(js, event, quiet_if_old=True)
+
+    async def _apply(self, js: object, event: PolicyUpdated, *, quiet_if_old: bool = False) -> None:
+        applier = self._applier
+        if quiet_if_old and event.policy_version <= applier.policy_version:
+            return
+        self._handled.add(event.event_id)
+        directory = Path(tempfile.mkdtemp(prefix="sg-policy-", dir=self._download_dir))
+        try:
+            started = time.perf_counter()
+            try:
+                await download_policy(js, event, directory)  # type: ignore[arg-type]
+            except PolicyDownloadError as exc:
+                applier.reject(event.policy_version, exc.reason, str(exc))
+                return
+            download_s = time.perf_counter() - started
+            try:
+                await applier.apply_directory(directory, event.policy_version, source="nats", download_s=download_s)
+            except (PolicyNotNewer, WeightsRejected):
+                return  # reported by the applier
+            except Exception as exc:  # the engine failed: keep following, say so
+                applier.reject(event.policy_version, "engine", f"{type(exc).__name__}: {exc}")
+        finally:
+            await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
