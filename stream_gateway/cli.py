@@ -352,6 +352,17 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--no-live-deltas", dest="live_deltas", action="store_const", const=False)
     command.add_argument("--delta-tokens", type=int, help="a live delta every N tokens (default 128)")
     command.add_argument("--delta-interval-ms", type=float, help="...or every T ms (default 50)")
+    command.add_argument(
+        "--no-follow-policies",
+        dest="follow_policies",
+        action="store_const",
+        const=False,
+        help="with --nats-url: do not apply the policies published on NATS",
+    )
+    command.add_argument(
+        "--policy-sync-timeout-seconds", type=float, help="at start, wait this long for the latest policy (300)"
+    )
+    command.add_argument("--replica-id", help="this gateway's name in policy events (default host-pid)")
 
 
 def _parser() -> argparse.ArgumentParser:

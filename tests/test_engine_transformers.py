@@ -98,7 +98,7 @@ async def test_weights_reload_bumps_the_policy_version(
     after = await _collect(engine, "w1", [4, 5, 6], params)
     assert engine.policy_version == 3
     assert [s.logprobs for s in before] != [s.logprobs for s in after]
-    with pytest.raises(WeightsRejected, match="no \\*.safetensors"):
+    with pytest.raises(WeightsRejected, match=r"no \*\.safetensors"):
         await engine.load_weights(str(tmp_path / "missing"), policy_version=4)
     assert engine.policy_version == 3
 

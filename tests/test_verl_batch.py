@@ -222,6 +222,12 @@ def test_padded_batch_is_accepted_by_data_proto(traffic: Traffic) -> None:
         assert tensors["rm_scores"][i].nonzero().flatten().tolist() == [n - 1]
         assert tensors["rm_scores"][i, n - 1].item() == t.reward
     assert torch.equal(tensors["position_ids"], compute_position_id_with_mask(tensors["attention_mask"]))
+    # Each response token's policy version, -1 where nothing was sampled (prompts, tool results, padding).
+    versions = np.stack(list(proto.non_tensor_batch["policy_versions"]))
+    assert versions.shape == (size, r) and versions.dtype == np.int64
+    for i, t in enumerate(traffic.trajectories):
+        sampled = tensors["response_mask"][i].bool().numpy()
+        assert (versions[i][~sampled] == -1).all() and (versions[i][sampled] == t.min_policy_version).all()
 
     # What the trainer does to a batch: concat, repeat, select, chunk, pickle (Ray), TensorDict.
     assert len(DataProto.concat([proto, proto])) == 2 * size
@@ -231,6 +237,37 @@ def test_padded_batch_is_accepted_by_data_proto(traffic: Traffic) -> None:
     restored = pickle.loads(pickle.dumps(proto))
     assert torch.equal(restored.batch["input_ids"], proto.batch["input_ids"])
     assert set(proto.to_tensordict().keys()) >= {"input_ids", "uid", "__num_turns__", "timing"}
+
+
+def test_per_token_policy_versions_reach_both_layouts_and_the_parquet() -> None:
+    """A turn sampled across two weight updates: its three spans, token by token, in every output."""
+    from consumers.parquet import decode_batch, encode_batch
+
+    spans = [(4, 0), (5, 2), (6, 3)]
+    turns = [
+        TurnSummary(turn_id="a", start=3, length=2, finish_reason="tool_calls", policy_version=3),
+        TurnSummary(turn_id="b", start=7, length=5, finish_reason="stop", policy_version=4, policy_versions=spans),
+    ]
+    tokens = list(range(10, 22))
+    mask = [0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 1]
+    trajectory = Trajectory(
+        trajectory_id="tr1", session_id="s", tenant="t", model="m", token_ids=tokens, loss_mask=mask,
+        logprobs=[-0.5 * m for m in mask], prompt_length=3, turns=turns, num_turns=2, min_policy_version=3,
+        max_policy_version=6, reward=1.0, emitted_because="closed", started_at=0.0, ended_at=1.0,
+    )  # fmt: skip
+    expected = [3, 3, -1, -1, 4, 4, 5, 6, 6]  # the response: everything after the first prompt
+    assert trajectory.token_policy_versions() == [-1, -1, -1, *expected]
+    batch = padded_batch([trajectory], ["u"], prompt_length=4, response_length=12, pad_token_id=0)
+    proto = to_data_proto(batch)
+    assert proto.non_tensor_batch["policy_versions"][0].tolist() == [*expected, -1, -1, -1]
+    jagged = to_jagged_tensordict([trajectory], ["u"])
+    assert jagged["policy_versions"][0].tolist() == expected
+    data = encode_batch([trajectory], ["u"], batch_id="b", prompt_length=4, response_length=12)
+    assert decode_batch(data) == ([trajectory], ["u"])
+    import pyarrow.parquet as pq
+
+    column = pq.read_table(__import__("io").BytesIO(data)).column("token_policy_versions").to_pylist()
+    assert column == [[-1, -1, -1, *expected]]
 
 
 @pytest.mark.filterwarnings(RAY_STATE_API_WARNING)

@@ -44,6 +44,7 @@ def trajectories_from_session(
                 length=len(t["output_ids"]),
                 finish_reason=t["finish_reason"],
                 policy_version=t["policy_version"],
+                policy_versions=[tuple(span) for span in t["policy_versions"]],
                 reward=turn_rewards.get(t["turn_id"]),
                 time_to_first_token_s=t["time_to_first_token_s"],
                 duration_s=t["duration_s"],
