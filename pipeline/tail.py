@@ -20,7 +20,7 @@ Deliberate choices:
   minutes with its defaults); here it gives up after a few quick attempts with a :class:`TailError`.
   Once connected, reconnects are unlimited (``max_reconnect_attempts`` in the client's options is
   raised to -1) and announced as ``--`` lines: a watcher should survive a NATS restart.
-* **Sessionless events** (``policy.updated``, subject tenant and session ``_``) are shown only
+* **Sessionless events** (``policy.updated``/``applied``/``rejected``, subject tenant and session ``_``) are shown only
   when neither a session nor a tenant is asked for.
 * An event that cannot be decoded (bad JSON, a schema it does not match, a missing large-payload
   object) is reported as one ``!!`` line and not counted; the tail goes on.
@@ -42,6 +42,8 @@ from .events import (
     DURABLE_KINDS,
     Event,
     FeedbackRecorded,
+    PolicyApplied,
+    PolicyRejected,
     PolicyUpdated,
     SessionClosed,
     SessionOpened,
@@ -89,6 +91,8 @@ _KIND_COLORS = {
     "turn.aborted": "\x1b[31m",  # red
     "feedback.recorded": "\x1b[33m",  # yellow
     "policy.updated": "\x1b[35m",  # magenta
+    "policy.applied": "\x1b[35m",
+    "policy.rejected": "\x1b[31m",  # red
 }
 
 
@@ -193,8 +197,18 @@ def _detail(event: Event) -> str:
             parts += [f"{key}={value}" for key, value in sorted(event.metadata.items())]
             return " ".join(parts)
         case PolicyUpdated():
+            size = sum(o.size for o in event.objects) / 2**20
             weights = f" weights={event.weights}" if event.weights else ""
-            return f"policy v{event.previous_version} -> v{event.policy_version}{weights}"
+            kind = "full" if event.full else "partial"
+            return f"published v{event.policy_version} ({kind}, {len(event.objects)} files, {size:.1f} MiB){weights}"
+        case PolicyApplied():
+            return (
+                f"replica={event.replica} v{event.previous_version} -> v{event.policy_version} "
+                f"pause={event.pause_s * 1000:.1f}ms download={event.download_s * 1000:.0f}ms "
+                f"in_flight={event.in_flight}"
+            )
+        case PolicyRejected():
+            return f"replica={event.replica} refused v{event.rejected_version} ({event.reason}): {event.detail}"
         case _:
             return ""
 
@@ -209,6 +223,8 @@ def _generation(event: TurnRecord) -> str:
     if event.time_to_first_token_s is not None:
         parts.append(f"ttft={event.time_to_first_token_s * 1000:.0f}ms")
     parts.append(f"duration={event.duration_s * 1000:.0f}ms")
+    if len(event.policy_versions) > 1:  # weights changed mid-turn: which tokens each version sampled
+        parts.append("policies=" + ",".join(f"v{v}@{first}" for v, first in event.policy_versions))
     return " ".join(parts)
 
 

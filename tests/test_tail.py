@@ -19,6 +19,8 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import (
     Event,
     FeedbackRecorded,
+    PolicyApplied,
+    PolicyRejected,
     PolicyUpdated,
     SamplingRecord,
     SessionClosed,
@@ -65,6 +67,7 @@ def _completed(session: str, turn: str, seq: int = 2, **overrides: object) -> Tu
         "prompt_ids": list(range(500)),
         "output_ids": list(range(7)),
         "logprobs": [-0.5] * 7,
+        "policy_versions": [(0, 0)],
         "content": "The lighthouse keeper looked out at the sea and saw a ship far away in the storm",
         "usage": Usage(prompt_tokens=500, completion_tokens=7),
         "sampling": SAMPLING,
@@ -357,7 +360,19 @@ def test_format_session_feedback_and_policy() -> None:
     assert "reason=client turns=1" in _line(closed)
     policy = PolicyUpdated.model_validate({**_base(None, tenant="_"), "previous_version": 2, "weights": "/ckpt/4"})
     line = _line(policy)
-    assert "session=-" in line and "policy v2 -> v3 weights=/ckpt/4" in line
+    assert "session=-" in line and "published v3 (full, 0 files, 0.0 MiB) weights=/ckpt/4" in line
+    applied = PolicyApplied.model_validate(
+        {**_base(None, tenant="_"), "replica": "g1", "previous_version": 2, "source": "nats", "tensors": 3}
+        | {"download_s": 0.25, "apply_s": 0.01, "pause_s": 0.0042, "copy_s": 0.001, "in_flight": 2}
+    )
+    assert "replica=g1 v2 -> v3 pause=4.2ms download=250ms in_flight=2" in _line(applied)
+    rejected = PolicyRejected.model_validate(
+        {**_base(None, tenant="_"), "replica": "g2", "rejected_version": 9, "reason": "shape_mismatch"}
+        | {"detail": "x has shape (3,)"}
+    )
+    assert "replica=g2 refused v9 (shape_mismatch): x has shape (3,)" in _line(rejected)
+    spanning = _completed("s1", "t1", policy_versions=[(3, 0), (4, 5)])
+    assert "policies=v3@0,v4@5" in _line(spanning)
 
 
 def test_format_color() -> None:
