@@ -91,18 +91,24 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, tokens: int, 
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return False
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
+        # Bytes split on b"\n", not aiter_lines: str.splitlines() would also split inside JSON
+        # strings at U+2028 and friends, which orjson leaves unescaped (and random text holds).
+        pending = b""
+        async for data in response.aiter_bytes():
             now = time.perf_counter()
-            chunk = orjson.loads(line[6:])
-            if "error" in chunk:
-                return False
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-                frames += 1
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                line = line.rstrip(b"\r")
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = orjson.loads(line[6:])
+                if "error" in chunk:
+                    return False
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    frames += 1
     return frames > 0
 
 

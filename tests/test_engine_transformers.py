@@ -118,3 +118,50 @@ async def test_a_bad_prompt_fails_its_request_only(engine: TransformersEngine) -
     steps = await _collect(engine, "good", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(steps) == 3
     assert engine.statistics().active_requests == 0
+
+
+async def test_rows_in_flight_continue_across_a_weight_update_with_exact_logprobs(
+    engine: TransformersEngine, tiny_model_path: Path
+) -> None:
+    """Rows of different lengths decode across an update: none ends early, each step is labelled with
+    the version that sampled it, and every logprob is a forward pass of that version's weights over
+    the whole sequence (the KV cache of the rows was recomputed, left-padded, under the new weights)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(5)
+    updated = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in original.items()}
+    updated.pop("lm_head.weight", None)  # tied to the embeddings
+    prompts = [[7 + i] * (4 + 9 * i) for i in range(4)]
+    params = SamplingParams(max_tokens=400, temperature=1.0, seed=3, ignore_eos=True)
+    steps: dict[int, list[EngineStep]] = {i: [] for i in range(len(prompts))}
+    started = anyio.Event()
+
+    async def run(i: int) -> None:
+        async for step in engine.generate(f"u{i}", prompts[i], params):
+            steps[i].append(step)
+            if all(steps.values()):
+                started.set()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(run, i)
+        await started.wait()
+        report = await engine.update_weights(updated, policy_version=1)
+    assert report.in_flight >= 2 and report.previous_version == 0 and report.pause_s >= report.copy_s > 0
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    reference.load_state_dict(updated, strict=False)
+    models = {0: model, 1: reference}
+    switched = 0
+    for i, prompt in enumerate(prompts):
+        versions = [s.policy_version for s in steps[i]]
+        assert len(versions) == 400 and versions == sorted(versions)  # none cut short, versions only go up
+        switched += 0 in versions and 1 in versions
+        output = [s.token_ids[0] for s in steps[i]]
+        with torch.inference_mode():
+            for version, weights in models.items():
+                logits = weights(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+                predicted = torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+                own = torch.tensor([v == version for v in versions])
+                recorded = torch.tensor([s.logprobs[0] for s in steps[i]])
+                torch.testing.assert_close(predicted[own], recorded[own], atol=1e-4, rtol=0)
+    assert switched >= 2, "the update landed outside the rows' generations"

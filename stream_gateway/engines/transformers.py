@@ -22,7 +22,7 @@ next step.
 Weight updates (:meth:`TransformersEngine.update_weights`) are checked, converted to the model's
 dtype and moved to its device on the caller's side; the worker applies them between two decode
 steps, whether or not the batch is full: an in-memory copy into the parameters, then the KV cache
-of every running row is recomputed under the new weights (one prefill per row). Rows are never
+of every running row is recomputed under the new weights (one left-padded prefill). Rows are never
 dropped or restarted; their next token is sampled from the new weights, and its logprob equals a
 forward pass of the new weights over the whole sequence (which keeping the old cache would not
 give). Every step carries the version of the weights that sampled it.
@@ -433,16 +433,25 @@ class TransformersEngine:
     def _recompute_cache(self, batch: _Batch) -> None:
         """Rebuild every running row's KV cache with the current weights (prompt + output so far).
 
-        The last sampled token of a row is not in its cache yet: it is the next step's input.
+        One left-padded forward pass over all rows: the cache it leaves is laid out exactly as
+        :meth:`_merge` lays out a batch. The last sampled token of a row is not in its cache yet:
+        it is the next step's input.
         """
-        rows = batch.rows
-        batch.rows, batch.cache, batch.mask = [], None, None
-        for row in rows:
-            sequence = row.prompt_ids + row.output_ids[:-1]
+        if not batch.rows:
+            return
+        sequences = [row.prompt_ids + row.output_ids[:-1] for row in batch.rows]
+        for row, sequence in zip(batch.rows, sequences, strict=True):
             assert len(sequence) == row.length, "a row's cache holds its prompt and all but its last token"
-            cache = DynamicCache()
-            self._model(input_ids=torch.tensor([sequence], device=self._device), past_key_values=cache, use_cache=True)
-            self._merge(batch, row, cache)
+        width = max(len(sequence) for sequence in sequences)
+        ids = torch.zeros((len(sequences), width), dtype=torch.long, device=self._device)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long, device=self._device)
+        for i, sequence in enumerate(sequences):
+            ids[i, width - len(sequence) :] = torch.tensor(sequence, device=self._device)
+            mask[i, width - len(sequence) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        self._model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        batch.cache, batch.mask = cache, mask
 
 
 def _deliver(deliveries: list[tuple[_Request, EngineStep]]) -> None:
