@@ -31,6 +31,7 @@ give). Every step carries the version of the weights that sampled it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import secrets
@@ -124,6 +125,7 @@ class TransformersEngine:
         self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | object] = queue.SimpleQueue()
         self._backlog: deque[_Request] = deque()  # taken from the inbox, waiting for a free row
         self._targets: dict[str, torch.Tensor] = {}  # every state-dict name (tied ones too) -> tensor
+        self._last_logits: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._prefilling: _Request | None = None
@@ -160,6 +162,10 @@ class TransformersEngine:
             torch.set_num_threads(threads)
         self._model = model.to(self._device).eval()
         self._targets = dict(self._model.state_dict(keep_vars=True))
+        # A prefill needs the logits of its last position only: computing the vocabulary projection
+        # for every position cost more than the layers on the tiny model (most HF causal LMs take it).
+        if "logits_to_keep" in inspect.signature(self._model.forward).parameters:
+            self._last_logits = {"logits_to_keep": 1}
         config = model.config
         limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
         self.max_model_len = min(self._requested_max_len or limit, limit)
@@ -311,7 +317,7 @@ class TransformersEngine:
     def _prefill(self, batch: _Batch, request: _Request) -> None:
         cache = DynamicCache()
         ids = torch.tensor([request.prompt_ids], device=self._device)
-        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_logits)
         request.length = len(request.prompt_ids)
         finished = self._emit([request], out.logits[:, -1, :], [request.params], [request.generator])
         if finished[0]:
@@ -450,7 +456,14 @@ class TransformersEngine:
             mask[i, width - len(sequence) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
-        self._model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **self._last_logits,
+        )
         batch.cache, batch.mask = cache, mask
 
 
