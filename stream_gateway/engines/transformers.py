@@ -414,10 +414,12 @@ class TransformersEngine:
             with torch.no_grad():
                 for name, tensor in update.tensors.items():
                     self._targets[name].data.copy_(tensor)
+            self._synchronize()  # on a GPU the copy is queued, not done: time what it costs
             copied = time.perf_counter()
             previous, self.policy_version = self.policy_version, update.policy_version
             in_flight = len(batch.rows)
             self._recompute_cache(batch)
+            self._synchronize()
         except Exception as exc:  # surfaced to the caller of update_weights
             update.loop.call_soon_threadsafe(_resolve, update.done, exc)
             return
@@ -435,6 +437,10 @@ class TransformersEngine:
             previous, update.policy_version, report.tensors, report.copy_s * 1e3, in_flight, report.pause_s * 1e3,
         )  # fmt: skip
         update.loop.call_soon_threadsafe(_resolve, update.done, report)
+
+    def _synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
 
     def _recompute_cache(self, batch: _Batch) -> None:
         """Rebuild every running row's KV cache with the current weights (prompt + output so far).
