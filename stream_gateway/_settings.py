@@ -7,6 +7,7 @@ Read once at start-up from command-line flags and ``STREAM_GATEWAY_*`` environme
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -52,6 +53,11 @@ class Settings(BaseSettings):
     )
     policy_sync_timeout_seconds: float = Field(
         300.0, ge=0, description="at start, wait this long to come up on the latest published policy"
+    )
+    kv_cache_on_update: Literal["recompute", "keep"] = Field(
+        "recompute",
+        description="transformers engine: at a weight update, recompute the KV cache of requests in flight "
+        "(every logprob exactly its version's forward pass) or keep it (decoding pauses for the copy alone)",
     )
     replica_id: str | None = Field(None, description="this gateway's name in policy events (default: host-pid)")
 

@@ -42,6 +42,7 @@ def build_engine(settings: Settings) -> Engine:
             "max_batch_size": settings.max_batch_size,
             "max_model_len": settings.max_model_len,
             "device": settings.device,
+            "recompute_on_update": settings.kv_cache_on_update == "recompute",
         }
     elif settings.engine == "synthetic":
         options = {
@@ -363,6 +364,12 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
         "--policy-sync-timeout-seconds", type=float, help="at start, wait this long for the latest policy (300)"
     )
     command.add_argument("--replica-id", help="this gateway's name in policy events (default host-pid)")
+    command.add_argument(
+        "--kv-cache-on-update",
+        choices=("recompute", "keep"),
+        help="transformers engine, requests in flight at a weight update: recompute their KV cache (exact "
+        "logprobs, longer pause; default) or keep it (the pause is the copy alone)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

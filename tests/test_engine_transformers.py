@@ -165,3 +165,31 @@ async def test_rows_in_flight_continue_across_a_weight_update_with_exact_logprob
                 recorded = torch.tensor([s.logprobs[0] for s in steps[i]])
                 torch.testing.assert_close(predicted[own], recorded[own], atol=1e-4, rtol=0)
     assert switched >= 2, "the update landed outside the rows' generations"
+
+
+async def test_keeping_the_cache_pauses_for_the_copy_alone(tiny_model_path: Path) -> None:
+    """``--kv-cache-on-update keep``: rows continue, labelled with the new version, but the tokens they
+    sample after the update are not a forward pass of the new weights (the cache is the old one's)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(9)
+    updated = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+    updated.pop("lm_head.weight", None)
+    prompt = [11] * 40
+    params = SamplingParams(max_tokens=300, temperature=1.0, seed=4, ignore_eos=True)
+    steps: list[EngineStep] = []
+    async with TransformersEngine(tiny_model_path, recompute_on_update=False) as engine:
+        iterator = engine.generate("k", prompt, params)
+        steps.append(await anext(iterator))
+        report = await engine.update_weights(updated, policy_version=1)
+        steps.extend([step async for step in iterator])
+    assert report.in_flight == 1 and len(steps) == 300
+    versions = [s.policy_version for s in steps]
+    assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
+    model.load_state_dict(updated, strict=False)
+    output = [s.token_ids[0] for s in steps]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    predicted = torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+    recorded = torch.tensor([s.logprobs[0] for s in steps])
+    new = torch.tensor([v == 1 for v in versions])
+    assert (predicted[new] - recorded[new]).abs().max() > 1e-3  # what recompute exists for

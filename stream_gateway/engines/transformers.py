@@ -26,6 +26,13 @@ of every running row is recomputed under the new weights (one left-padded prefil
 dropped or restarted; their next token is sampled from the new weights, and its logprob equals a
 forward pass of the new weights over the whole sequence (which keeping the old cache would not
 give). Every step carries the version of the weights that sampled it.
+
+With ``recompute_on_update=False`` (``--kv-cache-on-update keep``) the cache is kept: decoding
+pauses for the copy alone, and the tokens that rows in flight sample after the update come from
+the new weights attending to keys and values the old weights computed for earlier positions. They
+are labelled with the new version (it sampled them) but their logprobs are not a forward pass of
+any one version over the whole sequence: importance ratios over them are approximate (what
+systems that keep the cache across updates accept). Requests admitted after the update are exact.
 """
 
 from __future__ import annotations
@@ -109,6 +116,7 @@ class TransformersEngine:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         num_threads: int | None = None,
+        recompute_on_update: bool = True,
     ) -> None:
         self._model_path = str(model)
         self.model_id = served_model_name or Path(self._model_path).name or self._model_path
@@ -117,6 +125,7 @@ class TransformersEngine:
         self._device = torch.device(device)
         self._dtype = dtype
         self._num_threads = num_threads
+        self._recompute_on_update = recompute_on_update
         self.policy_version = 0
         self.max_model_len = max_model_len or 0
         self.tokenizer: PreTrainedTokenizerBase
@@ -418,7 +427,8 @@ class TransformersEngine:
             copied = time.perf_counter()
             previous, self.policy_version = self.policy_version, update.policy_version
             in_flight = len(batch.rows)
-            self._recompute_cache(batch)
+            if self._recompute_on_update:
+                self._recompute_cache(batch)
             self._synchronize()
         except Exception as exc:  # surfaced to the caller of update_weights
             update.loop.call_soon_threadsafe(_resolve, update.done, exc)
