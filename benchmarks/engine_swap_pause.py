@@ -94,7 +94,9 @@ async def _run(args: argparse.Namespace, model_dir: Path) -> None:
         for state in states.values():
             state.pop("lm_head.weight", None)
     params_m = sum(v.numel() for v in states[0].values()) / 1e6
-    engine = module.TransformersEngine(model_dir, max_batch_size=args.rows, device=args.device)
+    engine = module.TransformersEngine(
+        model_dir, max_batch_size=args.rows, device=args.device, recompute_on_update=not args.keep_cache
+    )
     from stream_gateway.engines._base import SamplingParams
 
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=11, ignore_eos=True)
@@ -121,7 +123,8 @@ async def _run(args: argparse.Namespace, model_dir: Path) -> None:
             reports.append((windows_start, time.perf_counter(), report))
         await asyncio.gather(*tasks)
 
-    print(f"model {args.shape} ({params_m:.1f}M parameters) on {args.device} "
+    mode = "keep" if args.keep_cache else "recompute"
+    print(f"model {args.shape} ({params_m:.1f}M parameters), KV cache on update: {mode}, on {args.device} "
           f"({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'CPU'}), "
           f"{args.rows} rows x {args.tokens} tokens, prompts {len(prompts[0])}-{len(prompts[-1])} tokens")  # fmt: skip
     for _, _, report in reports:
@@ -168,6 +171,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--keep-cache", action="store_true", help="--kv-cache-on-update keep: no recompute")
     args = parser.parse_args()
     if args.tokenizer:
         tokenizer_dir = Path(args.tokenizer)
