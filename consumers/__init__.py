@@ -6,17 +6,24 @@
 * :mod:`consumers.batcher`: groups trajectories into training batches (parquet + manifest);
 * :mod:`consumers.verl_batch`: verl's padded ``DataProto`` and jagged ``TensorDict`` layouts;
 * :mod:`consumers.verl_adapter`: a verl 0.9 agent loop manager that trains on the stream;
+* :mod:`consumers.verl_weights`: a verl 0.9 checkpoint manager that publishes each step's weights;
 * :mod:`consumers.streams`, :mod:`consumers.parquet`: names, provisioning, the batch artifact.
 
 Never imports :mod:`stream_gateway`. torch, verl and pyarrow are imported by the modules that
-need them, so importing this package stays cheap.
+need them, so importing this package stays cheap: :class:`StreamCheckpointManager` is exported
+lazily (its module imports verl, as verl's plugin registry requires).
 """
+
+from typing import TYPE_CHECKING, Any
 
 from .assembler import Assembler, AssemblerConfig, AssemblerStatistics, run_assembler
 from .batcher import Batcher, BatcherConfig, BatcherStatistics, run_batcher
 from .streams import ConsumerStreams
 from .trajectories import SessionEvents, build_trajectories
 from .trajectory import Trajectory, TurnSummary, trajectory_id
+
+if TYPE_CHECKING:
+    from .verl_weights import StreamCheckpointManager
 
 __all__ = [
     "Assembler",
@@ -27,6 +34,7 @@ __all__ = [
     "BatcherStatistics",
     "ConsumerStreams",
     "SessionEvents",
+    "StreamCheckpointManager",
     "Trajectory",
     "TurnSummary",
     "build_trajectories",
@@ -34,3 +42,12 @@ __all__ = [
     "run_batcher",
     "trajectory_id",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import :mod:`consumers.verl_weights` (verl, ray: seconds) on first use of its export only."""
+    if name == "StreamCheckpointManager":
+        from .verl_weights import StreamCheckpointManager
+
+        return StreamCheckpointManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,436 @@
+"""verl's weight sync, through NATS: each trainer step's weights become a policy version.
+
+verl 0.9.1's PPO trainer (``verl/trainer/ppo/ray_trainer.py``, ``RayPPOTrainer.init_workers``)
+loads the class named by ``actor_rollout_ref.rollout.checkpoint_manager_class`` with
+``load_class_from_fqn`` and builds it as ``cls(config=<CheckpointEngineConfig>,
+actor_wg=<the actor RayWorkerGroup>, replicas=<verl's rollout replicas>)``. ``fit`` then calls,
+synchronously, ``sleep_replicas()`` once at init and after every ``generate_sequences``, and
+``update_weights(global_steps)`` once at start (``0``, or the step a checkpoint resumed) and
+after every actor update (``1, 2, ...``). :class:`StreamCheckpointManager` is that class: its
+``update_weights(k)`` publishes the actor's weights as policy version ``k`` on NATS
+(:func:`pipeline.policies.publish_tensors`); every gateway following the stream applies them.
+
+The weights never leave the actor workers except towards NATS. In verl 0.9.1 the actor worker
+group has no method returning a state dict; the one path to the full HF-named weights is
+``actor_wg.update_weights(global_steps=, mode=<backend>)`` (``verl/workers/engine_workers.py``,
+``ActorRolloutRefWorker.update_weights``), which, for a mode other than ``naive``, runs on every
+rank ``self.checkpoint_engine.send_weights(self.actor.engine.get_per_tensor_param()[0],
+global_steps=)``. That ``checkpoint_engine`` is built in ``ActorRolloutRefWorker.init_model``
+as ``CheckpointEngineRegistry.new(checkpoint_engine.backend, is_master=<rank 0>, bucket_size=,
+**checkpoint_engine.engine_kwargs[backend])``, after importing
+``checkpoint_engine.custom_backend_module``. So this module registers the backend ``nats``
+(:class:`NatsCheckpointEngine`), and its ``engine_kwargs`` carry the NATS settings::
+
+    actor_rollout_ref:
+      rollout:
+        checkpoint_manager_class: consumers.verl_weights.StreamCheckpointManager
+        checkpoint_engine:
+          backend: nats
+          custom_backend_module: consumers.verl_weights
+          engine_kwargs:
+            nats:                              # every key optional (NatsWeightSettings)
+              servers: [nats://10.0.0.5:4222]
+              prefix: sg
+              stream: SG_EVENTS
+              bucket: sg_policies
+              dtype: bfloat16                  # cast floating tensors before upload
+
+Deliberate choices:
+
+* **Every rank drains, rank 0 publishes, after draining.** ``get_per_tensor_param`` gathers full
+  tensors with collectives (FSDP's ``full_tensor()``, Megatron's HF export), so every rank must
+  iterate it to the end. Rank 0 copies each tensor to host memory; only when the iteration is
+  over does it touch NATS, so a NATS failure cannot leave the other ranks stuck in a collective.
+* **Versions only go up.** Version ``0`` is the weights a gateway starts with: ``update_weights(0)``
+  (a fresh start) publishes nothing. A step this manager already published is not sent again (the
+  same step's second call: ``_validate``'s "wake up" with a colocated reward model). Before
+  uploading, rank 0 reads the newest ``policy.updated`` on the stream and skips, with a warning,
+  a version not above it (a resumed run re-sending its checkpoint's step): gateways would refuse
+  it (``not_newer``), and re-uploading the same object names could race a gateway's download.
+* **Replicas are left alone.** ``sleep_replicas``, ``wake_up_replicas``, ``abort_replicas``,
+  ``resume_generation_replicas`` and the KV-cache pair do nothing: the gateways serving live users
+  are not verl's replicas, never sleep, and swap weights between two decode steps. verl's own
+  rollout replicas (``LLMServerManager.create`` launches them regardless) are not put to sleep
+  either, so in hybrid mode they keep the GPU memory they hold (``rollout.gpu_memory_utilization``).
+* **Sync or awaited, as verl's default.** The async methods are wrapped in verl's own
+  ``verl.utils.ray_utils.auto_await``, as ``verl.checkpoint_engine.base.CheckpointEngineManager``'s
+  are: a plain call (``RayPPOTrainer`` calls synchronously) runs them with ``asyncio.run``, or in a
+  worker thread when the calling thread already runs a loop; a coroutine can ``await`` them. The
+  actor group's ``ObjectRef``s are awaited rather than ``ray.get``: nothing blocks a running loop.
+* **Which trainers.** In verl 0.9.1 only ``RayPPOTrainer`` (``verl.trainer.main_ppo``) reads
+  ``checkpoint_manager_class``. The v1 trainers (``verl/trainer/ppo/v1/trainer_base.py``) and the
+  fully-async recipe (``FullyAsyncTrainer._setup_checkpoint_manager``) build verl's own manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
+
+import anyio
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+from verl.utils.ray_utils import auto_await
+
+from pipeline.events import PolicyUpdated, decode_event
+from pipeline.policies import POLICY_BUCKET, policy_subject, publish_tensors
+from pipeline.streams import StreamSpec, ensure_stream
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
+    from verl.workers.config import CheckpointEngineConfig
+    from verl.workers.rollout import RolloutReplica
+
+__all__ = [
+    "BACKEND",
+    "ActorWorkerGroup",
+    "NatsCheckpointEngine",
+    "NatsWeightSettings",
+    "StreamCheckpointManager",
+    "WeightPublishError",
+    "publish_weights",
+]
+
+BACKEND = "nats"
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_CLOSE_TIMEOUT_S = 5.0
+
+
+def _auto_await(method: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Any]:
+    """verl's ``auto_await`` (untyped): the result, or the coroutine when the caller awaits it."""
+    return cast("Callable[P, Any]", auto_await(method))  # type: ignore[no-untyped-call]
+
+
+class ActorWorkerGroup(Protocol):
+    """What this manager uses of verl's actor ``RayWorkerGroup``.
+
+    ``update_weights`` is bound at runtime from ``ActorRolloutRefWorker.update_weights``
+    (``@register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)``): one ``ObjectRef`` per rank.
+    """
+
+    def update_weights(self, *, global_steps: int, mode: str) -> list[Awaitable[Any]]:
+        """Run the worker method on every rank; what each returns, to await."""
+        ...
+
+
+class WeightPublishError(RuntimeError):
+    """The weights could not be published on NATS (connection, upload or event); the cause is chained."""
+
+
+@dataclass(frozen=True, slots=True)
+class NatsWeightSettings:
+    """Where policies go: verl's ``checkpoint_engine.engine_kwargs.nats``, every key optional."""
+
+    servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    prefix: str = "sg"  # subject prefix of the events stream, as the gateways'
+    stream: str = "SG_EVENTS"  # the events stream that holds policy.updated
+    bucket: str = POLICY_BUCKET
+    keep_full: int = 2  # full versions kept in the bucket (older objects are deleted)
+    model: str = ""  # informational, copied into policy.updated
+    dtype: str | None = None  # e.g. "bfloat16": floating tensors are cast before upload; None keeps the trainer's
+    connect_timeout_s: float = 10.0
+    publish_timeout_s: float = 1800.0  # one whole upload plus its event
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ValueError("servers: at least one NATS URL")
+        if self.keep_full < 1:
+            raise ValueError("keep_full must be >= 1")
+        self.torch_dtype()  # fail at construction, not at the first step
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None) -> NatsWeightSettings:
+        """Settings from ``engine_kwargs.nats`` (a dict or an OmegaConf node); ``servers`` may be a comma list."""
+        values = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown {BACKEND} checkpoint engine settings {sorted(unknown)}; known: {sorted(known)}")
+        servers = values.get("servers")
+        if isinstance(servers, str):
+            values["servers"] = tuple(s.strip() for s in servers.split(",") if s.strip())
+        elif servers is not None:
+            values["servers"] = tuple(str(s) for s in servers)
+        return cls(**values)
+
+    @property
+    def spec(self) -> StreamSpec:
+        """The events stream, as :func:`pipeline.policies.publish_policy` takes it."""
+        return StreamSpec(prefix=self.prefix, stream=self.stream)
+
+    def torch_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a torch floating dtype (``None``: keep each tensor's)."""
+        if self.dtype is None:
+            return None
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype {self.dtype!r} is not a torch floating dtype (e.g. 'bfloat16')")
+        return dtype
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class NatsCheckpointEngine(CheckpointEngine):
+    """The ``nats`` checkpoint engine: built by verl on every actor rank (and rollout worker).
+
+    Only ``send_weights`` does anything; there is no process group (``prepare``,
+    ``init_process_group`` and ``finalize`` are no-ops) and nothing to receive: gateways read NATS.
+    """
+
+    def __init__(self, bucket_size: int = 0, is_master: bool = False, **options: Any) -> None:
+        # bucket_size is verl's transfer bucket (update_weights_bucket_megabytes): uploads chunk on their own.
+        self.bucket_size = bucket_size
+        self.is_master = is_master
+        self.settings = NatsWeightSettings.from_options(options)
+
+    def prepare(self) -> dict[str, Any]:
+        """No topology to prepare."""
+        return {}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """No process group: nothing to dispatch."""
+        return {}, {}
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        """No process group."""
+
+    def finalize(self) -> None:
+        """Nothing held between steps."""
+
+    async def send_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        global_steps: int | None = None,
+    ) -> dict[str, float]:
+        """Drain ``weights`` (every rank must); rank 0 then publishes them as version ``global_steps``.
+
+        Returns metrics for the trainer (``stream/*``; empty on other ranks).
+        """
+        if not self.is_master:
+            async for _ in _items(weights):
+                pass  # the collectives inside the generator need every rank
+            return {}
+        started = time.monotonic()
+        tensors = await _collect(weights, self.settings.torch_dtype())
+        if global_steps is None:
+            raise ValueError("send_weights needs global_steps: it is the policy version")
+        collect_s = time.monotonic() - started
+        event = await publish_weights(self.settings, tensors, global_steps)
+        if event is None:
+            return {"stream/policy_version_skipped": float(global_steps)}
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {
+            "stream/policy_version": float(global_steps),
+            "stream/collect_s": collect_s,
+            "stream/publish_s": time.monotonic() - started - collect_s,
+            "stream/weights_gb": size / 1e9,
+        }
+
+    async def receive_weights(self, global_steps: int | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Not a receiver: gateways follow ``policy.updated`` on NATS."""
+        raise NotImplementedError(f"the {BACKEND!r} checkpoint engine only sends; gateways receive from NATS")
+
+
+class StreamCheckpointManager:
+    """verl's ``checkpoint_manager_class`` for gateways on NATS (see the module docstring).
+
+    ``update_weights(k)`` publishes the actor's weights as policy version ``k`` (``k >= 1``, above
+    every version already on the stream); every replica method does nothing.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointEngineConfig,
+        actor_wg: ActorWorkerGroup,
+        replicas: list[RolloutReplica] | None = None,
+    ) -> None:
+        if config.backend != BACKEND:
+            # With another backend the actor ranks hold another engine, which would take the
+            # weights and send them nowhere we read: refuse at init_workers, not silently later.
+            raise ValueError(
+                f"StreamCheckpointManager needs actor_rollout_ref.rollout.checkpoint_engine.backend={BACKEND} "
+                f"and custom_backend_module=consumers.verl_weights (got backend={config.backend!r})"
+            )
+        self.config = config
+        self.settings = NatsWeightSettings.from_options(config.engine_kwargs.get(BACKEND))
+        self.actor_wg = actor_wg
+        self.replicas = list(replicas or [])
+        self.synced_version = 0  # the newest step this manager has sent to the actor ranks
+
+    @_auto_await
+    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
+        """Publish the actor's current weights as policy version ``global_steps``; the ranks' metrics."""
+        if global_steps is None or global_steps < 1:
+            log.info(
+                "update_weights(%s): version 0 is the weights gateways start with; nothing published", global_steps
+            )
+            return {}
+        if global_steps <= self.synced_version:
+            log.info("update_weights(%d): version %d already published", global_steps, self.synced_version)
+            return {}
+        # One ObjectRef per actor rank (ONE_TO_ALL, blocking=False in verl 0.9.1).
+        refs = self.actor_wg.update_weights(global_steps=global_steps, mode=BACKEND)
+        results = await asyncio.gather(*refs)
+        self.synced_version = global_steps
+        metrics: dict[str, float] = {}
+        for result in results:
+            if isinstance(result, dict):
+                metrics.update(result)
+        return metrics
+
+    @_auto_await
+    async def sleep_replicas(self) -> None:
+        """Nothing: gateways keep serving live users through training."""
+
+    @_auto_await
+    async def wake_up_replicas(self) -> None:
+        """Nothing: nothing was put to sleep."""
+
+    @_auto_await
+    async def abort_replicas(self, reject_request: bool = False) -> None:
+        """Nothing: requests in flight continue, and cross the weight swap."""
+
+    @_auto_await
+    async def resume_generation_replicas(self) -> None:
+        """Nothing: nothing was aborted."""
+
+    @_auto_await
+    async def release_kv_cache_replicas(self) -> None:
+        """Nothing: gateways keep their KV caches."""
+
+    @_auto_await
+    async def resume_kv_cache_replicas(self) -> None:
+        """Nothing: nothing was released."""
+
+    def add_replicas(self, replicas: list[RolloutReplica]) -> None:
+        """Remember verl's replicas (elastic scaling), as the default manager does; they are never touched."""
+        self.replicas.extend(replicas)
+
+    def remove_replicas(self, replicas: list[RolloutReplica]) -> None:
+        """Forget verl's replicas."""
+        gone = set(replicas)
+        self.replicas = [r for r in self.replicas if r not in gone]
+
+
+async def publish_weights(
+    settings: NatsWeightSettings, tensors: Mapping[str, torch.Tensor], policy_version: int
+) -> PolicyUpdated | None:
+    """Publish ``tensors`` as ``policy_version`` unless the stream already has that version or a newer one.
+
+    The published event, or ``None`` when skipped. Raises :class:`WeightPublishError`.
+    """
+    import nats.errors
+    import nats.js.errors
+
+    spec = settings.spec
+    try:
+        with anyio.fail_after(settings.publish_timeout_s):
+            async with _connected(settings) as nc:
+                js = nc.jetstream()
+                await ensure_stream(js, spec)
+                newest = await _newest_version(js, spec)
+                if policy_version <= newest:
+                    log.warning(
+                        "policy version %d not published: the stream already has version %d (gateways refuse "
+                        "versions not above the one they serve)",
+                        policy_version,
+                        newest,
+                    )
+                    return None
+                event = await publish_tensors(
+                    nc,
+                    tensors,
+                    policy_version,
+                    spec=spec,
+                    bucket=settings.bucket,
+                    full=True,
+                    model=settings.model,
+                    weights=f"verl global_steps={policy_version}",
+                    previous_version=newest or None,
+                    keep_full=settings.keep_full,
+                    progress=log.info,
+                )
+    except TimeoutError as exc:
+        raise WeightPublishError(
+            f"policy version {policy_version}: not published within {settings.publish_timeout_s:g} s"
+        ) from exc
+    except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+        raise WeightPublishError(f"policy version {policy_version}: {type(exc).__name__}: {exc}") from exc
+    log.info(
+        "published policy version %d (%d tensors) on %s", policy_version, len(tensors), ", ".join(settings.servers)
+    )
+    return event
+
+
+@asynccontextmanager
+async def _connected(settings: NatsWeightSettings) -> AsyncIterator[Client]:
+    import nats
+
+    async def quiet(exc: Exception) -> None:  # failures surface as the calls' exceptions
+        log.debug("nats: %r", exc)
+
+    try:
+        nc = await nats.connect(
+            list(settings.servers),
+            name="verl-weights",
+            connect_timeout=settings.connect_timeout_s,
+            max_reconnect_attempts=3,
+            reconnect_time_wait=0.5,
+            error_cb=quiet,
+        )
+    except Exception as exc:  # nats-py raises several unrelated types for "cannot connect"
+        raise WeightPublishError(f"cannot connect to NATS at {', '.join(settings.servers)}: {exc!r}") from exc
+    try:
+        yield nc
+    finally:
+        with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+            await nc.close()
+
+
+async def _newest_version(js: JetStreamContext, spec: StreamSpec) -> int:
+    """The version of the newest ``policy.updated`` on the stream; 0 if none."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        msg = await js.get_last_msg(spec.stream, policy_subject(spec.prefix))
+    except NotFoundError:
+        return 0
+    event = decode_event(msg.data or b"")
+    return event.policy_version if isinstance(event, PolicyUpdated) else 0
+
+
+async def _items(
+    weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Engines hand a generator, an ``items()`` view or an async generator: iterate any of them."""
+    if isinstance(weights, AsyncIterable):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+async def _collect(
+    weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype | None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor, copied to host memory (own storage: tied weights must not share it in safetensors)."""
+    tensors: dict[str, torch.Tensor] = {}
+    async for name, tensor in _items(weights):
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        tensors[name] = tensor.detach().to(device="cpu", dtype=target, copy=True)
+    return tensors
