@@ -132,6 +132,7 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
             say(f"  NATS monitor   {nats_server.monitor_url}")
         say(f"  trajectories   stream {names.trajectories} (assembler, idle timeout {args.idle_timeout:g} s)")
         say(f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})")
+        say(f"  new weights    stream-gateway publish-weights --nats-url {nats_server.url} --policy-version N DIR")
         say(f"  watch events:  stream-gateway tail --nats-url {nats_server.url}")
         server = uvicorn.Server(
             uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
