@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -149,10 +150,21 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
                 finally:
                     tg.cancel_scope.cancel()
 
-        with contextlib.suppress(KeyboardInterrupt):
-            anyio.run(everything)
+        # uvicorn (0.54, Server.capture_signals) re-raises the signal it stopped for once it has
+        # shut down; SIGTERM's default action would then kill this process before the embedded
+        # nats-server (its own process session) is stopped. As Ctrl-C, it ends the run cleanly.
+        previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                anyio.run(everything)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     say("stopped")
     return 0
+
+
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _tail(args: argparse.Namespace) -> int:

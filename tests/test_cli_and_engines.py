@@ -193,3 +193,25 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
     trajectories, _ = decode_batch(batch.read_bytes())
     assert sorted(t.session_id for t in trajectories) == ["one", "two"]
     assert all(t.reward == 0.5 and t.reward_source == "default" for t in trajectories)
+
+
+def test_up_stops_its_nats_server_on_sigterm(tiny_model_path: Path, tmp_path: Path) -> None:
+    """SIGTERM (docker stop, systemd, Kubernetes) ends ``up`` as Ctrl-C does: nothing left running."""
+    import re
+    import socket
+
+    port = _free_port()
+    command = [sys.executable, "-m", "stream_gateway.cli", "up", "--model", str(tiny_model_path), "--port", str(port)]
+    command += ["--data-dir", str(tmp_path / "up"), "--nats-port", "0", "--nats-monitor-port", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        _wait_healthy(process, port)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and "stopped" in output, output
+    match = re.search(r"NATS +nats://127\.0\.0\.1:(\d+)", output)
+    assert match is not None, output
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", int(match[1]))) != 0, "the embedded nats-server outlived up"
