@@ -114,14 +114,15 @@ async def _run(args: argparse.Namespace, model_dir: Path) -> None:
                 if all(len(s) >= 8 for s in steps.values()):
                     decoding.set()
 
-        tasks = [asyncio.create_task(run(i)) for i in range(args.rows)]
-        await decoding.wait()
-        for version in range(1, args.updates + 1):
-            await asyncio.sleep(0.2)
-            windows_start = time.perf_counter()
-            report = await engine.update_weights(states[version], version)
-            reports.append((windows_start, time.perf_counter(), report))
-        await asyncio.gather(*tasks)
+        async with asyncio.TaskGroup() as tg:  # the rows; leaving it waits for all of them
+            for i in range(args.rows):
+                tg.create_task(run(i))
+            await decoding.wait()
+            for version in range(1, args.updates + 1):
+                await asyncio.sleep(0.2)
+                windows_start = time.perf_counter()
+                report = await engine.update_weights(states[version], version)
+                reports.append((windows_start, time.perf_counter(), report))
 
     mode = "keep" if args.keep_cache else "recompute"
     print(f"model {args.shape} ({params_m:.1f}M parameters), KV cache on update: {mode}, on {args.device} "

@@ -116,14 +116,13 @@ async def _round(
     url: str, model: str, streams: int, tokens: int, publish: Any | None, updates: int, expected_s: float
 ) -> tuple[list[float], int]:
     gaps: list[float] = []
-    async with httpx.AsyncClient(timeout=600) as client:
-        tasks = [asyncio.create_task(_stream(client, url, model, tokens, gaps)) for _ in range(streams)]
+    async with httpx.AsyncClient(timeout=600) as client, asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(_stream(client, url, model, tokens, gaps)) for _ in range(streams)]
         if publish is not None:
             for _ in range(updates):
                 await asyncio.sleep(expected_s / (updates + 1))
                 await publish()
-        results = await asyncio.gather(*tasks)
-    return gaps, sum(not ok for ok in results)
+    return gaps, sum(not task.result() for task in tasks)
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Publishing (:func:`publish_policy`, ``stream-gateway publish-weights``):
 2. only then is ``policy.updated`` published (acked, ``Nats-Msg-Id`` ``policy-<version>``) on
    ``<prefix>.events._._.policy.updated``, naming the objects and their digests: a gateway never
    hears of a policy whose files are not all stored;
-3. objects of versions older than the ``keep_full`` newest full versions are deleted.
+3. the objects of every version older than the ``keep_full`` newest full versions are deleted
+   (each object's description says ``full`` or ``partial``, so the bucket alone tells them apart).
 
 Following (:func:`download_policy`, used by the gateway): each object is written to a local
 directory and its SHA-256 compared with the event's; a mismatch, a missing or truncated object is
@@ -119,7 +120,7 @@ async def publish_policy(
     for file in files:
         started = time.monotonic()
         name = _object_name(policy_version, file.name)
-        digest = await _put_file(store, name, file, chunk)
+        digest = await _put_file(store, name, file, chunk, "full" if full else "partial")
         size = file.stat().st_size
         objects.append(PolicyObject(name=name, sha256=digest, size=size))
         if progress is not None:
@@ -160,7 +161,7 @@ async def publish_tensors(
         return await publish_policy(nc, directory, policy_version, **options)  # type: ignore[arg-type]
 
 
-async def _put_file(store: ObjectStore, name: str, file: Path, chunk: int) -> str:
+async def _put_file(store: ObjectStore, name: str, file: Path, chunk: int, kind: str) -> str:
     """Stream ``file`` into the object ``name``; its hex SHA-256."""
     from nats.js.api import ObjectMeta, ObjectMetaOptions
 
@@ -178,13 +179,15 @@ async def _put_file(store: ObjectStore, name: str, file: Path, chunk: int) -> st
             return n
 
     with file.open("rb") as raw:
-        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk))
+        meta = ObjectMeta(name=name, description=kind, options=ObjectMetaOptions(max_chunk_size=chunk))
         await store.put(name, _Hashing(raw), meta=meta)  # type: ignore[arg-type]
     return digest.hexdigest()
 
 
 async def _prune(store: ObjectStore, newest_full: int, keep_full: int) -> None:
-    """Delete the objects of versions before the ``keep_full``-th newest full one (``newest_full`` counts)."""
+    """Delete the objects of every version older than the ``keep_full`` newest full ones up to
+    ``newest_full`` (just published): what a replica catching up needs is the newest full version
+    and the partial ones after it."""
     from nats.js.errors import NotFoundError
 
     try:
@@ -192,17 +195,20 @@ async def _prune(store: ObjectStore, newest_full: int, keep_full: int) -> None:
     except NotFoundError:  # an empty bucket
         return
     versions: dict[int, list[str]] = {}
+    fulls: set[int] = set()
     for info in infos:
         match = _VERSION_PREFIX.match(info.name or "")
         if match and not info.deleted:
             versions.setdefault(int(match[1]), []).append(info.name)
-    # Which versions were full is in the events, not the bucket: keep the newest `keep_full`
-    # versions up to newest_full, and every version above it (published concurrently).
-    older = sorted(v for v in versions if v <= newest_full)
-    for version in older[: max(0, len(older) - keep_full)]:
+            if info.description == "full":
+                fulls.add(int(match[1]))
+    kept = sorted(v for v in fulls if v <= newest_full)[-keep_full:]
+    if not kept:
+        return
+    for version in sorted(v for v in versions if v < kept[0]):
         for name in versions[version]:
             await store.delete(name)
-        log.info("policy objects of version %d deleted (keeping %d older versions)", version, keep_full)
+        log.info("policy objects of version %d deleted (keeping full versions %s and later)", version, kept)
 
 
 async def download_policy(js: JetStreamContext, event: PolicyUpdated, directory: str | Path) -> list[Path]:

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -31,6 +32,9 @@ from pipeline.streams import StreamSpec
 from ._capture import EventRecorder
 from ._metrics import GatewayMetrics
 from .engines import Engine, WeightsRejected, WeightUpdateReport
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
 
 __all__ = ["PolicyApplier", "PolicyFollower", "PolicyNotNewer"]
 
@@ -172,9 +176,9 @@ class PolicyFollower:
             with anyio.CancelScope(shield=True):
                 await nc.close()
 
-    async def _catch_up(self, js: object) -> None:
+    async def _catch_up(self, js: JetStreamContext) -> None:
         try:
-            history = await policy_history(js, self._spec)  # type: ignore[arg-type]
+            history = await policy_history(js, self._spec)
         except Exception as exc:  # no stream yet, or NATS went away: follow live updates only
             log.warning("policy follower: could not read the policy history (%s); following new updates", exc)
             return
@@ -193,7 +197,7 @@ class PolicyFollower:
         for event in plan:
             await self._apply(js, event, quiet_if_old=True)
 
-    async def _apply(self, js: object, event: PolicyUpdated, *, quiet_if_old: bool = False) -> None:
+    async def _apply(self, js: JetStreamContext, event: PolicyUpdated, *, quiet_if_old: bool = False) -> None:
         applier = self._applier
         if quiet_if_old and event.policy_version <= applier.policy_version:
             return
@@ -202,7 +206,7 @@ class PolicyFollower:
         try:
             started = time.perf_counter()
             try:
-                await download_policy(js, event, directory)  # type: ignore[arg-type]
+                await download_policy(js, event, directory)
             except PolicyDownloadError as exc:
                 applier.reject(event.policy_version, exc.reason, str(exc))
                 return

@@ -7,11 +7,13 @@ over a real TCP socket with real clients.
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -57,3 +59,28 @@ def run_gateway(engine: Engine, settings: Settings, *, startup_timeout: float = 
         server.should_exit = True
         thread.join(timeout=60)
         sock.close()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (for a child process to bind)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_healthy(process: subprocess.Popen[str], port: int, timeout: float = 120.0, *, log: Path | None = None) -> None:
+    """Until ``GET /health`` of a gateway process answers 200; fail with its output (its stdout
+    pipe, or ``log`` where it writes) if it dies first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            output = log.read_text()[-3000:] if log else (process.stdout.read() if process.stdout else "")
+            raise AssertionError(f"the gateway exited with {process.returncode}: {output}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the gateway did not become healthy"
+        time.sleep(0.2)

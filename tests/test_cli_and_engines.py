@@ -19,7 +19,7 @@ import stream_gateway
 from stream_gateway import Settings
 from stream_gateway.cli import build_engine
 
-from .servers import RunningGateway, run_gateway
+from .servers import RunningGateway, free_port, run_gateway, wait_healthy
 
 
 def test_public_api_is_what_we_mean_to_export() -> None:
@@ -39,30 +39,9 @@ def test_public_api_is_what_we_mean_to_export() -> None:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _wait_healthy(process: subprocess.Popen[str], port: int, timeout: float = 120.0) -> None:
-    """Until ``GET /health`` answers 200; fail with the process's output if it dies first."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, process.stdout.read() if process.stdout else ""
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the gateway did not become healthy"
-        time.sleep(0.2)
-
-
 def test_serve_command_starts_a_working_gateway(tiny_model_path: Path) -> None:
     """``stream-gateway serve --model DIR --engine transformers --host --port`` in a real subprocess."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -82,7 +61,7 @@ def test_serve_command_starts_a_working_gateway(tiny_model_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        _wait_healthy(process, port)
+        wait_healthy(process, port)
         with OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as c:
             reply = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert reply.choices[0].finish_reason in ("stop", "length")
@@ -162,7 +141,7 @@ def test_unknown_tool_parser_is_refused_at_start() -> None:
 
 def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp_path: Path) -> None:
     """``stream-gateway up``, the main job, in a real subprocess: traffic in, a verl batch on disk."""
-    port = _free_port()
+    port = free_port()
     data_dir = tmp_path / "up"
     command = [sys.executable, "-m", "stream_gateway.cli", "up", "--model", str(tiny_model_path)]
     command += ["--served-model-name", "tiny", "--port", str(port), "--data-dir", str(data_dir)]
@@ -170,7 +149,7 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        _wait_healthy(process, port)
+        wait_healthy(process, port)
         deadline = time.monotonic() + 60
         for session in ("one", "two"):
             base = f"http://127.0.0.1:{port}/sessions/{session}"
@@ -198,15 +177,14 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
 def test_up_stops_its_nats_server_on_sigterm(tiny_model_path: Path, tmp_path: Path) -> None:
     """SIGTERM (docker stop, systemd, Kubernetes) ends ``up`` as Ctrl-C does: nothing left running."""
     import re
-    import socket
 
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "stream_gateway.cli", "up", "--model", str(tiny_model_path), "--port", str(port)]
     command += ["--data-dir", str(tmp_path / "up"), "--nats-port", "0", "--nats-monitor-port", "0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        _wait_healthy(process, port)
+        wait_healthy(process, port)
     finally:
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)

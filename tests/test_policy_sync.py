@@ -9,7 +9,6 @@ official ``openai`` client, and fp32 forward passes of each version's weights as
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from stream_gateway import Settings
 from stream_gateway.cli import build_engine
 
 from .fidelity import assert_chain_logprobs
-from .servers import run_gateway
+from .servers import free_port, run_gateway, wait_healthy
 from .test_gateway_events import read_stream
 
 
@@ -163,36 +162,21 @@ def test_a_stream_in_flight_crosses_two_published_updates(
 # -- several gateway processes ----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def _gateway_process(model: Path, url: str, replica: str, workdir: Path) -> Iterator[str]:
     """``stream-gateway serve`` in a child process; yields its base URL once /health answers."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "stream_gateway.cli", "serve", "--model", str(model), "--served-model-name", "tiny",
         "--port", str(port), "--nats-url", url, "--outbox-dir", str(workdir / f"outbox-{replica}"),
     ]  # fmt: skip
     env = {**os.environ, "STREAM_GATEWAY_REPLICA_ID": replica}
-    log = (workdir / f"{replica}.log").open("wb")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    log_path = workdir / f"{replica}.log"
+    log = log_path.open("w")  # a file, not a pipe: nobody reads the logs while the test runs
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, (workdir / f"{replica}.log").read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"{replica} did not start"
-            time.sleep(0.2)
-        yield base
+        wait_healthy(process, port, 180, log=log_path)
+        yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
         try:
@@ -311,3 +295,25 @@ def test_publish_weights_cli_refuses_a_directory_without_safetensors(
     assert result.returncode == 2 and "no *.safetensors files" in result.stderr
     result = subprocess.run([*command, "--policy-version", "3", str(tmp_path / "nope")], capture_output=True, text=True)
     assert result.returncode == 2 and "no directory" in result.stderr
+
+
+def test_the_bucket_keeps_the_newest_full_versions_and_the_partial_ones_after_them(
+    policy_nats: EmbeddedNatsServer, tmp_path: Path
+) -> None:
+    """``keep_full=2``: a replica catching up needs the newest full version and the partials after it."""
+    from pipeline.streams import StreamSpec
+
+    directory = _save({"w": torch.ones(2)}, tmp_path / "w")
+    spec = StreamSpec(prefix="prune", stream="PRUNE")  # not the stream this module's gateways follow
+    for version, full in ((1, True), (2, False), (3, True), (4, False), (5, True), (6, False)):
+        _publish(policy_nats.url, directory, version, spec=spec, bucket="prune_policies", full=full, keep_full=2)
+
+    async def names() -> list[str]:
+        nc = await nats.connect(policy_nats.url)
+        try:
+            store = await nc.jetstream().object_store("prune_policies")
+            return sorted(i.name for i in await store.list() if not i.deleted)
+        finally:
+            await nc.close()
+
+    assert [name.split("/")[0] for name in anyio.run(names)] == [f"v{v:010d}" for v in (3, 4, 5, 6)]
