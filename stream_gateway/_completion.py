@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -36,6 +36,17 @@ from .engines import Engine, SamplingParams
 from .tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
 
 ProducerItem = ChoiceUpdate | GatewayError
+
+
+class FrameEncoder(Protocol):
+    """Turns a response's updates into SSE frames (chat chunks, or text completion chunks)."""
+
+    def update(self, update: ChoiceUpdate) -> bytes: ...
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes: ...
+
+    def error(self, error: GatewayError) -> bytes: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +72,8 @@ class PreparedCompletion:
     include_usage: bool
     tool_parser: str | None  # None: the output is plain content
     tool_names: frozenset[str]
+    first_index: int = 0  # choice indices start here (a batch of prompts numbers its choices on)
+    token_in: bool = False  # prompt ids given by the client (``/v1/completions``): continued by id prefix only
 
 
 class CompletionService:
@@ -84,6 +97,11 @@ class CompletionService:
     def _context_builder(self) -> ContextBuilder:
         # Lazily: the engine's tokenizer exists only once the engine has started.
         return ContextBuilder(self._engine.tokenizer)
+
+    @property
+    def token_text(self) -> Any:
+        """``token id -> (text, bytes)``, cached (the engine's tokenizer)."""
+        return self._token_text
 
     @cached_property
     def _token_text(self) -> Any:
@@ -177,26 +195,34 @@ class CompletionService:
 
     # -- producing -------------------------------------------------------------------------
 
-    async def produce(self, prepared: PreparedCompletion, send: ObjectSendStream[ProducerItem]) -> None:
-        """Run every choice; send their updates, or one error, into ``send`` and close it."""
-        self._metrics.prompt_tokens.inc(len(prepared.prompt_ids))
+    async def produce(
+        self, prepared: PreparedCompletion | Sequence[PreparedCompletion], send: ObjectSendStream[ProducerItem]
+    ) -> None:
+        """Run every choice (of every prompt); send their updates, or one error, into ``send`` and close it."""
+        batch = [prepared] if isinstance(prepared, PreparedCompletion) else prepared
+        first = batch[0]
         async with send:
             try:
                 async with anyio.create_task_group() as tg:
-                    for index in range(prepared.n):
-                        tg.start_soon(self._run_choice, prepared, index, send)
+                    for item in batch:
+                        self._metrics.prompt_tokens.inc(len(item.prompt_ids))
+                        for index in range(item.n):
+                            tg.start_soon(self._run_choice, item, index, send)
             except* GatewayError as group:
                 await send.send(group.exceptions[0])  # type: ignore[arg-type]
             except* Exception as group:
                 # A bug, not bad input: log it, and end the stream with an error frame rather than a
                 # silent [DONE] that a client would take for a complete answer.
-                log.error("completion %s failed", prepared.completion_id, exc_info=group.exceptions[0])
+                log.error("completion %s failed", first.completion_id, exc_info=group.exceptions[0])
                 await send.send(EngineError("The server had an error while processing your request."))
 
-    async def _run_choice(self, prepared: PreparedCompletion, index: int, send: ObjectSendStream[ProducerItem]) -> None:
+    async def _run_choice(
+        self, prepared: PreparedCompletion, choice: int, send: ObjectSendStream[ProducerItem]
+    ) -> None:
         params = prepared.params
-        if index and params.seed is not None:
-            params = replace(params, seed=params.seed + index)  # n seeded choices must differ
+        if choice and params.seed is not None:
+            params = replace(params, seed=params.seed + choice)  # n seeded choices must differ
+        index = prepared.first_index + choice
         assembler = TextAssembler(self._engine.tokenizer.backend_tokenizer, prepared.stops)
         parser = create_tool_parser(prepared.tool_parser, prepared.tool_names) if prepared.tool_parser else None
         result = ChoiceResult(index)
@@ -229,7 +255,9 @@ class CompletionService:
         abort_reason: str | None = None
         abort_detail: str | None = None
         try:
-            async with aclosing(self._engine.generate(request_id, prepared.prompt_ids, params)) as steps:
+            async with aclosing(
+                self._engine.generate(request_id, prepared.prompt_ids, params, affinity=prepared.session.session_id)
+            ) as steps:
                 async for step in steps:
                     now = time.perf_counter()
                     if first_token_s is None:
@@ -264,7 +292,7 @@ class CompletionService:
                     # string, an unfinished tool call) ride along with the next frame that has
                     # something, so no frame is empty.
                     if text or calls or finish is not None:
-                        update = ChoiceUpdate(index, text, ids, logprobs, top, finish, calls)
+                        update = ChoiceUpdate(index, text, ids, logprobs, top, finish, calls, step.policy_version)
                         result.add(update)
                         await send.send(update)
                         ids, logprobs = [], []
@@ -306,7 +334,7 @@ class CompletionService:
         calls = tuple(result.tool_calls())
         finished = result.finish_reason is not None
         key = None
-        if finished:
+        if finished and not prepared.token_in:
             fingerprint = assistant_fingerprint(content, [(c.name, c.arguments) for c in calls])
             key = extend_key(prepared.conversation_key, fingerprint)
         context = prepared.context
@@ -348,16 +376,30 @@ class CompletionService:
             token_ids=prepared.return_token_ids,
         )
 
-    async def stream_frames(
+    def stream_frames(
         self, prepared: PreparedCompletion, receive: ObjectReceiveStream[ProducerItem]
     ) -> AsyncIterator[bytes]:
         """SSE frames: role, deltas, usage (if asked), ``[DONE]``; or an error frame."""
         encoder = self.encoder(prepared)
+        first = encoder.role(prepared.n, prepared.prompt_ids if prepared.return_token_ids else None)
+        return self.frames(encoder, receive, first, prepared.n, len(prepared.prompt_ids), prepared.include_usage)
+
+    async def frames(
+        self,
+        encoder: FrameEncoder,
+        receive: ObjectReceiveStream[ProducerItem],
+        first: bytes | None,
+        choices: int,
+        prompt_tokens: int,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        """The frames of a streamed response: ``first`` (if any), updates, usage (if asked), ``[DONE]``."""
         completion_tokens = 0
         finished = 0
         self._metrics.active_streams.inc()
         try:
-            yield encoder.role(prepared.n, prepared.prompt_ids if prepared.return_token_ids else None)
+            if first is not None:
+                yield first
             async with receive:
                 async for item in receive:
                     if isinstance(item, GatewayError):
@@ -367,13 +409,13 @@ class CompletionService:
                     completion_tokens += len(item.token_ids)
                     finished += item.finish_reason is not None
                     yield encoder.update(item)
-            if prepared.include_usage:
-                yield encoder.usage(len(prepared.prompt_ids), completion_tokens)
+            if include_usage:
+                yield encoder.usage(prompt_tokens, completion_tokens)
             yield DONE_FRAME
             self._metrics.requests.labels("true", "200").inc()
         finally:
             self._metrics.active_streams.dec()
-            if finished < prepared.n:
+            if finished < choices:
                 self._metrics.aborted.inc()
 
     async def complete(
@@ -384,14 +426,32 @@ class CompletionService:
         Returns ``None`` when ``wait_disconnect`` returns first: the client is gone, and leaving
         the task group has aborted the engine requests.
         """
-        results = [ChoiceResult(i) for i in range(prepared.n)]
+        results = await self.collect([prepared], wait_disconnect)
+        if results is None:
+            return None
+        return completion_body(
+            prepared.completion_id,
+            prepared.created,
+            prepared.model,
+            prepared.prompt_ids,
+            results,
+            token_text=self._token_text,
+            logprobs=prepared.logprobs,
+            token_ids=prepared.return_token_ids,
+        )
+
+    async def collect(
+        self, batch: Sequence[PreparedCompletion], wait_disconnect: Callable[[], Awaitable[None]]
+    ) -> list[ChoiceResult] | None:
+        """Run the choices of ``batch`` to the end; ``None`` if the client went away first."""
+        results = [ChoiceResult(i) for i in range(sum(p.n for p in batch))]
         error: GatewayError | None = None
         send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
         self._metrics.active_streams.inc()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_when, wait_disconnect, tg.cancel_scope)
-                tg.start_soon(self.produce, prepared, send)
+                tg.start_soon(self.produce, batch, send)
                 async with receive:
                     async for item in receive:
                         if isinstance(item, GatewayError):
@@ -408,16 +468,7 @@ class CompletionService:
             self._metrics.aborted.inc()
             return None
         self._metrics.requests.labels("false", "200").inc()
-        return completion_body(
-            prepared.completion_id,
-            prepared.created,
-            prepared.model,
-            prepared.prompt_ids,
-            results,
-            token_text=self._token_text,
-            logprobs=prepared.logprobs,
-            token_ids=prepared.return_token_ids,
-        )
+        return results
 
 
 async def _cancel_when(event: Callable[[], Awaitable[None]], scope: anyio.CancelScope) -> None:

@@ -19,8 +19,10 @@ automatic lookup, but stays inspectable and accepts feedback until it is evicted
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -78,12 +80,30 @@ class Session:
     event_seq: int = 0  # durable events published for this session so far
     closed: bool = False
     feedback: list[dict[str, Any]] = field(default_factory=list)
+    by_tokens: dict[bytes, str] = field(default_factory=dict)  # digest of prompt + output ids -> turn id
+    token_lengths: dict[int, int] = field(default_factory=dict)  # lengths of those sequences -> how many
 
-    def add(self, turn: Turn) -> None:
-        """Record a finished (or aborted) turn."""
+    def add(self, turn: Turn) -> bytes | None:
+        """Record a finished (or aborted) turn; returns its token digest if it can be continued by ids."""
         self.turns[turn.turn_id] = turn
         if turn.key is not None:
             self.by_key.setdefault(turn.key, []).append(turn.turn_id)
+        if turn.finish_reason is None:
+            return None
+        digest = token_digest(turn.prompt_ids, turn.output_ids)
+        length = len(turn.prompt_ids) + len(turn.output_ids)
+        if digest not in self.by_tokens:
+            self.token_lengths[length] = self.token_lengths.get(length, 0) + 1
+        self.by_tokens[digest] = turn.turn_id
+        return digest
+
+    def match_tokens(self, prompt_ids: list[int]) -> Turn | None:
+        """The deepest finished turn whose prompt and output ids are a prefix of ``prompt_ids``."""
+        for digest in prefix_digests(prompt_ids, self.token_lengths):
+            turn_id = self.by_tokens.get(digest)
+            if turn_id is not None and _extends(prompt_ids, self.turns[turn_id]):
+                return self.turns[turn_id]
+        return None
 
     def match(self, keys: list[bytes]) -> Turn | None:
         """The deepest continuable turn whose conversation is a proper prefix of the request's."""
@@ -114,6 +134,35 @@ class Session:
             path.reverse()
             chains.append(_chain(path))
         return chains
+
+
+def token_digest(*parts: tuple[int, ...] | list[int]) -> bytes:
+    """A digest of a token sequence (the concatenation of ``parts``)."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        hasher.update(array("q", part).tobytes())
+    return hasher.digest()
+
+
+def prefix_digests(ids: list[int], lengths: dict[int, int] | Any) -> list[bytes]:
+    """Digests of the prefixes of ``ids`` at the given ``lengths``, longest first (one pass over ``ids``)."""
+    raw = array("q", ids).tobytes()
+    hasher = hashlib.blake2b(digest_size=16)
+    done = 0
+    out = []
+    for length in sorted(n for n in lengths if 0 < n <= len(ids)):
+        hasher.update(raw[done * 8 : length * 8])
+        done = length
+        out.append(hasher.copy().digest())
+    out.reverse()
+    return out
+
+
+def _extends(prompt_ids: list[int], turn: Turn) -> bool:
+    """Whether ``prompt_ids`` starts with the turn's prompt and output ids (digests could collide)."""
+    size = len(turn.prompt_ids)
+    end = size + len(turn.output_ids)
+    return tuple(prompt_ids[:size]) == turn.prompt_ids and tuple(prompt_ids[size:end]) == turn.output_ids
 
 
 def _chain(path: list[Turn]) -> Chain:
@@ -149,6 +198,9 @@ class SessionStore:
     ) -> None:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._index: dict[tuple[str, bytes], str] = {}
+        # Token-id prefixes (the token-in API): (tenant, digest) -> session, and each tenant's lengths.
+        self._token_index: dict[tuple[str, bytes], str] = {}
+        self._token_lengths: dict[str, dict[int, int]] = {}
         self._max_sessions = max_sessions
         self._idle_seconds = idle_seconds
         self._on_close = on_close
@@ -188,11 +240,31 @@ class SessionStore:
                 return session, turn
         return None
 
+    def find_tokens(self, tenant: str, prompt_ids: list[int]) -> tuple[Session, Turn] | None:
+        """The tenant's session holding the deepest finished turn that ``prompt_ids`` extend."""
+        lengths = self._token_lengths.get(tenant)
+        if not lengths:
+            return None
+        for digest in prefix_digests(prompt_ids, lengths):
+            session_id = self._token_index.get((tenant, digest))
+            session = self._sessions.get(session_id) if session_id is not None else None
+            turn = session.match_tokens(prompt_ids) if session is not None else None
+            if session is not None and turn is not None:
+                return session, turn
+        return None
+
     def add_turn(self, session: Session, turn: Turn) -> None:
         """Record ``turn`` in ``session`` and make it findable (unless the session was closed)."""
-        session.add(turn)
-        if turn.key is not None and session.session_id in self._sessions and not session.closed:
+        digest = session.add(turn)
+        if session.session_id not in self._sessions or session.closed:
+            return
+        if turn.key is not None:
             self._index[(session.tenant, turn.key)] = session.session_id
+        if digest is not None and (session.tenant, digest) not in self._token_index:
+            self._token_index[(session.tenant, digest)] = session.session_id
+            lengths = self._token_lengths.setdefault(session.tenant, {})
+            length = len(turn.prompt_ids) + len(turn.output_ids)
+            lengths[length] = lengths.get(length, 0) + 1
 
     def close(self, session: Session, reason: str = "client") -> bool:
         """Close ``session``: no more turns, not found automatically. ``False`` if it already was."""
@@ -246,6 +318,18 @@ class SessionStore:
         for key in session.by_key:
             if self._index.get((session.tenant, key)) == session.session_id:
                 del self._index[(session.tenant, key)]
+        lengths = self._token_lengths.get(session.tenant, {})
+        for digest, turn_id in session.by_tokens.items():
+            if self._token_index.get((session.tenant, digest)) != session.session_id:
+                continue
+            del self._token_index[(session.tenant, digest)]
+            turn = session.turns[turn_id]
+            length = len(turn.prompt_ids) + len(turn.output_ids)
+            lengths[length] -= 1
+            if not lengths[length]:
+                del lengths[length]
+        if not lengths:
+            self._token_lengths.pop(session.tenant, None)
 
 
 def _not_found(session_id: str) -> NotFound:

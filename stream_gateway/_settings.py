@@ -19,7 +19,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STREAM_GATEWAY_", frozen=True)
 
     model: str = Field("smollm2", description="'smollm2', 'tiny', 'tiny-agent', a local HF model directory or a hub id")
-    engine: str = Field("transformers", description="transformers, synthetic or vllm")
+    engine: str = Field("transformers", description="transformers, synthetic, vllm, vllm-http or sglang-http")
     served_model_name: str | None = Field(None, description="model name clients use (default: derived)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -31,6 +31,19 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=16, description="cap on prompt + completion tokens")
     device: str = "cpu"
     synthetic_tokens_per_second: float = Field(0.0, ge=0.0, description="synthetic engine rate, 0 = max")
+
+    upstreams: tuple[str, ...] = Field((), description="vllm-http/sglang-http: the inference servers' URLs")
+    upstream_api_key: str | None = Field(None, description="bearer key sent to the inference servers")
+    upstreams_bucket: str | None = Field(
+        None, description="with --nats-url: a NATS KV bucket of server URLs (key: a name, value: the URL) to follow"
+    )
+    upstream_health_interval_seconds: float = Field(2.0, gt=0, description="how often every server is checked")
+    upstream_health_timeout_seconds: float = Field(2.0, gt=0, description="a check not answered this fast fails")
+    upstream_connect_timeout_seconds: float = Field(5.0, gt=0, description="connecting to a server")
+    upstream_read_timeout_seconds: float = Field(
+        300.0, gt=0, description="longest wait for the next bytes of a server's stream (first token included)"
+    )
+    upstream_max_connections: int = Field(512, ge=1, description="open connections to all servers together")
 
     tool_parser: str = Field("hermes", description="how tool calls are read from model output (hermes, qwen)")
     max_sessions: int = Field(10_000, ge=1, description="sessions kept in memory before the oldest are evicted")

@@ -42,7 +42,10 @@ from ._metrics import GatewayMetrics
 from ._policy_sync import PolicyApplier, PolicyNotNewer
 from ._sessions import Session, SessionStore, session_body
 from ._settings import Settings
+from ._token_in import CompletionRequest, TextChunkEncoder, TokenInService, text_completion_body
 from .engines import Engine, WeightsRejected
+from .engines._pool import normalize_url
+from .engines.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,15 @@ class WeightsBody(BaseModel):
 
     path: str = Field(min_length=1, description="a directory of *.safetensors files (the engine's model)")
     policy_version: int = Field(strict=True, gt=0)
+
+
+class UpstreamsBody(BaseModel):
+    """``POST /admin/upstreams``: servers to add to and remove from a remote engine's pool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    add: list[str] = Field(default_factory=list, max_length=256, description="server URLs to add")
+    remove: list[str] = Field(default_factory=list, max_length=256, description="server URLs to take out")
 
 
 class FeedbackBody(BaseModel):
@@ -95,34 +107,40 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         max_sessions=settings.max_sessions, idle_seconds=settings.session_idle_seconds, on_close=session_closed
     )
     service = CompletionService(engine, settings, metrics, sessions, recorder)
+    token_in = TokenInService(engine, settings, sessions, recorder)
     started = int(time.time())
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     applier = PolicyApplier(engine, recorder, metrics, replica)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async with engine:
+        async with engine, anyio.create_task_group() as tg:
             log.info("engine %s ready: model %s", engine.name, engine.model_id)
-            if settings.nats_url is None:
-                yield
-                return
-            from pipeline.publisher import EventPublisher
-
-            config = publisher_config(settings)
-            async with EventPublisher(config) as publisher, anyio.create_task_group() as tg:
-                recorder.attach(publisher.publish_nowait)
-                metrics.watch_publisher(publisher.statistics)
-                log.info("capturing events to %s (outbox %s)", ", ".join(config.servers), config.outbox_dir)
-                if settings.follow_policies:
-                    await _start_follower(tg, applier, settings, config)
-                try:
+            try:
+                if settings.upstreams_bucket and settings.nats_url and isinstance(engine, RemoteEngine):
+                    await _start_upstream_follower(tg, engine, settings)
+                if settings.nats_url is None:
                     yield
-                finally:
-                    tg.cancel_scope.cancel()
-                    still_open = sum(not s.closed for s in sessions)
-                    log.info("shutting down: closing %d open sessions, draining events", still_open)
-                    sessions.close_all("shutdown")
-                    recorder.attach(None)
+                    return
+                from pipeline.publisher import EventPublisher
+
+                config = publisher_config(settings)
+                async with EventPublisher(config) as publisher:
+                    recorder.attach(publisher.publish_nowait)
+                    metrics.watch_publisher(publisher.statistics)
+                    log.info("capturing events to %s (outbox %s)", ", ".join(config.servers), config.outbox_dir)
+                    if settings.follow_policies:
+                        await _start_follower(tg, applier, settings, config)
+                    try:
+                        yield
+                    finally:
+                        tg.cancel_scope.cancel()
+                        still_open = sum(not s.closed for s in sessions)
+                        log.info("shutting down: closing %d open sessions, draining events", still_open)
+                        sessions.close_all("shutdown")
+                        recorder.attach(None)
+            finally:
+                tg.cancel_scope.cancel()
 
     app = FastAPI(title="stream-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -166,6 +184,63 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         if result is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
         return ORJSONResponse(result, headers=headers)
+
+    async def text_completion(request: Request, session_id: str | None) -> Response:
+        tenant = authorize(request)
+        body = await _parse(request, CompletionRequest)
+        session_id = session_id or request.headers.get("x-session-id") or None
+        if session_id is not None:
+            _check_session_id(session_id)
+        batch = token_in.prepare(body, tenant=tenant, session_id=session_id, agent=request.headers.get("user-agent"))
+        first = batch[0]
+        headers = {"x-session-id": first.session.session_id}
+        token_text = service.token_text
+        if body.stream:
+            send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
+            prompts = {p.first_index + i: p.prompt_ids for p in batch for i in range(p.n)}
+            encoder = TextChunkEncoder(
+                first.completion_id,
+                first.created,
+                first.model,
+                token_text=token_text,
+                logprobs=first.logprobs,
+                token_ids=first.return_token_ids,
+                tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                prompts=prompts,
+            )
+            prompt_tokens = sum(len(p.prompt_ids) for p in batch)
+            frames = service.frames(encoder, receive, None, len(prompts), prompt_tokens, first.include_usage)
+
+            async def producer() -> None:
+                await service.produce(batch, send)
+
+            return EventSourceResponse(
+                frames,
+                headers=headers,
+                data_sender_callable=producer,
+                ping=settings.sse_ping_seconds,
+                send_timeout=settings.sse_send_timeout_seconds,
+            )
+
+        async def wait_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        results = await service.collect(batch, wait_disconnect)
+        if results is None:
+            return Response(status_code=499)
+        as_ids = bool(body.return_tokens_as_token_ids)
+        return ORJSONResponse(
+            text_completion_body(batch, results, token_text=token_text, tokens_as_ids=as_ids), headers=headers
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await text_completion(request, None)
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def session_completions(request: Request, session_id: str) -> Response:
+        return await text_completion(request, session_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -213,13 +288,16 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         body = {"id": session_id, "object": "session", "closed": True, "already_closed": not closed_now}
         return ORJSONResponse(body | {"turns": len(session.turns)})
 
-    @app.post("/policy/weights")
-    async def load_weights(request: Request) -> Response:
+    def authorize_admin(request: Request, action: str) -> None:
         key = authorize(request)
         if not settings.admin_api_keys:
-            raise PermissionDenied("Weight updates are disabled; start the gateway with --admin-api-key.")
+            raise PermissionDenied(f"{action.capitalize()} is disabled; start the gateway with --admin-api-key.")
         if key not in settings.admin_api_keys:
-            raise PermissionDenied("This key may not load weights.")
+            raise PermissionDenied(f"This key may not do {action}.")
+
+    @app.post("/policy/weights")
+    async def load_weights(request: Request) -> Response:
+        authorize_admin(request, "weight updates")
         body = await _parse(request, WeightsBody)
         if not await anyio.Path(body.path).is_dir():
             raise InvalidRequest(f"No directory `{body.path}` on the gateway's machine.", param="path")
@@ -241,6 +319,34 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         return ORJSONResponse(
             result | {"weights": body.path, "pause_s": report.pause_s, "copy_s": report.copy_s, "replica": replica}
         )
+
+    def remote_engine() -> RemoteEngine:
+        if not isinstance(engine, RemoteEngine):
+            raise NotFound(
+                f"The {engine.name} engine has no inference servers to manage (only vllm-http and sglang-http do).",
+                code="no_upstreams",
+            )
+        return engine
+
+    @app.get("/admin/upstreams")
+    async def list_upstreams(request: Request) -> Response:
+        authorize_admin(request, "managing inference servers")
+        return ORJSONResponse({"object": "list", "data": remote_engine().pool.describe()})
+
+    @app.post("/admin/upstreams")
+    async def change_upstreams(request: Request) -> Response:
+        authorize_admin(request, "managing inference servers")
+        remote = remote_engine()
+        body = await _parse(request, UpstreamsBody)
+        for url in [*body.add, *body.remove]:
+            normalize_url(url)  # refuse the whole request before changing anything
+        removed = [u.url for u in (remote.remove_upstream(url) for url in body.remove) if u is not None]
+        added = []
+        for url in body.add:
+            upstream, new = await remote.add_upstream(url)
+            if new:
+                added.append(upstream.url)
+        return ORJSONResponse({"object": "list", "added": added, "removed": removed, "data": remote.pool.describe()})
 
     @app.get("/v1/models")
     @app.get("/sessions/{session_id}/v1/models")
@@ -269,6 +375,10 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             "total_requests": stats.total_requests,
             "total_generated_tokens": stats.total_generated_tokens,
         }
+        if isinstance(engine, RemoteEngine):
+            body["upstreams"] = [
+                {"url": u.url, "healthy": u.healthy, "outstanding": u.outstanding} for u in engine.pool
+            ]
         if (publisher_stats := metrics.publisher_statistics()) is not None:
             body["events"] = {
                 "connected": publisher_stats.connected,
@@ -319,6 +429,18 @@ async def _start_follower(tg: Any, applier: PolicyApplier, settings: Settings, c
             settings.policy_sync_timeout_seconds,
             applier.policy_version,
         )
+
+
+async def _start_upstream_follower(tg: Any, engine: RemoteEngine, settings: Settings) -> None:
+    """Follow the servers written into ``--upstreams-bucket``; wait (bounded) for its contents."""
+    from ._upstream_sync import UpstreamFollower
+
+    assert settings.nats_url is not None and settings.upstreams_bucket is not None
+    servers = tuple(s.strip() for s in settings.nats_url.split(",") if s.strip())
+    follower = UpstreamFollower(engine, servers, settings.upstreams_bucket)
+    tg.start_soon(follower.run)
+    with anyio.move_on_after(10):
+        await follower.synced.wait()
 
 
 def publisher_config(settings: Settings) -> Any:

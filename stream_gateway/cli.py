@@ -57,6 +57,23 @@ def build_engine(settings: Settings) -> Engine:
             "served_model_name": settings.served_model_name or _default_name(settings.model),
             "max_model_len": settings.max_model_len,
         }
+    elif settings.engine in ("vllm-http", "sglang-http"):
+        if not settings.upstreams and not (settings.upstreams_bucket and settings.nats_url):
+            raise SystemExit(
+                f"stream-gateway: --engine {settings.engine} needs its servers: --upstream URL (repeatable), "
+                "or --upstreams-bucket with --nats-url"
+            )
+        options = {
+            "served_model_name": settings.served_model_name or _default_name(settings.model),
+            "max_model_len": settings.max_model_len,
+            "upstreams": settings.upstreams,
+            "api_key": settings.upstream_api_key,
+            "health_interval_s": settings.upstream_health_interval_seconds,
+            "health_timeout_s": settings.upstream_health_timeout_seconds,
+            "connect_timeout_s": settings.upstream_connect_timeout_seconds,
+            "read_timeout_s": settings.upstream_read_timeout_seconds,
+            "max_connections": settings.upstream_max_connections,
+        }
     return create_engine(settings.engine, model, **options)
 
 
@@ -351,6 +368,13 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--admin-api-key", action="append", dest="admin_api_keys", help="key allowed to load weights (repeatable)"
     )
+    command.add_argument(
+        "--upstream", action="append", dest="upstreams", help="vllm-http/sglang-http: a server URL (repeatable)"
+    )
+    command.add_argument("--upstream-api-key", help="bearer key the gateway sends to its inference servers")
+    command.add_argument("--upstreams-bucket", help="with --nats-url: follow server URLs written into this KV bucket")
+    command.add_argument("--upstream-health-interval-seconds", type=float, help="server health checks (default 2)")
+    command.add_argument("--upstream-read-timeout-seconds", type=float, help="longest silence of a server (300)")
     command.add_argument("--max-batch-size", type=int, help="transformers engine batch size (default 16)")
     command.add_argument("--max-model-len", type=int, help="cap on prompt + completion tokens")
     command.add_argument("--device", help="torch device for the transformers engine (default cpu)")
@@ -475,11 +499,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     skip = {"command", "run", "uses_settings", "extra", *args.extra}
     flags = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
-    for many in ("api_keys", "admin_api_keys"):
+    for many in ("api_keys", "admin_api_keys", "upstreams"):
         if many in flags:
             flags[many] = tuple(flags[many])
     settings = Settings(**flags)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to an inference server
     result = args.run(settings, args) if args.extra else args.run(settings)
     return result
 

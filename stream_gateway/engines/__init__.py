@@ -1,7 +1,8 @@
 """Engines that sample tokens for the gateway, behind one small protocol (see :mod:`._base`).
 
 ``create_engine`` imports an engine's module only when it is asked for, so the optional
-``vllm`` extra is never imported on machines without it.
+``vllm`` extra is never imported on machines without it. ``vllm-http`` and ``sglang-http``
+(:mod:`.remote`) sample on a pool of servers over HTTP.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = [
     "create_engine",
 ]
 
-ENGINE_NAMES = ("transformers", "synthetic", "vllm")
+ENGINE_NAMES = ("transformers", "synthetic", "vllm", "vllm-http", "sglang-http")
 
 
 def create_engine(name: str, model: str | Path, **options: Any) -> Engine:
@@ -49,4 +50,8 @@ def create_engine(name: str, model: str | Path, **options: Any) -> Engine:
         from .vllm import VLLMEngine
 
         return VLLMEngine(model, **options)
+    if name in ("vllm-http", "sglang-http"):
+        from .remote import PROTOCOLS, RemoteEngine
+
+        return RemoteEngine(model, protocol=PROTOCOLS[name], **options)
     raise EngineUnavailable(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

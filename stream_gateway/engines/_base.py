@@ -110,17 +110,20 @@ class Engine(Protocol):
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     policy_version: int
+    remote: bool  # the weights live on other servers: updates only announce a version (see .remote)
 
     async def __aenter__(self) -> Engine: ...
 
     async def __aexit__(self, *exc_info: object) -> None: ...
 
     def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         """Start sampling; the returned iterator yields steps until one has a finish reason.
 
-        Closing the iterator early aborts the request.
+        Closing the iterator early aborts the request. ``affinity`` (the session id) is a hint for
+        engines that spread requests over several servers: the same key goes to the same server
+        while it is healthy, where the conversation's prefix is cached. Others ignore it.
         """
         ...
 

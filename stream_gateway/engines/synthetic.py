@@ -34,6 +34,7 @@ class SyntheticEngine:
     """Emits tokens of a fixed passage at ``tokens_per_second`` per request (0: unthrottled)."""
 
     name = "synthetic"
+    remote = False
 
     def __init__(
         self,
@@ -63,7 +64,7 @@ class SyntheticEngine:
         return None
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         """Yield ``max_tokens`` passage tokens (fewer if the context fills up), one per step."""
         self._active += 1

@@ -105,6 +105,7 @@ class TransformersEngine:
     """A Hugging Face causal LM served with continuous batching on one worker thread."""
 
     name = "transformers"
+    remote = False
 
     def __init__(
         self,
@@ -189,7 +190,7 @@ class TransformersEngine:
     # -- public API ------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         """Queue a request and yield its steps as the worker samples them."""
         if self._thread is None or not self._thread.is_alive():

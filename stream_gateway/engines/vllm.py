@@ -64,6 +64,7 @@ class VLLMEngine:
     """
 
     name = "vllm"
+    remote = False
 
     def __init__(
         self,
@@ -141,7 +142,7 @@ class VLLMEngine:
             llm.shutdown()
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
     ) -> AsyncGenerator[EngineStep, None]:
         """Stream vLLM's DELTA outputs as steps; closing this iterator aborts the vLLM request."""
         llm = self._llm

@@ -1,0 +1,376 @@
+"""vLLM's token-in API: ``POST /v1/completions`` with token-id prompts, served by any engine.
+
+RL frameworks that keep their own token ids (verl's agent loop, rLLM's cumulative mode, SkyRL,
+NeMo-Gym) call vLLM's ``/v1/completions`` with ``prompt`` as a list of ids and read the sampled
+ids back (``return_token_ids``). This module speaks that protocol on the gateway, so those
+frameworks can use any engine of ours, and so the ``vllm-http`` engine has a real server to talk
+to here. Request and response shapes follow vLLM's OpenAI server (``CompletionRequest``,
+``CompletionStreamResponse``, ``CompletionResponse``, ``CompletionLogProbs``; see
+``docs/http-api.md`` for the field-by-field comparison and the vLLM version it was checked against).
+
+Token-in turns are turns like any other: recorded in a session, captured as events, with the
+exact prompt ids given and the sampled ids and logprobs. A prompt that starts with a finished
+turn's prompt and output ids continues that turn (its parent; ``reused_prompt_tokens`` is that
+prefix's length), found within the named session or, without one, among the tenant's sessions.
+Token-in turns are not continued by chat requests (there are no messages to recognise them by).
+
+Extension: with ``return_token_ids`` every choice also carries ``policy_version``, the version of
+the weights that sampled its tokens, so a gateway in front of this one records exact versions.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedTokenizerBase
+
+from ._api_types import MAX_STOP_SEQUENCES, StreamOptions
+from ._capture import EventRecorder
+from ._chunks import ChoiceResult, ChoiceUpdate, TokenText, usage_body
+from ._completion import PreparedCompletion
+from ._context import Context
+from ._errors import Conflict, ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound, UnsupportedParameter
+from ._sessions import Session, SessionStore, Turn
+from ._settings import Settings
+from .engines import Engine, SamplingParams
+
+__all__ = ["CompletionRequest", "TextChunkEncoder", "TokenInService", "text_completion_body"]
+
+MAX_LOGPROBS = 20
+MAX_BATCH = 64
+
+TokenIds = Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)]
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions``, as vLLM accepts it (the fields that matter for sampling)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    ignore_eos: bool = False
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    # Change nothing here, or only when set to other than their no-op values (checked below).
+    user: str | None = None
+    request_id: str | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        """Refuse what would change the output but is not implemented (never silently ignored)."""
+        if self.echo:
+            raise UnsupportedParameter("echo is not supported; the prompt is not repeated", param="echo")
+        if self.suffix:
+            raise UnsupportedParameter("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameter("best_of is not supported", param="best_of")
+        for name in ("presence_penalty", "frequency_penalty", "min_p", "min_tokens", "prompt_logprobs"):
+            if getattr(self, name):
+                raise UnsupportedParameter(f"{name} is not supported", param=name)
+        if self.repetition_penalty not in (None, 1.0):
+            raise UnsupportedParameter("repetition_penalty is not supported", param="repetition_penalty")
+        if self.logit_bias:
+            raise UnsupportedParameter("logit_bias is not supported", param="logit_bias")
+        if self.include_stop_str_in_output:
+            raise UnsupportedParameter(
+                "include_stop_str_in_output is not supported", param="include_stop_str_in_output"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def stop_sequences(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of non-empty strings."""
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return tuple(s for s in stops if s)
+
+
+class TokenInService:
+    """Prepares token-in requests: the prompt ids as given, placed in a session by id prefix."""
+
+    def __init__(self, engine: Engine, settings: Settings, sessions: SessionStore, recorder: EventRecorder) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._sessions = sessions
+        self._recorder = recorder
+
+    def prepare(
+        self, body: CompletionRequest, *, tenant: str, session_id: str | None = None, agent: str | None = None
+    ) -> list[PreparedCompletion]:
+        """One prepared completion per prompt, sharing one response id; choices numbered on."""
+        engine = self._engine
+        if body.model != engine.model_id:
+            raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+        body.check_supported()
+        if body.n > self._settings.max_n:
+            raise InvalidRequest(f"n must be at most {self._settings.max_n}", param="n")
+        prompts = body.prompts()
+        if len(prompts) > MAX_BATCH:
+            raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
+        token_lists = [self._prompt_ids(p, body.add_special_tokens) for p in prompts]
+        named: Session | None = None
+        if session_id is not None:
+            named = self._sessions.lookup(session_id, tenant)
+            if named is not None and named.closed:
+                raise Conflict(f"Session `{session_id}` is closed.", param="session_id", code="session_closed")
+        limit = engine.max_model_len
+        requested = body.max_tokens
+        for ids in token_lists:
+            room = limit - len(ids)
+            if room <= 0 or (requested is not None and requested > room):
+                completion = requested if requested is not None else 1
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{len(ids) + completion} tokens ({len(ids)} in the prompt, {completion} in the completion). "
+                    "Please reduce the length of the prompt or completion.",
+                    param="max_tokens" if room > 0 else "prompt",
+                )
+        completion_id = f"cmpl-{secrets.token_hex(12)}"
+        created = int(time.time())
+        arrived = time.perf_counter()
+        stop_ids = frozenset(body.stop_token_ids or ())
+        batch = []
+        for position, ids in enumerate(token_lists):
+            session, parent = self._place(ids, tenant, session_id, named)
+            if not session.turns and session.event_seq == 0:
+                self._recorder.session_opened(session, engine.policy_version, agent, {})
+            self._sessions.touch(session)
+            reused = len(parent.prompt_ids) + len(parent.output_ids) if parent is not None else 0
+            params = SamplingParams(
+                max_tokens=requested
+                if requested is not None
+                else min(self._settings.default_max_tokens, limit - len(ids)),
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=max(body.top_k or 0, 0),
+                seed=body.seed,
+                top_logprobs=body.logprobs or 0,
+                stop_token_ids=stop_ids,
+                ignore_eos=body.ignore_eos,
+            )
+            batch.append(
+                PreparedCompletion(
+                    completion_id=completion_id,
+                    created=created,
+                    arrived=arrived,
+                    model=engine.model_id,
+                    session=session,
+                    context=Context(ids, parent, reused, True),
+                    conversation_key=b"",
+                    context_length=0,
+                    prompt_ids=ids,
+                    params=params,
+                    n=body.n,
+                    stops=body.stop_sequences(),
+                    logprobs=body.logprobs is not None,
+                    return_token_ids=bool(body.return_token_ids),
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                    tool_parser=None,
+                    tool_names=frozenset(),
+                    first_index=position * body.n,
+                    token_in=True,
+                )
+            )
+        return batch
+
+    def _place(
+        self, ids: list[int], tenant: str, session_id: str | None, named: Session | None
+    ) -> tuple[Session, Turn | None]:
+        """The session the prompt belongs to, and the turn it continues (if any)."""
+        if session_id is not None:
+            session = named if named is not None else self._sessions.get_or_create(session_id, tenant)
+            return session, session.match_tokens(ids)
+        found = self._sessions.find_tokens(tenant, ids)
+        if found is not None:
+            return found
+        return self._sessions.create(tenant), None
+
+    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        tokenizer: PreTrainedTokenizerBase = self._engine.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("The prompt must not be empty.", param="prompt")
+            ids: list[int] = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return ids
+        vocab = len(tokenizer)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param="prompt")
+        return list(prompt)
+
+
+class TextChunkEncoder:
+    """Frames of a streamed ``text_completion`` in vLLM's shape."""
+
+    __slots__ = ("_as_ids", "_head", "_logprobs", "_offsets", "_prompts", "_token_ids", "_token_text")
+
+    def __init__(
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        *,
+        token_text: TokenText,
+        logprobs: bool,
+        token_ids: bool,
+        tokens_as_ids: bool,
+        prompts: dict[int, list[int]],
+    ) -> None:
+        self._head = (
+            b'data: {"id":'
+            + _dumps(completion_id)
+            + b',"object":"text_completion","created":'
+            + str(created).encode()
+            + b',"model":'
+            + _dumps(model)
+        )
+        self._token_text = token_text
+        self._logprobs = logprobs
+        self._token_ids = token_ids
+        self._as_ids = tokens_as_ids
+        self._prompts = prompts  # choice index -> prompt ids, sent with the choice's first chunk
+        self._offsets: dict[int, int] = {}
+
+    def update(self, update: ChoiceUpdate) -> bytes:
+        """One choice's new text, with logprobs and ids as asked."""
+        choice: dict[str, Any] = {
+            "index": update.index,
+            "text": update.text,
+            "logprobs": None,
+            "finish_reason": update.finish_reason,
+            "stop_reason": None,
+        }
+        if self._logprobs:
+            offset = self._offsets.get(update.index, 0)
+            choice["logprobs"], self._offsets[update.index] = completion_logprobs(
+                self._token_text, update.token_ids, update.logprobs, update.top_logprobs, offset, self._as_ids
+            )
+        if self._token_ids:
+            prompt = self._prompts.pop(update.index, None)
+            choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = update.token_ids
+            choice["policy_version"] = update.policy_version
+        return self._head + b',"choices":[' + _dumps(choice) + b'],"usage":null}\n\n'
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The usage frame, with ``choices: []``."""
+        return self._head + b',"choices":[],"usage":' + _dumps(usage_body(prompt_tokens, completion_tokens)) + b"}\n\n"
+
+    @staticmethod
+    def error(error: GatewayError) -> bytes:
+        """An error event in the stream."""
+        return b"data: " + _dumps(error.body()) + b"\n\n"
+
+
+def completion_logprobs(
+    token_text: TokenText,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    top_logprobs: Sequence[tuple[tuple[int, float], ...]] | None,
+    offset: int,
+    as_ids: bool,
+) -> tuple[dict[str, Any], int]:
+    """vLLM's ``CompletionLogProbs`` for these tokens, and the text offset after them.
+
+    ``text_offset[i]`` is where token ``i`` starts in the choice's text, counted in characters of
+    the tokens' own texts (as vLLM counts it). With ``as_ids`` tokens are written ``token_id:N``.
+    """
+    tokens: list[str] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float] | None] = []
+    for i, token in enumerate(token_ids):
+        text = f"token_id:{token}" if as_ids else token_text(token)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(token_text(token)[0])
+        if top_logprobs is not None:
+            entry = {(f"token_id:{t}" if as_ids else token_text(t)[0]): lp for t, lp in top_logprobs[i]}
+            entry.setdefault(text, logprobs[i])  # vLLM's entry always holds the sampled token
+            tops.append(entry)
+        else:
+            tops.append({text: logprobs[i]})
+    body = {"text_offset": offsets, "token_logprobs": list(logprobs), "tokens": tokens, "top_logprobs": tops}
+    return body, offset
+
+
+def text_completion_body(
+    batch: Sequence[PreparedCompletion],
+    results: Sequence[ChoiceResult],
+    *,
+    token_text: TokenText,
+    tokens_as_ids: bool,
+) -> dict[str, Any]:
+    """A whole non-streamed ``text_completion`` in vLLM's shape."""
+    first = batch[0]
+    prompt_of = {p.first_index + i: p.prompt_ids for p in batch for i in range(p.n)}
+    choices = []
+    for result in results:
+        choice: dict[str, Any] = {
+            "index": result.index,
+            "text": "".join(result.text_parts),
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
+        if first.logprobs:
+            top = result.top_logprobs or None
+            choice["logprobs"], _ = completion_logprobs(
+                token_text, result.token_ids, result.logprobs, top, 0, tokens_as_ids
+            )
+        if first.return_token_ids:
+            choice["prompt_token_ids"] = prompt_of[result.index]
+            choice["token_ids"] = result.token_ids
+            choice["policy_versions"] = result.policy_versions
+        choices.append(choice)
+    prompt_tokens = sum(len(p.prompt_ids) for p in batch)
+    return {
+        "id": first.completion_id,
+        "object": "text_completion",
+        "created": first.created,
+        "model": first.model,
+        "choices": choices,
+        "usage": usage_body(prompt_tokens, sum(len(r.token_ids) for r in results)),
+    }
+
+
+_dumps = orjson.dumps

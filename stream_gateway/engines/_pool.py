@@ -1,0 +1,175 @@
+"""A pool of inference servers: least-outstanding routing, session affinity, health checks.
+
+:class:`UpstreamPool` knows the servers behind a remote engine (``--upstream URL``, repeated,
+``POST /admin/upstreams`` or a NATS KV bucket a trainer writes addresses into) and picks one per
+request:
+
+* **Affinity first.** A request with an affinity key (the gateway passes the session id) goes to
+  the server that served that key last, as long as that server is healthy: its prefix cache holds
+  the conversation. Affinities are kept for the ``affinity_size`` most recently used keys.
+* **Otherwise least outstanding.** The healthy server with the fewest requests in flight (ties:
+  the one added first), which spreads load without knowing anything about the servers.
+
+A server is unhealthy after a failed health check (``GET /health`` answering anything but 200,
+or not answering within ``health_timeout_s``) or a connection failure while serving a request,
+and healthy again after the next successful check. Checks run every ``health_interval_s`` for
+every server, healthy or not, so a restarted server comes back on its own.
+
+The pool does no I/O of its own: the engine that owns it runs :meth:`UpstreamPool.check` with its
+HTTP client (see :mod:`.remote`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from .._errors import EngineUnavailable, InvalidRequest
+
+__all__ = ["Upstream", "UpstreamPool", "normalize_url"]
+
+log = logging.getLogger(__name__)
+
+
+def normalize_url(url: str) -> str:
+    """``http(s)://host:port[/prefix]`` without a trailing slash; refuses anything else."""
+    text = url.strip().rstrip("/")
+    if "://" not in text:
+        text = f"http://{text}"
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise InvalidRequest(f"`{url}` is not an http(s) server address (http://host:port)", param="upstreams")
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number
+    except ValueError as exc:
+        raise InvalidRequest(f"`{url}` has an invalid port", param="upstreams") from exc
+    return text
+
+
+@dataclass(slots=True, eq=False)
+class Upstream:
+    """One server and what the pool knows about it."""
+
+    url: str
+    added_at: float = field(default_factory=time.time)
+    outstanding: int = 0  # requests in flight now
+    healthy: bool = False  # until the first check passes
+    checked: bool = False  # a check has completed (either way)
+    failures: int = 0  # consecutive failed checks or requests
+    last_error: str | None = None
+    served: int = 0  # requests routed here since it was added
+    model: str | None = None  # the model name the server serves (learned from it)
+    max_model_len: int | None = None
+    removed: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON view of ``GET /admin/upstreams``."""
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+            "served": self.served,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "model": self.model,
+            "max_model_len": self.max_model_len,
+        }
+
+
+class UpstreamPool:
+    """The servers of one remote engine, and which one takes the next request."""
+
+    def __init__(self, urls: list[str] | tuple[str, ...] = (), *, affinity_size: int = 100_000) -> None:
+        self._upstreams: dict[str, Upstream] = {}
+        self._affinity: OrderedDict[str, Upstream] = OrderedDict()
+        self._affinity_size = affinity_size
+        for url in urls:
+            self.add(url)
+
+    def __iter__(self) -> Iterator[Upstream]:
+        return iter(list(self._upstreams.values()))
+
+    def __len__(self) -> int:
+        return len(self._upstreams)
+
+    def get(self, url: str) -> Upstream | None:
+        """The upstream at ``url`` (normalized), if the pool has it."""
+        return self._upstreams.get(normalize_url(url))
+
+    def add(self, url: str) -> tuple[Upstream, bool]:
+        """Add a server (unhealthy until its first check); ``(upstream, False)`` if it was there."""
+        url = normalize_url(url)
+        existing = self._upstreams.get(url)
+        if existing is not None:
+            return existing, False
+        upstream = Upstream(url)
+        self._upstreams[url] = upstream
+        log.info("upstream %s added (%d in the pool)", url, len(self._upstreams))
+        return upstream, True
+
+    def remove(self, url: str) -> Upstream | None:
+        """Take a server out: no new requests go to it; those in flight finish there."""
+        upstream = self._upstreams.pop(normalize_url(url), None)
+        if upstream is not None:
+            upstream.removed = True
+            upstream.healthy = False
+            log.info(
+                "upstream %s removed (%d requests still in flight there, %d servers left)",
+                upstream.url, upstream.outstanding, len(self._upstreams),
+            )  # fmt: skip
+        return upstream
+
+    def pick(self, affinity: str | None = None, exclude: frozenset[Upstream] = frozenset()) -> Upstream:
+        """The server for the next request; raises :class:`EngineUnavailable` if none is healthy."""
+        if affinity is not None:
+            sticky = self._affinity.get(affinity)
+            if sticky is not None and sticky.healthy and not sticky.removed and sticky not in exclude:
+                self._affinity.move_to_end(affinity)
+                return sticky
+        best: Upstream | None = None
+        for upstream in self._upstreams.values():
+            if not upstream.healthy or upstream in exclude:
+                continue
+            if best is None or upstream.outstanding < best.outstanding:
+                best = upstream
+        if best is None:
+            raise EngineUnavailable(self._unavailable_message())
+        if affinity is not None:
+            self._affinity[affinity] = best
+            self._affinity.move_to_end(affinity)
+            while len(self._affinity) > self._affinity_size:
+                self._affinity.popitem(last=False)
+        return best
+
+    def _unavailable_message(self) -> str:
+        if not self._upstreams:
+            return "No inference server is configured (add one with --upstream or POST /admin/upstreams)."
+        states = "; ".join(f"{u.url}: {u.last_error or 'not checked yet'}" for u in self._upstreams.values())
+        return f"No healthy inference server ({states})."
+
+    def mark_failed(self, upstream: Upstream, error: str) -> None:
+        """A check or a request failed: no new requests go there until a check passes."""
+        upstream.failures += 1
+        upstream.last_error = error
+        upstream.checked = True
+        if upstream.healthy:
+            log.warning("upstream %s is unhealthy: %s", upstream.url, error)
+        upstream.healthy = False
+
+    def mark_healthy(self, upstream: Upstream) -> None:
+        """A check passed."""
+        if not upstream.healthy and not upstream.removed:
+            log.info("upstream %s is healthy", upstream.url)
+            upstream.healthy = True
+        upstream.failures = 0
+        upstream.last_error = None
+        upstream.checked = True
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every server's state."""
+        return [u.describe() for u in self._upstreams.values()]

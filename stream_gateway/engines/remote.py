@@ -1,0 +1,523 @@
+"""Remote engines: the gateway renders and records, a pool of vLLM or SGLang servers samples.
+
+``vllm-http`` and ``sglang-http`` keep everything the gateway does (chat template, token-exact
+context, tool-call parsing, sessions, capture) on the gateway and send only token ids to the
+servers, which answer with token ids and their logprobs. Nothing is re-tokenized on either side.
+
+* **vLLM** (``POST /v1/completions``): ``prompt`` is the list of prompt ids; ``stream``,
+  ``return_token_ids`` (the sampled ids of each chunk), ``logprobs`` (the sampled ids' logprobs,
+  plus the ``k`` most likely alternatives), ``return_tokens_as_token_ids`` (alternatives keyed
+  ``"token_id:N"``, never by text that may not round-trip) and ``skip_special_tokens: false``.
+  A stream-gateway serving ``/v1/completions`` speaks the same protocol, so gateways can be
+  chained; it also reports the policy version of every chunk (``choices[].policy_version``).
+* **SGLang** (``POST /generate``): ``input_ids``, ``sampling_params``, ``return_logprob``,
+  ``top_logprobs_num``, ``stream``. Its OpenAI endpoints drop token ids when streaming
+  (sgl-project/sglang#30917, #37365), so the native endpoint is the only exact one. Frames hold
+  the output so far (or, with ``--incremental-streaming-output``, the new part: both are read).
+
+Which logprobs are recorded is the server's choice: vLLM returns ``--logprobs-mode``'s values,
+``raw_logprobs`` (the model's distribution before temperature and top-k/top-p) by default; start
+it with ``--logprobs-mode processed_logprobs`` to record, as the in-process engines do, the
+distribution the tokens were drawn from. See ``docs/engines.md``.
+
+Requests go to :class:`~._pool.UpstreamPool`'s pick (session affinity, then least outstanding).
+A server that cannot be reached or answers 5xx before the first token is marked unhealthy and the
+request tries the next healthy one; a server that fails after tokens were streamed ends that
+stream with an :class:`~.._errors.EngineError` (the client gets an error frame, the turn is
+recorded as aborted), since a half-sent answer cannot be replayed elsewhere. Closing the
+generator closes the HTTP response, so the server sees the disconnect and aborts the request
+(vLLM and SGLang both do).
+
+Policy versions: these servers are updated by whoever trains (verl's rollout servers, an RL
+framework's weight sync), not by the gateway. The gateway labels tokens with the version the
+server reports per chunk when it does (a stream-gateway upstream; SGLang's numeric
+``meta_info.weight_version``), and otherwise with the version announced for the pool
+(``policy.updated`` on NATS, or ``POST /policy/weights``): :meth:`RemoteEngine.load_weights`
+records the announced version and never reads weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import httpx
+import orjson
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from .._errors import EngineError, EngineUnavailable, GatewayError, InvalidRequest
+from ._base import EngineStatistics, EngineStep, FinishReason, SamplingParams, WeightUpdateReport
+from ._pool import Upstream, UpstreamPool
+
+if TYPE_CHECKING:
+    import torch
+    from anyio.abc import TaskGroup
+
+__all__ = ["PROTOCOLS", "RemoteEngine"]
+
+log = logging.getLogger(__name__)
+
+Protocol = Literal["vllm", "sglang"]
+PROTOCOLS: dict[str, Protocol] = {"vllm-http": "vllm", "sglang-http": "sglang"}
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "eos_token": "stop"}
+
+
+class UpstreamFailed(EngineError):
+    """A server failed while serving a request (connection lost, error frame, bad answer)."""
+
+
+class _Retry(Exception):
+    """The server failed before sending anything: the request may go to another one."""
+
+
+class RemoteEngine:
+    """Samples on a pool of vLLM (``vllm-http``) or SGLang (``sglang-http``) servers over HTTP."""
+
+    remote = True
+
+    def __init__(
+        self,
+        tokenizer: str | Path,
+        *,
+        protocol: Protocol,
+        upstreams: Sequence[str] = (),
+        served_model_name: str,
+        max_model_len: int | None = None,
+        api_key: str | None = None,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 2.0,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 300.0,
+        max_connections: int = 512,
+    ) -> None:
+        self.name = "vllm-http" if protocol == "vllm" else "sglang-http"
+        self.protocol: Protocol = protocol
+        self.model_id = served_model_name
+        self.policy_version = 0
+        self.pool = UpstreamPool(list(upstreams))
+        self.tokenizer: PreTrainedTokenizerBase
+        self._tokenizer_path = str(tokenizer)
+        self._max_model_len = max_model_len
+        self._fallback_len = 4096
+        self.max_model_len = max_model_len or self._fallback_len
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._health_interval = health_interval_s
+        self._health_timeout = health_timeout_s
+        self._timeout = httpx.Timeout(
+            connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=connect_timeout_s
+        )
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(64, max_connections))
+        self._client: httpx.AsyncClient | None = None
+        self._task_group: TaskGroup | None = None
+        self._active = 0
+        self._total_requests = 0
+        self._total_tokens = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> RemoteEngine:
+        self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, self._tokenizer_path)
+        model_max = getattr(self.tokenizer, "model_max_length", 0) or 0
+        self._fallback_len = int(model_max) if 0 < model_max < 10_000_000 else 4096
+        self._update_max_model_len()
+        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self._headers)
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        await self.check_all()  # the first requests find the healthy servers already known
+        self._task_group.start_soon(self._health_loop)
+        healthy = sum(u.healthy for u in self.pool)
+        log.info("%s: %d of %d servers healthy: %s", self.name, healthy, len(self.pool), [u.url for u in self.pool])
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            if self._task_group is not None:
+                self._task_group.cancel_scope.cancel()
+                await self._task_group.__aexit__(None, None, None)
+        finally:
+            self._task_group = None
+            if self._client is not None:
+                await self._client.aclose()
+                self._client = None
+
+    def _update_max_model_len(self) -> None:
+        """``--max-model-len`` if given, else the smallest any server reported, else the tokenizer's."""
+        if self._max_model_len is not None:
+            self.max_model_len = self._max_model_len
+            return
+        reported = [u.max_model_len for u in self.pool if u.max_model_len]
+        self.max_model_len = min(reported) if reported else self._fallback_len
+
+    # -- the pool -----------------------------------------------------------------------------
+
+    async def add_upstream(self, url: str) -> tuple[Upstream, bool]:
+        """Add a server and check it at once (it takes requests as soon as the check passes).
+
+        Returns the server and whether it is new (``False``: it was in the pool already).
+        """
+        upstream, added = self.pool.add(url)
+        if added and self._client is not None:
+            await self.check(upstream)
+        return upstream, added
+
+    def remove_upstream(self, url: str) -> Upstream | None:
+        """Stop sending requests to a server; those in flight there finish."""
+        return self.pool.remove(url)
+
+    async def check_all(self) -> None:
+        """Check every server once, concurrently."""
+        async with anyio.create_task_group() as tg:
+            for upstream in self.pool:
+                tg.start_soon(self.check, upstream)
+
+    async def check(self, upstream: Upstream) -> None:
+        """One health check: ``GET /health`` must answer 200; learn the served model once."""
+        assert self._client is not None
+        try:
+            with anyio.fail_after(self._health_timeout):
+                response = await self._client.get(f"{upstream.url}/health")
+                if response.status_code != 200:
+                    raise UpstreamFailed(f"/health answered {response.status_code}")
+                if upstream.model is None:
+                    await self._learn_model(upstream)
+                    self._update_max_model_len()
+        except (httpx.HTTPError, UpstreamFailed, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            self.pool.mark_failed(upstream, _describe(exc))
+            return
+        self.pool.mark_healthy(upstream)
+
+    async def _learn_model(self, upstream: Upstream) -> None:
+        assert self._client is not None
+        response = await self._client.get(f"{upstream.url}/v1/models")
+        if response.status_code == 200:
+            models = orjson.loads(response.content).get("data") or []
+            if models:
+                upstream.model = str(models[0]["id"])
+                length = models[0].get("max_model_len")
+                upstream.max_model_len = int(length) if length else None
+                return
+        if self.protocol == "sglang":
+            info = await self._client.get(f"{upstream.url}/get_model_info")
+            if info.status_code == 200:
+                upstream.model = str(orjson.loads(info.content).get("model_path") or self.model_id)
+                return
+        raise UpstreamFailed(f"/v1/models answered {response.status_code}")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await anyio.sleep(self._health_interval)
+            await self.check_all()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
+    ) -> AsyncGenerator[EngineStep, None]:
+        """Stream one request from a healthy server (failing over until the first token arrives)."""
+        if self._client is None:
+            raise EngineUnavailable("The engine is not running.")
+        self._active += 1
+        self._total_requests += 1
+        tried: set[Upstream] = set()
+        try:
+            while True:
+                upstream = self.pool.pick(affinity, frozenset(tried))
+                tried.add(upstream)
+                upstream.outstanding += 1
+                upstream.served += 1
+                started = False
+                try:
+                    async with aclosing(self._stream(upstream, request_id, prompt_ids, params)) as steps:
+                        async for step in steps:
+                            started = True
+                            self._total_tokens += len(step.token_ids)
+                            yield step
+                    return
+                except _Retry as exc:
+                    self.pool.mark_failed(upstream, str(exc))
+                    log.warning("request %s: %s failed before the first token (%s); trying another server",
+                                request_id, upstream.url, exc)  # fmt: skip
+                except httpx.HTTPError as exc:
+                    self.pool.mark_failed(upstream, _describe(exc))
+                    if started:
+                        raise UpstreamFailed(
+                            f"The inference server {upstream.url} failed while streaming: {_describe(exc)}"
+                        ) from exc
+                    log.warning("request %s: %s unreachable (%s); trying another server",
+                                request_id, upstream.url, _describe(exc))  # fmt: skip
+                finally:
+                    upstream.outstanding -= 1
+        finally:
+            self._active -= 1
+
+    async def _stream(
+        self, upstream: Upstream, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[EngineStep, None]:
+        assert self._client is not None
+        if self.protocol == "vllm":
+            path, body = "/v1/completions", self._vllm_body(upstream, request_id, prompt_ids, params)
+            read = self._vllm_steps
+        else:
+            path, body = "/generate", self._sglang_body(request_id, prompt_ids, params)
+            read = self._sglang_steps
+        request = self._client.build_request("POST", upstream.url + path, content=orjson.dumps(body),
+                                             headers={"content-type": "application/json"})  # fmt: skip
+        response = await self._client.send(request, stream=True)
+        try:
+            if response.status_code != 200:
+                await response.aread()
+                message = _error_message(response.content) or f"HTTP {response.status_code}"
+                if response.status_code >= 500 or response.status_code in (404, 408, 429):
+                    raise _Retry(f"{upstream.url}{path} answered {response.status_code}: {message}")
+                raise InvalidRequest(f"The inference server refused the request: {message}")
+            finished = False
+            async with aclosing(read(_sse_events(response), params.top_logprobs, upstream.url)) as steps:
+                async for step in steps:
+                    finished = step.finish_reason is not None
+                    yield step
+                    if finished:
+                        return
+            if not finished:
+                raise UpstreamFailed(
+                    f"The inference server {upstream.url} ended the stream before the request finished."
+                )
+        finally:
+            await response.aclose()
+
+    # -- vLLM ---------------------------------------------------------------------------------
+
+    def _vllm_body(
+        self, upstream: Upstream, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": upstream.model or self.model_id,
+            "prompt": list(prompt_ids),
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "logprobs": params.top_logprobs,
+            "stream": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "ignore_eos": params.ignore_eos,
+            "request_id": request_id,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.stop_token_ids:
+            body["stop_token_ids"] = sorted(params.stop_token_ids)
+        return body
+
+    async def _vllm_steps(
+        self, events: AsyncIterator[dict[str, Any]], top_n: int, url: str
+    ) -> AsyncGenerator[EngineStep, None]:
+        async for event in events:
+            choices = event.get("choices")
+            if not choices:
+                continue  # a usage-only frame
+            choice = choices[0]
+            finish = choice.get("finish_reason")
+            reason = _finish_reason(finish, url)
+            logprobs = choice.get("logprobs") or {}
+            ids = choice.get("token_ids")
+            if ids is None:  # an older server: the ids are in the tokens ("token_id:N")
+                ids = [_token_id(t) for t in logprobs.get("tokens") or ()]
+            values = logprobs.get("token_logprobs") or ()
+            if len(values) != len(ids):
+                raise UpstreamFailed(
+                    f"The inference server {url} sent {len(ids)} token ids with {len(values)} logprobs; "
+                    "it must return both (logprobs and return_token_ids)."
+                )
+            if not ids and reason is None:
+                continue  # the first frame may carry the prompt ids alone
+            top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+            if top_n:
+                top = tuple(_top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
+            version = choice.get("policy_version")
+            yield EngineStep(
+                tuple(ids),
+                tuple(-9999.0 if v is None else float(v) for v in values),
+                top,
+                reason,
+                version if isinstance(version, int) else self.policy_version,
+            )
+
+    # -- SGLang -------------------------------------------------------------------------------
+
+    def _sglang_body(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
+        sampling: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "skip_special_tokens": False,
+            "ignore_eos": params.ignore_eos,
+        }
+        if params.stop_token_ids:
+            sampling["stop_token_ids"] = sorted(params.stop_token_ids)
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        return {
+            "input_ids": list(prompt_ids),
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "top_logprobs_num": params.top_logprobs,
+            "logprob_start_len": -1,
+            "stream": True,
+            "rid": request_id,
+        }
+
+    async def _sglang_steps(
+        self, events: AsyncIterator[dict[str, Any]], top_n: int, url: str
+    ) -> AsyncGenerator[EngineStep, None]:
+        seen = 0  # output tokens already yielded
+        async for event in events:
+            meta = event.get("meta_info") or {}
+            entries = meta.get("output_token_logprobs") or []
+            top_entries = meta.get("output_top_logprobs") or []
+            # Default frames hold everything so far; --incremental-streaming-output frames the new part.
+            cumulative = len(entries) == meta.get("completion_tokens", len(entries)) and len(entries) >= seen
+            if cumulative:
+                entries, top_entries = entries[seen:], top_entries[seen:] if top_entries else top_entries
+            finish = meta.get("finish_reason")
+            reason = _sglang_finish(finish, url)
+            if not entries and reason is None:
+                continue
+            seen += len(entries)
+            top = tuple(_top_from_sglang(t, top_n) for t in top_entries) if top_n else None
+            version = _numeric_version(meta.get("weight_version"))
+            yield EngineStep(
+                tuple(int(e[1]) for e in entries),
+                tuple(float(e[0]) for e in entries),
+                top if top else None,
+                reason,
+                version if version is not None else self.policy_version,
+            )
+
+    # -- weights and statistics ---------------------------------------------------------------
+
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor], policy_version: int) -> WeightUpdateReport:
+        """The servers' weights are not the gateway's to change: record the announced version."""
+        return self._announce(policy_version, len(tensors))
+
+    async def load_weights(self, path: str, policy_version: int) -> WeightUpdateReport:
+        """Record ``policy_version`` as the version the servers now serve (``path`` is not read).
+
+        Whoever trains updates the servers (verl's rollout servers, SGLang's
+        ``/update_weights_from_disk``) and then announces the version to the gateway.
+        """
+        return self._announce(policy_version, 0)
+
+    def _announce(self, policy_version: int, tensors: int) -> WeightUpdateReport:
+        started = time.perf_counter()
+        previous, self.policy_version = self.policy_version, policy_version
+        pause = time.perf_counter() - started
+        return WeightUpdateReport(policy_version, previous, tensors, pause, pause, self._active)
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the requests in flight; ``running`` while any server is healthy."""
+        running = self._client is not None and any(u.healthy for u in self.pool)
+        return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens, running)
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON ``data:`` payloads of an SSE response until ``[DONE]``; error payloads raise."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        while True:
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                break
+            block, buffer = buffer[:end], buffer[end + 2 :]
+            for line in block.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue  # comments (keep-alives), event names, ids
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                try:
+                    event = orjson.loads(data)
+                except orjson.JSONDecodeError as exc:
+                    raise UpstreamFailed(f"The inference server sent an unreadable frame: {data[:200]!r}") from exc
+                if "error" in event or event.get("object") == "error":
+                    message = _error_message(data) or "unknown error"
+                    where = f"{response.url.host}:{response.url.port}"
+                    raise UpstreamFailed(f"The inference server {where} failed: {message}")
+                yield event
+
+
+def _error_message(raw: bytes) -> str | None:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw[:300].decode("utf-8", "replace") or None
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error", body)
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("detail") or error)
+    return str(error)
+
+
+def _finish_reason(finish: object, url: str) -> FinishReason | None:
+    if finish is None:
+        return None
+    reason = _FINISH.get(str(finish))
+    if reason is None:
+        raise UpstreamFailed(f"The inference server {url} ended the request with finish_reason {finish!r}.")
+    return reason
+
+
+def _sglang_finish(finish: object, url: str) -> FinishReason | None:
+    if finish is None:
+        return None
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind == "abort":
+        message = finish.get("message") if isinstance(finish, dict) else None
+        raise UpstreamFailed(f"The inference server {url} aborted the request: {message or 'no reason given'}")
+    return _finish_reason(kind, url)
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith("token_id:"):
+        raise UpstreamFailed("the server must return tokens as token ids (return_tokens_as_token_ids)")
+    return int(token[9:])
+
+
+def _top_from_dict(entry: Mapping[str, float] | None, n: int) -> tuple[tuple[int, float], ...]:
+    if not entry:
+        return ()
+    pairs = sorted(((_token_id(k), float(v)) for k, v in entry.items()), key=lambda p: -p[1])
+    return tuple(pairs[:n])
+
+
+def _top_from_sglang(entry: Sequence[Sequence[Any]] | None, n: int) -> tuple[tuple[int, float], ...]:
+    if not entry:
+        return ()
+    return tuple((int(e[1]), float(e[0])) for e in entry[:n])
+
+
+def _numeric_version(value: object) -> int | None:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, GatewayError):
+        return exc.message
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
