@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -40,11 +41,18 @@ class RunningGateway:
 @contextmanager
 def run_gateway(engine: Engine, settings: Settings, *, startup_timeout: float = 120.0) -> Iterator[RunningGateway]:
     """Serve ``engine`` on 127.0.0.1:<free port> until the block exits."""
+    with serve_app(create_app(engine, settings), startup_timeout=startup_timeout) as base_url:
+        yield RunningGateway(base_url, engine)
+
+
+@contextmanager
+def serve_app(app: Any, *, startup_timeout: float = 120.0) -> Iterator[str]:
+    """Serve an ASGI ``app`` on 127.0.0.1:<free port> until the block exits; yields its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(engine, settings), log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -54,7 +62,7 @@ def run_gateway(engine: Engine, settings: Settings, *, startup_timeout: float = 
             raise RuntimeError("the test gateway did not start")
         time.sleep(0.05)
     try:
-        yield RunningGateway(f"http://127.0.0.1:{port}", engine)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=60)

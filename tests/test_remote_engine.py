@@ -35,10 +35,12 @@ from pipeline.events import TurnRecord
 from stream_gateway import Settings
 from stream_gateway.cli import build_engine
 from stream_gateway.engines.remote import RemoteEngine
+from stream_gateway.engines.transformers import TransformersEngine
 
 from .agent_loop import READ_TOOL, drive_session
 from .fidelity import assert_chain_logprobs
-from .servers import RunningGateway, free_port, run_gateway, wait_healthy
+from .servers import RunningGateway, free_port, run_gateway, serve_app, wait_healthy
+from .sglang_server import create_sglang_app
 from .test_gateway_events import of_session, wait_for
 
 ADMIN = "admin-key"
@@ -345,3 +347,51 @@ def test_no_healthy_server_is_a_503_not_a_hang(agent_model_path: Path) -> None:
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "engine_unavailable"
         assert "No healthy inference server" in response.json()["error"]["message"]
+
+
+# -- sglang-http, against a server speaking SGLang's /generate protocol (tests/sglang_server.py) --
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative-frames", "incremental-frames"])
+def test_sglang_http_streams_token_exact_turns(agent_model_path: Path, reference_model: Any, incremental: bool) -> None:
+    upstream_engine = TransformersEngine(agent_model_path, served_model_name="tiny-agent")
+    with serve_app(create_sglang_app(upstream_engine, incremental=incremental)) as url:
+        settings = Settings(model=str(agent_model_path), engine="sglang-http", served_model_name="tiny-agent",
+                            upstreams=(url,))  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as running:
+            session_id = f"sgl{secrets.token_hex(4)}"
+            client = _client(running, session_id)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "What does the README say?"}]
+            stream = client.chat.completions.create(model="tiny-agent", messages=messages, tools=[READ_TOOL],  # type: ignore[list-item]
+                                                    stream=True, max_tokens=48, temperature=1.0, seed=5,
+                                                    logprobs=True, top_logprobs=2)  # fmt: skip
+            chunks = list(stream)
+            calls = [d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []]
+            assert calls and calls[0].function is not None and calls[0].function.name == "read"
+            tops = [
+                e.top_logprobs
+                for c in chunks
+                for ch in c.choices
+                for e in (ch.logprobs.content if ch.logprobs else None) or []
+            ]
+            assert tops and all(len(t) == 2 for t in tops)
+            auth = {"authorization": f"Bearer {ADMIN}"}
+            session = httpx.get(f"{running.base_url}/sessions/{session_id}", headers=auth).json()
+            (turn,) = session["turns"]
+            assert turn["finish_reason"] == "tool_calls"
+            (chain,) = session["chains"]
+            assert_chain_logprobs(reference_model, chain["token_ids"], chain["mask"], chain["logprobs"])
+
+
+def test_sglang_http_reports_an_aborted_request_as_an_error(agent_model_path: Path) -> None:
+    upstream_engine = TransformersEngine(agent_model_path, served_model_name="tiny-agent")
+    with serve_app(create_sglang_app(upstream_engine, abort_after=3)) as url:
+        settings = Settings(model=str(agent_model_path), engine="sglang-http", served_model_name="tiny-agent",
+                            upstreams=(url,))  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as running:
+            stream = _client(running).chat.completions.create(
+                model="tiny-agent", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=50,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            with pytest.raises(openai.APIError, match="aborted the request"):
+                list(stream)

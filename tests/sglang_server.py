@@ -1,0 +1,136 @@
+"""A test server speaking SGLang's native HTTP protocol, sampling with the tiny model.
+
+SGLang needs a GPU, so the ``sglang-http`` engine cannot be tested against a real SGLang server
+on this machine. This server implements the part of SGLang's protocol the engine uses, as SGLang
+documents and implements it (``python/sglang/srt/entrypoints/http_server.py``,
+``GenerateReqInput`` in ``managers/io_struct.py``; see ``docs/engines.md``):
+
+* ``POST /generate`` with ``input_ids``, ``sampling_params`` (``max_new_tokens``, ``temperature``,
+  ``top_p``, ``top_k`` with -1 for off, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``),
+  ``return_logprob``, ``top_logprobs_num``, ``logprob_start_len``, ``stream``, ``rid``. Streamed
+  as ``data: {json}\\n\\n`` frames, then ``data: [DONE]``. Each frame holds ``text``,
+  ``output_ids`` and ``meta_info`` (``id``, ``finish_reason`` as ``None`` or
+  ``{"type": "stop"|"length"|"abort", ...}``, ``prompt_tokens``, ``completion_tokens``,
+  ``cached_tokens``, ``weight_version``, ``output_token_logprobs`` as ``[logprob, token_id, None]``
+  triples, ``output_top_logprobs``). By default a frame holds everything so far (SGLang's
+  default); with ``incremental=True`` only the new part (``--incremental-streaming-output``).
+* ``GET /health``, ``GET /get_model_info``, ``GET /v1/models``.
+* ``POST /update_weights_from_disk`` (``model_path``, ``weight_version``).
+
+The sampling itself is our ``transformers`` engine, so what the gateway records through this
+server can be checked against a forward pass like any other engine's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from stream_gateway.engines import SamplingParams
+from stream_gateway.engines.transformers import TransformersEngine
+
+
+def create_sglang_app(
+    engine: TransformersEngine, *, incremental: bool = False, abort_after: int | None = None
+) -> Starlette:
+    """The app; ``abort_after`` makes every request end with ``finish_reason.type == "abort"``
+    after that many tokens (as SGLang reports a request it aborted)."""
+    state = {"weight_version": "default"}
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        async with engine:
+            yield
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200)
+
+    async def model_info(_: Request) -> Response:
+        body = {"model_path": engine.model_id, "tokenizer_path": engine.model_id, "is_generation": True,
+                "weight_version": state["weight_version"]}  # fmt: skip
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    async def models(_: Request) -> Response:
+        card = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "sglang", "root": engine.model_id,
+                "max_model_len": engine.max_model_len}  # fmt: skip
+        return Response(orjson.dumps({"object": "list", "data": [card]}), media_type="application/json")
+
+    async def update_weights(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        state["weight_version"] = str(body.get("weight_version") or state["weight_version"])
+        return Response(orjson.dumps({"success": True, "message": "Succeeded in updating weights."}),
+                        media_type="application/json")  # fmt: skip
+
+    async def generate(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        sampling = body.get("sampling_params") or {}
+        prompt = list(body["input_ids"])
+        top_n = int(body.get("top_logprobs_num") or 0)
+        top_k = int(sampling.get("top_k", -1))
+        params = SamplingParams(
+            max_tokens=int(sampling.get("max_new_tokens", 128)),
+            temperature=float(sampling.get("temperature", 1.0)),
+            top_p=float(sampling.get("top_p", 1.0)),
+            top_k=top_k if top_k > 0 else 0,
+            seed=sampling.get("sampling_seed"),
+            top_logprobs=top_n,
+            stop_token_ids=frozenset(sampling.get("stop_token_ids") or ()),
+            ignore_eos=bool(sampling.get("ignore_eos", False)),
+        )
+        rid = str(body.get("rid") or "rid")
+        tokenizer = engine.tokenizer
+
+        async def frames() -> AsyncIterator[bytes]:
+            ids: list[int] = []
+            entries: list[list[Any]] = []
+            tops: list[list[list[Any]]] = []
+            sent = 0
+            async with aclosing(engine.generate(rid, prompt, params)) as steps:
+                async for step in steps:
+                    ids.extend(step.token_ids)
+                    entries.extend([lp, t, None] for t, lp in zip(step.token_ids, step.logprobs, strict=True))
+                    if top_n:
+                        tops.extend([[lp, t, None] for t, lp in alts] for alts in step.top_logprobs or ())
+                    finish: dict[str, Any] | None = None
+                    if abort_after is not None and len(ids) >= abort_after:
+                        finish = {"type": "abort", "message": "Abort request: the server is shutting down"}
+                    elif step.finish_reason == "stop":
+                        finish = {"type": "stop", "matched": ids[-1]}
+                    elif step.finish_reason == "length":
+                        finish = {"type": "length", "length": len(ids)}
+                    start = sent if incremental else 0
+                    meta = {
+                        "id": rid,
+                        "finish_reason": finish,
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": len(ids),
+                        "cached_tokens": 0,
+                        "weight_version": state["weight_version"],
+                        "output_token_logprobs": entries[start:],
+                        "output_top_logprobs": tops[start:] if top_n else [],
+                    }
+                    text = tokenizer.decode(ids[start:], skip_special_tokens=True)
+                    frame = {"text": text, "output_ids": ids[start:], "meta_info": meta}
+                    sent = len(ids)
+                    yield b"data: " + orjson.dumps(frame) + b"\n\n"
+                    if finish is not None:
+                        break
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    routes = [
+        Route("/health", health),
+        Route("/get_model_info", model_info),
+        Route("/v1/models", models),
+        Route("/update_weights_from_disk", update_weights, methods=["POST"]),
+        Route("/generate", generate, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
