@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "POLICY_BUCKET",
     "PolicyDownloadError",
+    "announce_policy",
     "download_policy",
     "policy_history",
     "policy_subject",
@@ -146,6 +147,47 @@ async def publish_policy(
     await js.publish(policy_subject(spec.prefix), encode_event(event), headers=headers, timeout=10)
     if full:
         await _prune(store, policy_version, keep_full)
+    return event
+
+
+async def announce_policy(
+    nc: Client,
+    policy_version: int,
+    *,
+    spec: StreamSpec | None = None,
+    model: str = "",
+    weights: str | None = None,
+    previous_version: int | None = None,
+) -> PolicyUpdated:
+    """Announce that inference servers now serve ``policy_version``, uploading nothing.
+
+    For gateways in front of remote servers (``--engine vllm-http|sglang-http``) whose weights the
+    trainer updates itself: they label tokens with the announced version from then on. Gateways
+    with in-process weights refuse it (``policy.rejected``, ``download_failed``: no objects).
+    """
+    if policy_version < 1:
+        raise ValueError("policy_version must be >= 1 (0 is the weights a gateway starts with)")
+    spec = spec or StreamSpec()
+    js = nc.jetstream()
+    await ensure_stream(js, spec)
+    event = PolicyUpdated.model_validate(
+        {
+            "event_id": new_event_id(),
+            "time": time.time(),
+            "tenant": "_",
+            "session_id": None,
+            "seq": 0,
+            "model": model,
+            "policy_version": policy_version,
+            "previous_version": previous_version,
+            "weights": weights,
+            "bucket": None,
+            "objects": [],
+            "full": True,
+        }
+    )
+    headers = {"Nats-Msg-Id": f"policy-{policy_version}"}
+    await js.publish(policy_subject(spec.prefix), encode_event(event), headers=headers, timeout=10)
     return event
 
 

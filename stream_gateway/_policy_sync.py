@@ -16,6 +16,7 @@ model and the KV recompute (:meth:`Engine.update_weights`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -60,6 +61,11 @@ class PolicyApplier:
     def policy_version(self) -> int:
         """The version the engine samples from now."""
         return self._engine.policy_version
+
+    @property
+    def remote(self) -> bool:
+        """The engine's weights live on remote servers (a new version is only recorded)."""
+        return self._engine.remote
 
     async def apply_directory(
         self, path: str | Path, policy_version: int, *, source: str, download_s: float = 0.0
@@ -202,6 +208,11 @@ class PolicyFollower:
         if quiet_if_old and event.policy_version <= applier.policy_version:
             return
         self._handled.add(event.event_id)
+        if applier.remote:
+            # The servers' weights are the trainer's to change: follow the version, download nothing.
+            with contextlib.suppress(PolicyNotNewer, WeightsRejected):  # both reported by the applier
+                await applier.apply_directory(event.weights or "", event.policy_version, source="nats")
+            return
         directory = Path(tempfile.mkdtemp(prefix="sg-policy-", dir=self._download_dir))
         try:
             started = time.perf_counter()

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import TurnRecord
+from pipeline.policies import announce_policy
 from stream_gateway import Settings
 from stream_gateway.cli import build_engine
 from stream_gateway.engines.remote import RemoteEngine
@@ -381,6 +382,14 @@ def test_sglang_http_streams_token_exact_turns(agent_model_path: Path, reference
             assert turn["finish_reason"] == "tool_calls"
             (chain,) = session["chains"]
             assert_chain_logprobs(reference_model, chain["token_ids"], chain["mask"], chain["logprobs"])
+            assert turn["policy_version"] == 0  # "default" is no number: the pool's version
+            # A numeric weight_version (set with the weights) labels the tokens from then on.
+            httpx.post(url + "/update_weights_from_disk", json={"model_path": "x", "weight_version": "7"})
+            client.chat.completions.create(
+                model="tiny-agent", messages=[{"role": "user", "content": "yo"}], max_tokens=3
+            )
+            turns = httpx.get(f"{running.base_url}/sessions/{session_id}", headers=auth).json()["turns"]
+            assert turns[-1]["policy_version"] == 7 and turns[-1]["policy_versions"] == [[7, 0]]
 
 
 def test_sglang_http_reports_an_aborted_request_as_an_error(agent_model_path: Path) -> None:
@@ -395,3 +404,34 @@ def test_sglang_http_reports_an_aborted_request_as_an_error(agent_model_path: Pa
             )  # fmt: skip
             with pytest.raises(openai.APIError, match="aborted the request"):
                 list(stream)
+
+
+def test_a_remote_pool_follows_announced_versions_and_reported_ones(
+    upstreams: list[Upstream], agent_model_path: Path, tmp_path: Path
+) -> None:
+    """``announce_policy`` moves a vllm-http gateway's version without any weights; a server that
+    reports versions per chunk (a stream-gateway upstream) still labels its own tokens."""
+    with EmbeddedNatsServer() as server:
+        settings = Settings(model=str(agent_model_path), engine="vllm-http", served_model_name="tiny-agent",
+                            upstreams=(upstreams[0].url,), nats_url=server.url, outbox_dir=tmp_path)  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as running:
+
+            async def announce() -> None:
+                nc = await nats.connect(server.url)
+                try:
+                    await announce_policy(nc, 41, weights="verl step 41")
+                finally:
+                    await nc.close()
+
+            anyio.run(announce)
+            deadline = time.monotonic() + 30
+            while running.health()["policy_version"] != 41:
+                assert time.monotonic() < deadline, running.health()
+                time.sleep(0.1)
+            session_id = f"ver{secrets.token_hex(4)}"
+            _client(running, session_id).chat.completions.create(
+                model="tiny-agent", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+            auth = {"authorization": f"Bearer {ADMIN}"}
+            (turn,) = httpx.get(f"{running.base_url}/sessions/{session_id}", headers=auth).json()["turns"]
+            assert turn["policy_version"] == 0  # what the upstream says sampled them, not the announcement
