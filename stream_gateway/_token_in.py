@@ -71,9 +71,12 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
+    session_id: str | None = None  # vLLM's session identity: here the session the turn joins
     # Change nothing here, or only when set to other than their no-op values (checked below).
     user: str | None = None
     request_id: str | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
     best_of: int | None = None
     suffix: str | None = None
     presence_penalty: float | None = None
@@ -104,6 +107,8 @@ class CompletionRequest(BaseModel):
             raise UnsupportedParameter(
                 "include_stop_str_in_output is not supported", param="include_stop_str_in_output"
             )
+        if self.priority:
+            raise UnsupportedParameter("priority is not supported", param="priority")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -369,7 +374,10 @@ def text_completion_body(
         "created": first.created,
         "model": first.model,
         "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": None,
         "usage": usage_body(prompt_tokens, sum(len(r.token_ids) for r in results)),
+        "kv_transfer_params": None,
     }
 
 

@@ -188,7 +188,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     async def text_completion(request: Request, session_id: str | None) -> Response:
         tenant = authorize(request)
         body = await _parse(request, CompletionRequest)
-        session_id = session_id or request.headers.get("x-session-id") or None
+        session_id = session_id or request.headers.get("x-session-id") or body.session_id or None
         if session_id is not None:
             _check_session_id(session_id)
         batch = token_in.prepare(body, tenant=tenant, session_id=session_id, agent=request.headers.get("user-agent"))

@@ -22,14 +22,23 @@ from transformers import AutoModelForCausalLM
 from .fidelity import assert_chain_logprobs
 from .servers import RunningGateway
 
-# vLLM's response models, field by field (vllm/entrypoints/openai/protocol.py; see docs/http-api.md).
-VLLM_STREAM_RESPONSE = {"id", "object", "created", "model", "choices", "usage"}
+# vLLM's response models, field by field: vllm/entrypoints/openai/completion/protocol.py at vLLM main
+# commit 002032ee2b18 (2026; the fields named below exist since vLLM 0.10.2, where return_token_ids came
+# in). Every field we send must be one of vLLM's (or our documented extension), and every field a
+# client reads on vLLM's must be there; nullable ones vLLM fills only for features we do not have
+# (``metrics``, ``ec_transfer_params``, ``routed_experts``) are left out.
+VLLM_STREAM_RESPONSE = {"id", "object", "created", "model", "choices", "usage", "system_fingerprint", "metrics"}
 VLLM_STREAM_CHOICE = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids"}
-VLLM_RESPONSE = {"id", "object", "created", "model", "choices", "usage"}
+VLLM_RESPONSE = {
+    "id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+    "kv_transfer_params", "ec_transfer_params", "metrics",
+}  # fmt: skip
 VLLM_CHOICE = {
-    "index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs", "prompt_token_ids", "token_ids",
+    "index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_logprobs", "prompt_token_ids",
+    "routed_experts",
 }  # fmt: skip
 VLLM_LOGPROBS = {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
+OMITTED = {"metrics", "ec_transfer_params", "routed_experts"}
 EXTENSIONS = {"policy_version", "policy_versions"}  # ours: the weights' version per choice
 
 
@@ -82,7 +91,8 @@ def test_streamed_chunks_have_vllms_fields_and_add_up_to_the_whole(gateway: Runn
     *chunks, usage = frames
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
     for chunk in chunks:
-        assert set(chunk) == VLLM_STREAM_RESPONSE and chunk["object"] == "text_completion"
+        assert set(chunk) == VLLM_STREAM_RESPONSE - {"system_fingerprint", "metrics"}
+        assert chunk["object"] == "text_completion"
         (choice,) = chunk["choices"]
         assert set(choice) - EXTENSIONS == VLLM_STREAM_CHOICE, set(choice) ^ VLLM_STREAM_CHOICE
         assert set(choice["logprobs"]) == VLLM_LOGPROBS
@@ -93,8 +103,8 @@ def test_streamed_chunks_have_vllms_fields_and_add_up_to_the_whole(gateway: Runn
     assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
     streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     whole = _post(gateway, {**body, "stream": False, "stream_options": None}).json()
-    assert set(whole) == VLLM_RESPONSE
-    assert set(whole["choices"][0]) - EXTENSIONS == VLLM_CHOICE
+    assert set(whole) == VLLM_RESPONSE - OMITTED
+    assert set(whole["choices"][0]) - EXTENSIONS == VLLM_CHOICE - OMITTED
     assert whole["choices"][0]["token_ids"] == streamed  # greedy: the same ids either way
     assert whole["choices"][0]["text"] == "".join(c["choices"][0]["text"] for c in chunks)
     offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
@@ -144,7 +154,9 @@ def test_a_prompt_extending_a_turn_continues_its_session(gateway: RunningGateway
     named = f"tok{secrets.token_hex(4)}"
     path = f"/sessions/{named}/v1/completions"
     a = _post(gateway, {"model": "tiny", "prompt": prompt, "max_tokens": 3, "return_token_ids": True}, path).json()
-    _post(gateway, {"model": "tiny", "prompt": prompt + a["choices"][0]["token_ids"] + [1], "max_tokens": 2}, path)
+    # vLLM's own request field ``session_id`` names the session too.
+    follow_up = {"model": "tiny", "prompt": prompt + a["choices"][0]["token_ids"] + [1], "max_tokens": 2}
+    assert _post(gateway, {**follow_up, "session_id": named}).headers["x-session-id"] == named
     named_turns = httpx.get(f"{gateway.base_url}/sessions/{named}").json()["turns"]
     assert named_turns[1]["parent_id"] == named_turns[0]["turn_id"]
 
