@@ -127,24 +127,8 @@ async def publish_policy(
         if progress is not None:
             seconds = time.monotonic() - started
             progress(f"uploaded {file.name} ({size / 2**20:.1f} MiB) as {bucket}/{name} in {seconds:.1f} s")
-    event = PolicyUpdated.model_validate(
-        {
-            "event_id": new_event_id(),
-            "time": time.time(),
-            "tenant": "_",
-            "session_id": None,
-            "seq": 0,
-            "model": model,
-            "policy_version": policy_version,
-            "previous_version": previous_version,
-            "weights": weights or str(directory),
-            "bucket": bucket,
-            "objects": objects,
-            "full": full,
-        }
-    )
-    headers = {"Nats-Msg-Id": f"policy-{policy_version}"}
-    await js.publish(policy_subject(spec.prefix), encode_event(event), headers=headers, timeout=10)
+    event = _policy_event(model, policy_version, previous_version, weights or str(directory), bucket, objects, full)
+    await _announce(js, spec, event)
     if full:
         await _prune(store, policy_version, keep_full)
     return event
@@ -170,7 +154,21 @@ async def announce_policy(
     spec = spec or StreamSpec()
     js = nc.jetstream()
     await ensure_stream(js, spec)
-    event = PolicyUpdated.model_validate(
+    event = _policy_event(model, policy_version, previous_version, weights, None, [], True)
+    await _announce(js, spec, event)
+    return event
+
+
+def _policy_event(
+    model: str,
+    policy_version: int,
+    previous_version: int | None,
+    weights: str | None,
+    bucket: str | None,
+    objects: list[PolicyObject],
+    full: bool,
+) -> PolicyUpdated:
+    return PolicyUpdated.model_validate(
         {
             "event_id": new_event_id(),
             "time": time.time(),
@@ -181,14 +179,17 @@ async def announce_policy(
             "policy_version": policy_version,
             "previous_version": previous_version,
             "weights": weights,
-            "bucket": None,
-            "objects": [],
-            "full": True,
+            "bucket": bucket,
+            "objects": objects,
+            "full": full,
         }
     )
-    headers = {"Nats-Msg-Id": f"policy-{policy_version}"}
+
+
+async def _announce(js: JetStreamContext, spec: StreamSpec, event: PolicyUpdated) -> None:
+    """Publish ``event`` (deduplicated by version: publishing the same version twice is one event)."""
+    headers = {"Nats-Msg-Id": f"policy-{event.policy_version}"}
     await js.publish(policy_subject(spec.prefix), encode_event(event), headers=headers, timeout=10)
-    return event
 
 
 async def publish_tensors(

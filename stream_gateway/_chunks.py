@@ -90,6 +90,20 @@ def logprobs_content(
     return entries
 
 
+def frame_head(completion_id: str, kind: str, created: int, model: str) -> bytes:
+    """The constant start of every frame of one response: ``data: {"id":..,"object":..,"created":..,"model":..``."""
+    return (
+        b'data: {"id":'
+        + orjson.dumps(completion_id)
+        + b',"object":'
+        + orjson.dumps(kind)
+        + b',"created":'
+        + str(created).encode()
+        + b',"model":'
+        + orjson.dumps(model)
+    )
+
+
 class ChunkEncoder:
     """Builds the SSE frames of one streamed response."""
 
@@ -105,14 +119,7 @@ class ChunkEncoder:
         logprobs: bool,
         token_ids: bool,
     ) -> None:
-        self._head = (
-            b'data: {"id":'
-            + orjson.dumps(completion_id)
-            + b',"object":"chat.completion.chunk","created":'
-            + str(created).encode()
-            + b',"model":'
-            + orjson.dumps(model)
-        )
+        self._head = frame_head(completion_id, "chat.completion.chunk", created, model)
         self._token_text = token_text
         self._logprobs = logprobs
         self._token_ids = token_ids

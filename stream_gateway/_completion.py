@@ -121,11 +121,8 @@ class CompletionService:
         """
         arrived = time.perf_counter()
         engine = self._engine
-        if body.model != engine.model_id:
-            raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+        check_model_and_n(engine, self._settings, body.model, body.n)
         body.check_supported()
-        if body.n > self._settings.max_n:
-            raise InvalidRequest(f"n must be at most {self._settings.max_n}", param="n")
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
         session: Session | None
         parent: Turn | None = None
@@ -469,6 +466,14 @@ class CompletionService:
             return None
         self._metrics.requests.labels("false", "200").inc()
         return results
+
+
+def check_model_and_n(engine: Engine, settings: Settings, model: str, n: int) -> None:
+    """Refuse a request for another model (404) or for more choices than allowed (400)."""
+    if model != engine.model_id:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    if n > settings.max_n:
+        raise InvalidRequest(f"n must be at most {settings.max_n}", param="n")
 
 
 async def _cancel_when(event: Callable[[], Awaitable[None]], scope: anyio.CancelScope) -> None:

@@ -31,10 +31,10 @@ from transformers import PreTrainedTokenizerBase
 
 from ._api_types import MAX_STOP_SEQUENCES, StreamOptions
 from ._capture import EventRecorder
-from ._chunks import ChoiceResult, ChoiceUpdate, TokenText, usage_body
-from ._completion import PreparedCompletion
+from ._chunks import ChoiceResult, ChoiceUpdate, TokenText, frame_head, usage_body
+from ._completion import PreparedCompletion, check_model_and_n
 from ._context import Context
-from ._errors import Conflict, ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound, UnsupportedParameter
+from ._errors import Conflict, ContextLengthExceeded, GatewayError, InvalidRequest, UnsupportedParameter
 from ._sessions import Session, SessionStore, Turn
 from ._settings import Settings
 from .engines import Engine, SamplingParams
@@ -143,11 +143,8 @@ class TokenInService:
     ) -> list[PreparedCompletion]:
         """One prepared completion per prompt, sharing one response id; choices numbered on."""
         engine = self._engine
-        if body.model != engine.model_id:
-            raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+        check_model_and_n(engine, self._settings, body.model, body.n)
         body.check_supported()
-        if body.n > self._settings.max_n:
-            raise InvalidRequest(f"n must be at most {self._settings.max_n}", param="n")
         prompts = body.prompts()
         if len(prompts) > MAX_BATCH:
             raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
@@ -260,14 +257,7 @@ class TextChunkEncoder:
         tokens_as_ids: bool,
         prompts: dict[int, list[int]],
     ) -> None:
-        self._head = (
-            b'data: {"id":'
-            + _dumps(completion_id)
-            + b',"object":"text_completion","created":'
-            + str(created).encode()
-            + b',"model":'
-            + _dumps(model)
-        )
+        self._head = frame_head(completion_id, "text_completion", created, model)
         self._token_text = token_text
         self._logprobs = logprobs
         self._token_ids = token_ids

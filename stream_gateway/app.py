@@ -20,8 +20,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -153,6 +154,18 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             raise AuthenticationFailed("Incorrect API key provided.")
         return key or "anonymous"
 
+    def event_stream(
+        frames: AsyncIterator[bytes], producer: Callable[[], Coroutine[Any, Any, None]], headers: dict[str, str]
+    ) -> Response:
+        """An SSE response of ``frames``; ``producer`` runs beside it and is cancelled if the client leaves."""
+        return EventSourceResponse(
+            frames,
+            headers=headers,
+            data_sender_callable=producer,
+            ping=settings.sse_ping_seconds,
+            send_timeout=settings.sse_send_timeout_seconds,
+        )
+
     async def chat_completion(request: Request, session_id: str | None) -> Response:
         tenant = authorize(request)
         body = await _parse(request, ChatCompletionRequest)
@@ -164,23 +177,10 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         headers = {"x-session-id": prepared.session.session_id}
         if body.stream:
             send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
-
-            async def producer() -> None:
-                await service.produce(prepared, send)
-
-            return EventSourceResponse(
-                service.stream_frames(prepared, receive),
-                headers=headers,
-                data_sender_callable=producer,
-                ping=settings.sse_ping_seconds,
-                send_timeout=settings.sse_send_timeout_seconds,
+            return event_stream(
+                service.stream_frames(prepared, receive), partial(service.produce, prepared, send), headers
             )
-
-        async def wait_disconnect() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        result = await service.complete(prepared, wait_disconnect)
+        result = await service.complete(prepared, _disconnect_waiter(request))
         if result is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
         return ORJSONResponse(result, headers=headers)
@@ -210,23 +210,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             )
             prompt_tokens = sum(len(p.prompt_ids) for p in batch)
             frames = service.frames(encoder, receive, None, len(prompts), prompt_tokens, first.include_usage)
-
-            async def producer() -> None:
-                await service.produce(batch, send)
-
-            return EventSourceResponse(
-                frames,
-                headers=headers,
-                data_sender_callable=producer,
-                ping=settings.sse_ping_seconds,
-                send_timeout=settings.sse_send_timeout_seconds,
-            )
-
-        async def wait_disconnect() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        results = await service.collect(batch, wait_disconnect)
+            return event_stream(frames, partial(service.produce, batch, send), headers)
+        results = await service.collect(batch, _disconnect_waiter(request))
         if results is None:
             return Response(status_code=499)
         as_ids = bool(body.return_tokens_as_token_ids)
@@ -459,6 +444,16 @@ def publisher_config(settings: Settings) -> Any:
     )
     servers = tuple(s.strip() for s in settings.nats_url.split(",") if s.strip())
     return PublisherConfig(servers=servers, outbox_dir=outbox, stream=stream, buffer_size=settings.event_buffer_size)
+
+
+def _disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:
+    """A function that returns once the client of ``request`` has disconnected."""
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait_disconnect
 
 
 def _check_session_id(session_id: str) -> None:
