@@ -168,7 +168,9 @@ class RemoteEngine:
 
     def remove_upstream(self, url: str) -> Upstream | None:
         """Stop sending requests to a server; those in flight there finish."""
-        return self.pool.remove(url)
+        upstream = self.pool.remove(url)
+        self._update_max_model_len()
+        return upstream
 
     async def check_all(self) -> None:
         """Check every server once, concurrently."""
