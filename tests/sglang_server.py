@@ -3,7 +3,8 @@
 SGLang needs a GPU, so the ``sglang-http`` engine cannot be tested against a real SGLang server
 on this machine. This server implements the part of SGLang's protocol the engine uses, as SGLang
 documents and implements it (``python/sglang/srt/entrypoints/http_server.py``,
-``GenerateReqInput`` in ``managers/io_struct.py``; see ``docs/engines.md``):
+``GenerateReqInput`` in ``managers/io_struct.py``, ``SamplingParams`` in
+``sampling/sampling_params.py`` as of sglang commit 00c17cafcb9e; see ``docs/engines.md``):
 
 * ``POST /generate`` with ``input_ids``, ``sampling_params`` (``max_new_tokens``, ``temperature``,
   ``top_p``, ``top_k`` with -1 for off, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``),
