@@ -33,7 +33,7 @@ class ChoiceUpdate:
     top_logprobs: list[tuple[tuple[int, float], ...]] | None
     finish_reason: str | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
-    policy_version: int = 0  # the weights that sampled the last of these tokens
+    version_spans: list[tuple[int, int]] | None = None  # final update: (version, first token index) spans
 
 
 @dataclass(slots=True)
@@ -47,12 +47,12 @@ class ChoiceResult:
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish_reason: str | None = None
     call_deltas: list[ToolCallDelta] = field(default_factory=list)
-    policy_versions: list[tuple[int, int]] = field(default_factory=list)  # (version, first token index) spans
+    version_spans: list[tuple[int, int]] | None = None  # (version, first token index) spans, once finished
 
     def add(self, update: ChoiceUpdate) -> None:
         """Fold one update in."""
-        if not self.policy_versions or self.policy_versions[-1][0] != update.policy_version:
-            self.policy_versions.append((update.policy_version, len(self.token_ids)))
+        if update.version_spans is not None:
+            self.version_spans = update.version_spans
         self.text_parts.append(update.text)
         self.call_deltas.extend(update.tool_calls)
         self.token_ids.extend(update.token_ids)

@@ -267,6 +267,8 @@ class CompletionService:
                     if not spans or spans[-1][0] != step.policy_version:
                         spans.append((step.policy_version, produced))
                     produced += len(step.token_ids)
+                    if step.version_spans is not None:
+                        spans = list(step.version_spans)  # the server's own account, given at the end
                     if deltas is not None:
                         deltas.feed(step.token_ids, step.logprobs)
                     ids.extend(step.token_ids)
@@ -289,7 +291,9 @@ class CompletionService:
                     # string, an unfinished tool call) ride along with the next frame that has
                     # something, so no frame is empty.
                     if text or calls or finish is not None:
-                        update = ChoiceUpdate(index, text, ids, logprobs, top, finish, calls, step.policy_version)
+                        update = ChoiceUpdate(
+                            index, text, ids, logprobs, top, finish, calls, list(spans) if finish is not None else None
+                        )
                         result.add(update)
                         await send.send(update)
                         ids, logprobs = [], []

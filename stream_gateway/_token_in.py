@@ -14,8 +14,10 @@ turn's prompt and output ids continues that turn (its parent; ``reused_prompt_to
 prefix's length), found within the named session or, without one, among the tenant's sessions.
 Token-in turns are not continued by chat requests (there are no messages to recognise them by).
 
-Extension: with ``return_token_ids`` every choice also carries ``policy_version``, the version of
-the weights that sampled its tokens, so a gateway in front of this one records exact versions.
+Policy versions the way vLLM (0.33) reports them: with ``return_weight_versions`` each choice's
+last chunk (and each non-streamed choice) has ``weight_versions``, ``[{"version": "3", "start": 0,
+"end": 12}]``: which weights sampled which half-open range of its output tokens. A ``vllm-http``
+gateway in front of this one (or of vLLM 0.33+) records them per token.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class CompletionRequest(BaseModel):
     echo: bool = False
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_weight_versions: bool = False
     ignore_eos: bool = False
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
@@ -243,7 +246,17 @@ class TokenInService:
 class TextChunkEncoder:
     """Frames of a streamed ``text_completion`` in vLLM's shape."""
 
-    __slots__ = ("_as_ids", "_head", "_logprobs", "_offsets", "_prompts", "_token_ids", "_token_text")
+    __slots__ = (
+        "_as_ids",
+        "_counts",
+        "_head",
+        "_logprobs",
+        "_offsets",
+        "_prompts",
+        "_token_ids",
+        "_token_text",
+        "_versions",
+    )
 
     def __init__(
         self,
@@ -255,9 +268,12 @@ class TextChunkEncoder:
         logprobs: bool,
         token_ids: bool,
         tokens_as_ids: bool,
+        weight_versions: bool,
         prompts: dict[int, list[int]],
     ) -> None:
         self._head = frame_head(completion_id, "text_completion", created, model)
+        self._versions = weight_versions
+        self._counts: dict[int, int] = {}  # choice index -> output tokens so far (for the spans' end)
         self._token_text = token_text
         self._logprobs = logprobs
         self._token_ids = token_ids
@@ -279,12 +295,15 @@ class TextChunkEncoder:
             choice["logprobs"], self._offsets[update.index] = completion_logprobs(
                 self._token_text, update.token_ids, update.logprobs, update.top_logprobs, offset, self._as_ids
             )
-        if self._token_ids:
-            prompt = self._prompts.pop(update.index, None)
-            choice["prompt_token_ids"] = prompt
-            choice["token_ids"] = update.token_ids
-            choice["policy_version"] = update.policy_version
-        return self._head + b',"choices":[' + _dumps(choice) + b'],"usage":null}\n\n'
+        # As vLLM 0.33 writes chunks (exclude_unset): these keys always, null when not asked for.
+        choice["prompt_token_ids"] = self._prompts.pop(update.index, None) if self._token_ids else None
+        choice["token_ids"] = update.token_ids if self._token_ids else None
+        choice["weight_versions"] = None
+        if self._versions:
+            produced = self._counts[update.index] = self._counts.get(update.index, 0) + len(update.token_ids)
+            if update.version_spans:
+                choice["weight_versions"] = weight_version_spans(update.version_spans, produced)
+        return self._head + b',"choices":[' + _dumps(choice) + b'],"kv_transfer_params":null}\n\n'
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The usage frame, with ``choices: []``."""
@@ -306,8 +325,9 @@ def completion_logprobs(
 ) -> tuple[dict[str, Any], int]:
     """vLLM's ``CompletionLogProbs`` for these tokens, and the text offset after them.
 
-    ``text_offset[i]`` is where token ``i`` starts in the choice's text, counted in characters of
-    the tokens' own texts (as vLLM counts it). With ``as_ids`` tokens are written ``token_id:N``.
+    ``text_offset[i]`` is where token ``i`` starts, counted as vLLM counts it: the running sum of
+    the lengths of the ``tokens`` strings before it (so with ``as_ids``, of the ``token_id:N``
+    strings). With ``as_ids`` tokens and alternatives are written ``token_id:N``.
     """
     tokens: list[str] = []
     offsets: list[int] = []
@@ -316,7 +336,7 @@ def completion_logprobs(
         text = f"token_id:{token}" if as_ids else token_text(token)[0]
         tokens.append(text)
         offsets.append(offset)
-        offset += len(token_text(token)[0])
+        offset += len(text)
         if top_logprobs is not None:
             entry = {(f"token_id:{t}" if as_ids else token_text(t)[0]): lp for t, lp in top_logprobs[i]}
             entry.setdefault(text, logprobs[i])  # vLLM's entry always holds the sampled token
@@ -333,8 +353,9 @@ def text_completion_body(
     *,
     token_text: TokenText,
     tokens_as_ids: bool,
+    weight_versions: bool,
 ) -> dict[str, Any]:
-    """A whole non-streamed ``text_completion`` in vLLM's shape."""
+    """A whole non-streamed ``text_completion`` in vLLM's shape (every field, nulls included)."""
     first = batch[0]
     prompt_of = {p.first_index + i: p.prompt_ids for p in batch for i in range(p.n)}
     choices = []
@@ -352,10 +373,11 @@ def text_completion_body(
             choice["logprobs"], _ = completion_logprobs(
                 token_text, result.token_ids, result.logprobs, top, 0, tokens_as_ids
             )
-        if first.return_token_ids:
-            choice["prompt_token_ids"] = prompt_of[result.index]
-            choice["token_ids"] = result.token_ids
-            choice["policy_versions"] = result.policy_versions
+        choice["prompt_token_ids"] = prompt_of[result.index] if first.return_token_ids else None
+        choice["token_ids"] = result.token_ids if first.return_token_ids else None
+        choice["routed_experts"] = None
+        spans = result.version_spans if weight_versions else None
+        choice["weight_versions"] = weight_version_spans(spans, len(result.token_ids)) if spans else None
         choices.append(choice)
     prompt_tokens = sum(len(p.prompt_ids) for p in batch)
     return {
@@ -366,9 +388,20 @@ def text_completion_body(
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": usage_body(prompt_tokens, sum(len(r.token_ids) for r in results)),
+        "usage": usage_body(prompt_tokens, sum(len(r.token_ids) for r in results)) | {"prompt_tokens_details": None},
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
+
+
+def weight_version_spans(spans: Sequence[tuple[int, int]], length: int) -> list[dict[str, Any]]:
+    """``(version, first index)`` spans as vLLM's ``WeightVersionSpan``s: half-open ``[start, end)``."""
+    out = []
+    for i, (version, start) in enumerate(spans):
+        end = spans[i + 1][1] if i + 1 < len(spans) else length
+        out.append({"version": str(version), "start": start, "end": end})
+    return out
 
 
 _dumps = orjson.dumps

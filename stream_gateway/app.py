@@ -206,6 +206,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
                 logprobs=first.logprobs,
                 token_ids=first.return_token_ids,
                 tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                weight_versions=body.return_weight_versions,
                 prompts=prompts,
             )
             prompt_tokens = sum(len(p.prompt_ids) for p in batch)
@@ -214,10 +215,11 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         results = await service.collect(batch, _disconnect_waiter(request))
         if results is None:
             return Response(status_code=499)
-        as_ids = bool(body.return_tokens_as_token_ids)
-        return ORJSONResponse(
-            text_completion_body(batch, results, token_text=token_text, tokens_as_ids=as_ids), headers=headers
+        as_ids, versions = bool(body.return_tokens_as_token_ids), body.return_weight_versions
+        completion = text_completion_body(
+            batch, results, token_text=token_text, tokens_as_ids=as_ids, weight_versions=versions
         )
+        return ORJSONResponse(completion, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -434,4 +434,4 @@ def test_a_remote_pool_follows_announced_versions_and_reported_ones(
             )
             auth = {"authorization": f"Bearer {ADMIN}"}
             (turn,) = httpx.get(f"{running.base_url}/sessions/{session_id}", headers=auth).json()["turns"]
-            assert turn["policy_version"] == 0  # what the upstream says sampled them, not the announcement
+            assert turn["policy_version"] == 0 and turn["policy_versions"] == [[0, 0]]  # the upstream's weight_versions

@@ -22,24 +22,25 @@ from transformers import AutoModelForCausalLM
 from .fidelity import assert_chain_logprobs
 from .servers import RunningGateway
 
-# vLLM's response models, field by field: vllm/entrypoints/openai/completion/protocol.py at vLLM main
-# commit 002032ee2b18 (2026; the fields named below exist since vLLM 0.10.2, where return_token_ids came
-# in). Every field we send must be one of vLLM's (or our documented extension), and every field a
-# client reads on vLLM's must be there; nullable ones vLLM fills only for features we do not have
-# (``metrics``, ``ec_transfer_params``, ``routed_experts``) are left out.
-VLLM_STREAM_RESPONSE = {"id", "object", "created", "model", "choices", "usage", "system_fingerprint", "metrics"}
-VLLM_STREAM_CHOICE = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids"}
+# vLLM's response models and how it writes them, field by field: vLLM 0.33.0 (the PyPI wheel,
+# commit g4ba787ec9), vllm/entrypoints/openai/completion/{protocol,serving}.py. Streamed chunks are
+# ``model_dump_json(exclude_unset=True)`` of models built with these keys set (null when not asked
+# for); the usage chunk drops nulls; non-streamed bodies are ``model_dump()``: every field, nulls
+# included. The same sets are asserted exactly here.
+VLLM_STREAM_RESPONSE = {"id", "object", "created", "model", "choices", "kv_transfer_params"}
+VLLM_STREAM_CHOICE = {
+    "index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids", "weight_versions",
+}  # fmt: skip
+VLLM_USAGE_CHUNK = {"id", "object", "created", "model", "choices", "usage"}
 VLLM_RESPONSE = {
     "id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
     "kv_transfer_params", "ec_transfer_params", "metrics",
 }  # fmt: skip
 VLLM_CHOICE = {
     "index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_logprobs", "prompt_token_ids",
-    "routed_experts",
+    "routed_experts", "weight_versions",
 }  # fmt: skip
 VLLM_LOGPROBS = {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
-OMITTED = {"metrics", "ec_transfer_params", "routed_experts"}
-EXTENSIONS = {"policy_version", "policy_versions"}  # ours: the weights' version per choice
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +90,13 @@ def test_streamed_chunks_have_vllms_fields_and_add_up_to_the_whole(gateway: Runn
             "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     frames = _frames(_post(gateway, body))
     *chunks, usage = frames
+    assert set(usage) == VLLM_USAGE_CHUNK
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
     for chunk in chunks:
-        assert set(chunk) == VLLM_STREAM_RESPONSE - {"system_fingerprint", "metrics"}
+        assert set(chunk) == VLLM_STREAM_RESPONSE
         assert chunk["object"] == "text_completion"
         (choice,) = chunk["choices"]
-        assert set(choice) - EXTENSIONS == VLLM_STREAM_CHOICE, set(choice) ^ VLLM_STREAM_CHOICE
+        assert set(choice) == VLLM_STREAM_CHOICE, set(choice) ^ VLLM_STREAM_CHOICE
         assert set(choice["logprobs"]) == VLLM_LOGPROBS
         assert (
             len(choice["token_ids"]) == len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["token_logprobs"])
@@ -103,13 +105,33 @@ def test_streamed_chunks_have_vllms_fields_and_add_up_to_the_whole(gateway: Runn
     assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
     streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     whole = _post(gateway, {**body, "stream": False, "stream_options": None}).json()
-    assert set(whole) == VLLM_RESPONSE - OMITTED
-    assert set(whole["choices"][0]) - EXTENSIONS == VLLM_CHOICE - OMITTED
+    assert set(whole) == VLLM_RESPONSE
+    assert set(whole["choices"][0]) == VLLM_CHOICE
     assert whole["choices"][0]["token_ids"] == streamed  # greedy: the same ids either way
     assert whole["choices"][0]["text"] == "".join(c["choices"][0]["text"] for c in chunks)
     offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
-    assert offsets == whole["choices"][0]["logprobs"]["text_offset"] and offsets == sorted(offsets)
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # vLLM's running sum
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["weight_versions"] is None for c in chunks)  # not asked for
+    assert whole["usage"]["prompt_tokens_details"] is None and whole["choices"][0]["routed_experts"] is None
+    plain = _frames(_post(gateway, {**body, "return_token_ids": False, "logprobs": None}))[:-1]
+    assert all(c["choices"][0]["token_ids"] is None and c["choices"][0]["logprobs"] is None for c in plain)
+
+
+def test_weight_versions_say_which_weights_sampled_which_tokens(gateway: RunningGateway) -> None:
+    """vLLM's ``return_weight_versions``: spans on each choice's last chunk, and on whole choices."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "n": 2, "return_weight_versions": True,
+            "stream": True}  # fmt: skip
+    chunks = _frames(_post(gateway, body))
+    version = str(gateway.health()["policy_version"])
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert all(c["weight_versions"] is None for c in mine[:-1])
+        assert mine[-1]["weight_versions"] == [{"version": version, "start": 0, "end": 6}]
+    whole = _post(gateway, {**body, "stream": False}).json()
+    assert [c["weight_versions"] for c in whole["choices"]] == [[{"version": version, "start": 0, "end": 6}]] * 2
 
 
 def test_tokens_as_token_ids_and_string_and_batched_prompts(gateway: RunningGateway) -> None:
@@ -118,12 +140,19 @@ def test_tokens_as_token_ids_and_string_and_batched_prompts(gateway: RunningGate
     reply = _post(gateway, body).json()
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]  # prompt i's choices are i*n .. i*n+n-1
     assert [c["prompt_token_ids"] for c in reply["choices"]] == [[9, 10, 11]] * 2 + [[12, 13]] * 2
-    assert reply["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert reply["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 12,
+        "total_tokens": 17,
+        "prompt_tokens_details": None,
+    }
     for choice in reply["choices"]:
         tokens = choice["logprobs"]["tokens"]
         assert tokens == [f"token_id:{t}" for t in choice["token_ids"]]
         for sampled, top in zip(tokens, choice["logprobs"]["top_logprobs"], strict=True):
             assert sampled in top and all(k.startswith("token_id:") for k in top)
+        # Offsets count the ``token_id:N`` strings, as vLLM's do.
+        assert choice["logprobs"]["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     tokenizer = gateway.engine.tokenizer
     texts = _post(gateway, {"model": "tiny", "prompt": ["hello there", "bye"], "max_tokens": 2,
                             "return_token_ids": True}).json()  # fmt: skip

@@ -58,6 +58,9 @@ class EngineStep:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finish_reason: FinishReason | None = None
     policy_version: int = 0  # the weights that sampled these tokens (a swap happens between steps)
+    # Last step only, from servers that report them afterwards (vLLM's ``weight_versions``): the
+    # authoritative ``(version, first output index)`` spans of the whole output.
+    version_spans: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

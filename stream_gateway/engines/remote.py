@@ -8,8 +8,10 @@ servers, which answer with token ids and their logprobs. Nothing is re-tokenized
   ``return_token_ids`` (the sampled ids of each chunk), ``logprobs`` (the sampled ids' logprobs,
   plus the ``k`` most likely alternatives), ``return_tokens_as_token_ids`` (alternatives keyed
   ``"token_id:N"``, never by text that may not round-trip) and ``skip_special_tokens: false``.
-  A stream-gateway serving ``/v1/completions`` speaks the same protocol, so gateways can be
-  chained; it also reports the policy version of every chunk (``choices[].policy_version``).
+  ``return_weight_versions`` asks vLLM 0.33+ which weights sampled which output tokens (its
+  ``weight_versions`` spans, on the last chunk; older servers ignore the field and log that
+  they did). A stream-gateway serving ``/v1/completions`` speaks the same protocol, spans
+  included, so gateways can be chained.
 * **SGLang** (``POST /generate``): ``input_ids``, ``sampling_params``, ``return_logprob``,
   ``top_logprobs_num``, ``stream``. Its OpenAI endpoints drop token ids when streaming
   (sgl-project/sglang#30917, #37365), so the native endpoint is the only exact one. Frames hold
@@ -30,8 +32,9 @@ generator closes the HTTP response, so the server sees the disconnect and aborts
 
 Policy versions: these servers are updated by whoever trains (verl's rollout servers, an RL
 framework's weight sync), not by the gateway. The gateway labels tokens with the version the
-server reports per chunk when it does (a stream-gateway upstream; SGLang's numeric
-``meta_info.weight_version``), and otherwise with the version announced for the pool
+server reports when it does (vLLM 0.33+'s and a stream-gateway's numeric ``weight_versions``
+spans, SGLang's numeric ``meta_info.weight_version``), and otherwise with the version announced
+for the pool
 (``policy.updated`` on NATS, or ``POST /policy/weights``): :meth:`RemoteEngine.load_weights`
 records the announced version and never reads weights.
 """
@@ -308,6 +311,7 @@ class RemoteEngine:
             "stream": True,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
+            "return_weight_versions": True,
             "skip_special_tokens": False,
             "ignore_eos": params.ignore_eos,
             "request_id": request_id,
@@ -343,13 +347,13 @@ class RemoteEngine:
             top: tuple[tuple[tuple[int, float], ...], ...] | None = None
             if top_n:
                 top = tuple(_top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
-            version = choice.get("policy_version")
             yield EngineStep(
                 tuple(ids),
                 tuple(-9999.0 if v is None else float(v) for v in values),
                 top,
                 reason,
-                version if isinstance(version, int) else self.policy_version,
+                self.policy_version,
+                _version_spans(choice.get("weight_versions")),
             )
 
     # -- SGLang -------------------------------------------------------------------------------
@@ -506,6 +510,20 @@ def _top_from_sglang(entry: Sequence[Sequence[Any]] | None, n: int) -> tuple[tup
     if not entry:
         return ()
     return tuple((int(e[1]), float(e[0])) for e in entry[:n])
+
+
+def _version_spans(spans: object) -> tuple[tuple[int, int], ...] | None:
+    """vLLM's ``weight_versions`` (``[{"version", "start", "end"}]``) as ``(version, first index)``
+    spans, if every label is a version number; otherwise ``None`` (the pool's version stands)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    out = []
+    for span in spans:
+        version = _numeric_version(span.get("version")) if isinstance(span, dict) else None
+        if version is None:
+            return None
+        out.append((version, int(span.get("start", 0))))
+    return tuple(out)
 
 
 def _numeric_version(value: object) -> int | None:
