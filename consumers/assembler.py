@@ -11,8 +11,10 @@ deterministic id as ``Nats-Msg-Id``, then marks the session emitted.
 
 A session is due when:
 
-* **closed**: its ``session.closed`` arrived and every ``seq`` before it too (events may come out
-  of order); if some never come, after ``close_grace_s`` it is emitted marked incomplete. With
+* **closed**: its ``session.closed`` arrived and every ``seq`` before it too (events may come
+  out of order; gateway replicas sharing a session number from blocks of their own, and its
+  ``session.closed`` lists the numbers that exist in ``expected_seqs``); if some never come,
+  after ``close_grace_s`` it is emitted marked incomplete. With
   ``reward_wait_s`` a closed session without session-level feedback waits that long for one;
 * **idle**: no event for ``idle_timeout_s`` (the gateway evicts idle sessions too and says so
   with ``session.closed`` reason ``idle``; this covers gateways that died);
@@ -203,6 +205,8 @@ class Assembler:
             ref = msg.metadata.sequence.stream
             in_hand[ref] = payload
             entry = {"seq": seq, "kind": kind, "ref": ref, "session_id": session_id, "tenant": tenant}
+            if kind == "session.closed" and body.get("expected_seqs") is not None:
+                entry["expected"] = body["expected_seqs"]
             by_session.setdefault(key, []).append((msg, entry))
 
         async def one_session(key: str, items: list[tuple[Msg, dict[str, Any]]]) -> None:
@@ -235,6 +239,7 @@ class Assembler:
                 state["kinds"][seq] = entry["kind"]
                 if entry["kind"] == "session.closed" and state["closed_seq"] is None:
                     state["closed_seq"], state["closed_at"] = entry["seq"], now
+                    state["expected"] = entry.get("expected")
             state["seen_at"] = now
             stored = await work.store(key, state, revision)
             if stored is not None:
@@ -290,7 +295,9 @@ class Assembler:
         if config.max_turns is not None and turns >= config.max_turns:
             because = "cap"
         elif closed_seq is not None:
-            complete = all(str(s) in kinds for s in range(closed_seq))
+            expected = state.get("expected")
+            wanted = range(closed_seq) if expected is None else (s for a, b in expected for s in range(a, b))
+            complete = all(str(s) in kinds for s in wanted)
             has_feedback = "feedback.recorded" in kinds.values()
             waited = time.time() - float(state["closed_at"])
             if not complete and waited < config.close_grace_s:

@@ -148,6 +148,11 @@ class SessionClosed(Event):
         description="closed by the client, idle too long, evicted to make room, or the gateway shut down"
     )
     turns: int = Field(ge=0, description="turns recorded in the session")
+    expected_seqs: list[tuple[int, int]] | None = Field(
+        None,
+        description="the session's durable events before this one, as [first, end) ranges of `seq`, when "
+        "several gateway replicas wrote it (each numbers from its own block); null: every `seq` below this one",
+    )
 
 
 class SamplingRecord(BaseModel):

@@ -15,8 +15,11 @@ Deliberate choices:
   a second per stream however fast the engine. Each delta costs the gateway ~0.25 ms of CPU
   (a publish and a socket write): at 16 tokens a delta on the synthetic engine's 16k tokens/s
   that was 1.2x the CPU per token of capture off (``benchmarks/capture_overhead.py``).
-* ``seq`` counts a session's durable events; it lives on the session, so concurrent requests
-  of one session (n > 1, parallel sub-agents) still number their events without gaps.
+* ``seq`` numbers a session's durable events; it lives on the session, so concurrent requests
+  of one session (n > 1, parallel sub-agents) still number their events without gaps. With shared
+  sessions each replica numbers from its own reserved block (:meth:`Session.take_seq`), and the
+  session records which numbers each turn took, so ``session.closed`` can list the numbers that
+  exist (``expected_seqs``) wherever they were written.
 * ``policy.applied`` / ``policy.rejected`` are this replica's answers to new weights, from a
   ``policy.updated`` event (:mod:`._policy_sync`) or ``POST /policy/weights``; ``policy.updated``
   itself is the trainer's (``pipeline.policies.publish_policy``).
@@ -124,24 +127,33 @@ class EventRecorder:
         self, session: Session, policy_version: int, agent: str | None, metadata: dict[str, str]
     ) -> None:
         """A session's first request was admitted."""
+        session.announced = True
         if self._publish is None:
             return
-        self._emit_durable(
+        seq = session.opened_seq = session.take_seq()
+        self._publish(
             SessionOpened.model_construct(
-                **self._common(session, policy_version), agent=agent, metadata=dict(metadata)
-            ),
-            session,
+                **self._common(session, policy_version, seq), agent=agent, metadata=dict(metadata)
+            )
         )
 
-    def session_closed(self, session: Session, policy_version: int, reason: str) -> None:
-        """No more turns will join ``session``."""
+    def session_closed(
+        self,
+        session: Session,
+        policy_version: int,
+        reason: str,
+        expected_seqs: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """No more turns will join ``session``; ``expected_seqs``: the numbers its events took (shared sessions)."""
         if self._publish is None:
             return
-        self._emit_durable(
+        self._publish(
             SessionClosed.model_construct(
-                **self._common(session, policy_version), reason=reason, turns=len(session.turns)
-            ),
-            session,
+                **self._common(session, policy_version, session.take_seq()),
+                reason=reason,
+                turns=len(session.turns),
+                expected_seqs=expected_seqs,
+            )
         )
 
     def turn_started(
@@ -159,9 +171,9 @@ class EventRecorder:
         """A generation was admitted to the engine."""
         if self._publish is None:
             return
-        self._emit_durable(
+        self._publish(
             TurnStarted.model_construct(
-                **self._common(session, policy_version),
+                **self._common(session, policy_version, self._turn_seq(session, turn_id)),
                 turn_id=turn_id,
                 parent_turn_id=parent_turn_id,
                 request_id=request_id,
@@ -169,8 +181,7 @@ class EventRecorder:
                 prompt_tokens=prompt_tokens,
                 reused_prompt_tokens=reused_prompt_tokens,
                 sampling=_sampling(params),
-            ),
-            session,
+            )
         )
 
     def deltas(self, session: Session, turn_id: str, policy_version: int) -> DeltaCoalescer | None:
@@ -178,8 +189,7 @@ class EventRecorder:
         publish = self._publish
         if publish is None or not self._live:
             return None
-        common = self._common(session, policy_version)
-        common["seq"] = 0  # deltas are not durable: they take no place in the session's sequence
+        common = self._common(session, policy_version, 0)  # deltas are not durable: no place in the sequence
 
         def make(offset: int, ids: list[int], logprobs: list[float]) -> Event:
             return TurnDelta.model_construct(
@@ -206,7 +216,7 @@ class EventRecorder:
         if self._publish is None:
             return
         fields = {
-            **self._common(session, turn.policy_version),
+            **self._common(session, turn.policy_version, self._turn_seq(session, turn.turn_id)),
             "turn_id": turn.turn_id,
             "parent_turn_id": turn.parent_id,
             "request_id": request_id,
@@ -233,7 +243,7 @@ class EventRecorder:
             event = TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
         else:
             event = TurnAborted.model_construct(**fields, reason=abort_reason or "cancelled", detail=abort_detail)
-        self._emit_durable(event, session)
+        self._publish(event)
 
     def feedback(
         self,
@@ -244,10 +254,11 @@ class EventRecorder:
         label: str | None,
         comment: str | None,
         source: str,
-    ) -> str:
-        """Record a reward; returns the event id (also when capture is off, for the response)."""
+    ) -> tuple[str, int | None]:
+        """Record a reward; returns the event id (also when capture is off, for the response) and its seq."""
+        seq = session.take_seq() if self._publish is not None else None
         event = FeedbackRecorded.model_construct(
-            **self._common(session, policy_version),
+            **self._common(session, policy_version, seq or 0),
             turn_id=turn_id,
             score=score,
             label=label,
@@ -255,8 +266,8 @@ class EventRecorder:
             source=source,
         )
         if self._publish is not None:
-            self._emit_durable(event, session)
-        return event.event_id
+            self._publish(event)
+        return event.event_id, seq
 
     def policy_applied(self, report: WeightUpdateReport, *, replica: str, source: str, download_s: float,
                        apply_s: float) -> None:  # fmt: skip
@@ -301,22 +312,23 @@ class EventRecorder:
             "policy_version": policy_version,
         }
 
-    def _common(self, session: Session, policy_version: int) -> dict[str, Any]:
+    def _common(self, session: Session, policy_version: int, seq: int) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
             "event_id": new_event_id(),
             "time": time.time(),
             "tenant": tenant_id(session.tenant),
             "session_id": session.session_id,
-            "seq": session.event_seq,
+            "seq": seq,
             "model": self._model,
             "policy_version": policy_version,
         }
 
-    def _emit_durable(self, event: Event, session: Session) -> None:
-        assert self._publish is not None
-        session.event_seq += 1
-        self._publish(event)
+    @staticmethod
+    def _turn_seq(session: Session, turn_id: str) -> int:
+        seq = session.take_seq()
+        session.turn_seqs.setdefault(turn_id, []).append(seq)
+        return seq
 
 
 def _sampling(params: SamplingParams) -> SamplingRecord:

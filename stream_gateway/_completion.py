@@ -29,8 +29,9 @@ from ._context import Context, ContextBuilder
 from ._errors import Conflict, ContextLengthExceeded, EngineError, GatewayError, InvalidRequest, ModelNotFound
 from ._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from ._metrics import GatewayMetrics
-from ._sessions import Session, SessionStore, Turn
+from ._sessions import Session, Turn
 from ._settings import Settings
+from ._shared_sessions import SessionDirectory
 from ._text import TextAssembler
 from .engines import Engine, SamplingParams
 from .tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
@@ -84,7 +85,7 @@ class CompletionService:
         engine: Engine,
         settings: Settings,
         metrics: GatewayMetrics,
-        sessions: SessionStore,
+        sessions: SessionDirectory,
         recorder: EventRecorder,
     ) -> None:
         self._engine = engine
@@ -124,18 +125,23 @@ class CompletionService:
         check_model_and_n(engine, self._settings, body.model, body.n)
         body.check_supported()
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
+        # Turn keys end with an assistant message; the request's last message is always new.
+        positions = [i for i, m in enumerate(body.messages[:-1]) if m.role == "assistant"]
         session: Session | None
         parent: Turn | None = None
+        unavailable: str | None = None  # why the shared state could not say whether a deeper turn exists
         if session_id is not None:
-            session = self._sessions.lookup(session_id, tenant)
+            session = await self._sessions.lookup(session_id, tenant)
             if session is not None and session.closed:
                 raise Conflict(f"Session `{session_id}` is closed.", param="session_id", code="session_closed")
-            parent = session.match(keys) if session is not None else None
-        elif (found := self._sessions.find(tenant, keys)) is not None:
-            session, parent = found
+            if session is not None:
+                parent, unavailable = await self._sessions.match(session, keys, positions)
         else:
-            session = None
+            found, unavailable = await self._sessions.find(tenant, keys, positions)
+            session, parent = found if found is not None else (None, None)
         context = await anyio.to_thread.run_sync(self._context_builder.build, body.messages, body.tools, parent)
+        if unavailable is not None and context.fallback_reason is None:
+            context = replace(context, fallback_reason=unavailable)
         if context.fallback_reason is not None:
             self._metrics.context_fallbacks.inc()
             log.info("session %s: new root instead of continuing a turn: %s", session_id, context.fallback_reason)
@@ -155,12 +161,13 @@ class CompletionService:
             )
         # Only a request that will run gets a session: failed ones leave nothing behind.
         if session is None:
-            session = self._sessions.get_or_create(session_id, tenant) if session_id else self._sessions.create(tenant)
+            session = await self._sessions.open(session_id, tenant)
         if session.closed:  # closed while this request's prompt was being built
             raise Conflict(f"Session `{session.session_id}` is closed.", param="session_id", code="session_closed")
-        if not session.turns and session.event_seq == 0:
+        await self._sessions.prepare_to_write(session)
+        if not session.announced:
             self._recorder.session_opened(session, engine.policy_version, agent, body.metadata or {})
-        self._sessions.touch(session)
+        self._sessions.store.touch(session)
         params = SamplingParams(
             max_tokens=requested if requested is not None else min(self._settings.default_max_tokens, room),
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -322,6 +329,10 @@ class CompletionService:
                 abort_reason,
                 abort_detail,
             )
+            shared = self._sessions.turn_recorded(prepared.session, turn)
+            if abort_reason is None:
+                # The response ends (usage, [DONE]) once other replicas can find this turn.
+                await self._sessions.wait_shared(shared)
 
     def _record_turn(
         self,
@@ -361,7 +372,7 @@ class CompletionService:
             matches_full_render=context.matches_full_render,
             fallback_reason=context.fallback_reason,
         )
-        self._sessions.add_turn(prepared.session, turn)
+        self._sessions.store.add_turn(prepared.session, turn)
         return turn
 
     # -- responses -------------------------------------------------------------------------

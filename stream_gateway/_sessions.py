@@ -15,11 +15,17 @@ store's ``on_close`` callback says why each one went: ``idle`` or ``evicted``).
 
 A closed session (``POST /sessions/{id}/close``) takes no more turns and is no longer found by
 automatic lookup, but stays inspectable and accepts feedback until it is evicted.
+
+With shared sessions (:mod:`._shared_sessions`) this store is a cache: the session state lives in
+NATS, eviction only drops the local copy (``on_evict``), and a session's durable events are
+numbered from blocks of ``seq`` values reserved in NATS, so that two replicas writing one
+session never use the same number.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import time
 from array import array
@@ -30,6 +36,10 @@ from typing import Any
 
 from ._errors import NotFound
 from .tool_parsers import ToolCall
+
+log = logging.getLogger(__name__)
+
+SEQ_BLOCK = 4096  # durable event numbers one replica reserves for one session at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +87,39 @@ class Session:
     last_active: float
     turns: dict[str, Turn] = field(default_factory=dict)
     by_key: dict[bytes, list[str]] = field(default_factory=dict)
-    event_seq: int = 0  # durable events published for this session so far
     closed: bool = False
     feedback: list[dict[str, Any]] = field(default_factory=list)
     by_tokens: dict[bytes, str] = field(default_factory=dict)  # digest of prompt + output ids -> turn id
     token_lengths: dict[int, int] = field(default_factory=dict)  # lengths of those sequences -> how many
+    token_digests: dict[str, bytes] = field(default_factory=dict)  # turn id -> its digest
+    announced: bool = False  # its session.opened was published (here, or by the replica that created it)
+    # Durable event numbers: the next one, and the end of the block this replica holds (None:
+    # unbounded, a session nobody else writes); reserved blocks not yet started; and the numbers
+    # each turn's events took here (turn.started, then turn.completed/aborted).
+    seq_next: int = 0
+    seq_end: int | None = None
+    seq_blocks: list[tuple[int, int]] = field(default_factory=list)
+    turn_seqs: dict[str, list[int]] = field(default_factory=dict)
+    opened_seq: int | None = None
+    shared: Any = None  # the shared sessions' bookkeeping (revision, loaded events), when on
+
+    def take_seq(self) -> int:
+        """The number of the session's next durable event."""
+        seq = self.seq_next
+        if self.seq_end is not None and seq >= self.seq_end:
+            if self.seq_blocks:
+                seq, self.seq_end = self.seq_blocks.pop(0)
+            else:
+                # Only when NATS stayed away for a whole block's worth of events: numbers past the
+                # block could meet another replica's, which the consumers would drop as duplicates.
+                log.error("session %s: no reserved event numbers left; numbering on past %d", self.session_id, seq)
+                self.seq_end = None
+        self.seq_next = seq + 1
+        return seq
+
+    def seqs_low(self) -> bool:
+        """Whether this replica should reserve another block of event numbers for the session."""
+        return self.seq_end is not None and not self.seq_blocks and self.seq_end - self.seq_next < SEQ_BLOCK // 4
 
     def add(self, turn: Turn) -> bytes | None:
         """Record a finished (or aborted) turn; returns its token digest if it can be continued by ids."""
@@ -95,6 +133,7 @@ class Session:
         if digest not in self.by_tokens:
             self.token_lengths[length] = self.token_lengths.get(length, 0) + 1
         self.by_tokens[digest] = turn.turn_id
+        self.token_digests[turn.turn_id] = digest
         return digest
 
     def match_tokens(self, prompt_ids: list[int]) -> Turn | None:
@@ -195,6 +234,7 @@ class SessionStore:
         max_sessions: int = 10_000,
         idle_seconds: float = 3600.0,
         on_close: Callable[[Session, str], None] | None = None,
+        on_evict: Callable[[Session, str], None] | None = None,
     ) -> None:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._index: dict[tuple[str, bytes], str] = {}
@@ -204,6 +244,7 @@ class SessionStore:
         self._max_sessions = max_sessions
         self._idle_seconds = idle_seconds
         self._on_close = on_close
+        self._on_evict = on_evict  # set: eviction only drops the cached copy (shared sessions)
 
     def get(self, session_id: str, tenant: str) -> Session:
         """The tenant's session ``session_id``; another tenant's is reported as not found."""
@@ -224,6 +265,21 @@ class SessionStore:
         session = self.lookup(session_id, tenant)
         return session if session is not None else self._create(session_id, tenant)
 
+    def cached(self, session_id: str) -> Session | None:
+        """The session ``session_id`` if this store holds it, whoever owns it."""
+        return self._sessions.get(session_id)
+
+    def insert(self, session: Session) -> Session:
+        """Hold ``session`` (loaded from shared state) and make its turns findable; returns the one held."""
+        held = self._sessions.get(session.session_id)
+        if held is not None:
+            return held
+        self._sessions[session.session_id] = session
+        for turn in session.turns.values():
+            self._index_turn(session, turn)
+        self._evict(time.time())
+        return session
+
     def create(self, tenant: str) -> Session:
         """A new session with a generated id."""
         return self._create(f"sess{secrets.token_hex(12)}", tenant)
@@ -240,6 +296,22 @@ class SessionStore:
                 return session, turn
         return None
 
+    def find_at(self, tenant: str, keys: list[bytes], positions: list[int]) -> tuple[Session, Turn, int] | None:
+        """Like :meth:`find`, probing only ``positions`` (where a turn key can be); with the position hit."""
+        for i in reversed(positions):
+            session_id = self._index.get((tenant, keys[i]))
+            session = self._sessions.get(session_id) if session_id is not None else None
+            ids = session.by_key.get(keys[i]) if session is not None else None
+            if session is not None and ids:
+                return session, session.turns[ids[-1]], i
+        return None
+
+    def discard(self, session: Session) -> None:
+        """Forget ``session`` without closing it (a copy another replica's replaced)."""
+        if self._sessions.get(session.session_id) is session:
+            del self._sessions[session.session_id]
+            self._unindex(session)
+
     def find_tokens(self, tenant: str, prompt_ids: list[int]) -> tuple[Session, Turn] | None:
         """The tenant's session holding the deepest finished turn that ``prompt_ids`` extend."""
         lengths = self._token_lengths.get(tenant)
@@ -255,9 +327,13 @@ class SessionStore:
 
     def add_turn(self, session: Session, turn: Turn) -> None:
         """Record ``turn`` in ``session`` and make it findable (unless the session was closed)."""
-        digest = session.add(turn)
-        if session.session_id not in self._sessions or session.closed:
+        session.add(turn)
+        self._index_turn(session, turn)
+
+    def _index_turn(self, session: Session, turn: Turn) -> None:
+        if self._sessions.get(session.session_id) is not session or session.closed:
             return
+        digest = session.token_digests.get(turn.turn_id)
         if turn.key is not None:
             self._index[(session.tenant, turn.key)] = session.session_id
         if digest is not None and (session.tenant, digest) not in self._token_index:
@@ -275,6 +351,12 @@ class SessionStore:
         if self._on_close is not None:
             self._on_close(session, reason)
         return True
+
+    def mark_closed(self, session: Session) -> None:
+        """Take note that ``session`` was closed elsewhere (another replica said so): nothing is published."""
+        if not session.closed:
+            session.closed = True
+            self._unindex(session)
 
     def close_all(self, reason: str) -> None:
         """Close every open session (the gateway is shutting down)."""
@@ -308,6 +390,10 @@ class SessionStore:
                 return
             del self._sessions[oldest.session_id]
             reason = "idle" if now - oldest.last_active >= self._idle_seconds else "evicted"
+            if self._on_evict is not None:
+                self._unindex(oldest)
+                self._on_evict(oldest, reason)
+                continue
             if not oldest.closed:
                 oldest.closed = True
                 if self._on_close is not None:

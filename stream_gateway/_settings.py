@@ -50,6 +50,25 @@ class Settings(BaseSettings):
     session_idle_seconds: float = Field(3600.0, gt=0, description="a session idle this long is evicted")
 
     nats_url: str | None = Field(None, description="NATS server(s), comma-separated; unset: capture is off")
+    shared_sessions: bool = Field(
+        True, description="with --nats-url: keep session state in NATS so that any replica continues any session"
+    )
+    sessions_bucket: str = Field(
+        "sg_sessions", pattern=r"^[A-Za-z0-9_-]+$", description="the NATS KV bucket holding shared session state"
+    )
+    session_sync_timeout_seconds: float = Field(
+        1.0, gt=0, description="longest wait for one read or write of the shared session state before falling back"
+    )
+    session_state_ttl_seconds: float = Field(
+        7 * 24 * 3600.0, ge=0, description="shared session state unused this long expires (0: never)"
+    )
+    close_sessions_on_shutdown: bool | None = Field(
+        None,
+        description="close open sessions when the gateway stops (default: only when sessions are not shared, "
+        "since another replica may continue them)",
+    )
+    workers: int = Field(1, ge=1, le=64, description="gateway processes sharing the port (needs shared sessions)")
+    worker_index: int | None = Field(None, ge=0, description="set by the supervisor in each worker process")
     outbox_dir: Path | None = Field(None, description="disk outbox for events NATS has not taken yet")
     subject_prefix: str = Field("sg", pattern=r"^[A-Za-z0-9_-]+$", description="first token of event subjects")
     events_stream: str = Field("SG_EVENTS", description="JetStream stream holding durable events")

@@ -37,8 +37,9 @@ from ._chunks import ChoiceResult, ChoiceUpdate, TokenText, frame_head, usage_bo
 from ._completion import PreparedCompletion, check_model_and_n
 from ._context import Context
 from ._errors import Conflict, ContextLengthExceeded, GatewayError, InvalidRequest, UnsupportedParameter
-from ._sessions import Session, SessionStore, Turn
+from ._sessions import Session, Turn
 from ._settings import Settings
+from ._shared_sessions import SessionDirectory
 from .engines import Engine, SamplingParams
 
 __all__ = ["CompletionRequest", "TextChunkEncoder", "TokenInService", "text_completion_body"]
@@ -135,13 +136,13 @@ class CompletionRequest(BaseModel):
 class TokenInService:
     """Prepares token-in requests: the prompt ids as given, placed in a session by id prefix."""
 
-    def __init__(self, engine: Engine, settings: Settings, sessions: SessionStore, recorder: EventRecorder) -> None:
+    def __init__(self, engine: Engine, settings: Settings, sessions: SessionDirectory, recorder: EventRecorder) -> None:
         self._engine = engine
         self._settings = settings
         self._sessions = sessions
         self._recorder = recorder
 
-    def prepare(
+    async def prepare(
         self, body: CompletionRequest, *, tenant: str, session_id: str | None = None, agent: str | None = None
     ) -> list[PreparedCompletion]:
         """One prepared completion per prompt, sharing one response id; choices numbered on."""
@@ -154,7 +155,7 @@ class TokenInService:
         token_lists = [self._prompt_ids(p, body.add_special_tokens) for p in prompts]
         named: Session | None = None
         if session_id is not None:
-            named = self._sessions.lookup(session_id, tenant)
+            named = await self._sessions.lookup(session_id, tenant)
             if named is not None and named.closed:
                 raise Conflict(f"Session `{session_id}` is closed.", param="session_id", code="session_closed")
         limit = engine.max_model_len
@@ -175,10 +176,13 @@ class TokenInService:
         stop_ids = frozenset(body.stop_token_ids or ())
         batch = []
         for position, ids in enumerate(token_lists):
-            session, parent = self._place(ids, tenant, session_id, named)
-            if not session.turns and session.event_seq == 0:
+            session, parent = await self._place(ids, tenant, session_id, named)
+            if session_id is not None:
+                named = session
+            await self._sessions.prepare_to_write(session)
+            if not session.announced:
                 self._recorder.session_opened(session, engine.policy_version, agent, {})
-            self._sessions.touch(session)
+            self._sessions.store.touch(session)
             reused = len(parent.prompt_ids) + len(parent.output_ids) if parent is not None else 0
             params = SamplingParams(
                 max_tokens=requested
@@ -217,17 +221,22 @@ class TokenInService:
             )
         return batch
 
-    def _place(
+    async def _place(
         self, ids: list[int], tenant: str, session_id: str | None, named: Session | None
     ) -> tuple[Session, Turn | None]:
-        """The session the prompt belongs to, and the turn it continues (if any)."""
+        """The session the prompt belongs to, and the turn it continues (if any).
+
+        Without a session id, continuation is found among the sessions this replica holds (the
+        shared state indexes conversations, not id prefixes): name the session (vLLM's
+        ``session_id``, or the session URL) to continue it on any replica.
+        """
         if session_id is not None:
-            session = named if named is not None else self._sessions.get_or_create(session_id, tenant)
-            return session, session.match_tokens(ids)
-        found = self._sessions.find_tokens(tenant, ids)
+            session = named if named is not None else await self._sessions.open(session_id, tenant)
+            return session, await self._sessions.match_tokens(session, ids)
+        found = self._sessions.store.find_tokens(tenant, ids)
         if found is not None:
             return found
-        return self._sessions.create(tenant), None
+        return await self._sessions.open(None, tenant), None
 
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         tokenizer: PreTrainedTokenizerBase = self._engine.tokenizer

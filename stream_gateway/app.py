@@ -9,9 +9,12 @@ Deliberate choices:
   ``{"error": {"message", "type", "param", "code"}}``.
 * The engine belongs to the app's lifespan: it starts before the first request is accepted and
   stops after the last response ended. So does the event publisher when ``nats_url`` is set:
-  it starts after the engine (so it is ready before the first request), and on shutdown every
-  open session is closed (``session.closed``, reason ``shutdown``) before the publisher drains,
-  writing what NATS has not taken to its disk outbox.
+  it starts after the engine (so it is ready before the first request), and on shutdown the
+  publisher drains, writing what NATS has not taken to its disk outbox. Open sessions are closed
+  first (``session.closed``, reason ``shutdown``) unless they are shared (the default with NATS):
+  another replica may continue them.
+* With ``nats_url`` the sessions are shared through NATS (:mod:`._shared_sessions`): this
+  process's store is a cache, and any replica continues any session.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ._metrics import GatewayMetrics
 from ._policy_sync import PolicyApplier, PolicyNotNewer
 from ._sessions import Session, SessionStore, session_body
 from ._settings import Settings
+from ._shared_sessions import SessionDirectory, SharedSessions, expected_seqs
 from ._token_in import CompletionRequest, TextChunkEncoder, TokenInService, text_completion_body
 from .engines import Engine, WeightsRejected
 from .engines._pool import normalize_url
@@ -101,12 +105,47 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         delta_interval_s=settings.delta_interval_ms / 1000,
     )
 
-    def session_closed(session: Session, reason: str) -> None:
-        recorder.session_closed(session, engine.policy_version, reason)
+    share = settings.nats_url is not None and settings.shared_sessions
+    shared: SharedSessions | None = None
 
-    sessions = SessionStore(
-        max_sessions=settings.max_sessions, idle_seconds=settings.session_idle_seconds, on_close=session_closed
+    def session_closed(session: Session, reason: str) -> None:
+        expected = expected_seqs(session) if share else None
+        recorder.session_closed(session, engine.policy_version, reason, expected)
+
+    def session_evicted(session: Session, reason: str) -> None:
+        assert shared is not None
+        shared.evicted(session, reason)
+
+    store = SessionStore(
+        max_sessions=settings.max_sessions,
+        idle_seconds=settings.session_idle_seconds,
+        on_close=session_closed,
+        on_evict=session_evicted if share else None,
     )
+    if share:
+        assert settings.nats_url is not None
+        shared = SharedSessions(
+            store,
+            servers=tuple(s.strip() for s in settings.nats_url.split(",") if s.strip()),
+            bucket=settings.sessions_bucket,
+            events_stream=settings.events_stream,
+            subject_prefix=settings.subject_prefix,
+            replicas=settings.stream_replicas,
+            timeout_s=settings.session_sync_timeout_seconds,
+            record_ttl_s=settings.session_state_ttl_seconds,
+            idle_seconds=settings.session_idle_seconds,
+            metrics=metrics,
+        )
+    sessions = SessionDirectory(store, shared)
+    if shared is not None:
+
+        async def close_idle(session: Session, reason: str) -> None:
+            await sessions.close(session, reason)
+
+        shared.on_remote_close = close_idle
+    close_on_shutdown = settings.close_sessions_on_shutdown
+    if close_on_shutdown is None:
+        close_on_shutdown = not share
     service = CompletionService(engine, settings, metrics, sessions, recorder)
     token_in = TokenInService(engine, settings, sessions, recorder)
     started = int(time.time())
@@ -132,13 +171,24 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
                     log.info("capturing events to %s (outbox %s)", ", ".join(config.servers), config.outbox_dir)
                     if settings.follow_policies:
                         await _start_follower(tg, applier, settings, config)
+                    if shared is not None:
+                        tg.start_soon(shared.run)
+                        with anyio.move_on_after(10):
+                            await shared.ready.wait()
+                        log.info("sessions shared through NATS KV bucket %s", settings.sessions_bucket)
                     try:
                         yield
                     finally:
+                        if shared is not None:
+                            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                                await shared.flush()
                         tg.cancel_scope.cancel()
-                        still_open = sum(not s.closed for s in sessions)
-                        log.info("shutting down: closing %d open sessions, draining events", still_open)
-                        sessions.close_all("shutdown")
+                        still_open = sum(not s.closed for s in store)
+                        if close_on_shutdown:
+                            log.info("shutting down: closing %d open sessions, draining events", still_open)
+                            store.close_all("shutdown")
+                        else:
+                            log.info("shutting down: %d sessions stay open (shared), draining events", still_open)
                         recorder.attach(None)
             finally:
                 tg.cancel_scope.cancel()
@@ -191,7 +241,9 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         session_id = session_id or request.headers.get("x-session-id") or body.session_id or None
         if session_id is not None:
             _check_session_id(session_id)
-        batch = token_in.prepare(body, tenant=tenant, session_id=session_id, agent=request.headers.get("user-agent"))
+        batch = await token_in.prepare(
+            body, tenant=tenant, session_id=session_id, agent=request.headers.get("user-agent")
+        )
         first = batch[0]
         headers = {"x-session-id": first.session.session_id}
         token_text = service.token_text
@@ -240,23 +292,24 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     @app.get("/sessions/{session_id}")
     async def inspect_session(request: Request, session_id: str) -> Response:
         tenant = authorize(request)
-        return ORJSONResponse(session_body(sessions.get(session_id, tenant)))
+        return ORJSONResponse(session_body(await sessions.get(session_id, tenant)))
 
     async def record_feedback(request: Request, session_id: str, turn_id: str | None) -> Response:
         tenant = authorize(request)
         body = await _parse(request, FeedbackBody)
-        session = sessions.get(session_id, tenant)
+        session = await sessions.get(session_id, tenant)
         if turn_id is not None and body.turn_id is not None and body.turn_id != turn_id:
             raise InvalidRequest("turn_id in the body differs from the one in the path.", param="turn_id")
         turn_id = turn_id or body.turn_id
         if turn_id is not None and turn_id not in session.turns:
             raise NotFound(f"No turn `{turn_id}` in session `{session_id}`.", param="turn_id", code="turn_not_found")
-        event_id = recorder.feedback(
+        await sessions.prepare_to_write(session)
+        event_id, seq = recorder.feedback(
             session, engine.policy_version, turn_id, body.score, body.label, body.comment, body.source
         )
         record = {"id": event_id, "object": "session.feedback", "session_id": session_id, "turn_id": turn_id}
         record |= body.model_dump(exclude={"turn_id"})
-        session.feedback.append(record)
+        sessions.feedback_recorded(session, record | {"seq": seq} if seq is not None else record)
         return ORJSONResponse(record)
 
     @app.post("/sessions/{session_id}/feedback")
@@ -270,8 +323,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     @app.post("/sessions/{session_id}/close")
     async def close_session(request: Request, session_id: str) -> Response:
         tenant = authorize(request)
-        session = sessions.get(session_id, tenant)
-        closed_now = sessions.close(session, "client")
+        session = await sessions.get(session_id, tenant)
+        closed_now = await sessions.close(session, "client")
         body = {"id": session_id, "object": "session", "closed": True, "already_closed": not closed_now}
         return ORJSONResponse(body | {"turns": len(session.turns)})
 
@@ -430,13 +483,18 @@ async def _start_upstream_follower(tg: Any, engine: RemoteEngine, settings: Sett
         await follower.synced.wait()
 
 
+def default_outbox_dir(settings: Settings) -> Path:
+    """Where a gateway without ``--outbox-dir`` keeps the events NATS has not taken (one per port)."""
+    return Path.home() / ".local" / "state" / "stream-gateway" / f"outbox-{settings.port}"
+
+
 def publisher_config(settings: Settings) -> Any:
     """The event publisher's configuration from the gateway's settings (``nats_url`` must be set)."""
     from pipeline.publisher import PublisherConfig
     from pipeline.streams import StreamSpec
 
     assert settings.nats_url is not None
-    outbox = settings.outbox_dir or Path.home() / ".local" / "state" / "stream-gateway" / f"outbox-{settings.port}"
+    outbox = settings.outbox_dir or default_outbox_dir(settings)
     stream = StreamSpec(
         prefix=settings.subject_prefix,
         stream=settings.events_stream,

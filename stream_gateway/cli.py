@@ -85,8 +85,16 @@ def _default_name(model: str) -> str:
 def _serve(settings: Settings) -> int:
     import uvicorn
 
+    from ._workers import WorkersRefused, check_workers, listening_socket, run_workers
     from .app import create_app
 
+    try:
+        check_workers(settings)
+    except WorkersRefused as exc:
+        print(f"stream-gateway: {exc}", file=sys.stderr)
+        return 2
+    if settings.workers > 1:
+        return _supervise(lambda: run_workers(settings, _progress))
     engine = build_engine(settings)
     app = create_app(engine, settings)
     capture = f"events to {settings.nats_url}" if settings.nats_url else "event capture off (no --nats-url)"
@@ -96,7 +104,27 @@ def _serve(settings: Settings) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    if settings.worker_index is None:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        return 0
+    # A worker of --workers N: the port is shared with the other workers (SO_REUSEPORT).
+    sock = listening_socket(settings.host, settings.port, reuse_port=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=settings.log_level))
+    server.run(sockets=[sock])
+    return 0
+
+
+def _supervise(run: Any) -> int:
+    """Run the workers' supervisor until Ctrl-C or SIGTERM, which stop every worker gracefully."""
+    import anyio
+
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            anyio.run(run)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _progress("workers stopped")
     return 0
 
 
@@ -114,6 +142,7 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
     from consumers.streams import ConsumerStreams
     from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
 
+    from ._workers import WorkersRefused, check_workers, run_workers
     from .app import create_app
 
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else _default_data_dir()
@@ -127,6 +156,11 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
     with EmbeddedNatsServer(nats_config) as nats_server:
         servers = (nats_server.url,)
         settings = settings.model_copy(update={"nats_url": nats_server.url, "outbox_dir": data_dir / "outbox"})
+        try:
+            check_workers(settings)
+        except WorkersRefused as exc:
+            say(str(exc))
+            return 2
         names = ConsumerStreams(prefix=settings.subject_prefix, events=settings.events_stream)
         assembler = AssemblerConfig(
             servers=servers,
@@ -136,12 +170,17 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
             reward_function=args.reward_function,
         )
         batcher = _batcher_config(args, servers, batch_dir)
-        say(f"loading model {settings.model!r} on the {settings.engine} engine")
-        engine = build_engine(settings)
-        app = create_app(engine, settings)
+        if settings.workers > 1:
+            model_name = settings.served_model_name or _default_name(settings.model)
+        else:
+            say(f"loading model {settings.model!r} on the {settings.engine} engine")
+            engine = build_engine(settings)
+            app = create_app(engine, settings)
+            model_name = engine.model_id
         stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
         say("ready:")
-        say(f"  OpenAI API     http://{settings.host}:{settings.port}/v1   (model {engine.model_id!r})")
+        workers = f", {settings.workers} workers" if settings.workers > 1 else ""
+        say(f"  OpenAI API     http://{settings.host}:{settings.port}/v1   (model {model_name!r}{workers})")
         base = f"http://{settings.host}:{settings.port}"
         say(f"  sessions       {base}/sessions/<id>/v1   (end one: POST {base}/sessions/<id>/close)")
         say(f"  metrics        http://{settings.host}:{settings.port}/metrics")
@@ -152,16 +191,22 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
         say(f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})")
         say(f"  new weights    stream-gateway publish-weights --nats-url {nats_server.url} --policy-version N DIR")
         say(f"  watch events:  stream-gateway tail --nats-url {nats_server.url}")
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
-        )
+
+        async def gateway() -> None:
+            if settings.workers > 1:
+                await run_workers(settings, say)  # until cancelled by Ctrl-C / SIGTERM
+                return
+            server = uvicorn.Server(
+                uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+            )
+            await server.serve()  # returns on Ctrl-C / SIGTERM, after the gateway's shutdown
 
         async def everything() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_assembler, assembler, say)
                 tg.start_soon(run_batcher, batcher, say)
                 try:
-                    await server.serve()  # returns on Ctrl-C / SIGTERM, after the gateway's shutdown
+                    await gateway()
                 except KeyboardInterrupt:
                     pass  # uvicorn re-raises the Ctrl-C it handled; stopping is what we are doing
                 finally:
@@ -401,6 +446,26 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
         "--policy-sync-timeout-seconds", type=float, help="at start, wait this long for the latest policy (300)"
     )
     command.add_argument("--replica-id", help="this gateway's name in policy events (default host-pid)")
+    command.add_argument(
+        "--workers", type=int, help="gateway processes sharing the port (default 1; needs a shareable engine)"
+    )
+    command.add_argument(
+        "--no-shared-sessions",
+        dest="shared_sessions",
+        action="store_const",
+        const=False,
+        help="with --nats-url: keep sessions in this process only (replicas do not share them)",
+    )
+    command.add_argument("--sessions-bucket", help="NATS KV bucket of the shared session state (sg_sessions)")
+    command.add_argument(
+        "--session-sync-timeout-seconds", type=float, help="longest wait for the shared session state (1)"
+    )
+    command.add_argument(
+        "--close-sessions-on-shutdown",
+        action="store_const",
+        const=True,
+        help="close open sessions when this gateway stops (default only without shared sessions)",
+    )
     command.add_argument(
         "--kv-cache-on-update",
         choices=("recompute", "keep"),

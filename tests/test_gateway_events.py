@@ -345,7 +345,8 @@ def test_nats_failing_mid_traffic_loses_nothing(
 def test_a_restarted_gateway_replays_its_outbox(capture_settings: Callable[..., Settings], tmp_path: Path) -> None:
     outbox = tmp_path / "outbox"
     with EmbeddedNatsServer() as server:
-        settings = capture_settings(server.url)
+        # A lone gateway asked to close its sessions when it stops: the closes go to the outbox too.
+        settings = capture_settings(server.url, close_sessions_on_shutdown=True)
         sessions = [f"outbox{i}{secrets.token_hex(3)}" for i in range(3)]
         with run_gateway(build_engine(settings), settings) as gateway:
             _traffic(gateway, sessions[:1])

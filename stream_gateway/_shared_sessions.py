@@ -1,0 +1,807 @@
+"""Sessions shared by gateway replicas through NATS: any replica continues any conversation.
+
+A replica's :class:`SessionStore` is a cache over state that lives in JetStream. What lives where
+(bucket ``--sessions-bucket``, default ``sg_sessions``, and the events stream):
+
+* ``s.<session>``: the session record (JSON): its tenant (the digest events carry), when it was
+  created and last active, whether it was closed (and why), ``next_seq`` (the first durable event
+  number no replica has reserved), its feedback, and per turn: its parent, how many request
+  messages formed its context, its conversation key, the ``seq`` of its events and whether it
+  finished. Every write is a compare-and-set on the record's revision: two replicas adding turns
+  to one session at once both land, as siblings of a tree.
+* ``k.<tenant>.<key>``: the turn key index of automatic detection: the key of a conversation that
+  ends with an assistant message -> the session and turn that produced it.
+* ``c.<session>``: written when a session is closed; every replica watches ``c.>`` and stops
+  finding the session automatically.
+* The exact ids (the prompt after the reused prefix, the sampled ids, their logprobs, the tool
+  calls) are the turn's ``turn.completed``/``turn.aborted`` event on the events stream, read back
+  with a consumer filtered on the session's subjects (from the last stream sequence read).
+
+Writes happen when a turn ends: the turn's entry joins the record, then its key joins the index.
+A streamed response sends its last frames (usage, ``[DONE]``) once that is stored, so an agent's
+next request finds the turn on any replica; bounded by ``--session-sync-timeout-seconds``, and not
+at all while NATS is away.
+
+NATS away (connection lost, server paused): requests are served from the cache; a request that
+needs the shared state (a session this replica does not hold, or a turn newer than its copy)
+starts a new root turn with a ``fallback_reason`` instead of failing. Writes wait in memory and
+are retried until NATS is back: then the index heals. What a replica that dies during an outage
+held unwritten is lost from the index (its events are still in its disk outbox), so a later turn
+continuing one of its turns starts a new root.
+
+Event numbers: each replica numbers a session's durable events from a block of ``seq`` values it
+reserved in the record (the creator holds ``[0, SEQ_BLOCK)``), and ``session.closed`` lists the
+numbers that exist (``expected_seqs``) so consumers know when they have them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import orjson
+
+from pipeline.events import TurnAborted, TurnCompleted, decode_event, subject_token, tenant_id
+
+from ._errors import NotFound
+from ._sessions import SEQ_BLOCK, Session, SessionStore, Turn
+from .tool_parsers import ToolCall
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
+
+    from ._metrics import GatewayMetrics
+
+__all__ = ["SessionDirectory", "SharedSessions", "expected_seqs"]
+
+log = logging.getLogger(__name__)
+
+_BACKOFF = (0.2, 5.0)  # first and largest wait between retries of a write
+_RETRY_AFTER_FAILURE_S = 2.0  # after a failed read, go straight to the fallback this long
+
+
+class SharedUnavailable(Exception):
+    """The shared state cannot be reached now (NATS away or too slow)."""
+
+
+@dataclass(slots=True)
+class SharedState:
+    """A cached session's bookkeeping against its record."""
+
+    revision: int | None = None  # the record revision last read or written here; None: not stored yet
+    stream_seq: int = 0  # the last events-stream sequence read for this session
+    pending: dict[str, dict[str, Any]] = field(default_factory=dict)  # turn entries not yet stored
+    pending_feedback: list[dict[str, Any]] = field(default_factory=list)
+    pending_close: str | None = None
+    waiters: dict[str, anyio.Event] = field(default_factory=dict)  # turn id -> set once stored (or given up)
+    lock: anyio.Lock = field(default_factory=anyio.Lock)  # one write of the record at a time, per replica
+    known_turns: dict[str, dict[str, Any]] = field(default_factory=dict)  # the record's turn entries
+
+
+def expected_seqs(session: Session) -> list[tuple[int, int]]:
+    """The numbers of the session's durable events known here, as sorted [first, end) ranges."""
+    seqs: set[int] = set()
+    if session.opened_seq is not None:
+        seqs.add(session.opened_seq)
+    for numbers in session.turn_seqs.values():
+        seqs.update(numbers)
+    seqs.update(f["seq"] for f in session.feedback if isinstance(f.get("seq"), int))
+    ranges: list[tuple[int, int]] = []
+    for seq in sorted(seqs):
+        if ranges and ranges[-1][1] == seq:
+            ranges[-1] = (ranges[-1][0], seq + 1)
+        else:
+            ranges.append((seq, seq + 1))
+    return ranges
+
+
+class SharedSessions:
+    """The NATS side: one connection, the sessions bucket, the close watch and the write worker."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        *,
+        servers: tuple[str, ...],
+        bucket: str,
+        events_stream: str,
+        subject_prefix: str,
+        replicas: int = 1,
+        timeout_s: float = 1.0,
+        record_ttl_s: float = 0.0,
+        idle_seconds: float = 3600.0,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self._store = store
+        self._servers = servers
+        self._bucket = bucket
+        self._stream = events_stream
+        self._prefix = subject_prefix
+        self._replicas = replicas
+        self.timeout_s = timeout_s
+        self._ttl = record_ttl_s
+        self._idle_seconds = idle_seconds
+        self._metrics = metrics
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._kv: KeyValue | None = None
+        self._failed_at = 0.0
+        self._me = secrets.token_hex(8)  # tells this replica's close markers from others'
+        self._dirty: dict[str, Session] = {}
+        self._idle: dict[str, Session] = {}
+        self._wake = anyio.Event()
+        self.ready = anyio.Event()  # set once the bucket exists (or the first attempt failed)
+        self.on_remote_close: Any = None  # called with a cached session another replica closed
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect, provision the bucket, watch closes and write what is pending; until cancelled."""
+        import nats
+
+        async def disconnected() -> None:
+            log.warning("shared sessions: NATS connection lost; serving from the cache")
+
+        async def reconnected() -> None:
+            log.info("shared sessions: NATS connection back")
+            self._wake.set()
+
+        nc = await nats.connect(
+            list(self._servers),
+            name="stream-gateway-sessions",
+            connect_timeout=2,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            ping_interval=5,  # a paused server is noticed in ~10 s; each request is bounded anyway
+            max_outstanding_pings=2,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+            # A server that is away at start must not stop the gateway from serving.
+            allow_reconnect=True,
+        )
+        self._nc, self._js = nc, nc.jetstream()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._provision_and_watch)
+                tg.start_soon(self._write_loop)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await nc.close()
+
+    async def _provision_and_watch(self) -> None:
+        from nats.js.api import KeyValueConfig
+        from nats.js.errors import BadRequestError
+
+        backoff = _BACKOFF[0]
+        while True:
+            try:
+                assert self._js is not None
+                with anyio.fail_after(max(self.timeout_s, 5.0)):
+                    try:
+                        self._kv = await self._js.create_key_value(
+                            KeyValueConfig(
+                                bucket=self._bucket, history=1, replicas=self._replicas, ttl=self._ttl or None
+                            )
+                        )
+                    except BadRequestError:  # it exists with other settings (another replica's): use it
+                        self._kv = await self._js.key_value(self._bucket)
+                self.ready.set()
+                self._wake.set()
+                watcher = await self._kv.watch("c.>", include_history=False, ignore_deletes=True)
+                async for entry in watcher:
+                    if entry is None or not entry.value:
+                        continue
+                    marker = orjson.loads(entry.value)
+                    if marker.get("by") == self._me:
+                        continue
+                    session = self._store.cached(marker["session_id"])
+                    if session is not None and not session.closed:
+                        self._store.mark_closed(session)
+                        log.info("session %s was closed by another replica", session.session_id)
+                backoff = _BACKOFF[0]
+            except Exception as exc:  # connection trouble of every kind: retried
+                log.warning("shared sessions: bucket %s unavailable (%r); retrying", self._bucket, exc)
+                self.ready.set()  # serve meanwhile: requests fall back
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF[1])
+
+    @property
+    def available(self) -> bool:
+        """Whether reads are worth trying now (connected, provisioned, and no read just failed)."""
+        nc = self._nc
+        return (
+            self._kv is not None
+            and nc is not None
+            and nc.is_connected
+            and time.monotonic() - self._failed_at >= _RETRY_AFTER_FAILURE_S
+        )
+
+    def _unavailable(self, exc: BaseException) -> SharedUnavailable:
+        self._failed_at = time.monotonic()
+        log.warning("shared sessions: NATS did not answer (%r); falling back to the cache", exc)
+        return SharedUnavailable(f"the shared session state (NATS) is unreachable: {exc!r}")
+
+    def _check(self) -> KeyValue:
+        if not self.available or self._kv is None:
+            raise SharedUnavailable("the shared session state (NATS) is unreachable")
+        return self._kv
+
+    # -- reading ------------------------------------------------------------------------------
+
+    async def probe(self, tenant: str, keys: list[bytes]) -> tuple[int, str, str] | None:
+        """The deepest of ``keys`` (ordered shallow to deep) in the index: (position, session, turn)."""
+        kv = self._check()
+        from nats.js.errors import KeyNotFoundError
+
+        owner = tenant_id(tenant)
+        found: dict[int, tuple[str, str]] = {}
+
+        async def one(position: int, key: bytes) -> None:
+            try:
+                entry = await kv.get(f"k.{owner}.{key.hex()}")
+            except KeyNotFoundError:
+                return
+            if entry.value:
+                value = orjson.loads(entry.value)
+                found[position] = (value["s"], value["t"])
+
+        try:
+            with anyio.fail_after(self.timeout_s):
+                async with anyio.create_task_group() as tg:
+                    for position, key in enumerate(keys):
+                        tg.start_soon(one, position, key)
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
+        if not found:
+            return None
+        deepest = max(found)
+        return deepest, *found[deepest]
+
+    async def load(self, session_id: str, tenant: str) -> Session | None:
+        """The session from the shared state (``None``: there is none); another tenant's raises."""
+        record, revision = await self._get_record(session_id)
+        if record is None:
+            return None
+        if record["tenant"] != tenant_id(tenant):
+            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+        now = time.time()
+        session = Session(session_id, tenant, float(record["created_at"]), now, announced=True)
+        session.seq_end = 0  # no event numbers yet: reserved when this replica first writes
+        session.shared = SharedState(revision=revision)
+        await self._absorb(session, record)
+        if record.get("closed"):
+            session.closed = True
+        return session
+
+    async def refresh(self, session: Session) -> None:
+        """Bring a cached session up to its record (new turns, feedback, closed)."""
+        state = self._state(session)
+        record, revision = await self._get_record(session.session_id)
+        if record is None or revision == state.revision:
+            return
+        state.revision = revision
+        await self._absorb(session, record)
+        if record.get("closed") and not session.closed:
+            self._store.mark_closed(session)
+
+    async def create_named(self, session: Session) -> Session:
+        """Store a new named session's record; if another replica created it first, that one."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        kv = self._check()
+        record = self._new_record(session)
+        try:
+            with anyio.fail_after(self.timeout_s):
+                revision = await kv.create(self._record_key(session.session_id), orjson.dumps(record))
+        except KeyWrongLastSequenceError:
+            loaded = await self.load(session.session_id, session.tenant)
+            if loaded is None:  # created and deleted in between: ours is as good
+                return session
+            return loaded
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
+        self._state(session).revision = revision
+        return session
+
+    async def ensure_seqs(self, session: Session) -> None:
+        """Reserve event numbers for ``session`` here if it has none left (best effort)."""
+        if session.seq_end is None or session.seq_next < session.seq_end or session.seq_blocks:
+            return
+        state = self._state(session)
+        if state.revision is None or not self.available:
+            return  # not stored yet (its creator's block is in use) or NATS away: take_seq copes
+        with contextlib.suppress(SharedUnavailable):
+            await self._write(session, reserve=True)
+
+    async def _get_record(self, session_id: str) -> tuple[dict[str, Any] | None, int | None]:
+        from nats.js.errors import KeyNotFoundError
+
+        kv = self._check()
+        try:
+            with anyio.fail_after(self.timeout_s):
+                entry = await kv.get(self._record_key(session_id))
+        except KeyNotFoundError:
+            return None, None
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
+        if not entry.value:
+            return None, None
+        return orjson.loads(entry.value), entry.revision
+
+    async def _absorb(self, session: Session, record: dict[str, Any]) -> None:
+        """Take the record's turns (reading their events), feedback and event numbers into ``session``."""
+        state = self._state(session)
+        entries: dict[str, dict[str, Any]] = record["turns"]
+        state.known_turns.update(entries)
+        if record.get("opened_seq") is not None:
+            session.opened_seq = record["opened_seq"]
+        for turn_id, entry in entries.items():
+            session.turn_seqs.setdefault(turn_id, list(entry["q"]))
+        seen = {f["id"] for f in session.feedback}
+        session.feedback.extend(f for f in record.get("feedback", ()) if f["id"] not in seen)
+        missing = [t for t in entries if t not in session.turns]
+        if missing:
+            await self._read_turns(session, set(missing))
+
+    async def _read_turns(self, session: Session, wanted: set[str]) -> None:
+        """Read the turn events of ``session`` until every one of ``wanted`` is there (bounded)."""
+        state = self._state(session)
+        events: dict[str, TurnCompleted | TurnAborted] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for event in await self._turn_events(session, state):
+                events.setdefault(event.turn_id, event)
+            if wanted <= events.keys() or time.monotonic() >= deadline:
+                break
+            await anyio.sleep(0.02)  # the writer's event may still be on its way to the stream
+        added = self._build_turns(session, {t: e for t, e in events.items() if t in wanted}, state.known_turns)
+        if added < len(wanted):
+            log.warning(
+                "session %s: %d of %d turns could not be read back from the stream",
+                session.session_id,
+                len(wanted) - added,
+                len(wanted),
+            )
+
+    async def _turn_events(self, session: Session, state: SharedState) -> list[TurnCompleted | TurnAborted]:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        from pipeline.subscriber import message_payload
+
+        js = self._js
+        assert js is not None
+        owner = subject_token(tenant_id(session.tenant))
+        subject = f"{self._prefix}.events.{owner}.{subject_token(session.session_id)}.turn.*"
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if state.stream_seq else DeliverPolicy.ALL,
+            opt_start_seq=state.stream_seq + 1 if state.stream_seq else None,
+            ack_policy=AckPolicy.NONE,
+            filter_subject=subject,
+            inactive_threshold=10.0,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        out: list[TurnCompleted | TurnAborted] = []
+        try:
+            with anyio.fail_after(self.timeout_s * 4):
+                info = await js.add_consumer(self._stream, config=config)
+                remaining = info.num_pending
+                if not remaining:
+                    await js.delete_consumer(self._stream, info.name)
+                    return out
+                sub = await js.pull_subscribe_bind(consumer=info.name, stream=self._stream)
+                try:
+                    while remaining > 0:
+                        for msg in await sub.fetch(min(remaining, 256), timeout=self.timeout_s):
+                            remaining -= 1
+                            state.stream_seq = max(state.stream_seq, msg.metadata.sequence.stream)
+                            if not msg.subject.endswith((".turn.completed", ".turn.aborted")):
+                                continue
+                            event = decode_event(await message_payload(msg, js))
+                            assert isinstance(event, TurnCompleted | TurnAborted)
+                            out.append(event)
+                finally:
+                    await sub.unsubscribe()
+                    await js.delete_consumer(self._stream, info.name)
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
+        return out
+
+    def _build_turns(
+        self,
+        session: Session,
+        events: dict[str, TurnCompleted | TurnAborted],
+        entries: dict[str, dict[str, Any]],
+    ) -> int:
+        """Rebuild turns from their events, parents first; returns how many were added."""
+        added = 0
+        left = dict(events)
+        progress = True
+        while left and progress:
+            progress = False
+            for turn_id, event in list(left.items()):
+                parent = session.turns.get(event.parent_turn_id) if event.parent_turn_id else None
+                if event.reused_prompt_tokens and parent is None:
+                    if event.parent_turn_id in left:
+                        continue  # its parent comes first
+                    del left[turn_id]  # its parent cannot be read back: the turn cannot be either
+                    continue
+                prefix: tuple[int, ...] = ()
+                if event.reused_prompt_tokens:
+                    assert parent is not None
+                    prefix = (*parent.prompt_ids, *parent.output_ids)[: event.reused_prompt_tokens]
+                entry = entries.get(turn_id, {})
+                key = entry.get("k")
+                turn = Turn(
+                    turn_id=turn_id,
+                    session_id=session.session_id,
+                    parent_id=event.parent_turn_id,
+                    key=bytes.fromhex(key) if key else None,
+                    context_length=int(entry.get("n", 0)),
+                    prompt_ids=(*prefix, *event.prompt_ids),
+                    reused_prompt_tokens=event.reused_prompt_tokens,
+                    output_ids=tuple(event.output_ids),
+                    logprobs=tuple(event.logprobs),
+                    finish_reason=event.finish_reason if isinstance(event, TurnCompleted) else None,
+                    content=event.content,
+                    tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in event.tool_calls),
+                    policy_version=event.policy_version,
+                    policy_versions=tuple((int(v), int(i)) for v, i in event.policy_versions),
+                    created_at=event.started_at,
+                    time_to_first_token_s=event.time_to_first_token_s,
+                    duration_s=event.duration_s,
+                    matches_full_render=event.matches_full_render,
+                    fallback_reason=event.fallback_reason,
+                )
+                self._store.add_turn(session, turn)
+                del left[turn_id]
+                added += 1
+                progress = True
+        return added
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def turn_recorded(self, session: Session, turn: Turn) -> anyio.Event:
+        """Queue ``turn`` for the shared state; the event is set once it is stored (or given up)."""
+        state = self._state(session)
+        state.pending[turn.turn_id] = {
+            "p": turn.parent_id,
+            "n": turn.context_length,
+            "k": turn.key.hex() if turn.key is not None else None,
+            "q": list(session.turn_seqs.get(turn.turn_id, ())),
+            "f": turn.finish_reason is not None,
+            "t": round(turn.created_at, 3),
+        }
+        done = state.waiters[turn.turn_id] = anyio.Event()
+        self._mark_dirty(session)
+        return done
+
+    def feedback_recorded(self, session: Session, record: dict[str, Any]) -> None:
+        """Queue a feedback record for the shared state."""
+        self._state(session).pending_feedback.append(record)
+        self._mark_dirty(session)
+
+    async def close(self, session: Session, reason: str) -> None:
+        """Mark ``session`` closed in the shared state and tell every replica; learns every event number."""
+        state = self._state(session)
+        state.pending_close = reason
+        try:
+            await self._write(session)
+        except SharedUnavailable:
+            self._mark_dirty(session)  # stored when NATS is back
+
+    def evicted(self, session: Session, reason: str) -> None:
+        """``session`` left this replica's cache; if it went idle everywhere, close it."""
+        if reason == "idle" and not session.closed:
+            self._idle[session.session_id] = session
+            self._wake.set()
+
+    async def flush(self) -> None:
+        """Write everything pending now (shutdown); what cannot be written is logged."""
+        for session in list(self._dirty.values()):
+            with contextlib.suppress(SharedUnavailable):
+                await self._write(session)
+        left = sum(len(s.shared.pending) for s in self._dirty.values() if s.shared is not None)
+        if left:
+            log.warning("shared sessions: %d turns not written to NATS at shutdown (their events are)", left)
+
+    def _mark_dirty(self, session: Session) -> None:
+        self._dirty[session.session_id] = session
+        self._wake.set()
+
+    async def _write_loop(self) -> None:
+        backoff = _BACKOFF[0]
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            failed = False
+            if self._kv is not None:
+                async with anyio.create_task_group() as tg:
+                    for session in list(self._dirty.values()):
+                        if not self._state(session).lock.locked():
+                            tg.start_soon(self._write_dirty, session)
+                    for session in list(self._idle.values()):
+                        tg.start_soon(self._close_if_idle, session)
+                failed = bool(self._dirty)
+            if failed:
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF[1])
+                self._wake.set()
+            else:
+                backoff = _BACKOFF[0]
+
+    async def _write_dirty(self, session: Session) -> None:
+        with contextlib.suppress(SharedUnavailable):
+            await self._write(session)
+
+    async def _close_if_idle(self, session: Session) -> None:
+        self._idle.pop(session.session_id, None)
+        try:
+            record, _ = await self._get_record(session.session_id)
+        except SharedUnavailable:
+            return  # the assembler's idle timeout covers it
+        if record is None or record.get("closed"):
+            return
+        if time.time() - float(record.get("last_active", 0)) < self._idle_seconds:
+            return  # active on another replica
+        if self.on_remote_close is not None:
+            await self.on_remote_close(session, "idle")
+
+    async def _write(self, session: Session, *, reserve: bool = False) -> None:
+        """Merge what is pending for ``session`` into its record (compare-and-set), then the index."""
+        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+        state = self._state(session)
+        kv = self._kv
+        if kv is None or not (self._nc is not None and self._nc.is_connected):
+            raise SharedUnavailable("the shared session state (NATS) is unreachable")
+        async with state.lock:
+            while True:
+                turns = dict(state.pending)
+                feedback = list(state.pending_feedback)
+                close = state.pending_close
+                want_block = reserve or session.seqs_low()
+                try:
+                    with anyio.fail_after(self.timeout_s * 2):
+                        try:
+                            entry = await kv.get(self._record_key(session.session_id))
+                            record = orjson.loads(entry.value) if entry.value else None
+                            revision: int | None = entry.revision if entry.value else None
+                        except KeyNotFoundError:
+                            record, revision = None, None
+                        if record is None:
+                            record = self._new_record(session)
+                        record["turns"].update(turns)
+                        have = {f["id"] for f in record["feedback"]}
+                        record["feedback"].extend(f for f in feedback if f["id"] not in have)
+                        record["last_active"] = max(float(record.get("last_active", 0)), session.last_active)
+                        if close is not None and not record.get("closed"):
+                            record["closed"] = close
+                        block = None
+                        if want_block:
+                            block = (record["next_seq"], record["next_seq"] + SEQ_BLOCK)
+                            record["next_seq"] = block[1]
+                        value = orjson.dumps(record)
+                        key = self._record_key(session.session_id)
+                        if revision is None:
+                            revision = await kv.create(key, value)
+                        else:
+                            revision = await kv.update(key, value, last=revision)
+                        for turn_id, turn_entry in turns.items():
+                            turn = session.turns.get(turn_id)
+                            if turn_entry["k"] and turn is not None and not record.get("closed"):
+                                index = {"s": session.session_id, "t": turn_id}
+                                await kv.put(f"k.{tenant_id(session.tenant)}.{turn_entry['k']}", orjson.dumps(index))
+                        if close is not None:
+                            marker = {"session_id": session.session_id, "reason": close, "by": self._me}
+                            await kv.put(f"c.{subject_token(session.session_id)}", orjson.dumps(marker))
+                except (KeyWrongLastSequenceError, KeyNotFoundError):
+                    continue  # another replica wrote in between: merge again
+                except Exception as exc:
+                    raise self._unavailable(exc) from exc
+                state.revision = revision
+                state.known_turns.update(record["turns"])
+                for turn_id, turn_entry in record["turns"].items():
+                    session.turn_seqs.setdefault(turn_id, list(turn_entry["q"]))
+                if record.get("opened_seq") is not None:
+                    session.opened_seq = record["opened_seq"]
+                if block is not None:
+                    session.seq_blocks.append(block)
+                for turn_id in turns:
+                    state.pending.pop(turn_id, None)
+                    waiter = state.waiters.pop(turn_id, None)
+                    if waiter is not None:
+                        waiter.set()
+                state.pending_feedback = [f for f in state.pending_feedback if f not in feedback]
+                if close is not None and state.pending_close == close:
+                    state.pending_close = None
+                reserve = False
+                if not state.pending and not state.pending_feedback and state.pending_close is None:
+                    self._dirty.pop(session.session_id, None)
+                    return
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _new_record(self, session: Session) -> dict[str, Any]:
+        return {
+            "v": 1,
+            "session_id": session.session_id,
+            "tenant": tenant_id(session.tenant),
+            "created_at": session.created_at,
+            "last_active": session.last_active,
+            "closed": None,
+            "next_seq": session.seq_end if session.seq_end else SEQ_BLOCK,
+            "opened_seq": session.opened_seq,
+            "turns": {},
+            "feedback": [],
+        }
+
+    @staticmethod
+    def _record_key(session_id: str) -> str:
+        return f"s.{subject_token(session_id)}"
+
+    @staticmethod
+    def _state(session: Session) -> SharedState:
+        if session.shared is None:
+            session.shared = SharedState()
+        state: SharedState = session.shared
+        return state
+
+
+class SessionDirectory:
+    """Finds, opens and closes sessions: the local store, and the shared state when there is one."""
+
+    def __init__(self, store: SessionStore, shared: SharedSessions | None = None) -> None:
+        self.store = store
+        self.shared = shared
+
+    # -- by id --------------------------------------------------------------------------------
+
+    async def get(self, session_id: str, tenant: str) -> Session:
+        """The tenant's session, as current as the shared state allows (404 if there is none)."""
+        session = await self.lookup(session_id, tenant)
+        if session is None:
+            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+        return session
+
+    async def lookup(self, session_id: str, tenant: str) -> Session | None:
+        """The tenant's session ``session_id`` (refreshed, or loaded into the cache), ``None`` if none."""
+        session = self.store.lookup(session_id, tenant)
+        shared = self.shared
+        if shared is None:
+            return session
+        try:
+            if session is not None:
+                await shared.refresh(session)
+                return session
+            loaded = await shared.load(session_id, tenant)
+        except SharedUnavailable:
+            return session
+        return self.store.insert(loaded) if loaded is not None else None
+
+    async def open(self, session_id: str | None, tenant: str) -> Session:
+        """A new session (named, or with a generated id) for a request that will run."""
+        session = self.store.create(tenant) if session_id is None else self.store.get_or_create(session_id, tenant)
+        shared = self.shared
+        if shared is None or session.turns or session.shared is not None:
+            return session
+        session.seq_end = SEQ_BLOCK  # the creator numbers from the first block
+        if session_id is None:
+            return session  # a generated id: its record is written with its first turn
+        try:
+            created = await shared.create_named(session)
+        except SharedUnavailable:
+            return session  # written when NATS is back
+        if created is not session:  # another replica created it first
+            self.store.discard(session)
+            return self.store.insert(created)
+        return session
+
+    # -- by conversation ----------------------------------------------------------------------
+
+    async def match(self, session: Session, keys: list[bytes], positions: list[int]) -> tuple[Turn | None, str | None]:
+        """The deepest turn of ``session`` the conversation continues; and why a deeper one was not usable."""
+        turn, at = _deepest(session, keys, positions)
+        shared = self.shared
+        if shared is None or not positions or at == positions[-1]:
+            return turn, None
+        try:
+            await shared.refresh(session)
+        except SharedUnavailable as exc:
+            return turn, str(exc)
+        return _deepest(session, keys, positions)[0], None
+
+    async def find(
+        self, tenant: str, keys: list[bytes], positions: list[int]
+    ) -> tuple[tuple[Session, Turn] | None, str | None]:
+        """The tenant's session and turn the conversation continues (deepest first); and a fallback reason."""
+        local = self.store.find_at(tenant, keys, positions)
+        shared = self.shared
+        at = local[2] if local is not None else -1
+        deeper = [i for i in positions if i > at]
+        found = (local[0], local[1]) if local is not None else None
+        if shared is None or not deeper:
+            return found, None
+        try:
+            hit = await shared.probe(tenant, [keys[i] for i in deeper])
+            if hit is None:
+                return found, None
+            _, session_id, turn_id = hit
+            session = self.store.cached(session_id)
+            if session is not None and turn_id not in session.turns:
+                await shared.refresh(session)
+            elif session is None:
+                loaded = await shared.load(session_id, tenant)
+                session = self.store.insert(loaded) if loaded is not None else None
+        except SharedUnavailable as exc:
+            return found, str(exc)
+        except NotFound:
+            return found, None
+        if session is None or session.closed or session.tenant != tenant:
+            return found, None
+        turn, _ = _deepest(session, keys, positions)
+        if turn is None:
+            return found, f"turn {turn_id} of session {session_id} could not be read back from the stream"
+        return (session, turn), None
+
+    async def match_tokens(self, session: Session, ids: list[int]) -> Turn | None:
+        """The deepest finished turn of ``session`` that ``ids`` extend, refreshing it on a miss."""
+        turn = session.match_tokens(ids)
+        if turn is None and self.shared is not None and session.shared is not None:
+            try:
+                await self.shared.refresh(session)
+            except SharedUnavailable:
+                return None
+            turn = session.match_tokens(ids)
+        return turn
+
+    # -- writing ------------------------------------------------------------------------------
+
+    async def prepare_to_write(self, session: Session) -> None:
+        """Make sure this replica holds event numbers for ``session``."""
+        if self.shared is not None:
+            await self.shared.ensure_seqs(session)
+
+    def turn_recorded(self, session: Session, turn: Turn) -> anyio.Event | None:
+        """Share ``turn``; an event set once it is stored (``None`` without shared sessions)."""
+        if self.shared is None:
+            return None
+        return self.shared.turn_recorded(session, turn)
+
+    async def wait_shared(self, done: anyio.Event | None) -> None:
+        """Wait (bounded) until a turn is stored in the shared state; not at all while NATS is away."""
+        shared = self.shared
+        if done is None or shared is None or not shared.available:
+            return
+        with anyio.move_on_after(shared.timeout_s * 2):
+            await done.wait()
+
+    def feedback_recorded(self, session: Session, record: dict[str, Any]) -> None:
+        session.feedback.append(record)
+        if self.shared is not None:
+            self.shared.feedback_recorded(session, record)
+
+    async def close(self, session: Session, reason: str) -> bool:
+        """Close ``session`` everywhere; ``False`` if it already was."""
+        if session.closed:
+            return False
+        if self.shared is not None:
+            await self.shared.ensure_seqs(session)
+            await self.shared.close(session, reason)  # learns every turn's event numbers first
+        return self.store.close(session, reason)
+
+
+def _deepest(session: Session, keys: list[bytes], positions: Iterable[int]) -> tuple[Turn | None, int]:
+    for i in sorted(positions, reverse=True):
+        ids = session.by_key.get(keys[i])
+        if ids:
+            return session.turns[ids[-1]], i  # the most recent of equal candidates (a retried turn)
+    return None, -1
