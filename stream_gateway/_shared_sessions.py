@@ -607,7 +607,8 @@ class SharedSessions:
                     continue  # another replica wrote in between: merge again
                 except Exception as exc:
                     raise self._unavailable(exc) from exc
-                state.revision = revision
+                # Turns other replicas wrote are read (with their events) at the next refresh.
+                state.revision = revision if all(t in session.turns for t in record["turns"]) else -1
                 state.known_turns.update(record["turns"])
                 for turn_id, turn_entry in record["turns"].items():
                     session.turn_seqs.setdefault(turn_id, list(turn_entry["q"]))
