@@ -148,7 +148,8 @@ class SharedSessions:
         import nats
 
         async def disconnected() -> None:
-            log.warning("shared sessions: NATS connection lost; serving from the cache")
+            if not nc.is_closed:
+                log.warning("shared sessions: NATS connection lost; serving from the cache")
 
         async def reconnected() -> None:
             log.info("shared sessions: NATS connection back")
