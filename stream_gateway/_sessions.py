@@ -144,14 +144,17 @@ class Session:
                 return self.turns[turn_id]
         return None
 
-    def match(self, keys: list[bytes]) -> Turn | None:
-        """The deepest continuable turn whose conversation is a proper prefix of the request's."""
-        # keys[i] is the prefix of i + 1 messages; the request's last message is always new.
-        for i in range(len(keys) - 2, -1, -1):
+    def match(self, keys: list[bytes], positions: list[int]) -> tuple[Turn | None, int]:
+        """The deepest turn whose conversation is a prefix of the request's, and its position.
+
+        ``keys[i]`` is the prefix of i + 1 messages; ``positions`` are where the request has an
+        assistant message before its last one (only there can a turn's key be). ``(None, -1)``: none.
+        """
+        for i in reversed(positions):
             ids = self.by_key.get(keys[i])
             if ids:
-                return self.turns[ids[-1]]  # the most recent of equal candidates (a retried turn)
-        return None
+                return self.turns[ids[-1]], i  # the most recent of equal candidates (a retried turn)
+        return None, -1
 
     def children(self) -> dict[str | None, list[Turn]]:
         """Turns by parent id (``None`` for roots), in creation order."""
@@ -284,26 +287,17 @@ class SessionStore:
         """A new session with a generated id."""
         return self._create(f"sess{secrets.token_hex(12)}", tenant)
 
-    def find(self, tenant: str, keys: list[bytes]) -> tuple[Session, Turn] | None:
-        """The tenant's session holding the deepest turn that the conversation continues."""
-        for i in range(len(keys) - 2, -1, -1):
-            session_id = self._index.get((tenant, keys[i]))
-            if session_id is None:
-                continue
-            session = self._sessions.get(session_id)
-            turn = session.match(keys[: i + 2]) if session is not None else None
-            if session is not None and turn is not None:
-                return session, turn
-        return None
-
     def find_at(self, tenant: str, keys: list[bytes], positions: list[int]) -> tuple[Session, Turn, int] | None:
-        """Like :meth:`find`, probing only ``positions`` (where a turn key can be); with the position hit."""
+        """The tenant's session holding the deepest turn the conversation continues, with its position.
+
+        One index probe per assistant position (see :meth:`Session.match`), however many sessions are open.
+        """
         for i in reversed(positions):
             session_id = self._index.get((tenant, keys[i]))
             session = self._sessions.get(session_id) if session_id is not None else None
-            ids = session.by_key.get(keys[i]) if session is not None else None
-            if session is not None and ids:
-                return session, session.turns[ids[-1]], i
+            turn = session.match(keys, [i])[0] if session is not None else None
+            if session is not None and turn is not None:
+                return session, turn, i
         return None
 
     def discard(self, session: Session) -> None:

@@ -40,7 +40,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +56,6 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
-
-    from ._metrics import GatewayMetrics
 
 __all__ = ["SessionDirectory", "SharedSessions", "expected_seqs"]
 
@@ -118,7 +115,6 @@ class SharedSessions:
         timeout_s: float = 1.0,
         record_ttl_s: float = 0.0,
         idle_seconds: float = 3600.0,
-        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._store = store
         self._servers = servers
@@ -129,7 +125,6 @@ class SharedSessions:
         self.timeout_s = timeout_s
         self._ttl = record_ttl_s
         self._idle_seconds = idle_seconds
-        self._metrics = metrics
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
@@ -711,7 +706,7 @@ class SessionDirectory:
 
     async def match(self, session: Session, keys: list[bytes], positions: list[int]) -> tuple[Turn | None, str | None]:
         """The deepest turn of ``session`` the conversation continues; and why a deeper one was not usable."""
-        turn, at = _deepest(session, keys, positions)
+        turn, at = session.match(keys, positions)
         shared = self.shared
         if shared is None or not positions or at == positions[-1]:
             return turn, None
@@ -719,7 +714,7 @@ class SessionDirectory:
             await shared.refresh(session)
         except SharedUnavailable as exc:
             return turn, str(exc)
-        return _deepest(session, keys, positions)[0], None
+        return session.match(keys, positions)[0], None
 
     async def find(
         self, tenant: str, keys: list[bytes], positions: list[int]
@@ -749,7 +744,7 @@ class SessionDirectory:
             return found, None
         if session is None or session.closed or session.tenant != tenant:
             return found, None
-        turn, _ = _deepest(session, keys, positions)
+        turn, _ = session.match(keys, positions)
         if turn is None:
             return found, f"turn {turn_id} of session {session_id} could not be read back from the stream"
         return (session, turn), None
@@ -799,11 +794,3 @@ class SessionDirectory:
             await self.shared.ensure_seqs(session)
             await self.shared.close(session, reason)  # learns every turn's event numbers first
         return self.store.close(session, reason)
-
-
-def _deepest(session: Session, keys: list[bytes], positions: Iterable[int]) -> tuple[Turn | None, int]:
-    for i in sorted(positions, reverse=True):
-        ids = session.by_key.get(keys[i])
-        if ids:
-            return session.turns[ids[-1]], i  # the most recent of equal candidates (a retried turn)
-    return None, -1

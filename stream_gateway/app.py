@@ -134,7 +134,6 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             timeout_s=settings.session_sync_timeout_seconds,
             record_ttl_s=settings.session_state_ttl_seconds,
             idle_seconds=settings.session_idle_seconds,
-            metrics=metrics,
         )
     sessions = SessionDirectory(store, shared)
     if shared is not None:

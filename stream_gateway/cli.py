@@ -116,6 +116,13 @@ def _serve(settings: Settings) -> int:
 
 def _supervise(run: Any) -> int:
     """Run the workers' supervisor until Ctrl-C or SIGTERM, which stop every worker gracefully."""
+    _run_until_interrupted(run)
+    _progress("workers stopped")
+    return 0
+
+
+def _run_until_interrupted(run: Any) -> None:
+    """``anyio.run(run)``, ended cleanly by Ctrl-C or SIGTERM (taken as Ctrl-C)."""
     import anyio
 
     previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
@@ -124,8 +131,6 @@ def _supervise(run: Any) -> int:
             anyio.run(run)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _progress("workers stopped")
-    return 0
 
 
 def _up(settings: Settings, args: argparse.Namespace) -> int:
@@ -215,12 +220,7 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
         # uvicorn (0.54, Server.capture_signals) re-raises the signal it stopped for once it has
         # shut down; SIGTERM's default action would then kill this process before the embedded
         # nats-server (its own process session) is stopped. As Ctrl-C, it ends the run cleanly.
-        previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-        try:
-            with contextlib.suppress(KeyboardInterrupt):
-                anyio.run(everything)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        _run_until_interrupted(everything)
     say("stopped")
     return 0
 

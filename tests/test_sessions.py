@@ -250,7 +250,7 @@ def test_store_is_bounded_and_its_index_follows_evictions() -> None:
             0, ((0, 0),), 0.0, None, 0.0, True, None,
         )  # fmt: skip
         store.add_turn(session, turn)
-    assert store.find("t", [bytes([0]) * 16, b"next"]) is None  # evicted with its session
-    found = store.find("t", [bytes([2]) * 16, b"next"])
+    assert store.find_at("t", [bytes([0]) * 16, b"next"], [0]) is None  # evicted with its session
+    found = store.find_at("t", [bytes([2]) * 16, b"next"], [0])
     assert found is not None and found[1].turn_id == "turn2"
-    assert store.find("other-tenant", [bytes([2]) * 16, b"next"]) is None
+    assert store.find_at("other-tenant", [bytes([2]) * 16, b"next"], [0]) is None
