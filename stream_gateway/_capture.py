@@ -28,7 +28,7 @@ Deliberate choices:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pipeline.events import (
@@ -58,9 +58,13 @@ __all__ = ["DeltaCoalescer", "EventRecorder"]
 
 
 class DeltaCoalescer:
-    """Collects one turn's sampled tokens into few ``turn.delta`` events."""
+    """Cuts one turn's sampled tokens into few ``turn.delta`` events.
 
-    __slots__ = ("_emit", "_ids", "_interval", "_last_flush", "_logprobs", "_make", "_offset", "_tokens")
+    It keeps no tokens of its own: the producer's lists of the turn's ids and logprobs are passed
+    in, and all it costs per engine step is a length and a clock comparison.
+    """
+
+    __slots__ = ("_due", "_emit", "_interval", "_make", "_offset", "_tokens")
 
     def __init__(
         self,
@@ -71,27 +75,21 @@ class DeltaCoalescer:
     ) -> None:
         self._make, self._emit = make, emit
         self._tokens, self._interval = tokens, interval_s
-        self._ids: list[int] = []
-        self._logprobs: list[float] = []
         self._offset = 0
-        self._last_flush = time.monotonic()
+        self._due = time.perf_counter() + interval_s
 
-    def feed(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Add a step's tokens; flush if enough tokens or time have gathered."""
-        self._ids.extend(ids)
-        self._logprobs.extend(logprobs)
-        if len(self._ids) >= self._tokens or time.monotonic() - self._last_flush >= self._interval:
-            self.flush()
+    def advance(self, ids: list[int], logprobs: list[float], now: float) -> None:
+        """The turn now has ``ids``: emit a delta if enough tokens or time (``perf_counter``) have gathered."""
+        if len(ids) - self._offset >= self._tokens or now >= self._due:
+            self.flush(ids, logprobs, now)
 
-    def flush(self) -> None:
-        """Emit what has gathered, if anything."""
-        if not self._ids:
-            return
-        ids, logprobs = self._ids, self._logprobs
-        self._emit(self._make(self._offset, ids, logprobs))
-        self._offset += len(ids)
-        self._ids, self._logprobs = [], []
-        self._last_flush = time.monotonic()
+    def flush(self, ids: list[int], logprobs: list[float], now: float | None = None) -> None:
+        """Emit the tokens not yet in a delta, if any."""
+        offset = self._offset
+        if len(ids) > offset:
+            self._emit(self._make(offset, ids[offset:], logprobs[offset:]))
+            self._offset = len(ids)
+        self._due = (time.perf_counter() if now is None else now) + self._interval
 
 
 class EventRecorder:

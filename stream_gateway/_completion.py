@@ -1,10 +1,10 @@
 """Serving one chat completion: validate, render the prompt, run the choices, encode the output.
 
 The producer (:meth:`CompletionService.produce`) runs one engine request per choice inside its
-own task group and sends :class:`ChoiceUpdate` objects into a small bounded memory stream; the
-response body reads that stream. sse-starlette runs the producer as its ``data_sender_callable``
-so a client that disconnects cancels it, which closes the engine iterators, which aborts the
-engine requests. No task group ever straddles a ``yield``.
+own task group and puts :class:`ChoiceUpdate` objects into an :class:`~._streaming.UpdateChannel`;
+the response body takes everything waiting in it at once (:mod:`._streaming`). The response runs
+the producer as its ``data_sender_callable`` so a client that disconnects cancels it, which closes
+the engine iterators, which aborts the engine requests. No task group ever straddles a ``yield``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from functools import cached_property, lru_cache
 from typing import Any, Protocol
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from transformers import PreTrainedTokenizerBase
 
 from ._api_types import ChatCompletionRequest
@@ -32,11 +31,10 @@ from ._metrics import GatewayMetrics
 from ._sessions import Session, Turn
 from ._settings import Settings
 from ._shared_sessions import SessionDirectory
+from ._streaming import UpdateChannel, coalesce
 from ._text import TextAssembler
 from .engines import Engine, SamplingParams
 from .tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
-
-ProducerItem = ChoiceUpdate | GatewayError
 
 
 class FrameEncoder(Protocol):
@@ -200,29 +198,31 @@ class CompletionService:
     # -- producing -------------------------------------------------------------------------
 
     async def produce(
-        self, prepared: PreparedCompletion | Sequence[PreparedCompletion], send: ObjectSendStream[ProducerItem]
+        self, prepared: PreparedCompletion | Sequence[PreparedCompletion], channel: UpdateChannel
     ) -> None:
-        """Run every choice (of every prompt); send their updates, or one error, into ``send`` and close it."""
+        """Run every choice (of every prompt); put their updates, or one error, into ``channel`` and close it."""
         batch = [prepared] if isinstance(prepared, PreparedCompletion) else prepared
         first = batch[0]
-        async with send:
-            try:
-                async with anyio.create_task_group() as tg:
-                    for item in batch:
-                        self._metrics.prompt_tokens.inc(len(item.prompt_ids))
-                        for index in range(item.n):
-                            tg.start_soon(self._run_choice, item, index, send)
-            except* GatewayError as group:
-                await send.send(group.exceptions[0])  # type: ignore[arg-type]
-            except* Exception as group:
-                # A bug, not bad input: log it, and end the stream with an error frame rather than a
-                # silent [DONE] that a client would take for a complete answer.
-                log.error("completion %s failed", first.completion_id, exc_info=group.exceptions[0])
-                await send.send(EngineError("The server had an error while processing your request."))
+        try:
+            async with anyio.create_task_group() as tg:
+                for item in batch:
+                    self._metrics.prompt_tokens.inc(len(item.prompt_ids))
+                    for index in range(item.n):
+                        tg.start_soon(self._run_choice, item, index, channel)
+        except* GatewayError as group:
+            channel.put(group.exceptions[0])  # type: ignore[arg-type]
+        except* Exception as group:
+            # A bug, not bad input: log it, and end the stream with an error frame rather than a
+            # silent [DONE] that a client would take for a complete answer.
+            log.error("completion %s failed", first.completion_id, exc_info=group.exceptions[0])
+            channel.put(EngineError("The server had an error while processing your request."))
+        finally:
+            channel.close()
 
-    async def _run_choice(
-        self, prepared: PreparedCompletion, choice: int, send: ObjectSendStream[ProducerItem]
-    ) -> None:
+    async def _run_choice(self, prepared: PreparedCompletion, choice: int, channel: UpdateChannel) -> None:
+        # The per-token path: per engine step, list appends, the detokenizer, and (when there is
+        # text to send) one update put into the channel. Metrics and events are per turn, or
+        # every few dozen tokens for live deltas.
         params = prepared.params
         if choice and params.seed is not None:
             params = replace(params, seed=params.seed + choice)  # n seeded choices must differ
@@ -230,10 +230,10 @@ class CompletionService:
         assembler = TextAssembler(self._engine.tokenizer.backend_tokenizer, prepared.stops)
         parser = create_tool_parser(prepared.tool_parser, prepared.tool_names) if prepared.tool_parser else None
         result = ChoiceResult(index)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        top: list[tuple[tuple[int, float], ...]] | None = [] if params.top_logprobs else None
-        metrics = self._metrics
+        ids, logprobs = result.token_ids, result.logprobs  # the whole turn's
+        top = result.top_logprobs if params.top_logprobs else None
+        sent = 0  # tokens already put into an update
+        gaps: list[float] = []  # between engine steps, counted into the histogram at the end
         last = prepared.arrived
         first_token_s: float | None = None
         policy_version = self._engine.policy_version
@@ -255,33 +255,31 @@ class CompletionService:
         deltas = recorder.deltas(prepared.session, turn_id, policy_version)
         # [version, first output index] spans: a weight update between two steps starts a new one.
         spans: list[tuple[int, int]] = []
-        produced = 0
         abort_reason: str | None = None
         abort_detail: str | None = None
+        perf_counter = time.perf_counter
         try:
             async with aclosing(
                 self._engine.generate(request_id, prepared.prompt_ids, params, affinity=prepared.session.session_id)
             ) as steps:
                 async for step in steps:
-                    now = time.perf_counter()
+                    now = perf_counter()
                     if first_token_s is None:
                         first_token_s = now - prepared.arrived
-                        metrics.time_to_first_token.observe(first_token_s)
+                        self._metrics.time_to_first_token.observe(first_token_s)
                     else:
-                        metrics.inter_token_latency.observe(now - last)
+                        gaps.append(now - last)
                     last = now
-                    metrics.completion_tokens.inc(len(step.token_ids))
                     if not spans or spans[-1][0] != step.policy_version:
-                        spans.append((step.policy_version, produced))
-                    produced += len(step.token_ids)
+                        spans.append((step.policy_version, len(ids)))
                     if step.version_spans is not None:
                         spans = list(step.version_spans)  # the server's own account, given at the end
-                    if deltas is not None:
-                        deltas.feed(step.token_ids, step.logprobs)
                     ids.extend(step.token_ids)
                     logprobs.extend(step.logprobs)
                     if top is not None and step.top_logprobs is not None:
                         top.extend(step.top_logprobs)
+                    if deltas is not None:
+                        deltas.advance(ids, logprobs, now)
                     delta = assembler.feed(step.token_ids)
                     finish: str | None = "stop" if delta.stopped else step.finish_reason
                     text = delta.text if finish is None or delta.stopped else delta.text + assembler.flush()
@@ -295,16 +293,28 @@ class CompletionService:
                         if finish == "stop" and parser.calls:
                             finish = "tool_calls"
                     # Tokens that produced nothing to send yet (half a character, a possible stop
-                    # string, an unfinished tool call) ride along with the next frame that has
+                    # string, an unfinished tool call) ride along with the next update that has
                     # something, so no frame is empty.
                     if text or calls or finish is not None:
+                        end = len(ids)
+                        final_spans = list(spans) if finish is not None else None
                         update = ChoiceUpdate(
-                            index, text, ids, logprobs, top, finish, calls, list(spans) if finish is not None else None
+                            index,
+                            text,
+                            ids[sent:end],
+                            logprobs[sent:end],
+                            top[sent:end] if top is not None else None,
+                            finish,
+                            calls,
+                            final_spans,
                         )
-                        result.add(update)
-                        await send.send(update)
-                        ids, logprobs = [], []
-                        top = [] if top is not None else None
+                        sent = end
+                        result.text_parts.append(text)
+                        if calls:
+                            result.call_deltas.extend(calls)
+                        if finish is not None:
+                            result.finish_reason, result.version_spans = finish, final_spans
+                        channel.put(update)
                     if finish is not None:
                         return  # leaving the block closes the iterator: a stop string aborts the request
         except anyio.get_cancelled_exc_class():
@@ -315,10 +325,10 @@ class CompletionService:
             raise
         finally:
             # Runs on normal ends, errors and cancellation alike; recording is synchronous.
+            self._metrics.completion_tokens.inc(len(ids))
+            self._metrics.inter_token_latency.observe_many(gaps)
             if deltas is not None:
-                deltas.flush()
-            result.token_ids.extend(ids)
-            result.logprobs.extend(logprobs)
+                deltas.flush(ids, logprobs)
             turn = self._record_turn(prepared, turn_id, result, spans or [(policy_version, 0)], first_token_s)
             recorder.turn_finished(
                 prepared.session,
@@ -388,42 +398,48 @@ class CompletionService:
             token_ids=prepared.return_token_ids,
         )
 
-    def stream_frames(
-        self, prepared: PreparedCompletion, receive: ObjectReceiveStream[ProducerItem]
-    ) -> AsyncIterator[bytes]:
+    def stream_frames(self, prepared: PreparedCompletion, channel: UpdateChannel) -> AsyncIterator[bytes]:
         """SSE frames: role, deltas, usage (if asked), ``[DONE]``; or an error frame."""
         encoder = self.encoder(prepared)
         first = encoder.role(prepared.n, prepared.prompt_ids if prepared.return_token_ids else None)
-        return self.frames(encoder, receive, first, prepared.n, len(prepared.prompt_ids), prepared.include_usage)
+        return self.frames(encoder, channel, first, prepared.n, len(prepared.prompt_ids), prepared.include_usage)
 
     async def frames(
         self,
         encoder: FrameEncoder,
-        receive: ObjectReceiveStream[ProducerItem],
+        channel: UpdateChannel,
         first: bytes | None,
         choices: int,
         prompt_tokens: int,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        """The frames of a streamed response: ``first`` (if any), updates, usage (if asked), ``[DONE]``."""
+        """The writes of a streamed response: ``first`` (if any), updates, usage (if asked) with ``[DONE]``.
+
+        Each write holds everything that waited in the channel: one frame per choice (see
+        :mod:`._streaming`).
+        """
         completion_tokens = 0
         finished = 0
         self._metrics.active_streams.inc()
         try:
             if first is not None:
                 yield first
-            async with receive:
-                async for item in receive:
+            while (items := await channel.take()) is not None:
+                frames = []
+                for item in coalesce(items):
                     if isinstance(item, GatewayError):
                         self._metrics.requests.labels("true", str(item.status_code)).inc()
-                        yield encoder.error(item)
+                        frames.append(encoder.error(item))
+                        yield b"".join(frames)
                         return
                     completion_tokens += len(item.token_ids)
                     finished += item.finish_reason is not None
-                    yield encoder.update(item)
+                    frames.append(encoder.update(item))
+                yield frames[0] if len(frames) == 1 else b"".join(frames)
             if include_usage:
-                yield encoder.usage(prompt_tokens, completion_tokens)
-            yield DONE_FRAME
+                yield encoder.usage(prompt_tokens, completion_tokens) + DONE_FRAME
+            else:
+                yield DONE_FRAME
             self._metrics.requests.labels("true", "200").inc()
         finally:
             self._metrics.active_streams.dec()
@@ -458,14 +474,14 @@ class CompletionService:
         """Run the choices of ``batch`` to the end; ``None`` if the client went away first."""
         results = [ChoiceResult(i) for i in range(sum(p.n for p in batch))]
         error: GatewayError | None = None
-        send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
+        channel = UpdateChannel()
         self._metrics.active_streams.inc()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_when, wait_disconnect, tg.cancel_scope)
-                tg.start_soon(self.produce, batch, send)
-                async with receive:
-                    async for item in receive:
+                tg.start_soon(self.produce, batch, channel)
+                while (items := await channel.take()) is not None:
+                    for item in items:
                         if isinstance(item, GatewayError):
                             error = item
                         else:

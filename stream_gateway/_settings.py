@@ -6,6 +6,7 @@ Read once at start-up from command-line flags and ``STREAM_GATEWAY_*`` environme
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
 
@@ -98,6 +99,18 @@ class Settings(BaseSettings):
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")
     sse_send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing this long is dropped")
     log_level: str = "info"
+    loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="event loop (auto: uvloop when installed, as uvicorn chooses)"
+    )
+    http: Literal["auto", "httptools", "h11"] = Field(
+        "auto", description="HTTP/1.1 parser (auto: httptools when installed, as uvicorn chooses)"
+    )
+
+    def server_stack(self) -> tuple[str, str]:
+        """The event loop and HTTP parser uvicorn runs with these settings (``auto`` resolved as uvicorn 0.54 does)."""
+        loop = self.loop if self.loop != "auto" else ("uvloop" if find_spec("uvloop") else "asyncio")
+        http = self.http if self.http != "auto" else ("httptools" if find_spec("httptools") else "h11")
+        return loop, http
 
     @field_validator("tool_parser")
     @classmethod

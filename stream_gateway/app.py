@@ -35,18 +35,19 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from ._api_types import ChatCompletionRequest
 from ._capture import EventRecorder
-from ._completion import CompletionService, ProducerItem
+from ._completion import CompletionService
 from ._errors import AuthenticationFailed, Conflict, GatewayError, InvalidRequest, NotFound, PermissionDenied
 from ._metrics import GatewayMetrics
 from ._policy_sync import PolicyApplier, PolicyNotNewer
 from ._sessions import Session, SessionStore, session_body
 from ._settings import Settings
 from ._shared_sessions import SessionDirectory, SharedSessions, expected_seqs
+from ._streaming import RawSendApp, TokenStreamResponse, UpdateChannel
 from ._token_in import CompletionRequest, TextChunkEncoder, TokenInService, text_completion_body
 from .engines import Engine, WeightsRejected
 from .engines._pool import normalize_url
@@ -85,6 +86,13 @@ class FeedbackBody(BaseModel):
     comment: str | None = Field(None, max_length=16_384)
     turn_id: str | None = Field(None, max_length=128)
     source: str = Field("user", min_length=1, max_length=128)
+
+
+class GatewayApp(FastAPI):
+    """FastAPI with :class:`RawSendApp` outside its middleware stack (streamed frames skip the wrappers)."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return RawSendApp(super().build_middleware_stack())
 
 
 class ORJSONResponse(JSONResponse):
@@ -192,7 +200,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             finally:
                 tg.cancel_scope.cancel()
 
-    app = FastAPI(title="stream-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = GatewayApp(title="stream-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     def authorize(request: Request) -> str:
         """The request's tenant: its bearer key (``anonymous`` without one)."""
@@ -207,7 +215,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         frames: AsyncIterator[bytes], producer: Callable[[], Coroutine[Any, Any, None]], headers: dict[str, str]
     ) -> Response:
         """An SSE response of ``frames``; ``producer`` runs beside it and is cancelled if the client leaves."""
-        return EventSourceResponse(
+        return TokenStreamResponse(
             frames,
             headers=headers,
             data_sender_callable=producer,
@@ -225,9 +233,9 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         prepared = await service.prepare(body, tenant=tenant, session_id=session_id, agent=agent)
         headers = {"x-session-id": prepared.session.session_id}
         if body.stream:
-            send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
+            channel = UpdateChannel()
             return event_stream(
-                service.stream_frames(prepared, receive), partial(service.produce, prepared, send), headers
+                service.stream_frames(prepared, channel), partial(service.produce, prepared, channel), headers
             )
         result = await service.complete(prepared, _disconnect_waiter(request))
         if result is None:  # the client is gone; nobody reads this
@@ -247,7 +255,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         headers = {"x-session-id": first.session.session_id}
         token_text = service.token_text
         if body.stream:
-            send, receive = anyio.create_memory_object_stream[ProducerItem](max_buffer_size=64)
+            channel = UpdateChannel()
             prompts = {p.first_index + i: p.prompt_ids for p in batch for i in range(p.n)}
             encoder = TextChunkEncoder(
                 first.completion_id,
@@ -261,8 +269,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
                 prompts=prompts,
             )
             prompt_tokens = sum(len(p.prompt_ids) for p in batch)
-            frames = service.frames(encoder, receive, None, len(prompts), prompt_tokens, first.include_usage)
-            return event_stream(frames, partial(service.produce, batch, send), headers)
+            frames = service.frames(encoder, channel, None, len(prompts), prompt_tokens, first.include_usage)
+            return event_stream(frames, partial(service.produce, batch, channel), headers)
         results = await service.collect(batch, _disconnect_waiter(request))
         if results is None:
             return Response(status_code=499)
@@ -409,6 +417,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             "model": engine.model_id,
             "policy_version": engine.policy_version,
             "replica": replica,
+            "server": {"loop": running_loop(), "http": settings.server_stack()[1]},
             "active_requests": stats.active_requests,
             "waiting_requests": stats.waiting_requests,
             "total_requests": stats.total_requests,
@@ -480,6 +489,13 @@ async def _start_upstream_follower(tg: Any, engine: RemoteEngine, settings: Sett
     tg.start_soon(follower.run)
     with anyio.move_on_after(10):
         await follower.synced.wait()
+
+
+def running_loop() -> str:
+    """The running event loop's implementation: ``uvloop`` or ``asyncio``."""
+    import asyncio
+
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def default_outbox_dir(settings: Settings) -> Path:

@@ -98,20 +98,28 @@ def _serve(settings: Settings) -> int:
     engine = build_engine(settings)
     app = create_app(engine, settings)
     capture = f"events to {settings.nats_url}" if settings.nats_url else "event capture off (no --nats-url)"
+    loop, http = settings.server_stack()
     print(
         f"stream-gateway: {settings.engine} engine, model {engine.model_id!r}, "
-        f"OpenAI API at http://{settings.host}:{settings.port}/v1 (metrics at /metrics), {capture}",
+        f"OpenAI API at http://{settings.host}:{settings.port}/v1 (metrics at /metrics), {capture}; "
+        f"{loop} loop, {http} parser",
         file=sys.stderr,
         flush=True,
     )
     if settings.worker_index is None:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        uvicorn.run(app, **uvicorn_options(settings))
         return 0
     # A worker of --workers N: the port is shared with the other workers (SO_REUSEPORT).
     sock = listening_socket(settings.host, settings.port, reuse_port=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=settings.log_level))
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings)))
     server.run(sockets=[sock])
     return 0
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options for the gateway: address, log level, event loop and HTTP parser."""
+    loop, http = settings.server_stack()
+    return {"host": settings.host, "port": settings.port, "log_level": settings.log_level, "loop": loop, "http": http}
 
 
 def _supervise(run: Any) -> int:
@@ -201,9 +209,7 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
             if settings.workers > 1:
                 await run_workers(settings, say)  # until cancelled by Ctrl-C / SIGTERM
                 return
-            server = uvicorn.Server(
-                uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
-            )
+            server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings)))
             await server.serve()  # returns on Ctrl-C / SIGTERM, after the gateway's shutdown
 
         async def everything() -> None:
@@ -427,6 +433,8 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--default-max-tokens", type=int, help="completion budget when none is asked")
     command.add_argument("--model-cache-dir", help="where built/converted models are cached")
     command.add_argument("--log-level", help="uvicorn/gateway log level (default info)")
+    command.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), help="event loop (default auto: uvloop)")
+    command.add_argument("--http", choices=("auto", "httptools", "h11"), help="HTTP parser (default auto: httptools)")
     command.add_argument("--events-stream", help="JetStream stream for durable events (default SG_EVENTS)")
     command.add_argument("--subject-prefix", help="first token of event subjects (default sg)")
     command.add_argument("--stream-replicas", type=int, help="stream replicas on a NATS cluster (default 1)")

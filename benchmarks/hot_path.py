@@ -1,0 +1,224 @@
+"""The per-token hot path: gateway CPU per streamed token, capture on and off, side by side in one run.
+
+Run (from the repository root, after ``bash scripts/install.sh``)::
+
+    .venv/bin/python benchmarks/hot_path.py
+    .venv/bin/python benchmarks/hot_path.py --streams 1 16 64 --tokens 256 --repeats 5 --json hot.json
+    .venv/bin/python benchmarks/hot_path.py --litellm      # adds LiteLLM in front of a fake upstream
+
+Set-up, all real processes on this machine: an embedded ``nats-server`` (JetStream, temp store);
+two gateways on the synthetic engine (``--model tiny``'s tokenizer, tokens as fast as the loop
+allows, so the gateway is all there is to measure): capture off, and capture on (``--nats-url``,
+live deltas on, the defaults). With ``--litellm``, also LiteLLM's proxy (its own venv, see
+``benchmarks/litellm_env.sh``) relaying ``benchmarks/fake_upstream.py``, which sends pre-encoded
+frames and costs next to nothing.
+
+Load: ``benchmarks/loadgen.py`` in a process of its own (raw asyncio sockets, no per-token
+parsing: it costs a fraction of the gateway's CPU, and the table shows how much), ``streams``
+concurrent keep-alive connections, each sending streamed requests of ``tokens`` tokens
+(``ignore_eos``, ``include_usage``) one after the other, ``--tokens-per-run`` tokens in all.
+Configurations alternate within every repeat, so drift hits all alike.
+
+Reported per configuration and concurrency (medians over ``repeats``): CPU seconds per 1,000
+streamed tokens of the server process (``/proc``), of nats-server and of the load generator;
+tokens/s; tokens per frame (1.0 = every token its own chunk); time to first token and the gap
+between frames (p50/p99) as the client saw them. Ratios in the summary compare rows of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _procs import cpu_s, free_port, loadgen, rss_mb, wait_http
+
+from pipeline.embedded import EmbeddedNatsServer
+from stream_gateway.model_store import resolve_model
+
+
+@dataclass(slots=True)
+class Server:
+    """One server under test: a name, its URL and model name, and the processes whose CPU counts."""
+
+    name: str
+    url: str
+    model: str
+    process: subprocess.Popen[bytes]
+    helpers: dict[str, int] = field(default_factory=dict)  # other processes to account (upstream)
+    runs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def start_gateway(name: str, extra: list[str]) -> Server:
+    port = free_port()
+    command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "synthetic",
+               "--model", resolve_model("tiny"), "--served-model-name", "tiny", "--port", str(port),
+               "--log-level", "warning", "--default-max-tokens", "4096", *extra]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", process)
+    return Server(name, url, "tiny", process)
+
+
+def start_litellm(workdir: Path) -> tuple[Server, subprocess.Popen[bytes]]:
+    from litellm_proxy import start_litellm as start_proxy
+    from litellm_proxy import write_config
+
+    upstream_port = free_port()
+    upstream = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("fake_upstream.py")), "--port", str(upstream_port)],
+        stdout=subprocess.PIPE,
+    )
+    assert upstream.stdout is not None
+    upstream.stdout.readline()  # "ready"
+    config = workdir / "litellm.yaml"
+    write_config(config, f"http://127.0.0.1:{upstream_port}", "tiny")
+    port = free_port()
+    proxy = start_proxy(config, port)
+    server = Server("litellm", f"http://127.0.0.1:{port}", "tiny", proxy, {"upstream": upstream.pid})
+    return server, upstream
+
+
+def one_run(server: Server, nats_pid: int | None, streams: int, tokens: int, requests: int) -> dict[str, Any]:
+    before = cpu_s(server.process.pid)
+    helpers = {name: cpu_s(pid) for name, pid in server.helpers.items()}
+    nats_before = cpu_s(nats_pid) if nats_pid else 0.0
+    result = loadgen(server.url, server.model, streams, tokens, requests=requests)
+    result["server_cpu_s"] = cpu_s(server.process.pid) - before
+    result["nats_cpu_s"] = (cpu_s(nats_pid) - nats_before) if nats_pid else 0.0
+    for name, pid in server.helpers.items():
+        result[f"{name}_cpu_s"] = cpu_s(pid) - helpers[name]
+    result["server_rss_mb"] = rss_mb(server.process.pid)
+    return result
+
+
+def per_1k(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] / r["tokens"] * 1000 for r in runs if r["tokens"])
+
+
+def summary(server: Server, streams: int) -> dict[str, Any]:
+    runs = server.runs[streams]
+    med: Callable[[Callable[[dict[str, Any]], float]], float] = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
+    row = {
+        "server_cpu_per_1k": per_1k(runs, "server_cpu_s"),
+        "nats_cpu_per_1k": per_1k(runs, "nats_cpu_s"),
+        "client_cpu_per_1k": per_1k(runs, "client_cpu_s"),
+        "tokens_per_s": med(lambda r: r["tokens_per_s"]),
+        "tokens_per_frame": med(lambda r: r["tokens_per_frame"]),
+        "first_token_p50_ms": med(lambda r: r["first_token"].get("p50_ms", 0.0)),
+        "gap_p50_ms": med(lambda r: r["gap"].get("p50_ms", 0.0)),
+        "gap_p99_ms": med(lambda r: r["gap"].get("p99_ms", 0.0)),
+        "errors": sum(r["errors"] for r in runs),
+        "rss_mb": max(r["server_rss_mb"] for r in runs),
+    }
+    for name in server.helpers:
+        row[f"{name}_cpu_per_1k"] = per_1k(runs, f"{name}_cpu_s")
+    return row
+
+
+def first_token(server: Server, samples: int) -> float:
+    """Median time to first token of sequential 2-token streams on an idle server, in ms."""
+    result = loadgen(server.url, server.model, 1, 2, requests=samples)
+    return float(result["first_token"]["p50_ms"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    parser.add_argument("--tokens-per-run", type=int, default=65536, help="tokens per measured run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--litellm", action="store_true", help="also measure LiteLLM's proxy (needs its venv)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedNatsServer() as nats:
+        nats_pid = nats.pid
+        servers = [
+            start_gateway("capture off", []),
+            start_gateway("capture on", ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox")]),
+        ]
+        upstream = None
+        if args.litellm:
+            litellm, upstream = start_litellm(Path(tmp))
+            servers.append(litellm)
+        try:
+            for server in servers:  # warm-up
+                loadgen(server.url, server.model, 4, 64, requests=2)
+            for repeat in range(args.repeats):
+                for streams in args.streams:
+                    requests = max(1, args.tokens_per_run // (streams * args.tokens))
+                    order = servers[repeat % len(servers) :] + servers[: repeat % len(servers)]
+                    for server in order:
+                        uses_nats = server.name == "capture on"
+                        run = one_run(server, nats_pid if uses_nats else None, streams, args.tokens, requests)
+                        server.runs.setdefault(streams, []).append(run)
+                        print(
+                            f"[{repeat + 1}/{args.repeats}] {server.name:12} {streams:3} streams: "
+                            f"{run['tokens_per_s']:8.0f} tok/s, "
+                            f"{run['server_cpu_s'] / max(run['tokens'], 1) * 1000:.3f} CPU-s/1k, "
+                            f"{run['tokens_per_frame']:.2f} tok/frame, {run['errors']} errors",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+            idle = {s.name: first_token(s, 20) for s in servers}
+            result = {
+                "tokens": args.tokens,
+                "repeats": args.repeats,
+                "health": httpx.get(servers[0].url + "/health").json(),
+                "servers": {s.name: {str(n): summary(s, n) for n in args.streams} for s in servers},
+                "idle_first_token_ms": idle,
+            }
+        finally:
+            for server in servers:
+                server.process.terminate()
+                server.process.wait(30)
+            if upstream is not None:
+                upstream.terminate()
+                upstream.wait(10)
+    report(result)
+    if args.json:
+        args.json.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+
+
+def report(result: dict[str, Any]) -> None:
+    servers = result["servers"]
+    health = result["health"]
+    print(f"\nserver loop/parser: {health.get('http', 'unknown')}; {result['tokens']}-token streams, "
+          f"medians of {result['repeats']}")  # fmt: skip
+    print(f"{'server':12} {'streams':>7} {'CPU-s/1k':>9} {'nats':>6} {'client':>7} {'tok/s':>8} "
+          f"{'tok/frame':>9} {'TTFT p50':>9} {'gap p50':>8} {'gap p99':>8} {'RSS MB':>7} {'errors':>6}")  # fmt: skip
+    for name, rows in servers.items():
+        for streams, row in rows.items():
+            print(
+                f"{name:12} {streams:>7} {row['server_cpu_per_1k']:9.3f} {row['nats_cpu_per_1k']:6.3f} "
+                f"{row['client_cpu_per_1k']:7.3f} {row['tokens_per_s']:8.0f} {row['tokens_per_frame']:9.2f} "
+                f"{row['first_token_p50_ms']:8.1f}ms {row['gap_p50_ms']:6.2f}ms {row['gap_p99_ms']:6.2f}ms "
+                f"{row['rss_mb']:7.0f} {row['errors']:6}"
+            )
+    print("\nidle time to first token (20 sequential 2-token streams, p50): "
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in result["idle_first_token_ms"].items()))  # fmt: skip
+    on, off = servers.get("capture on"), servers.get("capture off")
+    if on and off:
+        for streams in on:
+            ratio = on[streams]["server_cpu_per_1k"] / off[streams]["server_cpu_per_1k"]
+            print(f"capture on / off, CPU per token at {streams} streams: {ratio:.3f}")
+    lite = servers.get("litellm")
+    if lite and on:
+        for streams in on:
+            ratio = lite[streams]["server_cpu_per_1k"] / on[streams]["server_cpu_per_1k"]
+            print(f"LiteLLM / gateway (capture on), CPU per token at {streams} streams: {ratio:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
