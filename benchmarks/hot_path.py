@@ -57,6 +57,13 @@ class Server:
     process: subprocess.Popen[bytes]
     helpers: dict[str, int] = field(default_factory=dict)  # other processes to account (upstream)
     runs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)  # the server's processes (all of LiteLLM's)
+
+    def cpu_s(self) -> float:
+        return sum(cpu_s(pid) for pid in self.pids or [self.process.pid])
+
+    def rss_mb(self) -> float:
+        return sum(rss_mb(pid) for pid in self.pids or [self.process.pid])
 
 
 def start_gateway(name: str, extra: list[str]) -> Server:
@@ -71,8 +78,8 @@ def start_gateway(name: str, extra: list[str]) -> Server:
 
 
 def start_litellm(workdir: Path) -> tuple[Server, subprocess.Popen[bytes]]:
+    from litellm_proxy import session_pids, write_config
     from litellm_proxy import start_litellm as start_proxy
-    from litellm_proxy import write_config
 
     upstream_port = free_port()
     upstream = subprocess.Popen(
@@ -86,19 +93,20 @@ def start_litellm(workdir: Path) -> tuple[Server, subprocess.Popen[bytes]]:
     port = free_port()
     proxy = start_proxy(config, port)
     server = Server("litellm", f"http://127.0.0.1:{port}", "tiny", proxy, {"upstream": upstream.pid})
+    server.pids = session_pids(proxy)
     return server, upstream
 
 
 def one_run(server: Server, nats_pid: int | None, streams: int, tokens: int, requests: int) -> dict[str, Any]:
-    before = cpu_s(server.process.pid)
+    before = server.cpu_s()
     helpers = {name: cpu_s(pid) for name, pid in server.helpers.items()}
     nats_before = cpu_s(nats_pid) if nats_pid else 0.0
     result = loadgen(server.url, server.model, streams, tokens, requests=requests)
-    result["server_cpu_s"] = cpu_s(server.process.pid) - before
+    result["server_cpu_s"] = server.cpu_s() - before
     result["nats_cpu_s"] = (cpu_s(nats_pid) - nats_before) if nats_pid else 0.0
     for name, pid in server.helpers.items():
         result[f"{name}_cpu_s"] = cpu_s(pid) - helpers[name]
-    result["server_rss_mb"] = rss_mb(server.process.pid)
+    result["server_rss_mb"] = server.rss_mb()
     return result
 
 
@@ -181,6 +189,11 @@ def main() -> None:
             }
         finally:
             for server in servers:
+                if server.name == "litellm":
+                    from litellm_proxy import stop_litellm
+
+                    stop_litellm(server.process)
+                    continue
                 server.process.terminate()
                 server.process.wait(30)
             if upstream is not None:

@@ -47,6 +47,7 @@ class Totals:
     tokens: int = 0
     first_token_s: list[float] = field(default_factory=list)
     gaps_s: list[float] = field(default_factory=list)
+    durations_s: list[float] = field(default_factory=list)  # request sent to response ended
     error_samples: list[str] = field(default_factory=list)
 
     def error(self, what: str) -> None:
@@ -134,19 +135,22 @@ class _Response(asyncio.Protocol):
         assert self._done is not None
         if not error:
             self._totals.frames += self._frames
+            self._totals.durations_s.append(time.perf_counter() - self._sent)
         if not self._done.done():
             self._done.set_result(None)
 
     def usage_tokens(self) -> int | None:
         """``completion_tokens`` from the usage frame of the response that just ended."""
-        if self._usage is None:
+        window = self._usage
+        if window is None:
             return None
-        start = self._usage.rfind(b'"usage":')
-        if start < 0:
+        at = window.rfind(b'"usage":')
+        if at < 0:
             return None
-        end = self._usage.find(b"}", start)
-        usage: dict[str, int] = orjson.loads(self._usage[start + 8 : end + 1])
-        return usage["completion_tokens"]
+        start = window.rfind(b"data: ", 0, at) + 6
+        frame: dict[str, Any] = orjson.loads(window[start : window.find(b"\n\n", at)])
+        tokens: int = frame["usage"]["completion_tokens"]
+        return tokens
 
     def close(self) -> None:
         if self._transport is not None:
@@ -268,6 +272,8 @@ async def run(
         "tokens_per_s": totals.tokens / elapsed if elapsed else 0.0,
         "first_token": _percentiles(totals.first_token_s),
         "gap": _percentiles(totals.gaps_s),
+        "response_s": _percentiles(totals.durations_s),
+        "stream_seconds": sum(totals.durations_s),
         "client_cpu_s": time.process_time() - cpu,
         "client_max_rss_mb": usage.ru_maxrss / 1024,
     }

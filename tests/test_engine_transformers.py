@@ -22,8 +22,23 @@ async def engine(tiny_model_path: Path) -> AsyncIterator[TransformersEngine]:
         yield e
 
 
+def _per_token(steps: list[EngineStep]) -> list[EngineStep]:
+    """One step per token: the engine hands over the steps that waited for its consumer as one."""
+    return [
+        EngineStep(
+            (token,),
+            (step.logprobs[j],),
+            (step.top_logprobs[j],) if step.top_logprobs is not None else None,
+            step.finish_reason if j == len(step.token_ids) - 1 else None,
+            step.policy_version,
+        )
+        for step in steps
+        for j, token in enumerate(step.token_ids)
+    ]
+
+
 async def _collect(engine: TransformersEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[EngineStep]:
-    return [step async for step in engine.generate(rid, prompt, params)]
+    return _per_token([step async for step in engine.generate(rid, prompt, params)])
 
 
 async def test_concurrent_requests_equal_one_at_a_time(engine: TransformersEngine, tiny_model_path: Path) -> None:
@@ -40,7 +55,7 @@ async def test_concurrent_requests_equal_one_at_a_time(engine: TransformersEngin
         async for step in engine.generate(f"b{i}", prompts[i], params):
             peak = max(peak, engine.statistics().active_requests)
             steps.append(step)
-        together[i] = steps
+        together[i] = _per_token(steps)
 
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
@@ -152,6 +167,7 @@ async def test_rows_in_flight_continue_across_a_weight_update_with_exact_logprob
     reference.load_state_dict(updated, strict=False)
     models = {0: model, 1: reference}
     switched = 0
+    steps = {i: _per_token(steps[i]) for i in steps}
     for i, prompt in enumerate(prompts):
         versions = [s.policy_version for s in steps[i]]
         assert len(versions) == 400 and versions == sorted(versions)  # none cut short, versions only go up
@@ -182,6 +198,7 @@ async def test_keeping_the_cache_pauses_for_the_copy_alone(tiny_model_path: Path
         steps.append(await anext(iterator))
         report = await engine.update_weights(updated, policy_version=1)
         steps.extend([step async for step in iterator])
+    steps = _per_token(steps)
     assert report.in_flight == 1 and len(steps) == 300
     versions = [s.policy_version for s in steps]
     assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1

@@ -63,6 +63,26 @@ class EngineStep:
     version_spans: tuple[tuple[int, int], ...] | None = None
 
 
+def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
+    """Consecutive steps of one request, sampled by one policy version, as one step.
+
+    An engine whose consumer fell behind hands over everything that waited at once (one update,
+    one frame), instead of one step per token.
+    """
+    last = steps[-1]
+    top = None
+    if all(s.top_logprobs is not None for s in steps):
+        top = tuple(t for s in steps for t in s.top_logprobs or ())
+    return EngineStep(
+        tuple(t for s in steps for t in s.token_ids),
+        tuple(lp for s in steps for lp in s.logprobs),
+        top,
+        last.finish_reason,
+        last.policy_version,
+        last.version_spans,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class WeightUpdateReport:
     """What applying new weights cost the requests in flight.

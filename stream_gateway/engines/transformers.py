@@ -56,7 +56,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.cache_utils import DynamicLayer
 
 from .._errors import EngineError, EngineUnavailable
-from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport, merge_steps
 from ._sampling import sample_batch
 from ._weights import check_tensors, read_checkpoint
 
@@ -210,12 +210,24 @@ class TransformersEngine:
         self._waiting += 1
         self._total_requests += 1
         self._inbox.put(request)
+        outbox = request.outbox
+        held: EngineStep | BaseException | None = None  # taken from the queue but not merged
         try:
             while True:
-                item = await request.outbox.get()
+                item = held if held is not None else await outbox.get()
+                held = None
                 if isinstance(item, BaseException):
                     raise EngineError(f"the transformers engine failed: {item}") from item
-                yield item
+                # Steps that waited (the event loop was busy) go out together: one update, one frame.
+                steps = [item]
+                while item.finish_reason is None and not outbox.empty():
+                    following = outbox.get_nowait()
+                    if isinstance(following, BaseException) or following.policy_version != item.policy_version:
+                        held = following
+                        break
+                    steps.append(following)
+                    item = following
+                yield item if len(steps) == 1 else merge_steps(steps)
                 if item.finish_reason is not None:
                     return
         finally:
