@@ -11,9 +11,11 @@ What is measured, in one run on one machine:
   every run decodes the same number of tokens): tokens/s.
 * baseline 8: ``model.generate`` on 8 left-padded prompts at once: total tokens/s.
 * gateway 1 / gateway 8: ``stream-gateway serve`` (transformers engine) in a subprocess, 1 or 8
-  concurrent streaming requests over HTTP with ``ignore_eos``; tokens/s counted from the streamed
-  ``token_ids`` as the client receives them, so SSE, HTTP and client parsing are included.
-* time to first token: request sent to first content chunk received, median over sequential
+  concurrent streaming requests over HTTP with ``ignore_eos``, sent by ``benchmarks/loadgen.py`` in
+  a process of its own (raw sockets, a fraction of the gateway's CPU per token); tokens/s from the
+  usage the server reports, over the time from the first request sent to the last response ended,
+  so SSE and HTTP are included.
+* time to first token: request sent to first content chunk received, median over 10 sequential
   requests, next to the baseline's time for a prefill plus one decode step on the same prompt.
 
 The baseline gets the same torch thread count as the engine chooses for the model. Results are
@@ -23,7 +25,6 @@ ratios against the baselines; absolute numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import socket
 import statistics
@@ -34,6 +35,9 @@ from pathlib import Path
 
 import httpx
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _procs import loadgen
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_gateway.model_store import resolve_model
@@ -46,88 +50,62 @@ def _threads_for(model: AutoModelForCausalLM) -> int:
     return 1 if getattr(model.config, "hidden_size", 0) < 256 else torch.get_num_threads()
 
 
-def baseline(path: str, tokens: int, repeats: int) -> dict[str, float]:
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    torch.set_num_threads(_threads_for(model))
-    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
-    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-    single = tokenizer(texts[:1], return_tensors="pt", add_special_tokens=False)
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    kwargs = {
-        "do_sample": True,
-        "max_new_tokens": tokens,
-        "min_new_tokens": tokens,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+class Baseline:
+    """Plain ``model.generate`` on the same model and prompts, in this process."""
 
-    def rate(inputs: dict[str, torch.Tensor], n: int) -> float:
-        best = 0.0
-        for _ in range(repeats):
-            start = time.perf_counter()
-            with torch.inference_mode():
-                model.generate(**inputs, **kwargs)
-            best = max(best, n * tokens / (time.perf_counter() - start))
-        return best
+    def __init__(self, path: str, tokens: int) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        torch.set_num_threads(_threads_for(self.model))
+        chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+        self.single = self.tokenizer(texts[:1], return_tensors="pt", add_special_tokens=False)
+        self.batch = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        self.tokens = tokens
+        self.kwargs = {
+            "do_sample": True,
+            "max_new_tokens": tokens,
+            "min_new_tokens": tokens,
+            "pad_token_id": self.tokenizer.pad_token_id,
+        }
 
-    rate(single, 1)  # warm-up
-    first = []
-    for _ in range(5):
+    def rate(self, n: int) -> float:
+        inputs = self.single if n == 1 else self.batch
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(**single, do_sample=True, max_new_tokens=1, pad_token_id=tokenizer.pad_token_id)
-        first.append(time.perf_counter() - start)
-    return {
-        "tokens_per_s_1": rate(single, 1),
-        "tokens_per_s_8": rate(batch, 8),
-        "first_token_s": statistics.median(first),
-        "threads": float(torch.get_num_threads()),
-    }
+            self.model.generate(**inputs, **self.kwargs)
+        return n * self.tokens / (time.perf_counter() - start)
+
+    def first_token_s(self) -> float:
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            with torch.inference_mode():
+                self.model.generate(
+                    **self.single, do_sample=True, max_new_tokens=1, pad_token_id=self.kwargs["pad_token_id"]
+                )
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> tuple[int, float, float]:
-    body = {
-        "model": "bench",
-        "messages": [{"role": "user", "content": prompt}],
-        "stream": True,
-        "max_tokens": tokens,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    start = time.perf_counter()
-    first = 0.0
-    count = 0
-    async with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            for choice in json.loads(line[6:])["choices"]:
-                ids = choice.get("token_ids") or []
-                if ids and not first:
-                    first = time.perf_counter() - start
-                count += len(ids)
-    return count, first, time.perf_counter() - start
-
-
-async def gateway(base_url: str, tokens: int, repeats: int) -> dict[str, float]:
-    url = base_url + "/v1/chat/completions"
-    async with httpx.AsyncClient(timeout=600) as client:
-        await _stream(client, url, PROMPTS[0], 8)  # warm-up
-
-        async def rate(n: int) -> float:
-            best = 0.0
-            for _ in range(repeats):
-                start = time.perf_counter()
-                results = await asyncio.gather(*(_stream(client, url, PROMPTS[i], tokens) for i in range(n)))
-                best = max(best, sum(r[0] for r in results) / (time.perf_counter() - start))
-            return best
-
-        one = await rate(1)
-        eight = await rate(8)
-        ttft = [(await _stream(client, url, PROMPTS[0], 2))[1] for _ in range(10)]
-    return {"tokens_per_s_1": one, "tokens_per_s_8": eight, "first_token_s": statistics.median(ttft)}
+def measure(base: Baseline, url: str, tokens: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Baseline and gateway runs alternated within every repeat (drift and neighbours hit both alike)."""
+    runs: dict[str, dict[str, list[float]]] = {"baseline": {}, "gateway": {}}
+    base.rate(1)  # warm-up
+    loadgen(url, "bench", 1, 8)
+    for repeat in range(repeats):
+        for n in (1, 8):
+            pair = [
+                ("baseline", lambda n=n: base.rate(n)),
+                ("gateway", lambda n=n: loadgen(url, "bench", n, tokens)["tokens_per_s"]),
+            ]
+            for name, run in pair if repeat % 2 == 0 else pair[::-1]:
+                runs[name].setdefault(str(n), []).append(run())
+        print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr)
+    runs["baseline"]["first_token_s"] = [base.first_token_s()]
+    runs["gateway"]["first_token_s"] = [loadgen(url, "bench", 1, 2, requests=10)["first_token"]["p50_ms"] / 1000]
+    return runs
 
 
 def _free_port() -> int:
@@ -147,7 +125,7 @@ def main() -> None:
     path = resolve_model(args.model)
 
     print(f"baseline: transformers generate on {args.model} ...", file=sys.stderr)
-    base = baseline(path, args.tokens, args.repeats)
+    base = Baseline(path, args.tokens)
 
     port = _free_port()
     command = [
@@ -166,29 +144,32 @@ def main() -> None:
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit("the gateway did not start") from None
                 time.sleep(0.2)
-        gw = asyncio.run(gateway(f"http://127.0.0.1:{port}", args.tokens, args.repeats))
+        runs = measure(base, f"http://127.0.0.1:{port}", args.tokens, args.repeats)
     finally:
         server.terminate()
         server.wait(timeout=60)
 
+    med = {side: {k: statistics.median(v) for k, v in r.items()} for side, r in runs.items()}
+    b, gw = med["baseline"], med["gateway"]
     rows = [
-        ("1 stream, tokens/s", base["tokens_per_s_1"], gw["tokens_per_s_1"]),
-        ("8 streams, tokens/s (baseline: generate batch of 8)", base["tokens_per_s_8"], gw["tokens_per_s_8"]),
-        ("time to first token, ms", base["first_token_s"] * 1000, gw["first_token_s"] * 1000),
+        ("1 stream, tokens/s", b["1"], gw["1"]),
+        ("8 streams, tokens/s (baseline: generate batch of 8)", b["8"], gw["8"]),
+        ("time to first token, ms", b["first_token_s"] * 1000, gw["first_token_s"] * 1000),
     ]
-    print(f"\nmodel {args.model}, {args.tokens} tokens per stream, torch threads {int(base['threads'])}")
+    print(f"\nmodel {args.model}, {args.tokens} tokens per stream, torch threads {torch.get_num_threads()}, "
+          f"medians of {args.repeats} alternated runs")  # fmt: skip
     print(f"{'':52} {'HF generate':>12} {'gateway':>10} {'ratio':>7}")
-    for name, b, g in rows:
-        print(f"{name:52} {b:12.1f} {g:10.1f} {g / b:7.2f}")
-    for name, ratio in (
-        ("8 streams vs 1 stream through the gateway", gw["tokens_per_s_8"] / gw["tokens_per_s_1"]),
-        ("gateway 8 streams vs HF generate 1 stream", gw["tokens_per_s_8"] / base["tokens_per_s_1"]),
-    ):
-        print(f"{name:52} {'':12} {'':10} {ratio:7.2f}")
-    if args.json:
-        args.json.write_text(
-            json.dumps({"model": args.model, "tokens": args.tokens, "baseline": base, "gateway": gw}, indent=2)
+    for name, base_value, gateway_value in rows:
+        print(f"{name:52} {base_value:12.1f} {gateway_value:10.1f} {gateway_value / base_value:7.2f}")
+    ratios = [
+        r["gateway"] / r["baseline"]
+        for r in (
+            {"gateway": g, "baseline": x} for g, x in zip(runs["gateway"]["8"], runs["baseline"]["8"], strict=True)
         )
+    ]
+    print(f"{'8 streams, ratio per repeat':52} {'':12} {'':10} " + " ".join(f"{r:.2f}" for r in ratios))
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "tokens": args.tokens, "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":
