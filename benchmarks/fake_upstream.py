@@ -11,7 +11,7 @@ What it is: a raw ``asyncio.Protocol`` HTTP/1.1 server (on uvloop when it is imp
 Connections are keep-alive (pipelined requests are answered in order); request bodies must carry ``Content-Length``.
 
 * ``POST /v1/chat/completions`` with ``"stream": true``: ``text/event-stream`` in chunked transfer encoding, a role
-  frame, ``max_tokens`` content frames (``delta.content == "tok"``; ``max_completion_tokens`` is read when
+  frame, ``max_tokens`` content frames (``delta.content`` cycling through ``WORDS``; ``max_completion_tokens`` is read when
   ``max_tokens`` is absent, 16 when both are), a finish frame (``finish_reason`` ``"length"`` when a limit was given,
   else ``"stop"``), a usage frame when ``stream_options.include_usage`` is true, and ``data: [DONE]``. Every frame is
   serialized once (per model name) and written with one ``transport.write`` (the response head goes with the role
@@ -40,6 +40,9 @@ from typing import Any, cast
 DEFAULT_MODEL = "fake-model"
 DEFAULT_MAX_TOKENS = 16
 TOKEN = "tok"
+# Content frames cycle through these words: LiteLLM (1.106) ends a stream whose chunks repeat one
+# content 100 times in a row ("The model is repeating the same chunk").
+WORDS = tuple(f" {w}" for w in "the keeper of the lighthouse watched the sea turn grey as night came on".split())
 
 _MAX_HEAD = 64 * 1024  # bytes of request line + headers before 431
 _MAX_BODY = 16 * 1024 * 1024  # bytes of request body before 413
@@ -82,7 +85,7 @@ class _Frames:
     model: str
     created: int
     role: bytes
-    content: bytes
+    content: tuple[bytes, ...]  # one frame per word of WORDS, sent in turn
     finish_length: bytes
     finish_stop: bytes
     done: bytes  # ``data: [DONE]`` and the terminating zero-length chunk
@@ -106,7 +109,7 @@ class _Frames:
             model=model,
             created=created,
             role=_sse(chunk({"role": "assistant", "content": ""}, None)),
-            content=_sse(chunk({"content": TOKEN}, None)),
+            content=tuple(_sse(chunk({"content": word}, None)) for word in WORDS),
             finish_length=_sse(chunk({}, "length")),
             finish_stop=_sse(chunk({}, "stop")),
             done=_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n",
@@ -374,6 +377,7 @@ class _Connection(asyncio.Protocol):
             transport.write(head + frames.role)
             start = loop.time()
             content = frames.content
+            words = len(content)
             for i in range(request.max_tokens):
                 if interval:
                     await asyncio.sleep(max(0.0, start + i * interval - loop.time()))
@@ -383,7 +387,7 @@ class _Connection(asyncio.Protocol):
                     await self._wait_writable()
                 if self._closed:
                     return
-                transport.write(content)
+                transport.write(content[i % words])
             tail = [frames.finish_length if request.limited else frames.finish_stop]
             if request.include_usage:
                 tail.append(frames.usage(request.prompt_tokens, request.max_tokens))

@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--tokens-per-run", type=int, default=65536, help="tokens per measured run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--litellm", action="store_true", help="also measure LiteLLM's proxy (needs its venv)")
+    parser.add_argument(
+        "--litellm-tokens-per-run", type=int, default=16384, help="LiteLLM costs ~10x more per token: fewer tokens"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -165,9 +168,10 @@ def main() -> None:
                 loadgen(server.url, server.model, 4, 64, requests=2)
             for repeat in range(args.repeats):
                 for streams in args.streams:
-                    requests = max(1, args.tokens_per_run // (streams * args.tokens))
                     order = servers[repeat % len(servers) :] + servers[: repeat % len(servers)]
                     for server in order:
+                        budget = args.litellm_tokens_per_run if server.name == "litellm" else args.tokens_per_run
+                        requests = max(1, budget // (streams * args.tokens))
                         uses_nats = server.name == "capture on"
                         run = one_run(server, nats_pid if uses_nats else None, streams, args.tokens, requests)
                         server.runs.setdefault(streams, []).append(run)
