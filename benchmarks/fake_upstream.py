@@ -11,8 +11,8 @@ What it is: a raw ``asyncio.Protocol`` HTTP/1.1 server (on uvloop when it is imp
 Connections are keep-alive (pipelined requests are answered in order); request bodies must carry ``Content-Length``.
 
 * ``POST /v1/chat/completions`` with ``"stream": true``: ``text/event-stream`` in chunked transfer encoding, a role
-  frame, ``max_tokens`` content frames (``delta.content`` cycling through ``WORDS``; ``max_completion_tokens`` is read when
-  ``max_tokens`` is absent, 16 when both are), a finish frame (``finish_reason`` ``"length"`` when a limit was given,
+  frame, ``max_tokens`` content frames (``delta.content`` cycling through ``WORDS``; ``max_completion_tokens`` is
+  read when ``max_tokens`` is absent, 16 when both are), a finish frame (``finish_reason`` ``"length"`` when a limit was given,
   else ``"stop"``), a usage frame when ``stream_options.include_usage`` is true, and ``data: [DONE]``. Every frame is
   serialized once (per model name) and written with one ``transport.write`` (the response head goes with the role
   frame); only the usage frame is formatted per request. ``--tokens-per-second 0`` (the default) writes frames as fast
@@ -42,7 +42,7 @@ DEFAULT_MAX_TOKENS = 16
 TOKEN = "tok"
 # Content frames cycle through these words: LiteLLM (1.106) ends a stream whose chunks repeat one
 # content 100 times in a row ("The model is repeating the same chunk").
-WORDS = tuple(f" {w}" for w in "the keeper of the lighthouse watched the sea turn grey as night came on".split())
+WORDS = (" the", " keeper", " of", " a", " lighthouse", " watched", " grey", " sea", " as", " night", " came", " on")
 
 _MAX_HEAD = 64 * 1024  # bytes of request line + headers before 431
 _MAX_BODY = 16 * 1024 * 1024  # bytes of request body before 413
