@@ -11,14 +11,14 @@ What it is: a raw ``asyncio.Protocol`` HTTP/1.1 server (on uvloop when it is imp
 Connections are keep-alive (pipelined requests are answered in order); request bodies must carry ``Content-Length``.
 
 * ``POST /v1/chat/completions`` with ``"stream": true``: ``text/event-stream`` in chunked transfer encoding, a role
-  frame, ``max_tokens`` content frames (``delta.content`` cycling through ``WORDS``; ``max_completion_tokens`` is
-  read when ``max_tokens`` is absent, 16 when both are), a finish frame (``finish_reason`` ``"length"`` when a limit
-  was given, else ``"stop"``), a usage frame when ``stream_options.include_usage`` is true, and ``data: [DONE]``.
-  Every frame is serialized once (per model name) and written with one ``transport.write`` (the response head goes with the role
-  frame); only the usage frame is formatted per request. ``--tokens-per-second 0`` (the default) writes frames as fast
-  as the loop allows, yielding to the loop after each one so that concurrent streams interleave; ``R > 0`` paces each
-  stream to ``R`` content frames a second (frame ``i`` is due ``i / R`` seconds after the role frame). Writes wait
-  while the transport has paused writing (flow control: ``pause_writing`` / ``resume_writing``).
+  frame, ``max_tokens`` content frames (``delta.content`` cycling through ``WORDS``; ``max_completion_tokens`` is read
+  when ``max_tokens`` is absent, 16 when both are), a finish frame (``finish_reason`` ``"length"`` when a limit was
+  given, else ``"stop"``), a usage frame when ``stream_options.include_usage`` is true, and ``data: [DONE]``. Every
+  frame is serialized once (per model name) and written with one ``transport.write`` (the response head goes with the
+  role frame); only the usage frame is formatted per request. ``--tokens-per-second 0`` (the default) writes frames as
+  fast as the loop allows, yielding to the loop after each one so that concurrent streams interleave; ``R > 0`` paces
+  each stream to ``R`` content frames a second (frame ``i`` is due ``i / R`` seconds after the role frame). Writes
+  wait while the transport has paused writing (flow control: ``pause_writing`` / ``resume_writing``).
 * ``POST /v1/chat/completions`` without ``stream``: one ``chat.completion`` JSON body, content ``"tok" * max_tokens``.
 * ``GET /v1/models``: a model list with the default model. ``GET /health``: ``{"status":"ok"}``.
 
