@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,9 @@ import httpx
 import nats
 import orjson
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _procs import cpu_s, free_port
+
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway.model_store import resolve_model
 
@@ -62,7 +64,6 @@ TTFT_REQUESTS = 10  # per configuration and repeat
 TTFT_PAUSE_S = 0.02
 PROMPT = "Tell a story about a lighthouse keeper and the sea."
 EVENT_METRICS = ("published", "deltas_published", "deltas_dropped", "spilled", "failures", "pending")
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,21 +80,8 @@ class Gateway:
         return "--nats-url" in self.command
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat`` fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
-
-
 def start_gateway(name: str, model: str, extra: list[str]) -> Gateway:
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "synthetic", "--model", model,
         "--served-model-name", "bench", "--port", str(port), "--log-level", "warning", *extra,
@@ -169,7 +157,7 @@ async def throughput(
     client: httpx.AsyncClient, gateway: Gateway, nats_pid: int, streams: int, tokens: int, tally: Tally
 ) -> None:
     """``streams`` concurrent requests, added to ``tally``."""
-    gateway_cpu, nats_cpu = _cpu_s(gateway.process.pid), _cpu_s(nats_pid)
+    gateway_cpu, nats_cpu = cpu_s(gateway.process.pid), cpu_s(nats_pid)
     start = time.perf_counter()
     results = await asyncio.gather(*(_stream(client, gateway.url, tokens) for _ in range(streams)))
     elapsed = time.perf_counter() - start
@@ -177,8 +165,8 @@ async def throughput(
     tally.rates.append(total / elapsed)
     tally.first_token_s += [first for _, first in results]
     tally.tokens += total
-    tally.gateway_cpu_s += _cpu_s(gateway.process.pid) - gateway_cpu
-    tally.nats_cpu_s += _cpu_s(nats_pid) - nats_cpu
+    tally.gateway_cpu_s += cpu_s(gateway.process.pid) - gateway_cpu
+    tally.nats_cpu_s += cpu_s(nats_pid) - nats_cpu
 
 
 def parse_metrics(text: str, prefix: str) -> dict[str, float]:

@@ -30,8 +30,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _procs import free_port
 
 VENV = Path(__file__).resolve().parent / ".venv-litellm"
 LITELLM_BIN = VENV / "bin" / "litellm"
@@ -279,15 +283,6 @@ def stop_litellm(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
     proc.wait()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def smoke(max_tokens: int = 32, workers: int = 1) -> None:
     """Fake upstream + LiteLLM + one streamed request through LiteLLM; checks ``max_tokens`` content chunks + [DONE]."""
     import sys
@@ -296,7 +291,7 @@ def smoke(max_tokens: int = 32, workers: int = 1) -> None:
     import httpx
 
     model = "fake-model"
-    upstream_port, proxy_port = _free_port(), _free_port()
+    upstream_port, proxy_port = free_port(), free_port()
     fake = Path(__file__).resolve().parent / "fake_upstream.py"
     upstream = subprocess.Popen(
         [sys.executable, str(fake), "--port", str(upstream_port)], stdout=subprocess.PIPE, text=True
