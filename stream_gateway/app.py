@@ -19,6 +19,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -500,8 +501,6 @@ async def _start_upstream_follower(tg: Any, engine: RemoteEngine, settings: Sett
 
 def running_loop() -> str:
     """The running event loop's implementation: ``uvloop`` or ``asyncio``."""
-    import asyncio
-
     return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
