@@ -23,6 +23,10 @@ Reported per configuration and concurrency (medians over ``repeats``): CPU secon
 streamed tokens of the server process (``/proc``), of nats-server and of the load generator;
 tokens/s; tokens per frame (1.0 = every token its own chunk); time to first token and the gap
 between frames (p50/p99) as the client saw them. Ratios in the summary compare rows of this run.
+
+Time to first token on idle servers is measured apart (``--idle-rounds``), back to back and with
+20 ms pauses, beside the fake upstream answering alone ("bare server": the floor this machine,
+its loopback and the load generator set). ``--repeats 0`` measures only that.
 """
 
 from __future__ import annotations
@@ -77,24 +81,29 @@ def start_gateway(name: str, extra: list[str]) -> Server:
     return Server(name, url, "tiny", process)
 
 
-def start_litellm(workdir: Path) -> tuple[Server, subprocess.Popen[bytes]]:
-    from litellm_proxy import session_pids, write_config
-    from litellm_proxy import start_litellm as start_proxy
-
-    upstream_port = free_port()
+def start_upstream() -> tuple[Server, subprocess.Popen[bytes]]:
+    """``fake_upstream.py``: LiteLLM's upstream, and the do-nothing server whose time to first token is the floor."""
+    port = free_port()
     upstream = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("fake_upstream.py")), "--port", str(upstream_port)],
+        [sys.executable, str(Path(__file__).with_name("fake_upstream.py")), "--port", str(port)],
         stdout=subprocess.PIPE,
     )
     assert upstream.stdout is not None
     upstream.stdout.readline()  # "ready"
+    return Server("bare server", f"http://127.0.0.1:{port}", "tiny", upstream), upstream
+
+
+def start_litellm(workdir: Path, upstream_url: str, upstream_pid: int) -> Server:
+    from litellm_proxy import session_pids, write_config
+    from litellm_proxy import start_litellm as start_proxy
+
     config = workdir / "litellm.yaml"
-    write_config(config, f"http://127.0.0.1:{upstream_port}", "tiny")
+    write_config(config, upstream_url, "tiny")
     port = free_port()
     proxy = start_proxy(config, port)
-    server = Server("litellm", f"http://127.0.0.1:{port}", "tiny", proxy, {"upstream": upstream.pid})
+    server = Server("litellm", f"http://127.0.0.1:{port}", "tiny", proxy, {"upstream": upstream_pid})
     server.pids = session_pids(proxy)
-    return server, upstream
+    return server
 
 
 def one_run(server: Server, nats_pid: int | None, streams: int, tokens: int, requests: int) -> dict[str, Any]:
@@ -134,10 +143,22 @@ def summary(server: Server, streams: int) -> dict[str, Any]:
     return row
 
 
-def first_token(server: Server, samples: int) -> float:
-    """Median time to first token of sequential 2-token streams on an idle server, in ms."""
-    result = loadgen(server.url, server.model, 1, 2, requests=samples)
-    return float(result["first_token"]["p50_ms"])
+def idle_first_token(servers: list[Server], rounds: int, samples: int = 20) -> dict[str, dict[str, float]]:
+    """Time to first token of sequential 2-token streams on otherwise idle servers, in ms.
+
+    Two ways: ``back_to_back`` (each request sent when the last one ended) and ``paused`` (20 ms
+    apart, as an agent's think time: nothing of the last request is still running, but the
+    machine has gone idle, and on this VM everything then runs slower). Per round and server, the
+    p50 of ``samples`` streams; servers alternate within each round; the median over rounds.
+    """
+    modes = {"back_to_back": [], "paused": ["--pause-ms", "20"]}
+    seen: dict[str, dict[str, list[float]]] = {s.name: {mode: [] for mode in modes} for s in servers}
+    for _ in range(rounds):
+        for mode, extra in modes.items():
+            for server in servers:
+                result = loadgen(server.url, server.model, 1, 2, requests=samples, extra=extra)
+                seen[server.name][mode].append(float(result["first_token"]["p50_ms"]))
+    return {name: {mode: statistics.median(v) for mode, v in by_mode.items()} for name, by_mode in seen.items()}
 
 
 def main() -> None:
@@ -145,7 +166,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
     parser.add_argument("--tokens-per-run", type=int, default=65536, help="tokens per measured run")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="0: only the idle time to first token")
+    parser.add_argument("--idle-rounds", type=int, default=5, help="rounds of the idle time-to-first-token probe")
     parser.add_argument("--litellm", action="store_true", help="also measure LiteLLM's proxy (needs its venv)")
     parser.add_argument(
         "--litellm-tokens-per-run", type=int, default=16384, help="LiteLLM costs ~10x more per token: fewer tokens"
@@ -159,10 +181,9 @@ def main() -> None:
             start_gateway("capture off", []),
             start_gateway("capture on", ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox")]),
         ]
-        upstream = None
+        bare, upstream = start_upstream()
         if args.litellm:
-            litellm, upstream = start_litellm(Path(tmp))
-            servers.append(litellm)
+            servers.append(start_litellm(Path(tmp), bare.url, upstream.pid))
         try:
             for server in servers:  # warm-up
                 loadgen(server.url, server.model, 4, 64, requests=2)
@@ -183,13 +204,14 @@ def main() -> None:
                             file=sys.stderr,
                             flush=True,
                         )
-            idle = {s.name: first_token(s, 20) for s in servers}
+            idle = idle_first_token([bare, *servers], args.idle_rounds)
             result = {
                 "tokens": args.tokens,
                 "repeats": args.repeats,
                 "health": httpx.get(servers[0].url + "/health").json(),
-                "servers": {s.name: {str(n): summary(s, n) for n in args.streams} for s in servers},
+                "servers": {s.name: {str(n): summary(s, n) for n in args.streams} for s in servers if s.runs},
                 "idle_first_token_ms": idle,
+                "idle_rounds": args.idle_rounds,
             }
         finally:
             for server in servers:
@@ -200,9 +222,8 @@ def main() -> None:
                     continue
                 server.process.terminate()
                 server.process.wait(30)
-            if upstream is not None:
-                upstream.terminate()
-                upstream.wait(10)
+            upstream.terminate()
+            upstream.wait(10)
     report(result)
     if args.json:
         args.json.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
@@ -211,7 +232,7 @@ def main() -> None:
 def report(result: dict[str, Any]) -> None:
     servers = result["servers"]
     health = result["health"]
-    print(f"\nserver loop/parser: {health.get('http', 'unknown')}; {result['tokens']}-token streams, "
+    print(f"\nserver loop/parser: {health.get('server', 'unknown')}; {result['tokens']}-token streams, "
           f"medians of {result['repeats']}")  # fmt: skip
     print(f"{'server':12} {'streams':>7} {'CPU-s/1k':>9} {'nats':>6} {'client':>7} {'tok/s':>8} "
           f"{'tok/frame':>9} {'TTFT p50':>9} {'gap p50':>8} {'gap p99':>8} {'RSS MB':>7} {'errors':>6}")  # fmt: skip
@@ -223,8 +244,14 @@ def report(result: dict[str, Any]) -> None:
                 f"{row['first_token_p50_ms']:8.1f}ms {row['gap_p50_ms']:6.2f}ms {row['gap_p99_ms']:6.2f}ms "
                 f"{row['rss_mb']:7.0f} {row['errors']:6}"
             )
-    print("\nidle time to first token (20 sequential 2-token streams, p50): "
-          + ", ".join(f"{k} {v:.2f} ms" for k, v in result["idle_first_token_ms"].items()))  # fmt: skip
+    idle = result["idle_first_token_ms"]
+    floor = idle["bare server"]
+    print(f"\nidle time to first token, p50 of 20 sequential 2-token streams, median of {result['idle_rounds']} rounds "
+          "(added: over the bare server, which does nothing but answer):")  # fmt: skip
+    for name, by_mode in idle.items():
+        print(f"  {name:12} " + "; ".join(
+            f"{mode.replace('_', '-')} {ms:.2f} ms" + (f" (added {ms - floor[mode]:.2f})" if name != "bare server" else "")
+            for mode, ms in by_mode.items()))  # fmt: skip
     on, off = servers.get("capture on"), servers.get("capture off")
     if on and off:
         for streams in on:

@@ -177,6 +177,7 @@ async def _stream(
     *,
     keep_gaps: bool,
     start_after: float,
+    pause_s: float = 0.0,
 ) -> None:
     await asyncio.sleep(start_after)
     loop = asyncio.get_running_loop()
@@ -186,7 +187,9 @@ async def _stream(
         totals.error(f"connect: {exc}")
         return
     try:
-        for payload in payloads:
+        for number, payload in enumerate(payloads):
+            if number and pause_s:
+                await asyncio.sleep(pause_s)  # an agent's think time: the server is idle again
             try:
                 await protocol.request(payload)
             except (ConnectionError, OSError) as exc:
@@ -228,6 +231,7 @@ async def run(
     requests: int = 1,
     api_key: str | None = None,
     ramp_s: float = 0.0,
+    pause_s: float = 0.0,
     keep_gaps: bool = True,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -252,7 +256,7 @@ async def run(
     started = time.perf_counter()
     await asyncio.gather(
         *(
-            _stream(host, port, payloads[s], tokens, totals, keep_gaps=keep_gaps, start_after=ramp_s * s / streams)
+            _stream(host, port, payloads[s], tokens, totals, keep_gaps=keep_gaps, start_after=ramp_s * s / streams, pause_s=pause_s)
             for s in range(streams)
         )
     )
@@ -287,6 +291,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="max_tokens of each request (with ignore_eos)")
     parser.add_argument("--requests", type=int, default=1, help="requests per connection, one after the other")
     parser.add_argument("--ramp-seconds", type=float, default=0.0, help="spread the connections' starts over this")
+    parser.add_argument("--pause-ms", type=float, default=0.0, help="pause between a connection's requests")
     parser.add_argument("--api-key")
     parser.add_argument("--no-gaps", action="store_true", help="do not keep inter-frame gaps")
     args = parser.parse_args()
@@ -305,6 +310,7 @@ def main() -> None:
             requests=args.requests,
             api_key=args.api_key,
             ramp_s=args.ramp_seconds,
+            pause_s=args.pause_ms / 1000,
             keep_gaps=not args.no_gaps,
         )
     )

@@ -78,6 +78,7 @@ class PublisherConfig:
     spill_after_s: float = 2.0  # NATS failing this long: new durable events go to disk
     retry_backoff_s: tuple[float, float] = (0.05, 2.0)  # first and largest wait between retries
     drain_timeout_s: float = 5.0  # on shutdown, before the rest is written to the outbox
+    linger_s: float = 0.002  # after an idle spell, wait this long for more events before publishing
     provision: bool = True  # create/update the stream and the payload bucket on connect
 
 
@@ -294,6 +295,10 @@ class EventPublisher:
             self._wake = anyio.Event()
             self._drained.set()
             await self._wake.wait()
+            if config.linger_s:
+                # Let the events of the next moment gather into one window, and let the request
+                # that produced this one write its first token before its events go out.
+                await anyio.sleep(config.linger_s)
 
     async def _provision(self) -> bool:
         """Make sure the stream and bucket exist once connected; ``True`` when ready to publish."""

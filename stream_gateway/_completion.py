@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from ._api_types import ChatCompletionRequest
 from ._capture import EventRecorder
 from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
-from ._context import Context, ContextBuilder
+from ._context import Context, ContextBuilder, cheap_to_build
 from ._errors import Conflict, ContextLengthExceeded, EngineError, GatewayError, InvalidRequest, ModelNotFound
 from ._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from ._metrics import GatewayMetrics
@@ -137,7 +137,10 @@ class CompletionService:
         else:
             found, unavailable = await self._sessions.find(tenant, keys, positions)
             session, parent = found if found is not None else (None, None)
-        context = await anyio.to_thread.run_sync(self._context_builder.build, body.messages, body.tools, parent)
+        if cheap_to_build(body.messages, body.tools, parent):
+            context = self._context_builder.build(body.messages, body.tools, parent)
+        else:
+            context = await anyio.to_thread.run_sync(self._context_builder.build, body.messages, body.tools, parent)
         if unavailable is not None and context.fallback_reason is None:
             context = replace(context, fallback_reason=unavailable)
         if context.fallback_reason is not None:
@@ -204,11 +207,15 @@ class CompletionService:
         batch = [prepared] if isinstance(prepared, PreparedCompletion) else prepared
         first = batch[0]
         try:
-            async with anyio.create_task_group() as tg:
-                for item in batch:
-                    self._metrics.prompt_tokens.inc(len(item.prompt_ids))
-                    for index in range(item.n):
-                        tg.start_soon(self._run_choice, item, index, channel)
+            for item in batch:
+                self._metrics.prompt_tokens.inc(len(item.prompt_ids))
+            if len(batch) == 1 and first.n == 1:
+                await self._run_choice(first, 0, channel)  # the common case: no task group to set up
+            else:
+                async with anyio.create_task_group() as tg:
+                    for item in batch:
+                        for index in range(item.n):
+                            tg.start_soon(self._run_choice, item, index, channel)
         except* GatewayError as group:
             channel.put(group.exceptions[0])  # type: ignore[arg-type]
         except* Exception as group:

@@ -263,8 +263,14 @@ def test_live_deltas_are_coalesced_and_not_stored(
     anyio.run(run)
     turn = _session_body(capture_gateway, session_id)["turns"][0]
     assert len(turn["output_ids"]) == 40
-    # Every 8 tokens (the time trigger is set far off): 5 events, contiguous, exactly the turn's ids.
-    assert [d.offset for d in received] == [0, 8, 16, 24, 32]
+    # Once 8 tokens have gathered (the time trigger is set far off): contiguous, exactly the turn's
+    # ids. An engine step can carry several tokens (steps that queued while the loop was busy are
+    # handed over as one), so a delta holds 8 or a few more, and only the last may hold fewer.
+    offsets = [d.offset for d in received]
+    assert offsets[0] == 0
+    assert offsets[1:] == [d.offset + len(d.token_ids) for d in received[:-1]]
+    assert all(len(d.token_ids) >= 8 for d in received[:-1])
+    assert 4 <= len(received) <= 5
     assert [i for d in received for i in d.token_ids] == turn["output_ids"]
     assert [p for d in received for p in d.logprobs] == turn["logprobs"]
     assert all(d.turn_id == turn["turn_id"] for d in received)
