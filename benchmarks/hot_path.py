@@ -249,9 +249,11 @@ def report(result: dict[str, Any]) -> None:
     print(f"\nidle time to first token, p50 of 20 sequential 2-token streams, median of {result['idle_rounds']} rounds "
           "(added: over the bare server, which does nothing but answer):")  # fmt: skip
     for name, by_mode in idle.items():
-        print(f"  {name:12} " + "; ".join(
-            f"{mode.replace('_', '-')} {ms:.2f} ms" + (f" (added {ms - floor[mode]:.2f})" if name != "bare server" else "")
-            for mode, ms in by_mode.items()))  # fmt: skip
+        parts = []
+        for mode, ms in by_mode.items():
+            added = f" (added {ms - floor[mode]:.2f})" if name != "bare server" else ""
+            parts.append(f"{mode.replace('_', '-')} {ms:.2f} ms{added}")
+        print(f"  {name:12} " + "; ".join(parts))
     on, off = servers.get("capture on"), servers.get("capture off")
     if on and off:
         for streams in on:

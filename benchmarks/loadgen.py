@@ -256,7 +256,16 @@ async def run(
     started = time.perf_counter()
     await asyncio.gather(
         *(
-            _stream(host, port, payloads[s], tokens, totals, keep_gaps=keep_gaps, start_after=ramp_s * s / streams, pause_s=pause_s)
+            _stream(
+                host,
+                port,
+                payloads[s],
+                tokens,
+                totals,
+                keep_gaps=keep_gaps,
+                start_after=ramp_s * s / streams,
+                pause_s=pause_s,
+            )
             for s in range(streams)
         )
     )
