@@ -74,6 +74,7 @@ class SharedState:
     """A cached session's bookkeeping against its record."""
 
     revision: int | None = None  # the record revision last read or written here; None: not stored yet
+    record: dict[str, Any] | None = None  # that revision's record, when it holds nothing this replica lacks
     stream_seq: int = 0  # the last events-stream sequence read for this session
     pending: dict[str, dict[str, Any]] = field(default_factory=dict)  # turn entries not yet stored
     pending_feedback: list[dict[str, Any]] = field(default_factory=list)
@@ -129,6 +130,7 @@ class SharedSessions:
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
         self._failed_at = 0.0
+        self._backoff = _BACKOFF[0]  # before the next retry of a failed write
         self._me = secrets.token_hex(8)  # tells this replica's close markers from others'
         self._dirty: dict[str, Session] = {}
         self._idle: dict[str, Session] = {}
@@ -271,7 +273,7 @@ class SharedSessions:
         now = time.time()
         session = Session(session_id, tenant, float(record["created_at"]), now, announced=True)
         session.seq_end = 0  # no event numbers yet: reserved when this replica first writes
-        session.shared = SharedState(revision=revision)
+        session.shared = SharedState(revision=revision, record=record)
         await self._absorb(session, record)
         if record.get("closed"):
             session.closed = True
@@ -283,7 +285,7 @@ class SharedSessions:
         record, revision = await self._get_record(session.session_id)
         if record is None or revision == state.revision:
             return
-        state.revision = revision
+        state.revision, state.record = revision, record
         await self._absorb(session, record)
         if record.get("closed") and not session.closed:
             self._store.mark_closed(session)
@@ -304,7 +306,8 @@ class SharedSessions:
             return loaded
         except Exception as exc:
             raise self._unavailable(exc) from exc
-        self._state(session).revision = revision
+        state = self._state(session)
+        state.revision, state.record = revision, record
         return session
 
     async def ensure_seqs(self, session: Session) -> None:
@@ -514,32 +517,38 @@ class SharedSessions:
         self._wake.set()
 
     async def _write_loop(self) -> None:
-        backoff = _BACKOFF[0]
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            failed = False
-            if self._kv is not None:
-                async with anyio.create_task_group() as tg:
-                    for session in list(self._dirty.values()):
-                        if not self._state(session).lock.locked():
-                            tg.start_soon(self._write_dirty, session)
-                    for session in list(self._idle.values()):
-                        tg.start_soon(self._close_if_idle, session)
-                failed = bool(self._dirty)
-            if failed:
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, _BACKOFF[1])
-                self._wake.set()
-            else:
-                backoff = _BACKOFF[0]
+        # One writer task per dirty session, started as soon as it is dirty: a turn's record is
+        # written while others are, and never waits for a batch of other sessions' writes. A
+        # session's writer keeps writing until nothing is pending for it (see ``_write``).
+        writing: set[str] = set()
 
-    async def _write_dirty(self, session: Session) -> None:
-        with contextlib.suppress(SharedUnavailable):
-            await self._write(session)
+        async def write(session: Session) -> None:
+            try:
+                await self._write(session)
+                self._backoff = _BACKOFF[0]
+            except SharedUnavailable:
+                await anyio.sleep(self._backoff)  # NATS away or slow: retried after a growing pause
+                self._backoff = min(self._backoff * 2, _BACKOFF[1])
+            finally:
+                writing.discard(session.session_id)
+                if session.session_id in self._dirty:
+                    self._wake.set()
+
+        async with anyio.create_task_group() as tg:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                if self._kv is None:
+                    continue
+                for session_id, session in list(self._dirty.items()):
+                    if session_id not in writing:
+                        writing.add(session_id)
+                        tg.start_soon(write, session)
+                while self._idle:
+                    _, session = self._idle.popitem()
+                    tg.start_soon(self._close_if_idle, session)
 
     async def _close_if_idle(self, session: Session) -> None:
-        self._idle.pop(session.session_id, None)
         try:
             record, _ = await self._get_record(session.session_id)
         except SharedUnavailable:
@@ -559,6 +568,10 @@ class SharedSessions:
         kv = self._kv
         if kv is None or not (self._nc is not None and self._nc.is_connected):
             raise SharedUnavailable("the shared session state (NATS) is unreachable")
+        # The first attempt trusts what this replica last wrote or read (or, for a session it
+        # created and never stored, that there is no record): one round trip fewer per turn while
+        # one replica serves the session. A conflict means another replica wrote: read, merge, retry.
+        trust = True
         async with state.lock:
             while True:
                 turns = dict(state.pending)
@@ -567,12 +580,20 @@ class SharedSessions:
                 want_block = reserve or session.seqs_low()
                 try:
                     with anyio.fail_after(self.timeout_s * 2):
-                        try:
-                            entry = await kv.get(self._record_key(session.session_id))
-                            record = orjson.loads(entry.value) if entry.value else None
-                            revision: int | None = entry.revision if entry.value else None
-                        except KeyNotFoundError:
+                        cached = state.record
+                        revision: int | None
+                        if trust and cached is not None and state.revision is not None and state.revision >= 0:
+                            record = {**cached, "turns": dict(cached["turns"]), "feedback": list(cached["feedback"])}
+                            revision = state.revision
+                        elif trust and cached is None and state.revision is None:
                             record, revision = None, None
+                        else:
+                            try:
+                                entry = await kv.get(self._record_key(session.session_id))
+                                record = orjson.loads(entry.value) if entry.value else None
+                                revision = entry.revision if entry.value else None
+                            except KeyNotFoundError:
+                                record, revision = None, None
                         if record is None:
                             record = self._new_record(session)
                         record["turns"].update(turns)
@@ -600,11 +621,14 @@ class SharedSessions:
                             marker = {"session_id": session.session_id, "reason": close, "by": self._me}
                             await kv.put(f"c.{subject_token(session.session_id)}", orjson.dumps(marker))
                 except (KeyWrongLastSequenceError, KeyNotFoundError):
+                    trust = False
                     continue  # another replica wrote in between: merge again
                 except Exception as exc:
                     raise self._unavailable(exc) from exc
                 # Turns other replicas wrote are read (with their events) at the next refresh.
-                state.revision = revision if all(t in session.turns for t in record["turns"]) else -1
+                complete = all(t in session.turns for t in record["turns"])
+                state.revision = revision if complete else -1
+                state.record = record if complete else None
                 state.known_turns.update(record["turns"])
                 for turn_id, turn_entry in record["turns"].items():
                     session.turn_seqs.setdefault(turn_id, list(turn_entry["q"]))
