@@ -8,6 +8,9 @@ awaits, so a slow or dead NATS cannot slow a client's tokens. One drain task pub
   with ``Nats-Msg-Id`` = event id. A window is removed from the buffer only once every message in
   it is acknowledged; a failed window (ack timeout, connection lost, server error) is retried
   whole after a backoff, and the stream's deduplication drops the copies that had arrived.
+* **Lingering.** Woken from idle, the drain task waits ``linger_s`` (2 ms) before it publishes, so
+  that the events of that moment go out as one window, and the request that produced the first of
+  them writes its first token before any publishing work competes with it for the event loop.
 * **Spilling.** When NATS has been failing for ``spill_after_s``, or the buffer is full, new
   durable events go to the disk outbox instead (:mod:`pipeline._outbox`). The buffer then holds
   only events older than anything on disk, so the drain task publishes the buffer first, then
