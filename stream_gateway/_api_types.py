@@ -6,6 +6,12 @@ this gateway cannot honour are refused with ``unsupported_parameter`` unless the
 their no-op value. Parameters that change nothing about sampling (``user``, ``store``,
 ``metadata``...) are accepted and ignored; that list is :data:`IGNORED_PARAMETERS`.
 
+``null`` on a top-level field means "not given" (OpenAI's spec marks nearly every optional
+field nullable, and strict clients send them). The deprecated ``functions`` / ``function_call``
+are translated to ``tools`` / ``tool_choice`` (and legacy ``function_call`` / ``function``
+messages in the history to tool calls and tool results); the answer then uses the legacy shape.
+docs/http-api.md has the table of every field.
+
 Extensions, named as vLLM names them: ``return_token_ids``, ``top_k``, ``ignore_eos``.
 """
 
@@ -28,8 +34,26 @@ IGNORED_PARAMETERS = frozenset(
         "parallel_tool_calls",
         "reasoning_effort",
         "verbosity",
+        "prediction",  # predicted outputs only make a response faster, never different
+        "prompt_cache_retention",
+        "prompt_cache_options",
     }
 )
+
+# Defined by OpenAI, refused unless null: they change the output or the response's shape.
+UNSUPPORTED_UNLESS_NULL = {
+    "audio": "audio output is not supported",
+    "moderation": "moderation is not supported",
+    "web_search_options": "web search is not supported",
+}
+
+
+def null_is_absent(data: Any) -> Any:
+    """A request object without its ``null`` fields: OpenAI's spec makes them mean "not given"."""
+    if isinstance(data, dict) and None in data.values():
+        return {k: v for k, v in data.items() if v is not None}
+    return data
+
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
@@ -113,6 +137,8 @@ class StreamOptions(_Wire):
     include_usage: bool = False
     include_obfuscation: bool | None = None
 
+    _nulls = model_validator(mode="before")(null_is_absent)
+
 
 class ChatCompletionRequest(_Wire):
     """``POST /v1/chat/completions``."""
@@ -147,10 +173,51 @@ class ChatCompletionRequest(_Wire):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    # Refused unless null (UNSUPPORTED_UNLESS_NULL).
+    audio: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # Deprecated; translated to tools / tool_choice before validation (see _translate).
+    functions: Annotated[list[FunctionDefinition], Field(min_length=1, max_length=128)] | None = None
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     # vLLM extensions.
     return_token_ids: bool = False
     top_k: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _translate(cls, data: Any) -> Any:
+        data = null_is_absent(data)
+        if not isinstance(data, dict):
+            return data
+        for name, message in UNSUPPORTED_UNLESS_NULL.items():
+            if name in data:
+                raise UnsupportedParameter(message, param=name)
+        tools = data.get("tools")
+        if isinstance(tools, list):
+            for tool in tools:
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                if isinstance(kind, str) and kind != "function":
+                    raise UnsupportedParameter(
+                        f"tools of type {kind!r} are not supported; only 'function'", param="tools"
+                    )
+        if "functions" in data or "function_call" in data:
+            data = _from_legacy_functions(data)
+        messages = data.get("messages")
+        if isinstance(messages, list) and any(
+            isinstance(m, dict) and ("function_call" in m or m.get("role") == "function") for m in messages
+        ):
+            data = {**data, "messages": _legacy_messages(messages)}
+        return data
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request used ``functions``: the answer then carries ``function_call``."""
+        return self.functions is not None
 
     def stop_sequences(self) -> tuple[str, ...]:
         """``stop`` as a tuple of non-empty strings."""
@@ -190,3 +257,43 @@ class ChatCompletionRequest(_Wire):
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise InvalidRequest("tool_choice is set but no tools are given", param="tool_choice")
+
+
+def _from_legacy_functions(data: dict[str, Any]) -> dict[str, Any]:
+    """``functions`` / ``function_call`` as ``tools`` / ``tool_choice`` (the legacy fields stay, for the answer)."""
+    functions, choice = data.get("functions"), data.get("function_call")
+    if functions is None:
+        raise InvalidRequest("function_call is set but no functions are given", param="function_call")
+    if "tools" in data or "tool_choice" in data:
+        raise InvalidRequest(
+            "Use either tools and tool_choice or functions and function_call, not both.", param="functions"
+        )
+    out = {**data}
+    if isinstance(functions, list):
+        out["tools"] = [{"type": "function", "function": f} for f in functions]
+    if isinstance(choice, dict):
+        out["tool_choice"] = {"type": "function", "function": choice}
+    elif choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def _legacy_messages(messages: list[Any]) -> list[Any]:
+    """History in the legacy shape: an assistant ``function_call`` becomes a tool call, a ``function``
+    message its result (ids are made up: nothing compares them, see :mod:`._fingerprint`)."""
+    out: list[Any] = []
+    last_call: str | None = None
+    for position, message in enumerate(messages):
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        if message.get("role") == "assistant" and "function_call" in message:
+            message = dict(message)
+            call = message.pop("function_call")
+            if call is not None and not message.get("tool_calls"):
+                last_call = f"call_fn{position}"
+                message["tool_calls"] = [{"id": last_call, "type": "function", "function": call}]
+        elif message.get("role") == "function":
+            message = {**message, "role": "tool", "tool_call_id": last_call or f"call_fn{position}"}
+        out.append(message)
+    return out

@@ -107,7 +107,7 @@ def frame_head(completion_id: str, kind: str, created: int, model: str) -> bytes
 class ChunkEncoder:
     """Builds the SSE frames of one streamed response."""
 
-    __slots__ = ("_head", "_logprobs", "_token_ids", "_token_text")
+    __slots__ = ("_head", "_legacy", "_logprobs", "_token_ids", "_token_text")
 
     def __init__(
         self,
@@ -118,11 +118,13 @@ class ChunkEncoder:
         token_text: TokenText,
         logprobs: bool,
         token_ids: bool,
+        legacy_functions: bool = False,
     ) -> None:
         self._head = frame_head(completion_id, "chat.completion.chunk", created, model)
         self._token_text = token_text
         self._logprobs = logprobs
         self._token_ids = token_ids
+        self._legacy = legacy_functions
 
     def _frame(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
         tail = b"" if not extra else b"," + orjson.dumps(extra)[1:-1]
@@ -140,17 +142,25 @@ class ChunkEncoder:
     def update(self, update: ChoiceUpdate) -> bytes:
         """A content delta, with finish reason, logprobs and token ids as configured."""
         delta: dict[str, Any] = {"content": update.text} if update.text else {}
-        if update.tool_calls:
+        finish = update.finish_reason
+        if self._legacy:
+            call = _function_call_delta(update.tool_calls)
+            if call is not None:
+                delta["function_call"] = call
+            if finish == "tool_calls":
+                finish = "function_call"
+        elif update.tool_calls:
             delta["tool_calls"] = [_tool_call_delta(d) for d in update.tool_calls]
         choice: dict[str, Any] = {
             "index": update.index,
             "delta": delta,
             "logprobs": None,
-            "finish_reason": update.finish_reason,
+            "finish_reason": finish,
         }
         if self._logprobs:
             choice["logprobs"] = {
-                "content": logprobs_content(self._token_text, update.token_ids, update.logprobs, update.top_logprobs)
+                "content": logprobs_content(self._token_text, update.token_ids, update.logprobs, update.top_logprobs),
+                "refusal": None,
             }
         if self._token_ids:
             choice["token_ids"] = update.token_ids
@@ -177,6 +187,21 @@ def _tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:
     }
 
 
+def _function_call_delta(deltas: Sequence[ToolCallDelta]) -> dict[str, Any] | None:
+    # The legacy shape holds one call: the first one's fragments (a model that calls several
+    # tools in one turn has the rest recorded, but a ``functions`` client cannot be told).
+    out: dict[str, Any] | None = None
+    for delta in deltas:
+        if delta.index != 0:
+            continue
+        if out is None:
+            out = {"name": delta.name, "arguments": delta.arguments} if delta.id is not None else {"arguments": ""}
+            if delta.id is not None:
+                continue
+        out["arguments"] += delta.arguments
+    return out
+
+
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI's usage object."""
     return {
@@ -196,27 +221,37 @@ def completion_body(
     token_text: TokenText,
     logprobs: bool,
     token_ids: bool,
+    legacy_functions: bool = False,
 ) -> dict[str, Any]:
     """A whole non-streamed ``chat.completion`` body."""
     choices = []
     for result in results:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(result.text_parts)}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(result.text_parts), "refusal": None}
         calls = result.tool_calls()
+        finish = result.finish_reason
         if calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
-            ]
+            if legacy_functions:  # one call in the legacy shape (see _function_call_delta)
+                message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+                finish = "function_call" if finish == "tool_calls" else finish
+            else:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls
+                ]
             if not message["content"].strip():
                 message["content"] = None  # as OpenAI sends a message that only calls tools
         choice: dict[str, Any] = {
             "index": result.index,
             "message": message,
             "logprobs": None,
-            "finish_reason": result.finish_reason,
+            "finish_reason": finish,
         }
         if logprobs:
             top = result.top_logprobs or None
-            choice["logprobs"] = {"content": logprobs_content(token_text, result.token_ids, result.logprobs, top)}
+            choice["logprobs"] = {
+                "content": logprobs_content(token_text, result.token_ids, result.logprobs, top),
+                "refusal": None,
+            }
         if token_ids:
             choice["token_ids"] = result.token_ids
         choices.append(choice)

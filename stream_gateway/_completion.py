@@ -71,6 +71,7 @@ class PreparedCompletion:
     include_usage: bool
     tool_parser: str | None  # None: the output is plain content
     tool_names: frozenset[str]
+    legacy_functions: bool = False  # the request used ``functions``: answer with ``function_call``
     first_index: int = 0  # choice indices start here (a batch of prompts numbers its choices on)
     token_in: bool = False  # prompt ids given by the client (``/v1/completions``): continued by id prefix only
 
@@ -196,6 +197,7 @@ class CompletionService:
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             tool_parser=self._settings.tool_parser if body.tools and body.tool_choice != "none" else None,
             tool_names=frozenset(t.function.name for t in body.tools or ()),
+            legacy_functions=body.legacy_functions,
         )
 
     # -- producing -------------------------------------------------------------------------
@@ -403,6 +405,7 @@ class CompletionService:
             token_text=self._token_text,
             logprobs=prepared.logprobs,
             token_ids=prepared.return_token_ids,
+            legacy_functions=prepared.legacy_functions,
         )
 
     def stream_frames(self, prepared: PreparedCompletion, channel: UpdateChannel) -> AsyncIterator[bytes]:
@@ -473,6 +476,7 @@ class CompletionService:
             token_text=self._token_text,
             logprobs=prepared.logprobs,
             token_ids=prepared.return_token_ids,
+            legacy_functions=prepared.legacy_functions,
         )
 
     async def collect(

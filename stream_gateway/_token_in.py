@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
-from ._api_types import MAX_STOP_SEQUENCES, StreamOptions
+from ._api_types import MAX_STOP_SEQUENCES, StreamOptions, null_is_absent
 from ._capture import EventRecorder
 from ._chunks import ChoiceResult, ChoiceUpdate, TokenText, frame_head, usage_body
 from ._completion import PreparedCompletion, check_model_and_n
@@ -54,6 +54,14 @@ class CompletionRequest(BaseModel):
     """``POST /v1/completions``, as vLLM accepts it (the fields that matter for sampling)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        # null means "not given", except for max_tokens: vLLM reads null there as "up to the context".
+        if isinstance(data, dict) and data.get("max_tokens", 0) is None:
+            return {**null_is_absent({k: v for k, v in data.items() if k != "max_tokens"}), "max_tokens": None}
+        return null_is_absent(data)
 
     model: str
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]

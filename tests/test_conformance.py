@@ -1,0 +1,251 @@
+"""What strict clients need: OpenAI's published schemas, nullable and spec-defined fields, the
+legacy ``functions`` shape, and LangChain's per-chunk view of streamed tool calls.
+
+Every response body, stream chunk and error body here is validated against OpenAI's own schemas
+(``tests/openai_spec``), read with OpenAPI 3.0's ``nullable: true`` as "or null".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+from langchain_openai import ChatOpenAI
+
+from .agent_loop import READ_TOOL
+from .servers import RunningGateway
+
+SPEC = Path(__file__).parent / "openai_spec" / "chat-completions.schemas.json"
+
+
+def _with_nulls(node: Any) -> Any:
+    """OpenAPI 3.0's ``nullable: true`` as JSON Schema's "or null"."""
+    if isinstance(node, list):
+        return [_with_nulls(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _with_nulls(value) for key, value in node.items() if key != "nullable"}
+    if node.get("nullable") is True:
+        return {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+@cache
+def _document() -> dict[str, Any]:
+    return _with_nulls(json.loads(SPEC.read_text()))  # type: ignore[no-any-return]
+
+
+def check(instance: Any, schema: str) -> None:
+    """Raise if ``instance`` is not a valid ``schema`` of OpenAI's spec."""
+    document = _document()
+    root = {"$ref": f"#/components/schemas/{schema}", "components": document["components"]}
+    jsonschema.Draft202012Validator(root).validate(instance)
+
+
+def request_fields() -> set[str]:
+    """Every top-level field OpenAI defines for ``POST /v1/chat/completions``."""
+    schemas = _document()["components"]["schemas"]
+
+    def fields(name: str) -> set[str]:
+        schema = schemas[name]
+        out: set[str] = set()
+        for part in schema.get("allOf", [schema]):
+            if "$ref" in part:
+                out |= fields(part["$ref"].rsplit("/", 1)[-1])
+            out |= set(part.get("properties", {}))
+        return out
+
+    return fields("CreateChatCompletionRequest")
+
+
+def sse_chunks(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def post(gateway: RunningGateway, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{gateway.base_url}/v1/chat/completions", json=body, timeout=120)
+
+
+LOOK = [{"role": "user", "content": "look"}]
+
+
+def test_streamed_and_whole_answers_match_the_spec(agent_gateway: RunningGateway) -> None:
+    body = {"model": "tiny-agent", "messages": LOOK, "tools": [READ_TOOL], "logprobs": True, "top_logprobs": 2}
+    whole = post(agent_gateway, body)
+    assert whole.status_code == 200, whole.text
+    answer = whole.json()
+    check(answer, "CreateChatCompletionResponse")
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["refusal"] is None and choice["logprobs"]["refusal"] is None
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{agent_gateway.base_url}/v1/chat/completions", json=stream_body, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = list(sse_chunks(r))
+    for chunk in chunks:
+        check(chunk, "CreateChatCompletionStreamResponse")
+    with_logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert with_logprobs and all(lp["refusal"] is None for lp in with_logprobs)
+    assert chunks[-1]["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"]
+
+
+def test_errors_match_the_spec(gateway: RunningGateway) -> None:
+    bad = [
+        ({"model": "tiny", "messages": []}, 400),
+        ({"model": "tiny", "messages": LOOK, "temperature": 9}, 400),
+        ({"model": "nope", "messages": LOOK}, 404),
+        ({"model": "tiny", "messages": LOOK, "frobnicate": 1}, 400),
+        ({"model": "tiny", "messages": LOOK, "audio": {"voice": "alloy", "format": "wav"}}, 400),
+    ]
+    for body, status in bad:
+        response = post(gateway, body)
+        assert response.status_code == status, (body, response.text)
+        check(response.json(), "ErrorResponse")
+
+
+def test_null_means_not_given(gateway: RunningGateway) -> None:
+    nulls = {
+        name: None
+        for name in request_fields() - {"model", "messages"}
+        # null where the spec does not allow it either (strict clients do not send these)
+        if name not in {"user", "functions", "function_call"}
+    }
+    response = post(gateway, {"model": "tiny", "messages": LOOK, "max_completion_tokens": 4, **nulls})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    check(answer, "CreateChatCompletionResponse")
+    assert len(answer["choices"]) == 1 and answer["choices"][0]["logprobs"] is None  # n, logprobs: the defaults
+    streamed = post(gateway, {"model": "tiny", "messages": LOOK, "max_tokens": 4, "stream": None, "n": None})
+    assert streamed.status_code == 200 and streamed.json()["object"] == "chat.completion"
+
+
+# A non-null value of every field OpenAI defines that the other tests do not already send.
+SPEC_VALUES: dict[str, Any] = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "frequency_penalty": 0.5,
+    "function_call": "auto",
+    "functions": [READ_TOOL["function"]],
+    "logit_bias": {"42": 5},
+    "logprobs": True,
+    "max_completion_tokens": 4,
+    "max_tokens": 4,
+    "metadata": {"k": "v"},
+    "modalities": ["text", "audio"],
+    "moderation": {"model": "omni-moderation-latest"},
+    "n": 2,
+    "parallel_tool_calls": True,
+    "prediction": {"type": "content", "content": "a prediction"},
+    "presence_penalty": 0.5,
+    "prompt_cache_key": "k",
+    "prompt_cache_options": {"mode": "auto"},
+    "prompt_cache_retention": "24h",
+    "reasoning_effort": "low",
+    "response_format": {"type": "text"},
+    "safety_identifier": "s",
+    "seed": 3,
+    "service_tier": "auto",
+    "stop": ["\n\n"],
+    "store": False,
+    "stream": False,
+    "stream_options": None,
+    "temperature": 0.5,
+    "tool_choice": "auto",
+    "tools": [READ_TOOL],
+    "top_logprobs": 2,
+    "top_p": 0.9,
+    "user": "u",
+    "verbosity": "low",
+    "web_search_options": {},
+}
+
+
+def test_every_spec_field_is_known(gateway: RunningGateway) -> None:
+    fields = request_fields() - {"model", "messages"}
+    assert fields <= set(SPEC_VALUES), f"fields new to the spec: {sorted(fields - set(SPEC_VALUES))}"
+    for name in sorted(fields):
+        body = {"model": "tiny", "messages": LOOK, "max_tokens": 4, name: SPEC_VALUES[name]}
+        if name == "top_logprobs":
+            body["logprobs"] = True
+        if name == "tool_choice":
+            body["tools"] = [READ_TOOL]
+        if name == "function_call":
+            body["functions"] = [READ_TOOL["function"]]
+        response = post(gateway, body)
+        if response.status_code == 200:
+            continue
+        error = response.json()["error"]
+        assert "Unrecognized" not in error["message"], (name, error)
+        assert error["code"] == "unsupported_parameter" and error["param"] == name, (name, error)
+
+
+def test_legacy_functions_round_trip(agent_gateway: RunningGateway) -> None:
+    base = {"model": "tiny-agent", "messages": LOOK, "functions": [READ_TOOL["function"]]}
+    whole = post(agent_gateway, base)
+    assert whole.status_code == 200, whole.text
+    answer = whole.json()
+    check(answer, "CreateChatCompletionResponse")
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "function_call"
+    message = choice["message"]
+    assert "tool_calls" not in message and message["content"] is None
+    assert message["function_call"]["name"] == "read"
+    assert json.loads(message["function_call"]["arguments"]) == {"path": "README.md"}
+    session = whole.headers["x-session-id"]
+
+    # The client sends the legacy history back: the next turn continues the first one's tokens.
+    history = [*LOOK, message, {"role": "function", "name": "read", "content": "# stream-gateway"}]
+    follow = post(agent_gateway, {**base, "messages": history})
+    assert follow.status_code == 200, follow.text
+    assert follow.headers["x-session-id"] == session
+    turns = httpx.get(f"{agent_gateway.base_url}/sessions/{session}", timeout=30).json()["turns"]
+    assert turns[-1]["parent_id"] == turns[0]["turn_id"]
+    assert turns[-1]["reused_prompt_tokens"] > 0
+
+    with httpx.stream(
+        "POST", f"{agent_gateway.base_url}/v1/chat/completions", json={**base, "stream": True}, timeout=120
+    ) as r:
+        chunks = list(sse_chunks(r))
+    for chunk in chunks:
+        check(chunk, "CreateChatCompletionStreamResponse")
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any("tool_calls" in d for d in deltas)
+    calls = [d["function_call"] for d in deltas if "function_call" in d]
+    assert calls[0]["name"] == "read" and all("name" not in c for c in calls[1:])
+    assert json.loads("".join(c["arguments"] for c in calls)) == {"path": "README.md"}
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "function_call"
+
+
+def test_legacy_functions_are_checked(gateway: RunningGateway) -> None:
+    both = post(
+        gateway, {"model": "tiny", "messages": LOOK, "functions": [READ_TOOL["function"]], "tools": [READ_TOOL]}
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "functions"
+    alone = post(gateway, {"model": "tiny", "messages": LOOK, "function_call": "auto"})
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "function_call"
+    custom = post(gateway, {"model": "tiny", "messages": LOOK, "tools": [{"type": "custom", "custom": {"name": "x"}}]})
+    assert custom.status_code == 400
+    assert custom.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_langchain_sees_one_tool_call_per_chunk(agent_gateway: RunningGateway) -> None:
+    model = ChatOpenAI(
+        model="tiny-agent", base_url=agent_gateway.base_url + "/v1", api_key="x", max_retries=0, timeout=120
+    ).bind_tools([READ_TOOL])
+    chunks = list(model.stream("look"))
+    for chunk in chunks:
+        # LangChain parses every entry of a chunk on its own: a second entry for the same call
+        # would show up here as a nameless tool call or an invalid one.
+        assert all(call["name"] for call in chunk.tool_calls), chunk
+        assert not chunk.invalid_tool_calls, chunk
+    whole = chunks[0]
+    for chunk in chunks[1:]:
+        whole += chunk
+    assert [(c["name"], c["args"]) for c in whole.tool_calls] == [("read", {"path": "README.md"})]
+    assert not whole.invalid_tool_calls
