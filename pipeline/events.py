@@ -165,6 +165,16 @@ class SamplingRecord(BaseModel):
     top_k: int = Field(description="0 (or -1): no top-k cut")
     max_tokens: int = Field(description="the most output tokens the turn could sample")
     seed: int | None = Field(description="the request's seed; null: unseeded")
+    constraint: Literal["json_schema", "json_object", "tool_call"] | None = Field(
+        default=None,
+        description="constrained decoding: what the output was held to (response_format json_schema or "
+        "json_object; tool_choice required or named: tool_call); null: unconstrained. The logprobs of a "
+        "constrained turn are of the masked distribution: replay the grammar to recompute them",
+    )
+    grammar: str | None = Field(
+        default=None,
+        description="the llguidance grammar of a constrained turn, as stream_gateway.constraints.replay_masks takes it",
+    )
 
 
 class TurnStarted(Event):

@@ -238,19 +238,8 @@ class ChatCompletionRequest(_Wire):
             raise UnsupportedParameter("frequency_penalty is not supported", param="frequency_penalty")
         if self.logit_bias:
             raise UnsupportedParameter("logit_bias is not supported", param="logit_bias")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise UnsupportedParameter(
-                f"response_format {self.response_format.get('type')!r} is not supported; only 'text'",
-                param="response_format",
-            )
         if self.modalities and set(self.modalities) != {"text"}:
             raise UnsupportedParameter("only the 'text' modality is supported", param="modalities")
-        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
-            # Forcing a call needs constrained decoding, which the engines do not do yet.
-            raise UnsupportedParameter(
-                "tool_choice 'required' or a named function is not supported; use 'auto' or 'none'",
-                param="tool_choice",
-            )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:

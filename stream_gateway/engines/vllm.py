@@ -65,6 +65,7 @@ class VLLMEngine:
 
     name = "vllm"
     remote = False
+    constrained_decoding = False
 
     def __init__(
         self,

@@ -1,0 +1,224 @@
+"""Constrained decoding: structured outputs and forced tool calls, with llguidance grammars.
+
+A :class:`Constraint` is what a request asks for, as an llguidance grammar:
+
+* ``response_format`` ``{"type": "json_schema", "json_schema": {"schema": ...}}``: the content is
+  JSON valid against the schema; ``{"type": "json_object"}``: any JSON object;
+* ``tool_choice`` ``"required"``: one or more tool calls in the served model's tool-call format
+  (Hermes/Qwen: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``), each naming
+  one of the request's tools with arguments valid against its ``parameters``; a named function:
+  exactly one call of it.
+
+JSON is written with fixed separators (``", "``, ``": "``) and no other whitespace: a model free
+to choose its whitespace inside a grammar can pad forever, and these are the separators of
+``json.dumps`` that models were trained on. The grammar ends where the JSON (or the last call)
+ends; after it only the engine's end-of-turn tokens are allowed.
+
+An engine that follows constraints (``Engine.constrained_decoding``) builds one
+:class:`TokenMask` per choice and, at every step, sets the logits of tokens the grammar does not
+allow to ``-inf`` before temperature, top-k and top-p. The recorded logprobs are those of the
+distribution the token was drawn from, the mask included: for constrained tokens they are *not*
+what a plain forward pass gives. A trainer that recomputes logprobs replays the mask:
+:func:`replay_masks` gives, for each output position, the tokens the grammar allowed there (the
+grammar is recorded in the turn's ``sampling.grammar``); ``docs/http-api.md`` says more.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import numpy as np
+import orjson
+
+from ._errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "Constraint",
+    "TokenMask",
+    "grammar_tokenizer",
+    "replay_masks",
+    "response_format_constraint",
+    "tool_choice_constraint",
+]
+
+ConstraintKind = Literal["json_schema", "json_object", "tool_call"]
+
+# JSON as json.dumps writes it; "lenient": schema keywords llguidance cannot enforce (formats...)
+# are ignored rather than refused, as OpenAI's non-strict schemas are hints too.
+_JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+# Tool-call formats by tool parser: the tags around each call's JSON.
+_CALL_TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen": ("<tool_call>", "</tool_call>")}
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A request's constraint: its kind and llguidance grammar (serialized, as recorded)."""
+
+    kind: ConstraintKind
+    grammar: str
+
+
+def response_format_constraint(response_format: dict[str, Any] | None) -> Constraint | None:
+    """The constraint ``response_format`` asks for (``None`` for text); 400 for a malformed one."""
+    from llguidance import LLMatcher
+
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(
+            "json_object", LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+        )
+    if kind != "json_schema":
+        raise InvalidRequest(
+            f"Invalid value for 'response_format.type': {kind!r}; expected 'text', 'json_object' or 'json_schema'",
+            param="response_format",
+        )
+    spec = (response_format or {}).get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InvalidRequest(
+            "response_format json_schema needs a 'json_schema' object with a 'name'", param="response_format"
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequest(
+            "'response_format.json_schema.schema' must be a JSON schema object", param="response_format"
+        )
+    return Constraint("json_schema", LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS))
+
+
+def tool_choice_constraint(
+    tool_choice: str | dict[str, Any] | None,
+    tools: Sequence[Any] | None,
+    tokenizer: PreTrainedTokenizerBase,
+    tool_parser: str,
+) -> Constraint | None:
+    """The constraint ``tool_choice`` asks for: ``"required"`` or a named function; else ``None``."""
+    from llguidance import LLMatcher
+
+    if tool_choice is None or tool_choice in ("auto", "none") or not tools:
+        return None
+    by_name = {tool.function.name: tool.function for tool in tools}
+    if tool_choice == "required":
+        chosen = list(by_name.values())
+    else:
+        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):  # type: ignore[union-attr]
+            raise InvalidRequest(
+                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                param="tool_choice",
+            )
+        if name not in by_name:
+            raise InvalidRequest(f"tool_choice names `{name}`, which is not among the tools", param="tool_choice")
+        chosen = [by_name[name]]
+    if tool_parser not in _CALL_TAGS:
+        raise InvalidRequest(
+            f"tool_choice cannot be enforced with the {tool_parser!r} tool parser", param="tool_choice"
+        )
+    start, end = (_tag(tokenizer, tag) for tag in _CALL_TAGS[tool_parser])
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": f.parameters or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in chosen
+    ]
+    schema = (
+        {"anyOf": calls, "x-guidance": _JSON_OPTIONS} if len(calls) > 1 else {**calls[0], "x-guidance": _JSON_OPTIONS}
+    )
+    call = f'{start} "\\n" %json {orjson.dumps(schema).decode()} "\\n" {end}'
+    rules = "start: call\n" if tool_choice != "required" else 'start: call ("\\n" call)*\n'
+    return Constraint("tool_call", LLMatcher.grammar_from_lark(rules + "call: " + call + "\n"))
+
+
+def _tag(tokenizer: PreTrainedTokenizerBase, tag: str) -> str:
+    """A tag as a lark terminal: its token when the tokenizer has one for it (llguidance sees
+    added tokens only by id), else its text."""
+    token = tokenizer.convert_tokens_to_ids(tag)
+    if isinstance(token, int) and token != tokenizer.unk_token_id and tag in tokenizer.get_added_vocab():
+        return f"<[{token}]>"
+    return orjson.dumps(tag).decode()
+
+
+# -- matching -------------------------------------------------------------------------------------
+
+_tokenizers: dict[tuple[int, int, tuple[int, ...]], tuple[Any, LLTokenizer]] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Iterable[int]) -> LLTokenizer:
+    """llguidance's view of ``tokenizer`` (built once; ~20 ms for a 2k vocabulary, ~1 s for 150k)."""
+    import llguidance.hf
+
+    eos = tuple(sorted(eos_ids))
+    key = (id(tokenizer), vocab_size, eos)
+    with _tokenizers_lock:
+        if key not in _tokenizers:  # the tokenizer is kept alive with it, so its id stays unique
+            _tokenizers[key] = (
+                tokenizer,
+                llguidance.hf.from_tokenizer(cast(Any, tokenizer), n_vocab=vocab_size, eos_token=list(eos)),
+            )
+        return _tokenizers[key][1]
+
+
+def check(constraint: Constraint, tokenizer: PreTrainedTokenizerBase, param: str) -> None:
+    """400 if llguidance cannot build a matcher for the grammar (an unsupported schema...)."""
+    from llguidance import LLMatcher
+
+    lltok = grammar_tokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id or 0])
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(constraint.grammar, lltok)
+    if is_error:
+        raise InvalidRequest(f"The {param} cannot be enforced: {'; '.join(messages)[:500]}", param=param)
+
+
+class TokenMask:
+    """One choice's grammar state: the tokens allowed next, and the tokens taken."""
+
+    __slots__ = ("_matcher", "_vocab")
+
+    def __init__(self, constraint: Constraint, tokenizer: LLTokenizer, vocab_size: int) -> None:
+        from llguidance import LLMatcher
+
+        self._matcher: LLMatcher = LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        self._vocab = vocab_size
+        if self._matcher.is_error():
+            raise ValueError(f"grammar rejected: {self._matcher.get_error()}")
+
+    def allowed(self) -> np.ndarray:
+        """A boolean array over the vocabulary: which tokens the grammar allows next."""
+        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if len(bits) < self._vocab:
+            bits = np.pad(bits, (0, self._vocab - len(bits)))
+        return bits[: self._vocab].astype(bool)
+
+    def advance(self, token: int) -> None:
+        """Take ``token`` (one the mask allowed); raises if the grammar refuses it."""
+        if not self._matcher.consume_token(token):
+            raise ValueError(f"token {token} does not satisfy the grammar: {self._matcher.get_error()}")
+
+
+def replay_masks(
+    grammar: str, tokenizer: PreTrainedTokenizerBase, output_ids: Sequence[int], eos_ids: Iterable[int], vocab_size: int
+) -> list[np.ndarray]:
+    """For each output position, the tokens the grammar allowed there (what the engine masked).
+
+    A trainer recomputing a constrained turn's logprobs sets the logits of disallowed tokens to
+    ``-inf`` at each position before its log-softmax, as the engine did before sampling.
+    """
+    mask = TokenMask(Constraint("json_schema", grammar), grammar_tokenizer(tokenizer, vocab_size, eos_ids), vocab_size)
+    masks = []
+    for token in output_ids:
+        masks.append(mask.allowed())
+        if not masks[-1][token]:
+            raise ValueError(f"token {token} was not allowed by the grammar at position {len(masks) - 1}")
+        mask.advance(token)
+    return masks
