@@ -11,6 +11,9 @@ awaits, so a slow or dead NATS cannot slow a client's tokens. One drain task pub
 * **Lingering.** Woken from idle, the drain task waits ``linger_s`` (2 ms) before it publishes, so
   that the events of that moment go out as one window, and the request that produced the first of
   them writes its first token before any publishing work competes with it for the event loop.
+  Events that end something (``turn.completed``, ``turn.aborted``, ``session.closed``) cut the
+  wait short: another replica continuing the conversation reads the turn from the stream, and the
+  client may send its next request the moment its answer ends.
 * **Spilling.** When NATS has been failing for ``spill_after_s``, or the buffer is full, new
   durable events go to the disk outbox instead (:mod:`pipeline._outbox`). The buffer then holds
   only events older than anything on disk, so the drain task publishes the buffer first, then
@@ -66,6 +69,8 @@ __all__ = ["EventPublisher", "PublisherConfig", "PublisherStatistics"]
 
 log = logging.getLogger(__name__)
 
+_ENDINGS = frozenset({"turn.completed", "turn.aborted", "session.closed"})
+
 
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
@@ -117,6 +122,7 @@ class EventPublisher:
         self._outbox = Outbox(config.outbox_dir)
         self._spilling = len(self._outbox) > 0  # leftovers from a previous run go first
         self._wake = anyio.Event()
+        self._urgent = anyio.Event()  # an event that ends something is waiting: no lingering
         self._delta_wake = anyio.Event()
         self._drained = anyio.Event()  # set while nothing is pending
         self._nc: Client | None = None
@@ -154,6 +160,8 @@ class EventPublisher:
             self._buffer.append(record)
         if self._drained.is_set():
             self._drained = anyio.Event()
+        if event.kind in _ENDINGS:
+            self._urgent.set()
         self._wake.set()
 
     def _down_too_long(self) -> bool:
@@ -298,10 +306,12 @@ class EventPublisher:
             self._wake = anyio.Event()
             self._drained.set()
             await self._wake.wait()
-            if config.linger_s:
+            if config.linger_s and not self._urgent.is_set():
                 # Let the events of the next moment gather into one window, and let the request
                 # that produced this one write its first token before its events go out.
-                await anyio.sleep(config.linger_s)
+                with anyio.move_on_after(config.linger_s):
+                    await self._urgent.wait()
+            self._urgent = anyio.Event()
 
     async def _provision(self) -> bool:
         """Make sure the stream and bucket exist once connected; ``True`` when ready to publish."""

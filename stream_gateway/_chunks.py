@@ -85,7 +85,9 @@ def logprobs_content(
         if top_logprobs:
             for alt, alt_logprob in top_logprobs[i]:
                 alt_text, alt_raw = token_text(alt)
-                alternatives.append({"token": alt_text, "logprob": alt_logprob, "bytes": alt_raw})
+                # -inf (filtered out by top-k/top-p or a grammar) as OpenAI writes "very unlikely":
+                # its schema requires a number, and JSON has no infinity.
+                alternatives.append({"token": alt_text, "logprob": max(alt_logprob, -9999.0), "bytes": alt_raw})
         entries.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
     return entries
 

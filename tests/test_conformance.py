@@ -249,3 +249,17 @@ def test_langchain_sees_one_tool_call_per_chunk(agent_gateway: RunningGateway) -
         whole += chunk
     assert [(c["name"], c["args"]) for c in whole.tool_calls] == [("read", {"path": "README.md"})]
     assert not whole.invalid_tool_calls
+
+
+def test_filtered_alternatives_are_numbers(gateway: RunningGateway) -> None:
+    # top_k 1 leaves one token: the other alternatives were filtered out (-inf internally).
+    body = {"model": "tiny", "messages": LOOK, "max_tokens": 3, "logprobs": True, "top_logprobs": 3, "top_k": 1}
+    answer = post(gateway, body).json()
+    check(answer, "CreateChatCompletionResponse")
+    for entry in answer["choices"][0]["logprobs"]["content"]:
+        assert [alt["logprob"] for alt in entry["top_logprobs"]][1:] == [-9999.0, -9999.0]
+    with httpx.stream(
+        "POST", f"{gateway.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        for chunk in sse_chunks(r):
+            check(chunk, "CreateChatCompletionStreamResponse")
