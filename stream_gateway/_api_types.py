@@ -56,6 +56,7 @@ def null_is_absent(data: Any) -> Any:
 
 
 MAX_STOP_SEQUENCES = 16
+MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20
 
 
@@ -156,7 +157,7 @@ class ChatCompletionRequest(_Wire):
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

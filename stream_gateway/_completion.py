@@ -133,6 +133,7 @@ class CompletionService:
         engine = self._engine
         check_model_and_n(engine, self._settings, body.model, body.n)
         body.check_supported()
+        await self._check_size(body)
         constraint = None
         if body.response_format is not None or isinstance(body.tool_choice, dict) or body.tool_choice == "required":
             constraint = await anyio.to_thread.run_sync(self._constraint, body)
@@ -213,6 +214,41 @@ class CompletionService:
             tool_names=frozenset(t.function.name for t in body.tools or ()),
             legacy_functions=body.legacy_functions,
         )
+
+    @cached_property
+    def _longest_token(self) -> int:
+        # The most characters one token decodes to: its vocabulary string has one character per
+        # byte (byte-level BPE) or per character (SentencePiece), and never fewer.
+        return max(len(token) for token in self._engine.tokenizer.get_vocab())
+
+    async def _check_size(self, body: ChatCompletionRequest) -> None:
+        """Refuse at once what cannot fit, before fingerprinting, rendering or tokenizing all of it."""
+        limit = self._settings.max_messages
+        if len(body.messages) > limit:
+            raise InvalidRequest(f"A request may hold at most {limit} messages (--max-messages).", param="messages")
+        context = self._engine.max_model_len
+        chars = sum(len(m.text()) for m in body.messages)
+        if chars > context * self._longest_token:
+            raise _too_long(context, f"{chars} characters, more than {context} tokens can hold")
+        if chars > context * _PLAUSIBLE_CHARS_PER_TOKEN:
+            # Suspiciously long: count the tokens of a prefix whose size the context bounds (not
+            # the request), off the loop. More tokens than the context there: more in the whole.
+            tokens = await anyio.to_thread.run_sync(self._prefix_tokens, body, context * _PREFIX_CHARS_PER_TOKEN)
+            if tokens > context:
+                raise _too_long(context, f"more than {context} tokens (over {tokens} in their first part)")
+
+    def _prefix_tokens(self, body: ChatCompletionRequest, budget: int) -> int:
+        """Tokens in the first ``budget`` characters of the messages' texts, less a margin per cut."""
+        encode = self._engine.tokenizer.backend_tokenizer.encode
+        tokens = 0
+        for message in body.messages:
+            text = message.text()[:budget]
+            budget -= len(text)
+            # A cut inside a word can split it into more tokens than the whole word takes.
+            tokens += len(encode(text, add_special_tokens=False).ids) - (_CUT_MARGIN if budget <= 0 else 0)
+            if budget <= 0:
+                break
+        return tokens
 
     def _constraint(self, body: ChatCompletionRequest) -> Constraint | None:
         """What ``response_format`` or ``tool_choice`` holds the output to (in a worker thread:
@@ -543,6 +579,19 @@ class CompletionService:
             return None
         self._metrics.requests.labels("false", "200").inc()
         return results
+
+
+_PLAUSIBLE_CHARS_PER_TOKEN = 4  # above this many characters per context token, count before rendering
+_PREFIX_CHARS_PER_TOKEN = 16  # ...the tokens of at most this many characters per context token
+_CUT_MARGIN = 16
+
+
+def _too_long(context: int, holds: str) -> ContextLengthExceeded:
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {context} tokens. However, your messages hold {holds}. "
+        "Please reduce the length of the messages.",
+        param="messages",
+    )
 
 
 def check_model_and_n(engine: Engine, settings: Settings, model: str, n: int) -> None:

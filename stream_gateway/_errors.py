@@ -5,7 +5,8 @@
     GatewayError                     500 server_error
     ├── InvalidRequest               400 invalid_request_error
     │   ├── ContextLengthExceeded    400 code=context_length_exceeded
-    │   └── UnsupportedParameter     400 code=unsupported_parameter
+    │   ├── UnsupportedParameter     400 code=unsupported_parameter
+    │   └── RequestTooLarge          413 code=request_too_large
     ├── AuthenticationFailed         401 code=invalid_api_key
     ├── PermissionDenied             403 code=permission_denied
     ├── NotFound                     404 not_found_error
@@ -65,6 +66,16 @@ class UnsupportedParameter(InvalidRequest):
     """A known OpenAI parameter that this gateway cannot honour (never silently ignored)."""
 
     default_code = "unsupported_parameter"
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request body is larger than the gateway accepts."""
+
+    status_code = 413
+    default_code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The request body is larger than this gateway accepts ({limit} bytes, --max-request-bytes).")
 
 
 class AuthenticationFailed(GatewayError):

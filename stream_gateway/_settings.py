@@ -96,6 +96,10 @@ class Settings(BaseSettings):
 
     default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")
     max_n: int = Field(8, ge=1, description="largest accepted n")
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="largest request body; larger ones get 413 before they are read"
+    )
+    max_messages: int = Field(4096, ge=1, description="most messages in one chat request")
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")
     sse_send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing this long is dropped")
     log_level: str = "info"

@@ -38,12 +38,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ._api_types import ChatCompletionRequest
 from ._capture import EventRecorder
 from ._completion import CompletionService
-from ._errors import AuthenticationFailed, Conflict, GatewayError, InvalidRequest, NotFound, PermissionDenied
+from ._errors import (
+    AuthenticationFailed,
+    Conflict,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    RequestTooLarge,
+)
 from ._metrics import GatewayMetrics
 from ._policy_sync import PolicyApplier, PolicyNotNewer
 from ._sessions import Session, SessionStore, session_body
@@ -91,10 +99,33 @@ class FeedbackBody(BaseModel):
 
 
 class GatewayApp(FastAPI):
-    """FastAPI with :class:`RawSendApp` outside its middleware stack (streamed frames skip the wrappers)."""
+    """FastAPI with two layers outside its middleware stack: :class:`RawSendApp` (streamed frames
+    skip the wrappers) and the refusal of bodies whose Content-Length is over the limit."""
+
+    max_request_bytes: int | None = None
 
     def build_middleware_stack(self) -> ASGIApp:
-        return RawSendApp(super().build_middleware_stack())
+        app = RawSendApp(super().build_middleware_stack())
+        return app if self.max_request_bytes is None else _LengthLimit(app, self.max_request_bytes)
+
+
+class _LengthLimit:
+    """413 before a byte of the body is read when its Content-Length is over the limit. (Starlette's
+    RequestBodyLimitMiddleware, which FastAPI 0.165 offers, answers that case in plain text whatever
+    the app's error handlers say.) Chunked bodies are counted as they are read (:func:`_parse`)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"content-length":
+                    if value.isdigit() and int(value) > self.limit:
+                        await ORJSONResponse(RequestTooLarge(self.limit).body(), status_code=413)(scope, receive, send)
+                        return
+                    break
+        await self.app(scope, receive, send)
 
 
 class ORJSONResponse(JSONResponse):
@@ -209,6 +240,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
                 tg.cancel_scope.cancel()
 
     app = GatewayApp(title="stream-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.max_request_bytes = settings.max_request_bytes
 
     def authorize(request: Request) -> str:
         """The request's tenant: its bearer key (``anonymous`` without one)."""
@@ -544,7 +576,17 @@ def _check_session_id(session_id: str) -> None:
 
 async def _parse(request: Request, model: type[BodyT]) -> BodyT:
     """Parse and validate a JSON body, translating every failure into a 400 InvalidRequest."""
-    raw = await request.body()
+    limit = getattr(request.app, "max_request_bytes", None)
+    if limit is None:
+        raw = await request.body()
+    else:  # a chunked body has no Content-Length for _LengthLimit to check: count it as it comes
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise RequestTooLarge(limit)
+            parts.append(part)
+        raw = b"".join(parts)
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
