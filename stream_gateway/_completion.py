@@ -102,6 +102,7 @@ class CompletionService:
         self._metrics = metrics
         self._sessions = sessions
         self._recorder = recorder
+        self.spend: Callable[[str, int], None] | None = None  # (tenant, tokens): per-tenant token limits
 
     @cached_property
     def _context_builder(self) -> ContextBuilder:
@@ -282,6 +283,8 @@ class CompletionService:
         try:
             for item in batch:
                 self._metrics.prompt_tokens.inc(len(item.prompt_ids))
+                if self.spend is not None:
+                    self.spend(item.session.tenant, len(item.prompt_ids) * item.n)
             if len(batch) == 1 and first.n == 1:
                 await self._run_choice(first, 0, channel)  # the common case: no task group to set up
             else:
@@ -406,6 +409,8 @@ class CompletionService:
         finally:
             # Runs on normal ends, errors and cancellation alike; recording is synchronous.
             self._metrics.completion_tokens.inc(len(ids))
+            if self.spend is not None:
+                self.spend(prepared.session.tenant, len(ids))
             self._metrics.inter_token_latency.observe_many(gaps)
             if deltas is not None:
                 deltas.flush(ids, logprobs)

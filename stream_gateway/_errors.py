@@ -12,6 +12,7 @@
     ├── NotFound                     404 not_found_error
     │   └── ModelNotFound            404 code=model_not_found
     ├── Conflict                     409 code=session_closed (the resource's state forbids it)
+    ├── RateLimited                  429 code=rate_limit_exceeded (in ._tenants, with Retry-After)
     └── EngineError                  500 server_error
         └── EngineUnavailable        503 code=engine_unavailable
 

@@ -25,6 +25,14 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_keys: tuple[str, ...] = Field((), description="accepted bearer keys; empty accepts any key")
+    api_key_file: Path | None = Field(
+        None, description="file of `key tenant [limit=value ...]` lines (reloaded on SIGHUP); see docs/operations.md"
+    )
+    allow_anonymous: bool = Field(False, description="serve on a non-loopback address without keys (refused otherwise)")
+    max_concurrent_requests_per_key: int | None = Field(None, ge=1, description="default per-tenant limit")
+    requests_per_minute_per_key: int | None = Field(None, ge=1, description="default per-tenant limit")
+    tokens_per_minute_per_key: int | None = Field(None, ge=1, description="default per-tenant limit")
+    max_sessions_per_key: int | None = Field(None, ge=1, description="default per-tenant limit (open sessions)")
     admin_api_keys: tuple[str, ...] = Field((), description="keys allowed to load new weights; empty: nobody")
     model_cache_dir: Path | None = Field(None, description="where built/converted models are cached")
 

@@ -40,6 +40,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -683,6 +684,7 @@ class SessionDirectory:
     def __init__(self, store: SessionStore, shared: SharedSessions | None = None) -> None:
         self.store = store
         self.shared = shared
+        self.before_open: Callable[[str], None] | None = None  # may refuse a tenant's new session
 
     # -- by id --------------------------------------------------------------------------------
 
@@ -710,6 +712,8 @@ class SessionDirectory:
 
     async def open(self, session_id: str | None, tenant: str) -> Session:
         """A new session (named, or with a generated id) for a request that will run."""
+        if self.before_open is not None:
+            self.before_open(tenant)
         session = self.store.create(tenant) if session_id is None else self.store.get_or_create(session_id, tenant)
         shared = self.shared
         if shared is None or session.turns or session.shared is not None:

@@ -20,9 +20,11 @@ Deliberate choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -58,6 +60,7 @@ from ._sessions import Session, SessionStore, session_body
 from ._settings import Settings
 from ._shared_sessions import SessionDirectory, SharedSessions, expected_seqs
 from ._streaming import RawSendApp, TokenStreamResponse, UpdateChannel
+from ._tenants import KeyEntry, KeyRing, Limits, RateLimited, RateLimiter
 from ._token_in import CompletionRequest, TextChunkEncoder, TokenInService, text_completion_body
 from .engines import Engine, WeightsRejected
 from .engines._pool import normalize_url
@@ -126,6 +129,28 @@ class _LengthLimit:
                         return
                     break
         await self.app(scope, receive, send)
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else ""
+
+
+class HeldResponse(Response):
+    """``inner``, then ``release`` once it has been sent (or failed, or the client left)."""
+
+    def __init__(self, inner: Response, release: Callable[[], None]) -> None:
+        self.inner, self.release = inner, release
+        self.status_code = inner.status_code
+        self.raw_headers = inner.raw_headers
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.release()
 
 
 class ORJSONResponse(JSONResponse):
@@ -202,6 +227,10 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             # hundreds of ms in the 1,000-stream soak).
             gc.collect()
             gc.freeze()
+            if settings.api_key_file is not None:
+                # SIGHUP reloads the key file (only where the loop runs in the main thread).
+                with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keyring.reload)
             try:
                 if settings.upstreams_bucket and settings.nats_url and isinstance(engine, RemoteEngine):
                     await _start_upstream_follower(tg, engine, settings)
@@ -239,17 +268,30 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             finally:
                 tg.cancel_scope.cancel()
 
+    defaults = Limits(
+        settings.max_concurrent_requests_per_key,
+        settings.requests_per_minute_per_key,
+        settings.tokens_per_minute_per_key,
+        settings.max_sessions_per_key,
+    )
+    keyring = KeyRing((*settings.api_keys, *settings.admin_api_keys), settings.api_key_file, defaults)
+    limiter = RateLimiter(lambda tenant: sum(1 for s in store if s.tenant == tenant and not s.closed))
+    sessions.before_open = limiter.check_new_session
+    service.spend = limiter.spend
     app = GatewayApp(title="stream-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.keyring = keyring
     app.max_request_bytes = settings.max_request_bytes
 
-    def authorize(request: Request) -> str:
-        """The request's tenant: its bearer key (``anonymous`` without one)."""
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        key = key.strip() if scheme.lower() == "bearer" else ""
-        if settings.api_keys and key not in settings.api_keys and key not in settings.admin_api_keys:
+    def authorize_entry(request: Request) -> KeyEntry:
+        """The request's tenant and limits (see :mod:`._tenants`); 401 for a key not accepted."""
+        entry = keyring.entry(_bearer(request))
+        if entry is None:
             raise AuthenticationFailed("Incorrect API key provided.")
-        return key or "anonymous"
+        return entry
+
+    def authorize(request: Request) -> str:
+        """The request's tenant: its key file name, or else its bearer key (``anonymous`` without one)."""
+        return authorize_entry(request).tenant
 
     def event_stream(
         frames: AsyncIterator[bytes], producer: Callable[[], Coroutine[Any, Any, None]], headers: dict[str, str]
@@ -263,8 +305,22 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             send_timeout=settings.sse_send_timeout_seconds,
         )
 
-    async def chat_completion(request: Request, session_id: str | None) -> Response:
-        tenant = authorize(request)
+    async def limited(
+        request: Request,
+        handler: Callable[[Request, str | None, str], Awaitable[Response]],
+        session_id: str | None,
+    ) -> Response:
+        """``handler``'s response, under the tenant's limits: its slot is held until the response ends."""
+        entry = authorize_entry(request)
+        release = limiter.admit(entry.tenant, entry.limits)
+        try:
+            response = await handler(request, session_id, entry.tenant)
+        except BaseException:
+            release()
+            raise
+        return HeldResponse(response, release)
+
+    async def chat_completion(request: Request, session_id: str | None, tenant: str) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         session_id = session_id or request.headers.get("x-session-id") or None
         if session_id is not None:
@@ -282,8 +338,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             return Response(status_code=499)
         return ORJSONResponse(result, headers=headers)
 
-    async def text_completion(request: Request, session_id: str | None) -> Response:
-        tenant = authorize(request)
+    async def text_completion(request: Request, session_id: str | None, tenant: str) -> Response:
         body = await _parse(request, CompletionRequest)
         session_id = session_id or request.headers.get("x-session-id") or body.session_id or None
         if session_id is not None:
@@ -322,19 +377,19 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await text_completion(request, None)
+        return await limited(request, text_completion, None)
 
     @app.post("/sessions/{session_id}/v1/completions")
     async def session_completions(request: Request, session_id: str) -> Response:
-        return await text_completion(request, session_id)
+        return await limited(request, text_completion, session_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await chat_completion(request, None)
+        return await limited(request, chat_completion, None)
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def session_chat_completions(request: Request, session_id: str) -> Response:
-        return await chat_completion(request, session_id)
+        return await limited(request, chat_completion, session_id)
 
     @app.get("/sessions/{session_id}")
     async def inspect_session(request: Request, session_id: str) -> Response:
@@ -376,7 +431,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         return ORJSONResponse(body | {"turns": len(session.turns)})
 
     def authorize_admin(request: Request, action: str) -> None:
-        key = authorize(request)
+        authorize(request)
+        key = _bearer(request)
         if not settings.admin_api_keys:
             raise PermissionDenied(f"{action.capitalize()} is disabled; start the gateway with --admin-api-key.")
         if key not in settings.admin_api_keys:
@@ -482,7 +538,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> Response:
         metrics.requests.labels("unknown", str(exc.status_code)).inc()
-        return ORJSONResponse(exc.body(), status_code=exc.status_code)
+        headers = exc.headers if isinstance(exc, RateLimited) else None
+        return ORJSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:

@@ -416,6 +416,17 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--host", help="default: 127.0.0.1")
     command.add_argument("--port", type=int, help="default: 8000")
     command.add_argument("--api-key", action="append", dest="api_keys", help="accepted key (repeatable)")
+    command.add_argument("--api-key-file", help="`key tenant [limit=value ...]` per line; reloaded on SIGHUP")
+    command.add_argument(
+        "--allow-anonymous",
+        action="store_const",
+        const=True,
+        help="listen on a non-loopback address without keys (otherwise refused)",
+    )
+    command.add_argument("--max-concurrent-requests-per-key", type=int, help="default per-tenant limit (429 over it)")
+    command.add_argument("--requests-per-minute-per-key", type=int, help="default per-tenant limit (429 over it)")
+    command.add_argument("--tokens-per-minute-per-key", type=int, help="default per-tenant limit (429 over it)")
+    command.add_argument("--max-sessions-per-key", type=int, help="default per-tenant limit of open sessions")
     command.add_argument(
         "--admin-api-key", action="append", dest="admin_api_keys", help="key allowed to load weights (repeatable)"
     )
@@ -565,6 +576,33 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exposure_refusal(settings: Settings) -> str | None:
+    """Why these settings must not serve: an unreadable key file, or no keys on a public address."""
+    import ipaddress
+
+    from ._tenants import read_key_file
+
+    if settings.api_key_file is not None:
+        try:
+            read_key_file(settings.api_key_file)
+        except (OSError, ValueError) as exc:
+            return f"cannot use --api-key-file: {exc}"
+        return None
+    if settings.api_keys or settings.allow_anonymous:
+        return None
+    host = settings.host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return None
+    return (
+        f"refusing to listen on {host} without API keys: anyone who can reach it could use the model and "
+        "read every session. Give --api-key or --api-key-file, or --allow-anonymous if that is what you want."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-gateway`` console script."""
     args = _parser().parse_args(argv)
@@ -578,6 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if many in flags:
             flags[many] = tuple(flags[many])
     settings = Settings(**flags)
+    if args.command in ("serve", "up") and (refusal := _exposure_refusal(settings)) is not None:
+        print(f"stream-gateway: {refusal}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to an inference server
     result = args.run(settings, args) if args.extra else args.run(settings)
