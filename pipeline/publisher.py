@@ -121,6 +121,7 @@ class EventPublisher:
         self._deltas: deque[tuple[str, bytes]] = deque()
         self._outbox = Outbox(config.outbox_dir)
         self._spilling = len(self._outbox) > 0  # leftovers from a previous run go first
+        self._durable_waiters: dict[str, anyio.Event] = {}  # event id -> set once stored or spilled
         self._wake = anyio.Event()
         self._urgent = anyio.Event()  # an event that ends something is waiting: no lingering
         self._delta_wake = anyio.Event()
@@ -163,6 +164,24 @@ class EventPublisher:
         if event.kind in _ENDINGS:
             self._urgent.set()
         self._wake.set()
+
+    def publish_durable(self, event: Event) -> anyio.Event:
+        """:meth:`publish_nowait` a durable event; what it returns is set once the event is durable:
+        acknowledged by JetStream, or written to the disk outbox (to the OS at once: it survives
+        the process; fsynced when its segment is sealed). While NATS fails, that is at most
+        ``spill_after_s`` later, when new events start going to disk."""
+        assert event.durable, "only durable events are stored"
+        waiter = self._durable_waiters[event.event_id] = anyio.Event()
+        self.publish_nowait(event)
+        return waiter
+
+    def _settle(self, records: list[OutboxRecord]) -> None:
+        """Release whoever waits for these records to be durable."""
+        if self._durable_waiters:
+            for record in records:
+                waiter = self._durable_waiters.pop(record.msg_id, None)
+                if waiter is not None:
+                    waiter.set()
 
     def _down_too_long(self) -> bool:
         since = self._failing_since
@@ -279,6 +298,7 @@ class EventPublisher:
                 if await self._publish_window(window):
                     for _ in window:
                         self._buffer.popleft()
+                    self._settle(window)
                     backoff = config.retry_backoff_s[0]
                 else:
                     await self._sleep_backoff(backoff)
@@ -391,6 +411,7 @@ class EventPublisher:
 
     def _spill(self, records: list[OutboxRecord]) -> None:
         self._spilled += self._outbox.append(records)
+        self._settle(records)
 
     async def _sleep_backoff(self, seconds: float) -> None:
         # A new event does not end the wait: retrying sooner would not help a failing server.

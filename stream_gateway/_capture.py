@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from pipeline.events import (
     SCHEMA_VERSION,
     Event,
@@ -105,15 +107,23 @@ class EventRecorder:
         delta_interval_s: float = 0.05,
     ) -> None:
         self._publish = publish
+        self._publish_durable: Callable[[Event], anyio.Event] | None = None
         self._model = model
         self._live_wanted = live_deltas
         self._live = live_deltas and publish is not None
         self._delta_tokens = delta_tokens
         self._delta_interval = delta_interval_s
 
-    def attach(self, publish: Callable[[Event], None] | None) -> None:
-        """Start (or, with ``None``, stop) publishing: the publisher lives in the app's lifespan."""
+    def attach(
+        self, publish: Callable[[Event], None] | None, durable: Callable[[Event], anyio.Event] | None = None
+    ) -> None:
+        """Start (or, with ``None``, stop) publishing: the publisher lives in the app's lifespan.
+
+        ``durable`` publishes an event and returns what is set once it is durable
+        (``EventPublisher.publish_durable``); without it, nothing waits for that.
+        """
         self._publish = publish
+        self._publish_durable = durable if publish is not None else None
         self._live = self._live_wanted and publish is not None
 
     @property
@@ -209,10 +219,11 @@ class EventRecorder:
         params: SamplingParams,
         abort_reason: str | None,
         abort_detail: str | None = None,
-    ) -> None:
-        """``turn.completed`` for a finished turn, ``turn.aborted`` otherwise."""
+    ) -> anyio.Event | None:
+        """``turn.completed`` for a finished turn, ``turn.aborted`` otherwise; what is set once it is
+        durable (in JetStream or the publisher's disk outbox), when the publisher can tell."""
         if self._publish is None:
-            return
+            return None
         fields = {
             **self._common(session, turn.policy_version, self._turn_seq(session, turn.turn_id)),
             "turn_id": turn.turn_id,
@@ -241,7 +252,10 @@ class EventRecorder:
             event = TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
         else:
             event = TurnAborted.model_construct(**fields, reason=abort_reason or "cancelled", detail=abort_detail)
+        if self._publish_durable is not None:
+            return self._publish_durable(event)
         self._publish(event)
+        return None
 
     def feedback(
         self,

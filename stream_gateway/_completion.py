@@ -415,7 +415,7 @@ class CompletionService:
             if deltas is not None:
                 deltas.flush(ids, logprobs)
             turn = self._record_turn(prepared, turn_id, result, spans or [(policy_version, 0)], first_token_s)
-            recorder.turn_finished(
+            durable = recorder.turn_finished(
                 prepared.session,
                 turn,
                 prepared.completion_id,
@@ -426,7 +426,12 @@ class CompletionService:
             )
             shared = self._sessions.turn_recorded(prepared.session, turn)
             if abort_reason is None:
-                # The response ends (usage, [DONE]) once other replicas can find this turn.
+                # The response ends (usage, [DONE]) once the turn is durable, so a crash cannot
+                # take back from the training data what the client already has, and once other
+                # replicas can find it.
+                if durable is not None:
+                    with anyio.move_on_after(self._settings.durable_wait_seconds):
+                        await durable.wait()
                 await self._sessions.wait_shared(shared)
 
     def _record_turn(

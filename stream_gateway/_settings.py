@@ -104,6 +104,12 @@ class Settings(BaseSettings):
 
     default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")
     max_n: int = Field(8, ge=1, description="largest accepted n")
+    durable_wait_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="with capture: the final chunk waits (at most this long) until the turn's events are in "
+        "JetStream or the disk outbox; 0: do not wait",
+    )
     max_request_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="largest request body; larger ones get 413 before they are read"
     )

@@ -241,7 +241,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
 
                 config = publisher_config(settings)
                 async with EventPublisher(config) as publisher:
-                    recorder.attach(publisher.publish_nowait)
+                    durable = publisher.publish_durable if settings.durable_wait_seconds > 0 else None
+                    recorder.attach(publisher.publish_nowait, durable)
                     metrics.watch_publisher(publisher.statistics)
                     log.info("capturing events to %s (outbox %s)", ", ".join(config.servers), config.outbox_dir)
                     if settings.follow_policies:

@@ -442,6 +442,11 @@ def _add_gateway_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--device", help="torch device for the transformers engine (default cpu)")
     command.add_argument("--synthetic-tokens-per-second", type=float, help="synthetic engine rate")
     command.add_argument("--default-max-tokens", type=int, help="completion budget when none is asked")
+    command.add_argument(
+        "--durable-wait-seconds",
+        type=float,
+        help="final chunk waits this long at most for the turn's events (5; 0: no)",
+    )
     command.add_argument("--max-request-bytes", type=int, help="largest request body (default 8 MiB; larger: 413)")
     command.add_argument("--max-messages", type=int, help="most messages in one chat request (default 4096)")
     command.add_argument("--model-cache-dir", help="where built/converted models are cached")
