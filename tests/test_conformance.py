@@ -69,6 +69,17 @@ def sse_chunks(response: httpx.Response) -> Iterator[dict[str, Any]]:
             yield json.loads(line[6:])
 
 
+def streamed_chunks(gateway: RunningGateway, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks of a streamed answer to ``body``, each checked against the spec's chunk schema."""
+    url = f"{gateway.base_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        chunks = list(sse_chunks(response))
+    for chunk in chunks:
+        check(chunk, "CreateChatCompletionStreamResponse")
+    return chunks
+
+
 def post(gateway: RunningGateway, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{gateway.base_url}/v1/chat/completions", json=body, timeout=120)
 
@@ -86,11 +97,7 @@ def test_streamed_and_whole_answers_match_the_spec(agent_gateway: RunningGateway
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["refusal"] is None and choice["logprobs"]["refusal"] is None
     stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{agent_gateway.base_url}/v1/chat/completions", json=stream_body, timeout=120) as r:
-        assert r.status_code == 200
-        chunks = list(sse_chunks(r))
-    for chunk in chunks:
-        check(chunk, "CreateChatCompletionStreamResponse")
+    chunks = streamed_chunks(agent_gateway, stream_body)
     with_logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
     assert with_logprobs and all(lp["refusal"] is None for lp in with_logprobs)
     assert chunks[-1]["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"]
@@ -208,12 +215,7 @@ def test_legacy_functions_round_trip(agent_gateway: RunningGateway) -> None:
     assert turns[-1]["parent_id"] == turns[0]["turn_id"]
     assert turns[-1]["reused_prompt_tokens"] > 0
 
-    with httpx.stream(
-        "POST", f"{agent_gateway.base_url}/v1/chat/completions", json={**base, "stream": True}, timeout=120
-    ) as r:
-        chunks = list(sse_chunks(r))
-    for chunk in chunks:
-        check(chunk, "CreateChatCompletionStreamResponse")
+    chunks = streamed_chunks(agent_gateway, base)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert not any("tool_calls" in d for d in deltas)
     calls = [d["function_call"] for d in deltas if "function_call" in d]
@@ -258,8 +260,4 @@ def test_filtered_alternatives_are_numbers(gateway: RunningGateway) -> None:
     check(answer, "CreateChatCompletionResponse")
     for entry in answer["choices"][0]["logprobs"]["content"]:
         assert [alt["logprob"] for alt in entry["top_logprobs"]][1:] == [-9999.0, -9999.0]
-    with httpx.stream(
-        "POST", f"{gateway.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
-    ) as r:
-        for chunk in sse_chunks(r):
-            check(chunk, "CreateChatCompletionStreamResponse")
+    assert streamed_chunks(gateway, body)

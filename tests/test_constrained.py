@@ -27,7 +27,7 @@ from stream_gateway.engines.transformers import end_of_turn_ids
 
 from .agent_loop import READ_TOOL
 from .servers import RunningGateway
-from .test_conformance import check, sse_chunks
+from .test_conformance import check, streamed_chunks
 
 BASH_TOOL = {
     "type": "function",
@@ -92,11 +92,7 @@ def test_streamed_json_schema_and_json_object(agent_gateway: RunningGateway) -> 
             "max_tokens": 64,
             "temperature": 0,
         }
-        with httpx.stream("POST", f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=120) as r:
-            assert r.status_code == 200
-            chunks = list(sse_chunks(r))
-        for chunk in chunks:
-            check(chunk, "CreateChatCompletionStreamResponse")
+        chunks = streamed_chunks(agent_gateway, body)
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
         finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
         # Unconstrained, this model answers with a tool call: it now writes JSON of the schema.
@@ -125,10 +121,7 @@ def test_tool_choice_required_and_named(agent_gateway: RunningGateway, client: O
             "stream": stream,
         }
         if stream:
-            with httpx.stream("POST", f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=120) as r:
-                chunks = list(sse_chunks(r))
-            for chunk in chunks:
-                check(chunk, "CreateChatCompletionStreamResponse")
+            chunks = streamed_chunks(agent_gateway, body)
             deltas = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls") or []]
             finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
             calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas if d.get("id")]
