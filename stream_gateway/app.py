@@ -561,7 +561,42 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         body = GatewayError("The server had an error while processing your request.").body()
         return ORJSONResponse(body, status_code=500)
 
+    # The routes read their bodies themselves (OpenAI's error shapes, null handling, size limits):
+    # the OpenAPI document at /openapi.json gets their schemas from the same models.
+    bodies: dict[str, type[BaseModel]] = {
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/sessions/{session_id}/v1/chat/completions": ChatCompletionRequest,
+        "/v1/completions": CompletionRequest,
+        "/sessions/{session_id}/v1/completions": CompletionRequest,
+        "/sessions/{session_id}/feedback": FeedbackBody,
+        "/sessions/{session_id}/turns/{turn_id}/feedback": FeedbackBody,
+        "/policy/weights": WeightsBody,
+        "/admin/upstreams": UpstreamsBody,
+    }
+    app.openapi = partial(_openapi, app, bodies, engine.model_id)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], model: str) -> dict[str, Any]:
+    """FastAPI's OpenAPI document of the routes, with the request bodies they parse (``model``:
+    the one served model id, the only value the completion routes accept)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, kind in bodies.items():
+            body = kind.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            if "model" in body.get("properties", {}):
+                body["properties"]["model"] = {"type": "string", "enum": [model], "title": "Model"}
+            components[kind.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{kind.__name__}"}}},
+            }
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _start_follower(tg: Any, applier: PolicyApplier, settings: Settings, config: Any) -> None:
