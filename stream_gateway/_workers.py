@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+from anyio.abc import Process
 
 from ._settings import Settings
 
@@ -105,21 +106,37 @@ async def run_workers(settings: Settings, say: Callable[[str], None]) -> None:
     check_workers(settings)
     count = settings.workers
     say(f"starting {count} gateway workers on port {settings.port} (SO_REUSEPORT), sessions shared through NATS")
+    running: dict[int, Process] = {}
     async with anyio.create_task_group() as tg:
+        if settings.api_key_file is not None:
+            tg.start_soon(_forward_reloads, running, say)
         for index in range(count):
-            tg.start_soon(_keep_running, settings, index, say)
+            tg.start_soon(_keep_running, settings, index, say, running)
 
 
-async def _keep_running(settings: Settings, index: int, say: Callable[[str], None]) -> None:
+async def _forward_reloads(running: dict[int, Process], say: Callable[[str], None]) -> None:
+    """SIGHUP to the supervisor reaches every worker: each reloads the key file."""
+    with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            for process in running.values():
+                process.send_signal(signal.SIGHUP)
+            say(f"SIGHUP passed to {len(running)} workers: reloading the key file")
+
+
+async def _keep_running(
+    settings: Settings, index: int, say: Callable[[str], None], running: dict[int, Process]
+) -> None:
     command = [sys.executable, "-m", "stream_gateway.cli", "serve"]
     env = worker_environment(settings, index)
     pause = 0.5
     while True:
         started = time.monotonic()
         process = await anyio.open_process(command, env=env, stdin=None, stdout=None, stderr=None)
+        running[index] = process
         try:
             code = await process.wait()
         finally:
+            running.pop(index, None)
             if process.returncode is None:  # we are being stopped: stop the worker, gracefully
                 with anyio.CancelScope(shield=True):
                     process.send_signal(signal.SIGTERM)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -68,3 +70,43 @@ def test_workers_with_an_in_process_engine_or_without_nats_are_refused(tiny_mode
     no_nats = subprocess.run(_command(tiny_model_path, port, "--workers", "2", "--engine", "synthetic"),
                              capture_output=True, text=True, env=_env(), timeout=120)  # fmt: skip
     assert no_nats.returncode == 2 and "needs shared sessions" in no_nats.stderr
+
+
+def test_sighup_to_the_supervisor_reloads_every_workers_keys(tiny_model_path: Path, tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "workers.log"
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k-old team\n")
+    with EmbeddedNatsServer() as nats_server, log.open("w") as out:
+        outbox = str(tmp_path / "outbox")
+        command = _command(tiny_model_path, port, "--engine", "synthetic", "--workers", "2", "--api-key-file",
+                           str(keys), "--nats-url", nats_server.url, "--outbox-dir", outbox)  # fmt: skip
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(), text=True)
+        try:
+            wait_healthy(process, port, log=log)
+            base = f"http://127.0.0.1:{port}"
+
+            def statuses(key: str) -> dict[str, int]:
+                """The answer to ``key`` from each worker (new connections spread over both)."""
+                seen: dict[str, int] = {}
+                for _ in range(60):
+                    with httpx.Client(headers={"authorization": f"Bearer {key}"}, timeout=10) as client:
+                        replica = client.get(f"{base}/health").json()["replica"]
+                        seen[replica] = client.get(f"{base}/v1/models").status_code
+                    if len(seen) == 2:
+                        break
+                return seen
+
+            assert set(statuses("k-new").values()) == {401}
+            keys.write_text("k-new team\n")
+            process.send_signal(signal.SIGHUP)
+            for _ in range(50):  # the workers reload as the signal reaches them
+                answers = statuses("k-new")
+                if set(answers.values()) == {200}:
+                    break
+                time.sleep(0.1)
+            assert len(answers) == 2 and set(answers.values()) == {200}, answers
+            assert set(statuses("k-old").values()) == {401}
+        finally:
+            process.terminate()
+            assert process.wait(timeout=60) == 0, log.read_text()
