@@ -183,6 +183,8 @@ class RateLimiter:
     def admit(self, tenant: str, limits: Limits) -> Callable[[], None]:
         """Take a request slot, or raise :class:`RateLimited`; returns the idempotent release."""
         if limits == _NO_LIMITS:
+            if (known := self._usage.get(tenant)) is not None:
+                known.limits = limits  # a reload lifted them: spend() and sessions stop counting
             return _nothing
         usage = self._usage.setdefault(tenant, _Usage())
         usage.limits = limits
