@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import orjson
 
+from pipeline.connection import NatsAuth, connect
 from pipeline.durable import publish_durable
 from pipeline.events import decode_event, subject_token
 from pipeline.subscriber import decode_message, message_payload
@@ -74,6 +75,7 @@ class AssemblerConfig:
     """How sessions become trajectories."""
 
     servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    auth: NatsAuth = field(default_factory=NatsAuth)  # credentials and TLS
     names: ConsumerStreams = field(default_factory=ConsumerStreams)
     durable: str = "assembler"
     idle_timeout_s: float = 900.0
@@ -140,11 +142,11 @@ class Assembler:
 
     async def run(self) -> None:
         """Consume, assemble and publish until cancelled."""
-        import nats
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         config, names = self._config, self._config.names
-        nc = await nats.connect(list(config.servers), name=f"assembler-{config.durable}", max_reconnect_attempts=-1)
+        # A server that is not up yet is waited for; one that refuses us ends the run (NatsRefused).
+        nc = await connect(config.servers, config.auth, name=f"assembler-{config.durable}", max_reconnect_attempts=-1)
         try:
             js = nc.jetstream()
             await ensure_consumer_streams(js, names)

@@ -94,6 +94,7 @@ import anyio
 import orjson
 from anyio.abc import TaskStatus
 
+from pipeline.connection import NatsAuth, connect
 from pipeline.durable import publish_durable
 from pipeline.events import PolicyUpdated, decode_event, subject_token
 from pipeline.subscriber import message_payload
@@ -125,6 +126,7 @@ class BatcherConfig:
     """How trajectories become batches."""
 
     servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    auth: NatsAuth = field(default_factory=NatsAuth)  # credentials and TLS
     names: ConsumerStreams = field(default_factory=ConsumerStreams)
     durable: str = "batcher"
     batch_size: int = 16  # trajectories per batch
@@ -319,13 +321,13 @@ class Batcher:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Consume and batch until cancelled."""
-        import nats
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
         from nats.js.errors import BucketNotFoundError, NotFoundError
 
         require_pyarrow()
         config, names = self._config, self._config.names
-        nc = await nats.connect(list(config.servers), name=f"batcher-{config.durable}", max_reconnect_attempts=-1)
+        # A server that is not up yet is waited for; one that refuses us ends the run (NatsRefused).
+        nc = await connect(config.servers, config.auth, name=f"batcher-{config.durable}", max_reconnect_attempts=-1)
         try:
             js = nc.jetstream()
             await ensure_consumer_streams(js, names)

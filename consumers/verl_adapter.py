@@ -23,6 +23,9 @@ Configured from verl's own config, with no environment variables::
             durable: verl-trainer
             timeout_s: 600
             pad_token_id: 0          # default: the tokenizer's, from actor_rollout_ref.model.path
+            nats_auth:               # optional: credentials and TLS, as pipeline.connection.NatsAuth
+              user: trainer          #   password: from $STREAM_GATEWAY_NATS_PASSWORD
+              tls_ca: /etc/nats/ca.pem
 
 On a Hydra command line both keys are new to verl's schema, so they take a ``+``::
 
@@ -73,6 +76,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import anyio
 import numpy as np
 
+from pipeline.connection import NatsAuth, NatsRefused, connect, split_servers
 from pipeline.subscriber import message_payload
 
 from .parquet import BatchManifest, decode_batch
@@ -102,7 +106,8 @@ _ACK_ATTEMPTS = 3
 class StreamSettings:
     """Where batches come from and how they are laid out."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # comma-separated for several servers
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)  # credentials and TLS (pipeline.connection)
     names: ConsumerStreams = field(default_factory=ConsumerStreams)
     durable: str = "verl-trainer"
     timeout_s: float = 600.0  # the longest one generate_sequences waits for a batch
@@ -130,6 +135,8 @@ class StreamSettings:
             raise ValueError(
                 f"unknown stream_gateway settings {sorted(unknown)}; known: {sorted(known | names_fields)}"
             )
+        if "nats_auth" in custom and not isinstance(custom["nats_auth"], NatsAuth):
+            custom["nats_auth"] = NatsAuth.from_options(custom["nats_auth"])
         values |= custom | overrides
         if stream_names:
             values["names"] = replace(values.get("names", ConsumerStreams()), **stream_names)
@@ -268,6 +275,8 @@ class StreamAgentLoopManager:
                 messages = await self._subscription.fetch(1, timeout=max(0.01, min(remaining, _POLL_S)))
             except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
                 continue
+            except NatsRefused:  # wrong credentials or TLS: waiting would not help
+                raise
             except (OSError, nats.errors.Error) as exc:  # down, restarting, or gone: reconnect and wait on
                 problem = f"NATS unavailable: {exc!r}"
                 await self._disconnect()
@@ -303,7 +312,6 @@ class StreamAgentLoopManager:
         return manifest, bytes(result.data or b"")
 
     async def _connect(self) -> None:
-        import nats
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         settings, names = self.settings, self.settings.names
@@ -311,8 +319,9 @@ class StreamAgentLoopManager:
         async def quiet(exc: Exception) -> None:  # reported by the wait loop instead
             log.debug("nats: %r", exc)
 
-        nc = await nats.connect(
-            settings.nats_url,
+        nc = await connect(
+            split_servers(settings.nats_url),
+            settings.nats_auth,
             name=f"verl-{settings.durable}",
             connect_timeout=settings.connect_timeout_s,
             max_reconnect_attempts=2,

@@ -34,6 +34,8 @@ as ``CheckpointEngineRegistry.new(checkpoint_engine.backend, is_master=<rank 0>,
               stream: SG_EVENTS
               bucket: sg_policies
               dtype: bfloat16                  # cast floating tensors before upload
+              auth: {user: trainer, tls_ca: /etc/nats/ca.pem}   # pipeline.connection.NatsAuth; the
+                                               #   password from $STREAM_GATEWAY_NATS_PASSWORD
 
 Deliberate choices:
 
@@ -69,7 +71,7 @@ import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
 
 import anyio
@@ -77,6 +79,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.utils.ray_utils import auto_await
 
+from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import PolicyUpdated, decode_event
 from pipeline.policies import POLICY_BUCKET, policy_subject, publish_tensors
 from pipeline.streams import StreamSpec, ensure_stream
@@ -133,6 +136,7 @@ class NatsWeightSettings:
     """Where policies go: verl's ``checkpoint_engine.engine_kwargs.nats``, every key optional."""
 
     servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    auth: NatsAuth = field(default_factory=NatsAuth)  # credentials and TLS (pipeline.connection)
     prefix: str = "sg"  # subject prefix of the events stream, as the gateways'
     stream: str = "SG_EVENTS"  # the events stream that holds policy.updated
     bucket: str = POLICY_BUCKET
@@ -162,6 +166,8 @@ class NatsWeightSettings:
             values["servers"] = tuple(s.strip() for s in servers.split(",") if s.strip())
         elif servers is not None:
             values["servers"] = tuple(str(s) for s in servers)
+        if "auth" in values and not isinstance(values["auth"], NatsAuth):
+            values["auth"] = NatsAuth.from_options(values["auth"])
         return cls(**values)
 
     @property
@@ -377,20 +383,21 @@ async def publish_weights(
 
 @asynccontextmanager
 async def _connected(settings: NatsWeightSettings) -> AsyncIterator[Client]:
-    import nats
-
     async def quiet(exc: Exception) -> None:  # failures surface as the calls' exceptions
         log.debug("nats: %r", exc)
 
     try:
-        nc = await nats.connect(
-            list(settings.servers),
+        nc = await connect(
+            settings.servers,
+            settings.auth,
             name="verl-weights",
             connect_timeout=settings.connect_timeout_s,
             max_reconnect_attempts=3,
             reconnect_time_wait=0.5,
             error_cb=quiet,
         )
+    except NatsRefused as exc:
+        raise WeightPublishError(str(exc)) from exc
     except Exception as exc:  # nats-py raises several unrelated types for "cannot connect"
         raise WeightPublishError(f"cannot connect to NATS at {', '.join(settings.servers)}: {exc!r}") from exc
     try:

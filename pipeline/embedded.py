@@ -18,8 +18,8 @@ Deliberate choices:
 - The server's stdout and stderr go to a log file in a private temp directory, never to a pipe
   (an unread pipe fills up and blocks the server). A failed start reports the log's tail.
 - ``max_payload`` has no command-line flag in nats-server 2.15 (``--max_payload`` is rejected),
-  so when set it is written to a one-line config file passed with ``-c``; the other options
-  stay flags, which take precedence over the file.
+  so when set it is written to a config file passed with ``-c``, with ``config_lines``
+  (authorization, TLS); the other options stay flags, which take precedence over the file.
 - The child runs in its own session (``start_new_session=True``) so a Ctrl-C in a terminal
   reaches Python first and the shutdown is ours to order; an ``atexit`` hook stops every server
   still alive when the interpreter exits (it cannot help if Python itself is SIGKILLed).
@@ -100,6 +100,8 @@ class NatsServerConfig:
     max_payload: int | None = None
     """Largest message in bytes; ``None``: the server default (1 MiB)."""
     server_name: str = "stream-gateway"
+    config_lines: tuple[str, ...] = ()
+    """Extra nats-server configuration (``authorization {...}``, ``tls {...}``), one block per item."""
 
 
 _DEFAULT_CONFIG = NatsServerConfig()
@@ -331,9 +333,12 @@ class EmbeddedNatsServer:
         ]
         if config.monitor_port is not None:
             command += ["-m", str(config.monitor_port or -1)]
+        lines = list(config.config_lines)
         if config.max_payload is not None:
+            lines.append(f"max_payload: {config.max_payload}")
+        if lines:
             config_file = run_dir / "nats-server.conf"
-            config_file.write_text(f"max_payload: {config.max_payload}\n")
+            config_file.write_text("\n".join(lines) + "\n")
             command += ["-c", str(config_file)]
         return command
 

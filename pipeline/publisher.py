@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Self
 import anyio
 
 from ._outbox import Outbox, OutboxRecord
+from .connection import NatsAuth, NatsRefused, connect
 from .durable import PAYLOAD_HEADROOM, put_oversized
 from .events import Event, encode_event
 from .streams import PAYLOAD_OBJECT_HEADER, StreamSpec, delta_subject, ensure_object_store, ensure_stream, event_subject
@@ -77,6 +78,7 @@ class PublisherConfig:
     """How the publisher buffers, retries and spills."""
 
     servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    auth: NatsAuth = field(default_factory=NatsAuth)  # credentials and TLS
     outbox_dir: Path = Path("outbox")
     stream: StreamSpec = field(default_factory=StreamSpec)
     buffer_size: int = 10_000  # durable events held in memory before new ones go to disk
@@ -244,8 +246,6 @@ class EventPublisher:
     # -- the drain task ----------------------------------------------------------------------
 
     async def _connect_and_drain(self) -> None:
-        import nats
-
         config = self._config
 
         async def disconnected() -> None:
@@ -264,8 +264,9 @@ class EventPublisher:
         backoff = config.retry_backoff_s[0]
         while self._nc is None:
             try:
-                self._nc = await nats.connect(
-                    list(config.servers),
+                self._nc = await connect(
+                    config.servers,
+                    config.auth,
                     name="stream-gateway-publisher",
                     connect_timeout=2,
                     allow_reconnect=True,
@@ -276,7 +277,10 @@ class EventPublisher:
                     error_cb=error,
                 )
             except Exception as exc:  # nats-py raises several unrelated types for "cannot connect"
-                log.warning("cannot connect to NATS at %s (%s); retrying, events are kept", config.servers, exc)
+                if isinstance(exc, NatsRefused):  # a misconfiguration: said loudly, events kept all the same
+                    log.error("%s; retrying, events are kept", exc)
+                else:
+                    log.warning("cannot connect to NATS at %s (%s); retrying, events are kept", config.servers, exc)
                 self._note_failure()
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, config.retry_backoff_s[1])

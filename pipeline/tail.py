@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
+from .connection import NatsAuth, NatsRefused, connect
 from .events import (
     DURABLE_KINDS,
     Event,
@@ -244,6 +245,7 @@ async def tail_events(
     *,
     limit: int | None = None,
     color: bool = False,
+    auth: NatsAuth | None = None,
 ) -> int:
     """Write one line per event matching ``flt`` until ``limit`` events (or until cancelled).
 
@@ -256,7 +258,7 @@ async def tail_events(
     if limit is not None and limit <= 0:
         return 0
     count = 0
-    async with _connected(servers, write) as nc:
+    async with _connected(servers, write, auth) as nc:
         js = nc.jetstream()
         subs = await _subscribe(nc, js, spec, flt)
         send, receive = anyio.create_memory_object_stream[tuple["Msg", int]](16)
@@ -334,10 +336,8 @@ async def _subscribe(
 
 
 @asynccontextmanager
-async def _connected(servers: list[str], write: Callable[[str], None]) -> AsyncIterator[Client]:
+async def _connected(servers: list[str], write: Callable[[str], None], auth: NatsAuth | None) -> AsyncIterator[Client]:
     """A nats-py client whose first connect gives up quickly and whose reconnects never do."""
-    import nats
-
     closing = False
 
     async def disconnected() -> None:
@@ -351,8 +351,9 @@ async def _connected(servers: list[str], write: Callable[[str], None]) -> AsyncI
         log.debug("NATS client error: %r", exc)
 
     try:
-        nc = await nats.connect(
+        nc = await connect(
             servers,
+            auth,
             name="stream-gateway-tail",
             connect_timeout=_CONNECT_TIMEOUT_S,
             max_reconnect_attempts=_CONNECT_ATTEMPTS,
@@ -361,6 +362,8 @@ async def _connected(servers: list[str], write: Callable[[str], None]) -> AsyncI
             reconnected_cb=reconnected,
             error_cb=error,
         )
+    except NatsRefused as exc:
+        raise TailError(str(exc)) from exc
     except Exception as exc:  # nats-py raises several unrelated types for "cannot connect"
         raise TailError(f"cannot connect to NATS at {', '.join(servers)}: {_reason(exc)}") from exc
     nc.options["max_reconnect_attempts"] = -1  # read on every reconnect: see the module docstring

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import PolicyUpdated, decode_event
 from pipeline.policies import PolicyDownloadError, download_policy, policy_history, policy_subject
 from pipeline.streams import StreamSpec
@@ -117,10 +118,16 @@ class PolicyFollower:
     """Applies every policy published on NATS (``policy.updated``) through a :class:`PolicyApplier`."""
 
     def __init__(
-        self, applier: PolicyApplier, servers: tuple[str, ...], spec: StreamSpec, download_dir: Path | None = None
+        self,
+        applier: PolicyApplier,
+        servers: tuple[str, ...],
+        spec: StreamSpec,
+        download_dir: Path | None = None,
+        auth: NatsAuth | None = None,
     ) -> None:
         self._applier = applier
         self._servers = servers
+        self._auth = auth
         self._spec = spec
         self._download_dir = download_dir
         self.caught_up = anyio.Event()  # set once the history was replayed (or there was none)
@@ -139,6 +146,8 @@ class PolicyFollower:
         while True:
             try:
                 await self._follow()
+            except NatsRefused as exc:
+                log.error("policy follower: %s; retrying", exc)
             except Exception as exc:  # nats-py raises several unrelated types for connection trouble
                 log.warning("policy follower: NATS at %s failed (%s); retrying", ",".join(self._servers), exc)
             self.caught_up.set()  # never hold start-up for a server that is not there
@@ -146,13 +155,13 @@ class PolicyFollower:
             backoff = min(backoff * 2, 10.0)
 
     async def _follow(self) -> None:
-        import nats
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
         from pipeline.streams import ensure_stream
 
-        nc = await nats.connect(
-            list(self._servers),
+        nc = await connect(
+            self._servers,
+            self._auth,
             name=f"stream-gateway-policy-{self._applier.replica}",
             connect_timeout=2,
             allow_reconnect=False,  # a lost connection restarts the follow loop, which catches up

@@ -1,17 +1,20 @@
 """The one configuration object of a gateway process.
 
 Read once at start-up from command-line flags and ``STREAM_GATEWAY_*`` environment variables
-(flags win), then passed explicitly. Nothing else in the project reads the environment.
+(flags win), then passed explicitly. Nothing else in the gateway reads the environment.
 """
 
 from __future__ import annotations
 
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from pipeline.connection import NatsAuth
 
 
 class Settings(BaseSettings):
@@ -59,6 +62,15 @@ class Settings(BaseSettings):
     session_idle_seconds: float = Field(3600.0, gt=0, description="a session idle this long is evicted")
 
     nats_url: str | None = Field(None, description="NATS server(s), comma-separated; unset: capture is off")
+    nats_user: str | None = Field(None, description="NATS user (with nats_password)")
+    nats_password: str | None = Field(None, repr=False, description="NATS password (STREAM_GATEWAY_NATS_PASSWORD)")
+    nats_token: str | None = Field(None, repr=False, description="NATS token (STREAM_GATEWAY_NATS_TOKEN)")
+    nats_creds: Path | None = Field(None, description="NATS credentials file (user JWT + NKey seed)")
+    nats_nkey: Path | None = Field(None, description="file holding the NATS user's NKey seed")
+    nats_tls_ca: Path | None = Field(None, description="CA certificate(s) that signed the NATS server's")
+    nats_tls_cert: Path | None = Field(None, description="client certificate for NATS servers that verify clients")
+    nats_tls_key: Path | None = Field(None, description="the NATS client certificate's key")
+    nats_tls_hostname: str | None = Field(None, description="name to expect in the NATS server's certificate")
     shared_sessions: bool = Field(
         True, description="with --nats-url: keep session state in NATS so that any replica continues any session"
     )
@@ -129,6 +141,28 @@ class Settings(BaseSettings):
         loop = self.loop if self.loop != "auto" else ("uvloop" if find_spec("uvloop") else "asyncio")
         http = self.http if self.http != "auto" else ("httptools" if find_spec("httptools") else "h11")
         return loop, http
+
+    def nats_servers(self) -> tuple[str, ...]:
+        """The NATS URLs of ``nats_url`` (empty when capture is off)."""
+        from pipeline.connection import split_servers
+
+        return split_servers(self.nats_url or "")
+
+    def nats_auth(self) -> NatsAuth:
+        """Credentials and TLS options for every NATS connection the gateway makes."""
+        from pipeline.connection import NatsAuth
+
+        return NatsAuth(
+            user=self.nats_user,
+            password=self.nats_password if self.nats_user else None,
+            token=self.nats_token,
+            creds=self.nats_creds,
+            nkey=self.nats_nkey,
+            tls_ca=self.nats_tls_ca,
+            tls_cert=self.nats_tls_cert,
+            tls_key=self.nats_tls_key,
+            tls_hostname=self.nats_tls_hostname,
+        )
 
     @field_validator("tool_parser")
     @classmethod

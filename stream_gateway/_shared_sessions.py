@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import orjson
 
+from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import TurnAborted, TurnCompleted, decode_event, subject_token, tenant_id
 
 from ._errors import NotFound
@@ -110,6 +111,7 @@ class SharedSessions:
         store: SessionStore,
         *,
         servers: tuple[str, ...],
+        auth: NatsAuth | None = None,
         bucket: str,
         events_stream: str,
         subject_prefix: str,
@@ -120,6 +122,7 @@ class SharedSessions:
     ) -> None:
         self._store = store
         self._servers = servers
+        self._auth = auth
         self._bucket = bucket
         self._stream = events_stream
         self._prefix = subject_prefix
@@ -143,7 +146,6 @@ class SharedSessions:
 
     async def run(self) -> None:
         """Connect, provision the bucket, watch closes and write what is pending; until cancelled."""
-        import nats
 
         async def disconnected() -> None:
             if not nc.is_closed:
@@ -153,19 +155,30 @@ class SharedSessions:
             log.info("shared sessions: NATS connection back")
             self._wake.set()
 
-        nc = await nats.connect(
-            list(self._servers),
-            name="stream-gateway-sessions",
-            connect_timeout=2,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            ping_interval=5,  # a paused server is noticed in ~10 s; each request is bounded anyway
-            max_outstanding_pings=2,
-            disconnected_cb=disconnected,
-            reconnected_cb=reconnected,
-            # A server that is away at start must not stop the gateway from serving.
-            allow_reconnect=True,
-        )
+        backoff = _BACKOFF[0]
+        while True:
+            try:
+                nc = await connect(
+                    self._servers,
+                    self._auth,
+                    name="stream-gateway-sessions",
+                    connect_timeout=2,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    ping_interval=5,  # a paused server is noticed in ~10 s; each request is bounded anyway
+                    max_outstanding_pings=2,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected,
+                    # A server that is away at start must not stop the gateway from serving.
+                    allow_reconnect=True,
+                )
+                break
+            except NatsRefused as exc:  # a misconfiguration: requests fall back meanwhile
+                log.error("shared sessions: %s; serving without shared state, retrying", exc)
+                self._failed_at = time.monotonic()
+                self.ready.set()
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF[1])
         self._nc, self._js = nc, nc.jetstream()
         try:
             async with anyio.create_task_group() as tg:

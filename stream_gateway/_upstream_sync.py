@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from pipeline.connection import NatsAuth, NatsRefused, connect
+
 from ._errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -35,9 +37,12 @@ log = logging.getLogger(__name__)
 class UpstreamFollower:
     """Keeps ``engine``'s pool in step with the KV bucket ``bucket``."""
 
-    def __init__(self, engine: RemoteEngine, servers: tuple[str, ...], bucket: str) -> None:
+    def __init__(
+        self, engine: RemoteEngine, servers: tuple[str, ...], bucket: str, auth: NatsAuth | None = None
+    ) -> None:
         self._engine = engine
         self._servers = servers
+        self._auth = auth
         self._bucket = bucket
         self._by_key: dict[str, str] = {}  # bucket key -> the URL it added
         self.synced = anyio.Event()  # set once the bucket's contents were read (or NATS failed)
@@ -48,6 +53,8 @@ class UpstreamFollower:
         while True:
             try:
                 await self._follow()
+            except NatsRefused as exc:
+                log.error("upstreams bucket %s: %s; retrying", self._bucket, exc)
             except Exception as exc:  # nats-py raises several unrelated types for connection trouble
                 log.warning("upstreams bucket %s: NATS failed (%s); retrying", self._bucket, exc)
             self.synced.set()
@@ -55,10 +62,8 @@ class UpstreamFollower:
             backoff = min(backoff * 2, 10.0)
 
     async def _follow(self) -> None:
-        import nats
-
-        nc = await nats.connect(
-            list(self._servers), name="stream-gateway-upstreams", connect_timeout=2, allow_reconnect=False
+        nc = await connect(
+            self._servers, self._auth, name="stream-gateway-upstreams", connect_timeout=2, allow_reconnect=False
         )
         try:
             js = nc.jetstream()

@@ -192,7 +192,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         assert settings.nats_url is not None
         shared = SharedSessions(
             store,
-            servers=tuple(s.strip() for s in settings.nats_url.split(",") if s.strip()),
+            servers=settings.nats_servers(),
+            auth=settings.nats_auth(),
             bucket=settings.sessions_bucket,
             events_stream=settings.events_stream,
             subject_prefix=settings.subject_prefix,
@@ -603,7 +604,7 @@ async def _start_follower(tg: Any, applier: PolicyApplier, settings: Settings, c
     """Follow published policies; wait (bounded) until this replica serves the latest one."""
     from ._policy_sync import PolicyFollower
 
-    follower = PolicyFollower(applier, config.servers, config.stream)
+    follower = PolicyFollower(applier, config.servers, config.stream, auth=config.auth)
     tg.start_soon(follower.run)
     with anyio.move_on_after(settings.policy_sync_timeout_seconds):
         await follower.caught_up.wait()
@@ -620,8 +621,7 @@ async def _start_upstream_follower(tg: Any, engine: RemoteEngine, settings: Sett
     from ._upstream_sync import UpstreamFollower
 
     assert settings.nats_url is not None and settings.upstreams_bucket is not None
-    servers = tuple(s.strip() for s in settings.nats_url.split(",") if s.strip())
-    follower = UpstreamFollower(engine, servers, settings.upstreams_bucket)
+    follower = UpstreamFollower(engine, settings.nats_servers(), settings.upstreams_bucket, settings.nats_auth())
     tg.start_soon(follower.run)
     with anyio.move_on_after(10):
         await follower.synced.wait()
@@ -651,8 +651,13 @@ def publisher_config(settings: Settings) -> Any:
         max_bytes=settings.stream_max_bytes,
         max_age_s=settings.stream_max_age_seconds,
     )
-    servers = tuple(s.strip() for s in settings.nats_url.split(",") if s.strip())
-    return PublisherConfig(servers=servers, outbox_dir=outbox, stream=stream, buffer_size=settings.event_buffer_size)
+    return PublisherConfig(
+        servers=settings.nats_servers(),
+        auth=settings.nats_auth(),
+        outbox_dir=outbox,
+        stream=stream,
+        buffer_size=settings.event_buffer_size,
+    )
 
 
 def _disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:

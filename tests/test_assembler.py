@@ -280,7 +280,7 @@ def test_kill_9_at_random_points_yields_each_trajectory_exactly_once(tmp_path: P
     expected = {
         t.trajectory_id for s in sessions for t in build_trajectories(SessionEvents.of(s), emitted_because="closed")
     }
-    command = [sys.executable, "-m", "stream_gateway.cli", "assemble", "--ack-wait", "2", "--close-grace", "1"]
+    command = [sys.executable, "-m", "stream_stack", "assemble", "--ack-wait", "2", "--close-grace", "1"]
     with EmbeddedNatsServer() as server:
         command += ["--nats-url", server.url]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

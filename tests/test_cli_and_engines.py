@@ -158,7 +158,7 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
     """``stream-gateway up``, the main job, in a real subprocess: traffic in, a verl batch on disk."""
     port = free_port()
     data_dir = tmp_path / "up"
-    command = [sys.executable, "-m", "stream_gateway.cli", "up", "--model", str(tiny_model_path)]
+    command = [sys.executable, "-m", "stream_stack", "up", "--model", str(tiny_model_path)]
     command += ["--served-model-name", "tiny", "--port", str(port), "--data-dir", str(data_dir)]
     command += ["--nats-port", "0", "--nats-monitor-port", "0", "--batch-size", "2", "--default-reward", "0.5"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
@@ -194,7 +194,7 @@ def test_up_stops_its_nats_server_on_sigterm(tiny_model_path: Path, tmp_path: Pa
     import re
 
     port = free_port()
-    command = [sys.executable, "-m", "stream_gateway.cli", "up", "--model", str(tiny_model_path), "--port", str(port)]
+    command = [sys.executable, "-m", "stream_stack", "up", "--model", str(tiny_model_path), "--port", str(port)]
     command += ["--data-dir", str(tmp_path / "up"), "--nats-port", "0", "--nats-monitor-port", "0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)

@@ -20,6 +20,7 @@ import nats
 import pytest
 from openai import OpenAI
 
+from pipeline.connection import NatsAuth, connect
 from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import Event, TurnCompleted, TurnDelta, TurnRecord, decode_event, full_prompt_ids, tenant_id
 from pipeline.subscriber import decode_message
@@ -31,11 +32,11 @@ from .servers import RunningGateway, run_gateway
 KEY = "sk-capture"
 
 
-def read_stream(url: str, stream: str = "SG_EVENTS") -> list[tuple[str, Event]]:
+def read_stream(url: str, stream: str = "SG_EVENTS", auth: NatsAuth | None = None) -> list[tuple[str, Event]]:
     """Every message of the events stream, in stream order, as (subject, decoded event)."""
 
     async def fetch() -> list[tuple[str, Event]]:
-        nc = await nats.connect(url, max_reconnect_attempts=2, reconnect_time_wait=0.2)
+        nc = await connect(url, auth, max_reconnect_attempts=2, reconnect_time_wait=0.2)
         try:
             js = nc.jetstream()
             info = await js.stream_info(stream)

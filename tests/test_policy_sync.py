@@ -290,7 +290,7 @@ def test_replicas_converge_late_ones_catch_up_and_bad_policies_are_refused(
 def test_publish_weights_cli_refuses_a_directory_without_safetensors(
     policy_nats: EmbeddedNatsServer, tmp_path: Path
 ) -> None:
-    command = [sys.executable, "-m", "stream_gateway.cli", "publish-weights", "--nats-url", policy_nats.url]
+    command = [sys.executable, "-m", "stream_stack", "publish-weights", "--nats-url", policy_nats.url]
     result = subprocess.run([*command, "--policy-version", "3", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "no *.safetensors files" in result.stderr
     result = subprocess.run([*command, "--policy-version", "3", str(tmp_path / "nope")], capture_output=True, text=True)

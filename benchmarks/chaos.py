@@ -1,0 +1,363 @@
+"""Chaos: steady agent traffic while everything underneath fails, then an exact count.
+
+Runs a real nats-server, a ``serve`` gateway (synthetic engine, shared sessions, disk outbox),
+an ``assemble`` and a ``batch`` consumer, each its own process, and clients holding multi-turn
+conversations (streamed, ``[DONE]`` = completed; each ends with ``POST /sessions/{id}/close``).
+Meanwhile, at random moments, one fault at a time, each kind in turn:
+
+* ``nats``: nats-server SIGKILLed, restarted 1-2 s later on the same store;
+* ``gateway``: the gateway SIGKILLed, restarted at once (same outbox);
+* ``assembler`` / ``batcher``: SIGKILLed, restarted 0.5 s later;
+* ``storm``: for one second every new stream is dropped by its client after two chunks.
+
+A turn whose stream failed is sent again, as an agent would. When the time is up, the clients
+finish their conversations; the consumers get time to drain; then every turn a client completed
+(its ``chatcmpl`` id) is looked up: its ``turn.completed`` event in the events stream, its turn in
+a trajectory, that trajectory in a batch. Printed: the faults by kind, and
+
+* lost: completed turns missing from the events / from every trajectory / trajectories in no
+  batch (beyond the last, partly filled batch, which the batcher holds in its state);
+* duplicated: events stored twice, trajectories emitted twice, trajectories in two batches.
+
+Exit status 1 if anything was lost or duplicated.
+
+    python benchmarks/chaos.py --duration 120 --conversations 8 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from consumers.parquet import BatchManifest  # noqa: E402
+from consumers.streams import ConsumerStreams  # noqa: E402
+from consumers.trajectory import Trajectory  # noqa: E402
+from pipeline.connection import connect  # noqa: E402
+from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig  # noqa: E402
+from pipeline.subscriber import decode_message, message_payload  # noqa: E402
+from stream_gateway.model_store import resolve_model  # noqa: E402
+
+FAULTS = ("nats", "gateway", "assembler", "batcher", "storm")
+BATCH_SIZE = 4
+
+
+class Process:
+    """A ``stream-gateway`` command in its own process; SIGKILL and start again."""
+
+    def __init__(self, name: str, args: list[str], log: Path) -> None:
+        self.name, self.args, self.log = name, args, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "stream_stack", *self.args], stdout=out,
+                                            stderr=subprocess.STDOUT, env=env, cwd=ROOT)  # fmt: skip
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass
+class Tally:
+    completed: list[tuple[str, str]] = field(default_factory=list)  # (session, chatcmpl id) a client finished
+    retried: int = 0  # turns sent again after a failed stream
+    dropped_by_client: int = 0  # streams the storm cut
+    conversations: int = 0
+    closes: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    storm_until: float = 0.0
+
+
+async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], tally: Tally) -> str | None:
+    """One streamed turn: its text once ``[DONE]`` arrived, else ``None`` (failed or cut)."""
+    body = {"model": "m", "messages": messages, "max_tokens": 12, "stream": True}
+    storm = time.monotonic() < tally.storm_until
+    text, completion_id, chunks = [], None, 0
+    try:
+        async with client.stream("POST", url, json=body, timeout=httpx.Timeout(30, connect=2)) as response:
+            if response.status_code != 200:
+                return None
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    assert completion_id is not None
+                    tally.completed.append((url.split("/")[4], completion_id))
+                    return "".join(text)
+                if not line.startswith("data: "):
+                    continue
+                chunk = orjson.loads(line[6:])
+                completion_id = chunk["id"]
+                for choice in chunk.get("choices", ()):
+                    text.append(choice["delta"].get("content") or "")
+                chunks += 1
+                if storm and chunks >= 2:
+                    tally.dropped_by_client += 1
+                    return None  # leaving the block closes the connection mid-stream
+    except (httpx.HTTPError, OSError):
+        pass
+    return None
+
+
+async def _conversation(client: httpx.AsyncClient, base: str, name: str, tally: Tally, turns: int) -> None:
+    url = f"{base}/sessions/{name}/v1/chat/completions"
+    messages = [{"role": "user", "content": f"{name}: hello"}]
+    for index in range(turns):
+        while (text := await _turn(client, url, messages, tally)) is None:
+            tally.retried += 1
+            await asyncio.sleep(0.2)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and {index}?"}]
+    while True:  # closing is retried too: it is what lets the assembler emit the session now
+        try:
+            response = await client.post(f"{base}/sessions/{name}/close", timeout=10)
+            if response.status_code in (200, 409):
+                tally.closes += 1
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        await asyncio.sleep(0.3)
+
+
+async def _clients(base: str, args: argparse.Namespace, tally: Tally, stop: asyncio.Event) -> None:
+    async def worker(index: int) -> None:
+        async with httpx.AsyncClient() as client:
+            number = 0
+            while not stop.is_set():
+                number += 1
+                await _conversation(client, base, f"chaos-{args.seed}-{index}-{number}", tally, args.turns)
+                tally.conversations += 1
+
+    await asyncio.gather(*(worker(i) for i in range(args.conversations)))
+
+
+async def _wait_healthy(base: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.get(f"{base}/health", timeout=2)).status_code == 200:
+                    return
+            except (httpx.HTTPError, OSError):
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"the gateway at {base} did not become healthy")
+
+
+async def _faults(
+    rng: random.Random, args: argparse.Namespace, nats: EmbeddedNatsServer, procs: dict[str, Process],
+    base: str, tally: Tally, stop: asyncio.Event,
+) -> None:  # fmt: skip
+    order: list[str] = []
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), rng.uniform(args.fault_every * 0.5, args.fault_every * 1.5))
+            return
+        except TimeoutError:
+            pass
+        if not order:
+            order = list(FAULTS)
+            rng.shuffle(order)
+        kind = order.pop()
+        tally.faults[kind] += 1
+        print(f"  {time.strftime('%H:%M:%S')} fault: {kind}", flush=True)
+        if kind == "nats":
+            await asyncio.to_thread(nats.kill)
+            await asyncio.sleep(rng.uniform(1, 2))
+            await asyncio.to_thread(nats.restart)
+        elif kind == "gateway":
+            procs["gateway"].kill()
+            procs["gateway"].start()
+            await _wait_healthy(base)
+        elif kind in ("assembler", "batcher"):
+            procs[kind].kill()
+            await asyncio.sleep(0.5)
+            procs[kind].start()
+        else:
+            tally.storm_until = time.monotonic() + 1.0
+
+
+async def _read(url: str, stream: str) -> list[object]:
+    nc = await connect(url, max_reconnect_attempts=5, reconnect_time_wait=0.5)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(stream)
+        messages = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
+            messages.append(await js.get_msg(stream, seq))
+        out: list[object] = []
+        for msg in messages:
+            if stream == "SG_EVENTS":
+                out.append(await decode_message(msg, js))  # type: ignore[arg-type]
+            elif stream == "SG_TRAJECTORIES":
+                out.append(Trajectory.decode(await message_payload(msg, js)))  # type: ignore[arg-type]
+            else:
+                out.append(BatchManifest.model_validate_json(msg.data))
+        return out
+    finally:
+        await nc.close()
+
+
+@dataclass
+class Count:
+    events_lost: int
+    events_duplicated: int
+    trajectories_lost: int
+    trajectories_duplicated: int
+    batch_lost: int
+    batch_duplicated: int
+    trajectories: int
+    batches: int
+    unbatched: int
+
+
+async def _count(url: str, tally: Tally) -> Count:
+    names = ConsumerStreams()
+    events = await _read(url, "SG_EVENTS")
+    trajectories: list[Trajectory] = await _read(url, names.trajectories)  # type: ignore[assignment]
+    manifests: list[BatchManifest] = await _read(url, names.batches)  # type: ignore[assignment]
+    ids = Counter(getattr(e, "event_id", None) for e in events)
+    turn_of: dict[str, list[str]] = defaultdict(list)  # chatcmpl id -> turn ids completed for it
+    for event in events:
+        if event.kind == "turn.completed":  # type: ignore[attr-defined]
+            turn_of[event.request_id].append(event.turn_id)  # type: ignore[attr-defined]
+    completed = [completion for _, completion in tally.completed]
+    events_lost = sum(1 for c in completed if not turn_of.get(c))
+    events_duplicated = sum(n - 1 for n in ids.values() if n > 1) + sum(len(set(t)) - 1 for t in turn_of.values() if t)
+    in_trajectories = {turn.turn_id for t in trajectories for turn in t.turns}
+    trajectories_lost = sum(1 for c in completed if not set(turn_of.get(c, ())) & in_trajectories)
+    seen = Counter(t.trajectory_id for t in trajectories)
+    shapes = Counter((t.session_id, tuple(turn.turn_id for turn in t.turns)) for t in {t.trajectory_id: t for t in trajectories}.values())
+    trajectories_duplicated = sum(n - 1 for n in seen.values() if n > 1) + sum(n - 1 for n in shapes.values() if n > 1)
+    batched = Counter(tid for m in {m.batch_id: m for m in manifests}.values() for tid in m.trajectory_ids)
+    batch_ids = Counter(m.batch_id for m in manifests)
+    unbatched = sum(1 for tid in seen if tid not in batched)
+    return Count(
+        events_lost=events_lost,
+        events_duplicated=events_duplicated,
+        trajectories_lost=trajectories_lost,
+        trajectories_duplicated=trajectories_duplicated,
+        batch_lost=max(0, unbatched - (BATCH_SIZE - 1)),
+        batch_duplicated=sum(n - 1 for n in batched.values() if n > 1) + sum(n - 1 for n in batch_ids.values() if n > 1),
+        trajectories=len(seen),
+        batches=len(batch_ids),
+        unbatched=unbatched,
+    )
+
+
+async def run(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="chaos-"))
+    model = str(resolve_model("tiny", None))
+    nats = EmbeddedNatsServer(NatsServerConfig(store_dir=work / "nats", monitor_port=None))
+    await asyncio.to_thread(nats.start)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    procs = {
+        "gateway": Process("gateway", ["serve", "--engine", "synthetic", "--model", model, "--served-model-name", "m",
+                                       "--port", str(port), "--nats-url", nats.url, "--outbox-dir", str(work / "outbox"),
+                                       "--synthetic-tokens-per-second", str(args.tokens_per_second),
+                                       "--log-level", "warning"], work / "gateway.log"),
+        "assembler": Process("assembler", ["assemble", "--nats-url", nats.url, "--close-grace", "2",
+                                           "--idle-timeout", "60", "--default-reward", "1", "--ack-wait", "3"],
+                             work / "assembler.log"),
+        "batcher": Process("batcher", ["batch", "--nats-url", nats.url, "--batch-size", str(BATCH_SIZE),
+                                       "--ack-wait", "3"], work / "batcher.log"),
+    }  # fmt: skip
+    for proc in procs.values():
+        proc.start()
+    tally = Tally()
+    started = time.monotonic()
+    try:
+        await _wait_healthy(base)
+        print(f"chaos: {args.duration:g} s, {args.conversations} conversations of {args.turns} turns, "
+              f"a fault every ~{args.fault_every:g} s; logs in {work}", flush=True)  # fmt: skip
+        stop = asyncio.Event()
+        clients = asyncio.create_task(_clients(base, args, tally, stop))
+        faults = asyncio.create_task(_faults(rng, args, nats, procs, base, tally, stop))
+        await asyncio.sleep(args.duration)
+        stop.set()
+        await faults
+        await asyncio.wait_for(clients, 180)  # conversations in progress finish (and close)
+        traffic_s = time.monotonic() - started
+        print(f"  traffic over after {traffic_s:.0f} s; {len(tally.completed)} turns completed; draining", flush=True)
+        deadline = time.monotonic() + args.drain_timeout
+        count = await _count(nats.url, tally)
+        while time.monotonic() < deadline and (count.trajectories_lost or count.batch_lost or count.events_lost):
+            await asyncio.sleep(2)
+            count = await _count(nats.url, tally)
+        drained_s = time.monotonic() - started - traffic_s
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        await asyncio.to_thread(nats.stop)
+    sessions = len({s for s, _ in tally.completed})
+    rows = [
+        ("duration (traffic / drain)", f"{traffic_s:.0f} s / {drained_s:.0f} s"),
+        ("conversations closed / sessions", f"{tally.closes} / {sessions}"),
+        ("turns completed by clients", f"{len(tally.completed)}"),
+        ("turns sent again after a failure", f"{tally.retried} (of which {tally.dropped_by_client} cut by clients)"),
+        ("faults", ", ".join(f"{k} {tally.faults[k]}" for k in FAULTS)),
+        ("events lost / duplicated", f"{count.events_lost} / {count.events_duplicated}"),
+        ("turns missing from trajectories / trajectories duplicated",
+         f"{count.trajectories_lost} / {count.trajectories_duplicated}"),
+        ("trajectories / batches (of {BATCH_SIZE})".format(BATCH_SIZE=BATCH_SIZE), f"{count.trajectories} / {count.batches}"),
+        ("trajectories in no batch (lost / still filling the last)",
+         f"{count.batch_lost} / {count.unbatched - count.batch_lost}"),
+        ("trajectories in two batches", f"{count.batch_duplicated}"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    print(f"| {'what'.ljust(width)} | result |\n|{'-' * (width + 2)}|---|")
+    for key, value in rows:
+        print(f"| {key.ljust(width)} | {value} |")
+    bad = (count.events_lost + count.events_duplicated + count.trajectories_lost + count.trajectories_duplicated
+           + count.batch_lost + count.batch_duplicated)  # fmt: skip
+    return 1 if bad else 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=120, help="seconds of traffic and faults (default 120)")
+    parser.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default 8)")
+    parser.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
+    parser.add_argument("--fault-every", type=float, default=10, help="mean seconds between faults (default 10)")
+    parser.add_argument("--tokens-per-second", type=float, default=200, help="synthetic engine rate per stream")
+    parser.add_argument("--drain-timeout", type=float, default=120, help="longest wait for the consumers at the end")
+    parser.add_argument("--seed", type=int, default=1)
+    return asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""The consumers' commands: ``assemble`` (events → trajectories) and ``batch`` (→ verl batches).
+
+:func:`add_commands` registers them on the ``stream-gateway`` command (:mod:`stream_stack.cli`);
+``python -m consumers.cli`` runs them alone. Both take the shared NATS options of
+:mod:`pipeline.connection` (URLs, credentials, TLS). :func:`add_batch_flags` and
+:func:`batcher_config` also serve ``stream-gateway up``, which runs both consumers in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.cli import nats_from_args, progress, run_command
+from pipeline.connection import NatsAuth, NatsRefused, add_nats_arguments
+
+from .streams import ConsumerStreams
+
+if TYPE_CHECKING:
+    from .batcher import BatcherConfig
+
+__all__ = ["add_batch_flags", "add_commands", "batcher_config", "main"]
+
+
+def _assemble(args: argparse.Namespace) -> int:
+
+    from .assembler import AssemblerConfig, run_assembler
+
+    if (nats := nats_from_args(args, "assemble")) is None:
+        return 2
+    servers, auth = nats
+    config = AssemblerConfig(
+        servers=servers,
+        auth=auth,
+        names=ConsumerStreams(prefix=args.subject_prefix, events=args.events_stream),
+        durable=args.durable,
+        idle_timeout_s=args.idle_timeout,
+        close_grace_s=args.close_grace,
+        reward_wait_s=args.reward_wait,
+        default_reward=args.default_reward,
+        reward_function=args.reward_function,
+        reward_timeout_s=args.reward_timeout,
+        aborted=args.aborted,
+        max_turns=args.max_turns,
+        max_tokens=args.max_tokens,
+        ack_wait_s=args.ack_wait,
+    )
+    progress(f"assembler {config.durable!r} reading {config.names.events} at {args.nats_url}")
+    return _run_consumer("assemble", run_assembler, config)
+
+
+def batcher_config(
+    args: argparse.Namespace, servers: tuple[str, ...], auth: NatsAuth, output_dir: Path | None
+) -> BatcherConfig:
+    """The batcher's configuration from :func:`add_batch_flags`' flags."""
+    from .batcher import BatcherConfig
+
+    return BatcherConfig(
+        servers=servers,
+        auth=auth,
+        names=ConsumerStreams(prefix=args.subject_prefix or "sg", events=args.events_stream or "SG_EVENTS"),
+        batch_size=args.batch_size,
+        group_size=args.group_size,
+        group_key=args.group_key,
+        max_staleness=args.max_staleness,
+        prompt_length=args.prompt_length,
+        response_length=args.response_length,
+        overlong=args.overlong,
+        no_reward=args.no_reward,
+        output_dir=output_dir,
+        ack_wait_s=getattr(args, "ack_wait", None) or 30.0,
+    )
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from .batcher import run_batcher
+
+    if (nats := nats_from_args(args, "batch")) is None:
+        return 2
+    servers, auth = nats
+    output_dir = Path(args.output_dir).expanduser() if args.output_dir else None
+    try:
+        config = batcher_config(args, servers, auth, output_dir)
+    except ValueError as exc:
+        print(f"stream-gateway batch: {exc}", file=sys.stderr)
+        return 2
+    where = f", parquet files in {output_dir}" if output_dir else ""
+    progress(f"batcher: batches of {config.batch_size} (groups of {config.group_size}) from {args.nats_url}{where}")
+    return _run_consumer("batch", run_batcher, config)
+
+
+def _run_consumer(command: str, run: Any, config: Any) -> int:
+    """Run a consumer until Ctrl-C; a server refusing its credentials ends it with exit status 1."""
+    import anyio
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            anyio.run(run, config, progress)
+    except NatsRefused as exc:
+        print(f"stream-gateway {command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_batch_flags(command: argparse.ArgumentParser) -> None:
+    """The batcher's flags (``batch`` and ``up``)."""
+    command.add_argument("--batch-size", type=int, default=16, help="trajectories per batch (default 16)")
+    command.add_argument("--group-size", type=int, default=1, help="GRPO group size; batches hold whole groups")
+    command.add_argument("--group-key", default="metadata:group", help="'metadata:<name>' or 'prompt'")
+    command.add_argument("--max-staleness", type=int, help="drop samples this many policy versions old")
+    command.add_argument("--prompt-length", type=int, default=1024, help="verl prompt length (longer: dropped)")
+    command.add_argument("--response-length", type=int, default=2048, help="verl response length")
+    command.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="too-long responses")
+    command.add_argument("--no-reward", choices=("drop", "zero"), default="drop", help="samples without a reward")
+
+
+def add_commands(commands: Any) -> None:
+    """Register ``assemble`` and ``batch`` on an ``add_subparsers()`` object."""
+    assemble = commands.add_parser("assemble", help="turn session events into trajectories (a durable consumer)")
+    add_nats_arguments(assemble)
+    assemble.add_argument("--durable", default="assembler", help="consumer name; instances with one name share work")
+    assemble.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (default SG_EVENTS)")
+    assemble.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    assemble.add_argument("--idle-timeout", type=float, default=900.0, help="emit a session idle this long (s)")
+    assemble.add_argument("--close-grace", type=float, default=30.0, help="wait for late events after close (s)")
+    assemble.add_argument("--reward-wait", type=float, default=0.0, help="wait for feedback after close (s)")
+    assemble.add_argument("--default-reward", type=float, help="reward of sessions with no feedback")
+    assemble.add_argument("--reward-function", help="module:function computing a reward per trajectory")
+    assemble.add_argument("--reward-timeout", type=float, default=10.0, help="reward function time limit (s)")
+    assemble.add_argument("--aborted", choices=("drop", "keep"), default="drop", help="aborted turns (default drop)")
+    assemble.add_argument("--max-turns", type=int, help="emit a session (truncated) at this many turns")
+    assemble.add_argument("--max-tokens", type=int, help="cut trajectories at this many tokens")
+    assemble.add_argument("--ack-wait", type=float, default=60.0, help="redelivery delay after a crash (s)")
+    assemble.set_defaults(run=_assemble)
+
+    batch = commands.add_parser("batch", help="group trajectories into verl training batches (a durable consumer)")
+    add_nats_arguments(batch)
+    batch.add_argument("--output-dir", help="also write each batch as <batch id>.parquet here")
+    batch.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (for policy.updated)")
+    batch.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    batch.add_argument("--ack-wait", type=float, default=30.0, help="redelivery delay after a crash (s)")
+    add_batch_flags(batch)
+    batch.set_defaults(run=_batch)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m consumers.cli assemble|batch ...``."""
+    parser = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return run_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""The ``stream-gateway`` command: every package's commands, and ``up``, which runs them all.
+
+* ``up``: everything on one machine: an embedded ``nats-server`` (JetStream, local data dir),
+  the gateway capturing every turn into it, the assembler and the batcher writing batches to
+  ``<data dir>/batches``.
+* ``serve``, ``prepare-model``: the gateway's (:mod:`stream_gateway.cli`).
+* ``tail``, ``publish-weights``: the pipeline's (:mod:`pipeline.cli`).
+* ``assemble``, ``batch``: the consumers' (:mod:`consumers.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import consumers.cli
+import pipeline.cli
+import stream_gateway.cli
+from pipeline.cli import progress
+from stream_gateway._settings import Settings
+from stream_gateway.cli import (
+    add_gateway_flags,
+    build_engine,
+    configure_logging,
+    default_name,
+    refusal,
+    run_until_interrupted,
+    settings_from_args,
+    uvicorn_options,
+)
+
+__all__ = ["main"]
+
+_UP_ONLY = ("data_dir", "nats_port", "nats_monitor_port", "idle_timeout", "default_reward", "reward_function")
+_BATCH_ONLY = (
+    "batch_size",
+    "group_size",
+    "group_key",
+    "max_staleness",
+    "prompt_length",
+    "response_length",
+    "overlong",
+    "no_reward",
+)
+
+
+def default_data_dir() -> Path:
+    return Path.home() / ".local" / "state" / "stream-gateway" / "up"
+
+
+def _up_command(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args, skip=(*_UP_ONLY, *_BATCH_ONLY))
+    if (reason := refusal(settings)) is not None:
+        print(f"stream-gateway: {reason}", file=sys.stderr)
+        return 2
+    configure_logging(settings)
+    return up(settings, args)
+
+
+def up(settings: Settings, args: argparse.Namespace) -> int:
+    """Embedded NATS, the gateway, the assembler and the batcher, in this process.
+
+    Ctrl-C stops the gateway first (its events are drained to NATS or its outbox), then the
+    consumers (their unacknowledged input is redelivered next time), then NATS.
+    """
+    import anyio
+    import uvicorn
+
+    from consumers.assembler import AssemblerConfig, run_assembler
+    from consumers.batcher import run_batcher
+    from consumers.cli import batcher_config
+    from consumers.streams import ConsumerStreams
+    from pipeline.connection import NatsAuth
+    from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
+    from stream_gateway._workers import WorkersRefused, check_workers, run_workers
+    from stream_gateway.app import create_app
+
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    batch_dir = data_dir / "batches"
+    nats_config = NatsServerConfig(
+        host=settings.host, port=args.nats_port, store_dir=data_dir / "nats", monitor_port=args.nats_monitor_port
+    )
+    say = progress
+    say(f"starting nats-server (JetStream, data in {data_dir / 'nats'})")
+    with EmbeddedNatsServer(nats_config) as nats_server:
+        servers = (nats_server.url,)
+        settings = settings.model_copy(update={"nats_url": nats_server.url, "outbox_dir": data_dir / "outbox"})
+        try:
+            check_workers(settings)
+        except WorkersRefused as exc:
+            say(str(exc))
+            return 2
+        names = ConsumerStreams(prefix=settings.subject_prefix, events=settings.events_stream)
+        assembler = AssemblerConfig(
+            servers=servers,
+            names=names,
+            idle_timeout_s=args.idle_timeout,
+            default_reward=args.default_reward,
+            reward_function=args.reward_function,
+        )
+        batcher = batcher_config(args, servers, NatsAuth(), batch_dir)
+        if settings.workers > 1:
+            model_name = settings.served_model_name or default_name(settings.model)
+        else:
+            say(f"loading model {settings.model!r} on the {settings.engine} engine")
+            engine = build_engine(settings)
+            app = create_app(engine, settings)
+            model_name = engine.model_id
+        stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
+        say("ready:")
+        workers = f", {settings.workers} workers" if settings.workers > 1 else ""
+        say(f"  OpenAI API     http://{settings.host}:{settings.port}/v1   (model {model_name!r}{workers})")
+        base = f"http://{settings.host}:{settings.port}"
+        say(f"  sessions       {base}/sessions/<id>/v1   (end one: POST {base}/sessions/<id>/close)")
+        say(f"  metrics        http://{settings.host}:{settings.port}/metrics")
+        say(f"  NATS           {nats_server.url}   ({stream})")
+        if nats_server.monitor_url:
+            say(f"  NATS monitor   {nats_server.monitor_url}")
+        say(f"  trajectories   stream {names.trajectories} (assembler, idle timeout {args.idle_timeout:g} s)")
+        say(f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})")
+        say(f"  new weights    stream-gateway publish-weights --nats-url {nats_server.url} --policy-version N DIR")
+        say(f"  watch events:  stream-gateway tail --nats-url {nats_server.url}")
+
+        async def gateway() -> None:
+            if settings.workers > 1:
+                await run_workers(settings, say)  # until cancelled by Ctrl-C / SIGTERM
+                return
+            server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings)))
+            await server.serve()  # returns on Ctrl-C / SIGTERM, after the gateway's shutdown
+
+        async def everything() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run_assembler, assembler, say)
+                tg.start_soon(run_batcher, batcher, say)
+                try:
+                    await gateway()
+                except KeyboardInterrupt:
+                    pass  # uvicorn re-raises the Ctrl-C it handled; stopping is what we are doing
+                finally:
+                    tg.cancel_scope.cancel()
+
+        # uvicorn (0.54, Server.capture_signals) re-raises the signal it stopped for once it has
+        # shut down; SIGTERM's default action would then kill this process before the embedded
+        # nats-server (its own process session) is stopped. As Ctrl-C, it ends the run cleanly.
+        run_until_interrupted(everything)
+    say("stopped")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up_command = commands.add_parser("up", help="embedded NATS + the gateway capturing into it, on this machine")
+    add_gateway_flags(up_command)
+    up_command.add_argument("--data-dir", help="NATS store and outbox (default ~/.local/state/stream-gateway/up)")
+    up_command.add_argument("--nats-port", type=int, default=4222, help="embedded NATS port (default 4222; 0: any)")
+    up_command.add_argument("--nats-monitor-port", type=int, default=8222, help="its HTTP monitor port (default 8222)")
+    up_command.add_argument("--idle-timeout", type=float, default=900.0, help="assembler: emit sessions idle this long")
+    up_command.add_argument("--default-reward", type=float, help="assembler: reward of sessions with no feedback")
+    up_command.add_argument("--reward-function", help="assembler: module:function computing a reward per trajectory")
+    consumers.cli.add_batch_flags(up_command)
+    up_command.set_defaults(run=_up_command)
+
+    stream_gateway.cli.add_commands(commands)
+    pipeline.cli.add_commands(commands)
+    consumers.cli.add_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``stream-gateway`` console script."""
+    args = _parser().parse_args(argv)
+    if args.command in ("up", "serve", "prepare-model"):
+        result: int = args.run(args)
+        return result
+    return pipeline.cli.run_command(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
