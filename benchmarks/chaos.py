@@ -155,8 +155,8 @@ async def _clients(base: str, args: argparse.Namespace, tally: Tally, stop: asyn
     await asyncio.gather(*(worker(i) for i in range(args.conversations)))
 
 
-async def _wait_healthy(base: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
+async def _wait_healthy(base: str, within_s: float = 60) -> None:
+    deadline = time.monotonic() + within_s
     async with httpx.AsyncClient() as client:
         while time.monotonic() < deadline:
             try:
@@ -235,6 +235,11 @@ class Count:
     unbatched: int
 
 
+def _extra(counts: Counter[object]) -> int:
+    """How many more times than once things were counted."""
+    return sum(n - 1 for n in counts.values() if n > 1)
+
+
 async def _count(url: str, tally: Tally) -> Count:
     names = ConsumerStreams()
     events = await _read(url, "SG_EVENTS")
@@ -247,12 +252,13 @@ async def _count(url: str, tally: Tally) -> Count:
             turn_of[event.request_id].append(event.turn_id)  # type: ignore[attr-defined]
     completed = [completion for _, completion in tally.completed]
     events_lost = sum(1 for c in completed if not turn_of.get(c))
-    events_duplicated = sum(n - 1 for n in ids.values() if n > 1) + sum(len(set(t)) - 1 for t in turn_of.values() if t)
+    events_duplicated = _extra(ids) + sum(len(set(t)) - 1 for t in turn_of.values() if t)
     in_trajectories = {turn.turn_id for t in trajectories for turn in t.turns}
     trajectories_lost = sum(1 for c in completed if not set(turn_of.get(c, ())) & in_trajectories)
     seen = Counter(t.trajectory_id for t in trajectories)
-    shapes = Counter((t.session_id, tuple(turn.turn_id for turn in t.turns)) for t in {t.trajectory_id: t for t in trajectories}.values())
-    trajectories_duplicated = sum(n - 1 for n in seen.values() if n > 1) + sum(n - 1 for n in shapes.values() if n > 1)
+    unique = {t.trajectory_id: t for t in trajectories}.values()
+    shapes = Counter((t.session_id, tuple(turn.turn_id for turn in t.turns)) for t in unique)
+    trajectories_duplicated = _extra(seen) + _extra(shapes)
     batched = Counter(tid for m in {m.batch_id: m for m in manifests}.values() for tid in m.trajectory_ids)
     batch_ids = Counter(m.batch_id for m in manifests)
     unbatched = sum(1 for tid in seen if tid not in batched)
@@ -262,7 +268,7 @@ async def _count(url: str, tally: Tally) -> Count:
         trajectories_lost=trajectories_lost,
         trajectories_duplicated=trajectories_duplicated,
         batch_lost=max(0, unbatched - (BATCH_SIZE - 1)),
-        batch_duplicated=sum(n - 1 for n in batched.values() if n > 1) + sum(n - 1 for n in batch_ids.values() if n > 1),
+        batch_duplicated=_extra(batched) + _extra(batch_ids),
         trajectories=len(seen),
         batches=len(batch_ids),
         unbatched=unbatched,
@@ -279,9 +285,10 @@ async def run(args: argparse.Namespace) -> int:
     base = f"http://127.0.0.1:{port}"
     procs = {
         "gateway": Process("gateway", ["serve", "--engine", "synthetic", "--model", model, "--served-model-name", "m",
-                                       "--port", str(port), "--nats-url", nats.url, "--outbox-dir", str(work / "outbox"),
-                                       "--synthetic-tokens-per-second", str(args.tokens_per_second),
-                                       "--log-level", "warning"], work / "gateway.log"),
+                                       "--port", str(port), "--nats-url", nats.url,
+                                       "--outbox-dir", str(work / "outbox"), "--log-level", "warning",
+                                       "--synthetic-tokens-per-second", str(args.tokens_per_second)],
+                           work / "gateway.log"),
         "assembler": Process("assembler", ["assemble", "--nats-url", nats.url, "--close-grace", "2",
                                            "--idle-timeout", "60", "--default-reward", "1", "--ack-wait", "3"],
                              work / "assembler.log"),
@@ -325,7 +332,7 @@ async def run(args: argparse.Namespace) -> int:
         ("events lost / duplicated", f"{count.events_lost} / {count.events_duplicated}"),
         ("turns missing from trajectories / trajectories duplicated",
          f"{count.trajectories_lost} / {count.trajectories_duplicated}"),
-        ("trajectories / batches (of {BATCH_SIZE})".format(BATCH_SIZE=BATCH_SIZE), f"{count.trajectories} / {count.batches}"),
+        (f"trajectories / batches (of {BATCH_SIZE})", f"{count.trajectories} / {count.batches}"),
         ("trajectories in no batch (lost / still filling the last)",
          f"{count.batch_lost} / {count.unbatched - count.batch_lost}"),
         ("trajectories in two batches", f"{count.batch_duplicated}"),
