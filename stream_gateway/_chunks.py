@@ -34,6 +34,7 @@ class ChoiceUpdate:
     finish_reason: str | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
     version_spans: list[tuple[int, int]] | None = None  # final update: (version, first token index) spans
+    stop_sequence: str | None = None  # final update: the stop string that ended it, if one did
 
 
 @dataclass(slots=True)
@@ -48,11 +49,14 @@ class ChoiceResult:
     finish_reason: str | None = None
     call_deltas: list[ToolCallDelta] = field(default_factory=list)
     version_spans: list[tuple[int, int]] | None = None  # (version, first token index) spans, once finished
+    stop_sequence: str | None = None
 
     def add(self, update: ChoiceUpdate) -> None:
         """Fold one update in."""
         if update.version_spans is not None:
             self.version_spans = update.version_spans
+        if update.stop_sequence is not None:
+            self.stop_sequence = update.stop_sequence
         self.text_parts.append(update.text)
         self.call_deltas.extend(update.tool_calls)
         self.token_ids.extend(update.token_ids)
@@ -171,6 +175,10 @@ class ChunkEncoder:
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The usage frame, with ``choices: []``, sent after the last choice finished."""
         return self._frame([], {"usage": usage_body(prompt_tokens, completion_tokens)})
+
+    def end(self, prompt_tokens: int, completion_tokens: int, include_usage: bool) -> bytes:
+        """The last write: the usage frame (if asked) and ``[DONE]``."""
+        return self.usage(prompt_tokens, completion_tokens) + DONE_FRAME if include_usage else DONE_FRAME
 
     @staticmethod
     def error(error: GatewayError) -> bytes:

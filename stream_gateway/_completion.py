@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ._api_types import ChatCompletionRequest
 from ._capture import EventRecorder
-from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
+from ._chunks import ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
 from ._context import Context, ContextBuilder, cheap_to_build
 from ._errors import (
     Conflict,
@@ -48,11 +48,11 @@ from .tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
 
 
 class FrameEncoder(Protocol):
-    """Turns a response's updates into SSE frames (chat chunks, or text completion chunks)."""
+    """Turns a response's updates into SSE frames (chat chunks, text completion chunks, Messages events)."""
 
     def update(self, update: ChoiceUpdate) -> bytes: ...
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes: ...
+    def end(self, prompt_tokens: int, completion_tokens: int, include_usage: bool) -> bytes: ...
 
     def error(self, error: GatewayError) -> bytes: ...
 
@@ -222,6 +222,13 @@ class CompletionService:
         # byte (byte-level BPE) or per character (SentencePiece), and never fewer.
         return max(len(token) for token in self._engine.tokenizer.get_vocab())
 
+    async def count_tokens(self, body: ChatCompletionRequest) -> int:
+        """The prompt tokens ``body`` would take: a full render of its messages and tools."""
+        check_model_and_n(self._engine, self._settings, body.model, body.n)
+        await self._check_size(body)
+        builder = self._context_builder
+        return len(await anyio.to_thread.run_sync(builder.render_ids, body.messages, body.tools))
+
     async def _check_size(self, body: ChatCompletionRequest) -> None:
         """Refuse at once what cannot fit, before fingerprinting, rendering or tokenizing all of it."""
         limit = self._settings.max_messages
@@ -390,6 +397,7 @@ class CompletionService:
                             finish,
                             calls,
                             final_spans,
+                            assembler.matched if delta.stopped else None,
                         )
                         sent = end
                         result.text_parts.append(text)
@@ -527,10 +535,7 @@ class CompletionService:
                     finished += item.finish_reason is not None
                     frames.append(encoder.update(item))
                 yield frames[0] if len(frames) == 1 else b"".join(frames)
-            if include_usage:
-                yield encoder.usage(prompt_tokens, completion_tokens) + DONE_FRAME
-            else:
-                yield DONE_FRAME
+            yield encoder.end(prompt_tokens, completion_tokens, include_usage)
             self._metrics.requests.labels("true", "200").inc()
         finally:
             self._metrics.active_streams.dec()

@@ -121,6 +121,7 @@ def coalesce(items: Sequence[ChannelItem]) -> list[ChannelItem]:
                 item.finish_reason,
                 item.tool_calls,
                 item.version_spans,
+                item.stop_sequence,
             )
             continue
         into.text += item.text
@@ -132,6 +133,7 @@ def coalesce(items: Sequence[ChannelItem]) -> list[ChannelItem]:
         into.tool_calls += item.tool_calls
         if item.version_spans is not None:
             into.version_spans = item.version_spans
+        into.stop_sequence = item.stop_sequence or into.stop_sequence
     out: list[ChannelItem] = []
     for update in merged.values():
         if len(update.tool_calls) > 1:

@@ -27,7 +27,7 @@ class TextDelta:
 class TextAssembler:
     """Incremental, stop-aware detokenizer for one choice."""
 
-    __slots__ = ("_held", "_max_stop", "_stop_hit", "_stops", "_stream", "_tokenizer")
+    __slots__ = ("_held", "_max_stop", "_stop_hit", "_stops", "_stream", "_tokenizer", "matched")
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
@@ -36,6 +36,7 @@ class TextAssembler:
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self._stop_hit = False
+        self.matched: str | None = None  # the stop string that ended the generation
 
     def feed(self, token_ids: Sequence[int]) -> TextDelta:
         """Add sampled ids; return the text now safe to send."""
@@ -53,6 +54,7 @@ class TextAssembler:
         if cut is not None:
             self._held = ""
             self._stop_hit = True
+            self.matched = next(s for s in self._stops if text.find(s) == cut)
             return TextDelta(text[:cut], True)
         keep = _partial_stop_suffix(text, self._stops, self._max_stop)
         self._held = text[len(text) - keep :] if keep else ""

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ._api_types import MAX_STOP_SEQUENCES, StreamOptions, null_is_absent
 from ._capture import EventRecorder
-from ._chunks import ChoiceResult, ChoiceUpdate, TokenText, frame_head, usage_body
+from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, TokenText, frame_head, usage_body
 from ._completion import PreparedCompletion, check_model_and_n
 from ._context import Context
 from ._errors import Conflict, ContextLengthExceeded, GatewayError, InvalidRequest, UnsupportedParameter
@@ -325,6 +325,10 @@ class TextChunkEncoder:
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The usage frame, with ``choices: []``."""
         return self._head + b',"choices":[],"usage":' + _dumps(usage_body(prompt_tokens, completion_tokens)) + b"}\n\n"
+
+    def end(self, prompt_tokens: int, completion_tokens: int, include_usage: bool) -> bytes:
+        """The last write: the usage frame (if asked) and ``[DONE]``."""
+        return self.usage(prompt_tokens, completion_tokens) + DONE_FRAME if include_usage else DONE_FRAME
 
     @staticmethod
     def error(error: GatewayError) -> bytes:

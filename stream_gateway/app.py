@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import _anthropic as anthropic
 from ._api_types import ChatCompletionRequest
 from ._capture import EventRecorder
 from ._completion import CompletionService
@@ -125,16 +126,30 @@ class _LengthLimit:
             for name, value in scope["headers"]:
                 if name == b"content-length":
                     if value.isdigit() and int(value) > self.limit:
-                        await ORJSONResponse(RequestTooLarge(self.limit).body(), status_code=413)(scope, receive, send)
+                        refused = _error_response(scope.get("path", ""), RequestTooLarge(self.limit))
+                        await refused(scope, receive, send)
                         return
                     break
         await self.app(scope, receive, send)
 
 
 def _bearer(request: Request) -> str:
+    """The request's API key: ``Authorization: Bearer``, else Anthropic's ``x-api-key``."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
-    return key.strip() if scheme.lower() == "bearer" else ""
+    if scheme.lower() == "bearer":
+        return key.strip()
+    return request.headers.get("x-api-key", "").strip()
+
+
+def _anthropic_path(path: str) -> bool:
+    """Whether ``path`` is a Messages API route (errors there take Anthropic's shape)."""
+    return path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
+
+
+def _error_response(path: str, error: GatewayError, headers: dict[str, str] | None = None) -> Response:
+    body = anthropic.error_body(error) if _anthropic_path(path) else error.body()
+    return ORJSONResponse(body, status_code=error.status_code, headers=headers)
 
 
 class HeldResponse(Response):
@@ -380,6 +395,45 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         )
         return ORJSONResponse(completion, headers=headers)
 
+    async def anthropic_messages(request: Request, session_id: str | None, tenant: str) -> Response:
+        """Anthropic's Messages API: translated at the edge (:mod:`._anthropic`), served as chat."""
+        body = await _parse(request, anthropic.MessagesRequest)
+        session_id = session_id or request.headers.get("x-session-id") or None
+        if session_id is not None:
+            _check_session_id(session_id)
+        chat = anthropic.to_chat_request(body)
+        agent = request.headers.get("user-agent")
+        prepared = await service.prepare(chat, tenant=tenant, session_id=session_id, agent=agent)
+        headers = {"x-session-id": prepared.session.session_id}
+        message = anthropic.message_id()
+        input_tokens = len(prepared.prompt_ids)
+        if body.stream:
+            channel = UpdateChannel()
+            encoder = anthropic.MessagesEncoder(message, prepared.model)
+            frames = service.frames(encoder, channel, encoder.start(input_tokens), 1, input_tokens, True)
+            return event_stream(frames, partial(service.produce, prepared, channel), headers)
+        results = await service.collect([prepared], _disconnect_waiter(request))
+        if results is None:
+            return Response(status_code=499)
+        body_out = anthropic.message_body(message, prepared.model, results[0], input_tokens)
+        return ORJSONResponse(body_out, headers=headers)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await limited(request, anthropic_messages, None)
+
+    @app.post("/sessions/{session_id}/v1/messages")
+    async def session_messages(request: Request, session_id: str) -> Response:
+        return await limited(request, anthropic_messages, session_id)
+
+    async def count_message_tokens(request: Request) -> Response:
+        authorize(request)
+        body = await _parse(request, anthropic.CountTokensRequest)
+        return ORJSONResponse({"input_tokens": await service.count_tokens(anthropic.to_chat_request(body))})
+
+    app.post("/v1/messages/count_tokens")(count_message_tokens)
+    app.post("/sessions/{session_id}/v1/messages/count_tokens")(count_message_tokens)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await limited(request, text_completion, None)
@@ -541,20 +595,24 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.exception_handler(GatewayError)
-    async def gateway_error(_: Request, exc: GatewayError) -> Response:
+    async def gateway_error(request: Request, exc: GatewayError) -> Response:
         metrics.requests.labels("unknown", str(exc.status_code)).inc()
         headers = exc.headers if isinstance(exc, RateLimited) else None
-        return ORJSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+        return _error_response(request.url.path, exc, headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if _anthropic_path(request.url.path):
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": str(exc.detail)}}
+            return ORJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         body = {"error": {"message": str(exc.detail), "type": error_type, "param": None, "code": None}}
         return ORJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return ORJSONResponse(InvalidRequest(str(exc)).body(), status_code=400)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(request.url.path, InvalidRequest(str(exc)))
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> Response:
@@ -567,6 +625,10 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     bodies: dict[str, type[BaseModel]] = {
         "/v1/chat/completions": ChatCompletionRequest,
         "/sessions/{session_id}/v1/chat/completions": ChatCompletionRequest,
+        "/v1/messages": anthropic.MessagesRequest,
+        "/sessions/{session_id}/v1/messages": anthropic.MessagesRequest,
+        "/v1/messages/count_tokens": anthropic.CountTokensRequest,
+        "/sessions/{session_id}/v1/messages/count_tokens": anthropic.CountTokensRequest,
         "/v1/completions": CompletionRequest,
         "/sessions/{session_id}/v1/completions": CompletionRequest,
         "/sessions/{session_id}/feedback": FeedbackBody,

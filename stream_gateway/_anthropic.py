@@ -1,0 +1,410 @@
+"""Anthropic's Messages API at the edge: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
+
+A Messages request is translated into a chat completion request, which then takes the same path
+as any other (one chat template, the same session tree and turn keys, tool parsers, events and
+capture); the engine's updates are translated into Messages events as they come. Nothing below
+this module knows which protocol a request came in.
+
+Requests (as Anthropic documents them, read for this from its API reference):
+
+* ``system``: a string or text blocks → one system message (blocks joined by blank lines);
+* ``messages``: ``user`` content (a string, ``text`` and ``tool_result`` blocks) → ``tool``
+  messages for the results (in order), then one user message with the text; ``assistant``
+  content (``text`` and ``tool_use`` blocks) → one assistant message with its tool calls (the
+  ``tool_use`` id is the call id, ``input`` the JSON arguments). ``thinking`` blocks are
+  dropped (this gateway's models do not produce them). Images and documents: a clear 400.
+* ``tools`` (``name``, ``description``, ``input_schema``) → function tools; Anthropic's server
+  tools (``web_search``, ``bash_20250124`` ...) are refused; ``tool_choice`` ``auto`` / ``any`` /
+  ``tool`` / ``none`` → ``auto`` / ``required`` / the named function / ``none``;
+  ``disable_parallel_tool_use`` → ``parallel_tool_calls: false``.
+* ``max_tokens`` (required), ``stop_sequences``, ``stream``, ``metadata.user_id``;
+  ``output_config.format`` (``json_schema``) → constrained decoding, as ``response_format``
+  (see docs/http-api.md). ``temperature``, ``top_p`` and ``top_k`` are no longer in Anthropic's
+  SDK (2.x) but older clients send them: honoured. ``thinking``, ``output_config.effort``,
+  ``cache_control`` and the ``anthropic-beta`` header are accepted and have no effect.
+
+Responses: a ``message`` with ``text`` and ``tool_use`` blocks, ``stop_reason`` ``end_turn`` /
+``max_tokens`` / ``stop_sequence`` / ``tool_use``, ``usage.input_tokens`` / ``output_tokens``.
+Streams: ``message_start``, then per block ``content_block_start``, ``content_block_delta``
+(``text_delta``, ``input_json_delta``), ``content_block_stop``, then ``message_delta`` (stop
+reason, output tokens) and ``message_stop``, each frame written the moment its tokens are
+sampled. Errors: ``{"type": "error", "error": {"type", "message"}}``, in a stream as an
+``error`` event.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from ._api_types import ChatCompletionRequest
+from ._chunks import ChoiceResult, ChoiceUpdate
+from ._errors import GatewayError, InvalidRequest
+
+__all__ = [
+    "CountTokensRequest",
+    "MessagesEncoder",
+    "MessagesRequest",
+    "error_body",
+    "message_body",
+    "to_chat_request",
+]
+
+# Anthropic's error types by HTTP status (its "Errors" page).
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
+
+
+class _In(BaseModel):
+    # Clients send fields this gateway has no use for (cache_control, citations, betas ...):
+    # ignored, so that newer clients keep working. What cannot be honoured is refused by name.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_In):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_In):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_In):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+
+
+class OtherBlock(_In):
+    """Any other block type: ``thinking`` is dropped, the rest refused."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | OtherBlock, Field(union_mode="left_to_right")]
+
+
+class MessageParam(_In):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolParam(_In):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or absent; server tools have their own types
+
+
+class ToolChoice(_In):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_In):
+    user_id: str | None = None
+
+
+class OutputFormat(_In):
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(_In):
+    effort: str | None = None  # accepted, no effect
+    format: OutputFormat | None = None
+
+
+class CountTokensRequest(_In):
+    model: str
+    messages: Annotated[list[MessageParam], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: Annotated[int, Field(ge=1)]
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    stop_sequences: list[str] | None = None
+    metadata: Metadata | None = None
+    thinking: dict[str, Any] | None = None
+    service_tier: str | None = None
+    output_config: OutputConfig | None = None
+
+
+def _text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for block in content:
+        if block.get("type") != "text":
+            raise InvalidRequest(f"{where}: only text content is supported, not {block.get('type')!r}.", param=where)
+        parts.append(str(block.get("text", "")))
+    return "".join(parts)
+
+
+def _refuse_block(block: OtherBlock, where: str) -> None:
+    if block.type in ("thinking", "redacted_thinking"):
+        return
+    if block.type in ("image", "document"):
+        raise InvalidRequest(
+            f"{where}: {block.type} blocks are not supported: the served model reads text only.", param=where
+        )
+    raise InvalidRequest(f"{where}: unsupported content block type {block.type!r}.", param=where)
+
+
+def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system)
+        out.append({"role": "system", "content": system})
+    for i, message in enumerate(body.messages):
+        where = f"messages.{i}.content"
+        blocks: list[Any] = (
+            [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+        )
+        texts: list[str] = []
+        if message.role == "assistant":
+            calls = []
+            for block in blocks:
+                if isinstance(block, TextBlock):
+                    texts.append(block.text)
+                elif isinstance(block, ToolUseBlock):
+                    arguments = orjson.dumps(block.input).decode()
+                    function = {"name": block.name, "arguments": arguments}
+                    calls.append({"id": block.id, "type": "function", "function": function})
+                elif isinstance(block, ToolResultBlock):
+                    raise InvalidRequest(f"{where}: tool_result blocks belong in user messages.", param=where)
+                else:
+                    _refuse_block(block, where)
+            assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if calls:
+                assistant["tool_calls"] = calls
+            out.append(assistant)
+            continue
+        for block in blocks:
+            if isinstance(block, ToolResultBlock):
+                content = _text_of(block.content, f"{where}.tool_result")
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+            elif isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolUseBlock):
+                raise InvalidRequest(f"{where}: tool_use blocks belong in assistant messages.", param=where)
+            else:
+                _refuse_block(block, where)
+        if texts:
+            out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
+    return out
+
+
+def _tools(body: CountTokensRequest) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if body.tools:
+        for tool in body.tools:
+            if tool.type not in (None, "custom"):
+                raise InvalidRequest(
+                    f"Tool {tool.name!r} is an Anthropic server tool ({tool.type}); only client tools with an "
+                    "input_schema are supported.",
+                    param="tools",
+                )
+        fields["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description,
+                    "parameters": tool.input_schema or {"type": "object", "properties": {}},
+                },
+            }
+            for tool in body.tools
+        ]
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise InvalidRequest("tool_choice of type 'tool' needs a name.", param="tool_choice.name")
+            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
+    return fields
+
+
+def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completion request that ``body`` means."""
+    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body), **_tools(body)}
+    if isinstance(body, MessagesRequest):
+        fields |= {"max_tokens": body.max_tokens, "stream": body.stream}
+        if body.stream:
+            fields["stream_options"] = {"include_usage": True}
+        for name in ("temperature", "top_p", "top_k"):
+            if (value := getattr(body, name)) is not None:
+                fields[name] = value
+        if body.stop_sequences:
+            fields["stop"] = body.stop_sequences
+        if body.metadata is not None and body.metadata.user_id:
+            fields["user"] = body.metadata.user_id
+        if body.output_config is not None and body.output_config.format is not None:
+            schema = body.output_config.format.schema_
+            fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    if not fields["messages"] or fields["messages"][-1]["role"] == "assistant":
+        # A prefilled assistant turn would need the template to leave it open: not supported.
+        raise InvalidRequest("The last message must be a user message.", param="messages")
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def message_id() -> str:
+    return f"msg_{secrets.token_hex(12)}"
+
+
+def _stop(finish_reason: str | None, stop_sequence: str | None) -> tuple[str | None, str | None]:
+    if finish_reason == "stop" and stop_sequence is not None:
+        return "stop_sequence", stop_sequence
+    return _STOP_REASONS.get(finish_reason or "", finish_reason), None
+
+
+def message_body(message: str, model: str, result: ChoiceResult, input_tokens: int) -> dict[str, Any]:
+    """A whole (non-streamed) Messages response."""
+    content: list[dict[str, Any]] = []
+    text = "".join(result.text_parts)
+    if text:
+        content.append({"type": "text", "text": text})
+    for call in result.tool_calls():
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": _input(call.arguments)})
+    stop_reason, matched = _stop(result.finish_reason, result.stop_sequence)
+    return {
+        "id": message,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": matched,
+        "usage": _usage(input_tokens, len(result.token_ids)),
+    }
+
+
+def _input(arguments: str) -> Any:
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return {"_raw_arguments": arguments}  # what the model wrote, kept rather than lost
+    return value if isinstance(value, dict) else {"_value": value}
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def error_body(error: GatewayError) -> dict[str, Any]:
+    """Anthropic's error shape for a gateway error."""
+    kind = _ERROR_TYPES.get(error.status_code, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class MessagesEncoder:
+    """Messages stream events from a chat response's updates (one choice)."""
+
+    __slots__ = ("_index", "_matched", "_message", "_model", "_open", "_stop")
+
+    def __init__(self, message: str, model: str) -> None:
+        self._message = message
+        self._model = model
+        self._index = -1  # the current block's index
+        self._open: str | None = None  # "text" or "tool_use" while a block is open
+        self._stop: str | None = None
+        self._matched: str | None = None
+
+    def start(self, input_tokens: int) -> bytes:
+        message: dict[str, Any] = {
+            "id": self._message,
+            "type": "message",
+            "role": "assistant",
+            "model": self._model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(input_tokens, 0),
+        }
+        return _event("message_start", {"type": "message_start", "message": message})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return _event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+    def _begin(self, block: dict[str, Any]) -> bytes:
+        out = self._close()
+        self._index += 1
+        self._open = block["type"]
+        return out + _event(
+            "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
+        )
+
+    def update(self, update: ChoiceUpdate) -> bytes:
+        out = b""
+        if update.text:
+            if self._open != "text":
+                out += self._begin({"type": "text", "text": ""})
+            delta = {"type": "text_delta", "text": update.text}
+            out += _event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+        for call in update.tool_calls:
+            if call.id is not None:
+                out += self._begin({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            if call.arguments:
+                delta = {"type": "input_json_delta", "partial_json": call.arguments}
+                event = {"type": "content_block_delta", "index": self._index, "delta": delta}
+                out += _event("content_block_delta", event)
+        if update.finish_reason is not None:
+            out += self._close()
+            self._stop, self._matched = update.finish_reason, update.stop_sequence
+        return out
+
+    def end(self, prompt_tokens: int, completion_tokens: int, include_usage: bool) -> bytes:
+        stop_reason, matched = _stop(self._stop, self._matched)
+        delta = {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": matched}}
+        delta["usage"] = {"output_tokens": completion_tokens}
+        return self._close() + _event("message_delta", delta) + _event("message_stop", {"type": "message_stop"})
+
+    @staticmethod
+    def error(error: GatewayError) -> bytes:
+        return _event("error", error_body(error))
