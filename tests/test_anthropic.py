@@ -18,9 +18,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.embedded import EmbeddedNatsServer
+
 from .agent_loop import READ_TOOL
 from .fidelity import assert_chain_logprobs
 from .servers import RunningGateway
+from .test_gateway_events import capture_gateway, capture_settings  # noqa: F401  (fixtures)
 
 READ = {
     "name": READ_TOOL["function"]["name"],  # type: ignore[index]
@@ -158,3 +161,42 @@ def test_a_tool_loop_is_one_token_exact_chain(
         assert chain["token_ids"][start : start + len(turn["output_ids"])] == turn["output_ids"]
     model = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
     assert_chain_logprobs(model, chain["token_ids"], chain["mask"], chain["logprobs"])
+
+
+def test_a_messages_turn_makes_the_events_a_chat_turn_makes(
+    capture_gateway: RunningGateway,  # noqa: F811  (the fixture imported above)
+    nats_server: EmbeddedNatsServer,
+) -> None:
+    """The same conversation through both protocols: the same event kinds and fields, the same
+    prompt ids; the Messages turn's events record the same tokens its client saw."""
+    from .test_gateway_events import KEY, of_session, wait_for
+
+    prompt = [{"role": "user", "content": "Tell me about the sea."}]
+    chat_session, messages_session = f"c{secrets.token_hex(4)}", f"m{secrets.token_hex(4)}"
+    chat = httpx.post(f"{capture_gateway.base_url}/sessions/{chat_session}/v1/chat/completions",
+                      json={"model": "tiny", "messages": prompt, "max_tokens": 8, "temperature": 0},
+                      headers={"authorization": f"Bearer {KEY}"}, timeout=60)  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    base = f"{capture_gateway.base_url}/sessions/{messages_session}"
+    client = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=60)
+    with client, client.messages.stream(model="tiny", max_tokens=8, messages=prompt, extra_body=GREEDY) as stream:  # type: ignore[arg-type]
+        message = stream.get_final_message()
+    for session in (chat_session, messages_session):
+        httpx.post(f"{capture_gateway.base_url}/sessions/{session}/close", headers={"x-api-key": KEY}, timeout=10)
+
+    def both_closed(events: list[Any]) -> bool:
+        sessions = (chat_session, messages_session)
+        return all("session.closed" in [e.kind for e in of_session(events, s)] for s in sessions)
+
+    events = wait_for(nats_server.url, both_closed)
+    by_protocol = [of_session(events, s) for s in (chat_session, messages_session)]
+    assert [e.kind for e in by_protocol[0]] == [e.kind for e in by_protocol[1]]
+    for chat_event, messages_event in zip(*by_protocol, strict=True):
+        assert type(chat_event) is type(messages_event)
+        assert set(chat_event.model_dump()) == set(messages_event.model_dump())
+    [chat_turn] = [e for e in by_protocol[0] if e.kind == "turn.completed"]
+    [messages_turn] = [e for e in by_protocol[1] if e.kind == "turn.completed"]
+    assert chat_turn.prompt_ids == messages_turn.prompt_ids  # type: ignore[attr-defined]
+    assert chat_turn.output_ids == messages_turn.output_ids  # type: ignore[attr-defined]  # greedy
+    assert messages_turn.content == message.content[0].text  # type: ignore[attr-defined,union-attr]
+    assert len(messages_turn.output_ids) == message.usage.output_tokens  # type: ignore[attr-defined]
