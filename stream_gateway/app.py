@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import _anthropic as anthropic
+from . import _responses as responses_api
 from ._api_types import ChatCompletionRequest
 from ._capture import EventRecorder
 from ._completion import CompletionService
@@ -418,6 +419,49 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         body_out = anthropic.message_body(message, prepared.model, results[0], input_tokens)
         return ORJSONResponse(body_out, headers=headers)
 
+    held_responses = responses_api.ResponseStore()
+
+    async def openai_responses(request: Request, session_id: str | None, tenant: str) -> Response:
+        """OpenAI's Responses API: translated at the edge (:mod:`._responses`), served as chat."""
+        body = await _parse(request, responses_api.ResponsesRequest)
+        session_id = session_id or request.headers.get("x-session-id") or None
+        if session_id is not None:
+            _check_session_id(session_id)
+        previous = body.previous_response_id
+        history = held_responses.history(previous, tenant) if previous else None
+        chat = responses_api.to_chat_request(body, history)
+        agent = request.headers.get("user-agent")
+        prepared = await service.prepare(chat, tenant=tenant, session_id=session_id, agent=agent)
+        headers = {"x-session-id": prepared.session.session_id}
+        rid = responses_api.response_id()
+        input_tokens = len(prepared.prompt_ids)
+        conversation = [m.model_dump(exclude_none=True) for m in chat.messages]
+
+        def remember(response: dict[str, Any]) -> None:
+            if response["status"] == "completed" or response["status"] == "incomplete":
+                held_responses.put(rid, tenant, [*conversation, responses_api.assistant_message(response["output"])])
+
+        if body.stream:
+            channel = UpdateChannel()
+            encoder = responses_api.ResponsesEncoder(rid, prepared.created, prepared.model, body, input_tokens)
+            encoder.on_end = remember
+            frames = service.frames(encoder, channel, encoder.start(), 1, input_tokens, True)
+            return event_stream(frames, partial(service.produce, prepared, channel), headers)
+        results = await service.collect([prepared], _disconnect_waiter(request))
+        if results is None:
+            return Response(status_code=499)
+        response = responses_api.response_body(rid, prepared.created, prepared.model, body, results[0], input_tokens)
+        remember(response)
+        return ORJSONResponse(response, headers=headers)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await limited(request, openai_responses, None)
+
+    @app.post("/sessions/{session_id}/v1/responses")
+    async def session_responses(request: Request, session_id: str) -> Response:
+        return await limited(request, openai_responses, session_id)
+
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await limited(request, anthropic_messages, None)
@@ -629,6 +673,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         "/sessions/{session_id}/v1/messages": anthropic.MessagesRequest,
         "/v1/messages/count_tokens": anthropic.CountTokensRequest,
         "/sessions/{session_id}/v1/messages/count_tokens": anthropic.CountTokensRequest,
+        "/v1/responses": responses_api.ResponsesRequest,
+        "/sessions/{session_id}/v1/responses": responses_api.ResponsesRequest,
         "/v1/completions": CompletionRequest,
         "/sessions/{session_id}/v1/completions": CompletionRequest,
         "/sessions/{session_id}/feedback": FeedbackBody,

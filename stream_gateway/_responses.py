@@ -1,0 +1,420 @@
+"""OpenAI's Responses API at the edge: ``POST /v1/responses``.
+
+Like :mod:`._anthropic`, a thin translation: a Responses request becomes a chat completion
+request (the same template, session tree, turn keys, tool parsers, events and capture), and the
+engine's updates become Responses events as they are sampled.
+
+Requests (OpenAI's API reference for ``responses.create``, and the ``openai`` SDK's types):
+
+* ``input``: a string (one user message) or items: messages (``role`` ``user`` / ``system`` /
+  ``developer`` / ``assistant``; content a string or ``input_text`` / ``output_text`` parts;
+  images and files: a clear 400), ``function_call`` (``call_id``, ``name``, ``arguments``),
+  ``function_call_output`` (``call_id``, ``output``). An assistant message and the function
+  calls after it are one assistant turn. ``reasoning`` items are dropped (these models do not
+  produce them). ``instructions`` → a system message first.
+* ``tools`` (``type: function``) and ``tool_choice``; ``text.format`` ``json_schema`` /
+  ``json_object`` → constrained decoding; ``max_output_tokens``, ``temperature``, ``top_p``,
+  ``parallel_tool_calls``, ``metadata``, ``user``. ``reasoning``, ``include``, ``truncation``
+  and ``store`` are accepted; nothing is stored for later retrieval (``GET`` of a response is
+  not offered).
+* ``previous_response_id``: continues a response this gateway process produced for the same
+  key, if it still holds it (the last :data:`_KEEP` responses); otherwise a 400 that says to
+  send the whole conversation as ``input`` instead, as stateless clients (``store: false``) do.
+
+Streams: ``response.created``, ``response.in_progress``, per output item
+``response.output_item.added``, for a message ``response.content_part.added``,
+``response.output_text.delta`` ..., ``response.output_text.done``, ``response.content_part.done``,
+for a function call ``response.function_call_arguments.delta`` ...,
+``response.function_call_arguments.done``; ``response.output_item.done``; then
+``response.completed`` (or ``response.incomplete`` at ``max_output_tokens``) with the whole
+response. Every event has its ``sequence_number``. An error mid-stream is an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from ._api_types import ChatCompletionRequest
+from ._chunks import ChoiceResult, ChoiceUpdate
+from ._errors import GatewayError, InvalidRequest
+
+__all__ = ["ResponseStore", "ResponsesEncoder", "ResponsesRequest", "response_body", "to_chat_request"]
+
+_KEEP = 10_000  # responses held for previous_response_id, per process
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionTool(_In):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_In):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class TextConfig(_In):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_In):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    stream: bool = False
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: TextConfig | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: content must be a string or a list of parts.", param=where)
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            parts.append(str(part.get("text", "")))
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise InvalidRequest(
+                f"{where}: {kind} parts are not supported: the served model reads text only.", param=where
+            )
+        else:
+            raise InvalidRequest(f"{where}: unsupported content part {kind!r}.", param=where)
+    return "".join(parts)
+
+
+def _messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = list(history)
+    if body.instructions:  # a continued response takes this request's instructions, as OpenAI's does
+        system = {"role": "system", "content": body.instructions}
+        if out and out[0]["role"] == "system":
+            out[0] = system
+        else:
+            out.insert(0, system)
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidRequest(f"{where}: unknown role {role!r}.", param=f"{where}.role")
+            text = _content_text(item.get("content", ""), f"{where}.content")
+            out.append({"role": role, "content": text})
+        elif kind == "function_call":
+            call_id, name = str(item.get("call_id", "")), str(item.get("name", ""))
+            if not call_id or not name:
+                raise InvalidRequest(f"{where}: a function_call needs call_id and name.", param=where)
+            function = {"name": name, "arguments": str(item.get("arguments", ""))}
+            call = {"id": call_id, "type": "function", "function": function}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the same turn as the text before it
+                if not last["content"]:
+                    last["content"] = None
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise InvalidRequest(f"{where}: unsupported input item type {kind!r}.", param=f"{where}.type")
+    return out
+
+
+def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat completion request that ``body`` means (after ``history``, a previous response's)."""
+    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body, history or [])}
+    if body.tools:
+        tools = []
+        for tool in body.tools:
+            if tool.type != "function" or not tool.name:
+                raise InvalidRequest(
+                    f"Tool type {tool.type!r} is a hosted tool; only function tools are supported.", param="tools"
+                )
+            function: dict[str, Any] = {
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.parameters,
+            }
+            if tool.strict is not None:
+                function["strict"] = tool.strict
+            tools.append({"type": "function", "function": function})
+        fields["tools"] = tools
+    if isinstance(body.tool_choice, dict):
+        if body.tool_choice.get("type") != "function" or not body.tool_choice.get("name"):
+            raise InvalidRequest("tool_choice must name a function: {type: function, name}.", param="tool_choice")
+        fields["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice["name"]}}
+    elif body.tool_choice is not None:
+        fields["tool_choice"] = body.tool_choice
+    if body.max_output_tokens is not None:
+        fields["max_tokens"] = body.max_output_tokens
+    for name in ("temperature", "top_p", "parallel_tool_calls", "metadata", "user"):
+        if (value := getattr(body, name)) is not None:
+            fields[name] = value
+    if body.stream:
+        fields |= {"stream": True, "stream_options": {"include_usage": True}}
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = {"name": fmt.name or "output", "schema": fmt.schema_ or {}, "strict": fmt.strict}
+        fields["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if not fields["messages"] or fields["messages"][-1]["role"] == "assistant":
+        raise InvalidRequest("The input must end with a user message or a function_call_output.", param="input")
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+class ResponseStore:
+    """The last responses of this process, for ``previous_response_id``: id → (tenant, messages)."""
+
+    def __init__(self, keep: int = _KEEP) -> None:
+        self._keep = keep
+        self._held: OrderedDict[str, tuple[str, list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response_id: str, tenant: str, messages: list[dict[str, Any]]) -> None:
+        self._held[response_id] = (tenant, messages)
+        while len(self._held) > self._keep:
+            self._held.popitem(last=False)
+
+    def history(self, response_id: str, tenant: str) -> list[dict[str, Any]]:
+        """The whole conversation of a held response of ``tenant`` (its own output last); else 400."""
+        held = self._held.get(response_id)
+        if held is None or held[0] != tenant:
+            raise InvalidRequest(
+                f"Previous response `{response_id}` is not held by this gateway (responses are not stored; it "
+                "keeps the last ones of this process only). Send the whole conversation as `input` instead.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        copy: list[dict[str, Any]] = orjson.loads(orjson.dumps(held[1]))  # merged into: never the held one
+        return copy
+
+
+def response_id() -> str:
+    return f"resp_{secrets.token_hex(12)}"
+
+
+def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat form of a response's output items, to continue from with ``previous_response_id``."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output
+        if item["type"] == "function_call"
+    ]
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def _shell(rid: str, created: int, model: str, body: ResponsesRequest, status: str) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
+        "previous_response_id": body.previous_response_id,
+        "store": bool(body.store),
+        "temperature": body.temperature if body.temperature is not None else 1.0,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+        "top_p": body.top_p if body.top_p is not None else 1.0,
+        "truncation": "disabled",
+        "usage": None,
+        "metadata": body.metadata or {},
+        "user": body.user,
+    }
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def _finish(shell: dict[str, Any], finish_reason: str | None, input_tokens: int, output_tokens: int) -> None:
+    if finish_reason == "length":
+        shell["status"] = "incomplete"
+        shell["incomplete_details"] = {"reason": "max_output_tokens"}
+    else:
+        shell["status"] = "completed"
+    shell["usage"] = _usage(input_tokens, output_tokens)
+
+
+def response_body(
+    rid: str, created: int, model: str, body: ResponsesRequest, result: ChoiceResult, input_tokens: int
+) -> dict[str, Any]:
+    """A whole (non-streamed) response."""
+    shell = _shell(rid, created, model, body, "completed")
+    text = "".join(result.text_parts)
+    if text:
+        shell["output"].append(_message_item(f"msg_{rid[5:]}", text, "completed"))
+    for call in result.tool_calls():
+        shell["output"].append(_call_item(call.id, call.name, call.arguments, "completed"))
+    _finish(shell, result.finish_reason, input_tokens, len(result.token_ids))
+    return shell
+
+
+def error_event(error: GatewayError, sequence: int) -> dict[str, Any]:
+    return {"type": "error", "code": error.code, "message": error.message, "param": error.param,
+            "sequence_number": sequence}  # fmt: skip
+
+
+class ResponsesEncoder:
+    """Responses stream events from a chat response's updates (one choice)."""
+
+    __slots__ = ("_calls", "_finish", "_id", "_input_tokens", "_open", "_seq", "_shell", "_text", "on_end")
+
+    def __init__(self, rid: str, created: int, model: str, body: ResponsesRequest, input_tokens: int) -> None:
+        self._id = rid
+        self._input_tokens = input_tokens
+        self._finish: str | None = None
+        self.on_end: Callable[[dict[str, Any]], None] | None = None  # called with the whole response
+        self._seq = 0
+        self._shell = _shell(rid, created, model, body, "in_progress")
+        self._text: list[str] | None = None  # the open message item's text
+        self._calls: dict[int, list[str]] = {}  # open function call: index -> [call_id, name, arguments]
+        self._open: int | None = None  # output index of the open item
+
+    def _event(self, kind: str, data: dict[str, Any]) -> bytes:
+        data = {"type": kind, **data, "sequence_number": self._seq}
+        self._seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+    def start(self) -> bytes:
+        return self._event("response.created", {"response": self._shell}) + self._event(
+            "response.in_progress", {"response": self._shell}
+        )
+
+    @property
+    def _item_id(self) -> str:
+        return f"msg_{self._id[5:]}"
+
+    def _close(self) -> bytes:
+        index, out = self._open, b""
+        if index is None:
+            return out
+        self._open = None
+        if self._text is not None:
+            text, self._text = "".join(self._text), None
+            where = {"item_id": self._item_id, "output_index": index, "content_index": 0}
+            out += self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
+            part = {"type": "output_text", "text": text, "annotations": []}
+            out += self._event("response.content_part.done", {**where, "part": part})
+            item = _message_item(self._item_id, text, "completed")
+        else:
+            [(call_id, name, arguments)] = self._calls.values()
+            self._calls.clear()
+            item = _call_item(call_id, name, arguments, "completed")
+            done = {"item_id": item["id"], "output_index": index, "name": name, "arguments": arguments}
+            out += self._event("response.function_call_arguments.done", done)
+        self._shell["output"].append(item)
+        return out + self._event("response.output_item.done", {"output_index": index, "item": item})
+
+    def update(self, update: ChoiceUpdate) -> bytes:
+        out = b""
+        if update.text:
+            if self._text is None:
+                out += self._close()
+                self._open, self._text = len(self._shell["output"]), []
+                item = {**_message_item(self._item_id, "", "in_progress"), "content": []}
+                out += self._event("response.output_item.added", {"output_index": self._open, "item": item})
+                part = {"type": "output_text", "text": "", "annotations": []}
+                where = {"item_id": self._item_id, "output_index": self._open, "content_index": 0}
+                out += self._event("response.content_part.added", {**where, "part": part})
+            self._text.append(update.text)
+            where = {"item_id": self._item_id, "output_index": self._open, "content_index": 0}
+            out += self._event("response.output_text.delta", {**where, "delta": update.text, "logprobs": []})
+        for call in update.tool_calls:
+            if call.id is not None:
+                out += self._close()
+                self._open = len(self._shell["output"])
+                self._calls[call.index] = [call.id, call.name or "", ""]
+                item = _call_item(call.id, call.name or "", "", "in_progress")
+                out += self._event("response.output_item.added", {"output_index": self._open, "item": item})
+            if call.arguments and call.index in self._calls:
+                entry = self._calls[call.index]
+                entry[2] += call.arguments
+                delta = {"item_id": f"fc_{entry[0]}", "output_index": self._open, "delta": call.arguments}
+                out += self._event("response.function_call_arguments.delta", delta)
+        if update.finish_reason is not None:
+            out += self._close()
+            self._finish = update.finish_reason
+        return out
+
+    def end(self, prompt_tokens: int, completion_tokens: int, include_usage: bool) -> bytes:
+        out = self._close()
+        _finish(self._shell, self._finish, self._input_tokens, completion_tokens)
+        if self.on_end is not None:
+            self.on_end(self._shell)
+        kind = "response.incomplete" if self._shell["status"] == "incomplete" else "response.completed"
+        return out + self._event(kind, {"response": self._shell})
+
+    def error(self, error: GatewayError) -> bytes:
+        data = error_event(error, self._seq)
+        self._seq += 1
+        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def created_now() -> int:
+    return int(time.time())
