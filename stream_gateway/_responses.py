@@ -248,7 +248,7 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
 def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": input_tokens + output_tokens,
@@ -273,12 +273,20 @@ def _shell(rid: str, created: int, model: str, body: ResponsesRequest, status: s
         "temperature": body.temperature if body.temperature is not None else 1.0,
         "text": {"format": {"type": "text"}},
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-        "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+        "tools": [
+            {
+                "type": "function",
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.parameters,
+                "strict": t.strict,
+            }  # fmt: skip
+            for t in body.tools or ()
+        ],
         "top_p": body.top_p if body.top_p is not None else 1.0,
         "truncation": "disabled",
-        "usage": None,
         "metadata": body.metadata or {},
-        "user": body.user,
+        **({"user": body.user} if body.user is not None else {}),
     }
 
 
@@ -359,7 +367,7 @@ class ResponsesEncoder:
             text, self._text = "".join(self._text), None
             where = {"item_id": self._item_id, "output_index": index, "content_index": 0}
             out += self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
-            part = {"type": "output_text", "text": text, "annotations": []}
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out += self._event("response.content_part.done", {**where, "part": part})
             item = _message_item(self._item_id, text, "completed")
         else:
@@ -379,7 +387,7 @@ class ResponsesEncoder:
                 self._open, self._text = len(self._shell["output"]), []
                 item = {**_message_item(self._item_id, "", "in_progress"), "content": []}
                 out += self._event("response.output_item.added", {"output_index": self._open, "item": item})
-                part = {"type": "output_text", "text": "", "annotations": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 where = {"item_id": self._item_id, "output_index": self._open, "content_index": 0}
                 out += self._event("response.content_part.added", {**where, "part": part})
             self._text.append(update.text)

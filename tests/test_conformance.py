@@ -20,7 +20,7 @@ from langchain_openai import ChatOpenAI
 from .agent_loop import READ_TOOL
 from .servers import RunningGateway
 
-SPEC = Path(__file__).parent / "openai_spec" / "chat-completions.schemas.json"
+SPECS = Path(__file__).parent / "openai_spec"
 
 
 def _with_nulls(node: Any) -> Any:
@@ -36,13 +36,13 @@ def _with_nulls(node: Any) -> Any:
 
 
 @cache
-def _document() -> dict[str, Any]:
-    return _with_nulls(json.loads(SPEC.read_text()))  # type: ignore[no-any-return]
+def _document(spec: str = "chat-completions") -> dict[str, Any]:
+    return _with_nulls(json.loads((SPECS / f"{spec}.schemas.json").read_text()))  # type: ignore[no-any-return]
 
 
-def check(instance: Any, schema: str) -> None:
-    """Raise if ``instance`` is not a valid ``schema`` of OpenAI's spec."""
-    document = _document()
+def check(instance: Any, schema: str, spec: str = "chat-completions") -> None:
+    """Raise if ``instance`` is not a valid ``schema`` of OpenAI's spec (``spec``: which extract)."""
+    document = _document(spec)
     root = {"$ref": f"#/components/schemas/{schema}", "components": document["components"]}
     jsonschema.Draft202012Validator(root).validate(instance)
 
@@ -261,3 +261,121 @@ def test_filtered_alternatives_are_numbers(gateway: RunningGateway) -> None:
     for entry in answer["choices"][0]["logprobs"]["content"]:
         assert [alt["logprob"] for alt in entry["top_logprobs"]][1:] == [-9999.0, -9999.0]
     assert streamed_chunks(gateway, body)
+
+
+def _sse_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    """``(event name, data)`` of a named-event SSE stream (Responses, Messages)."""
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            events.append((name or "", json.loads(line[6:])))
+    return events
+
+
+def _event_schema(event_type: str) -> str:
+    """The ``ResponseStreamEvent`` member for ``event_type`` (clearer errors than the whole anyOf)."""
+    schemas = _document("responses")["components"]["schemas"]
+    for ref in schemas["ResponseStreamEvent"]["anyOf"]:
+        name = ref["$ref"].rsplit("/", 1)[-1]
+        kind = schemas[name].get("properties", {}).get("type", {})
+        if event_type in kind.get("enum", ()) or kind.get("const") == event_type:
+            return str(name)
+    raise AssertionError(f"{event_type!r} is not a Responses stream event")
+
+
+RESPONSES_TOOL = {"type": "function", **READ_TOOL["function"]}  # type: ignore[dict-item]
+
+
+def test_responses_bodies_and_events_match_openais_schemas(
+    gateway: RunningGateway, agent_gateway: RunningGateway
+) -> None:
+    """Plain text on the tiny model, a function call on tiny-agent: bodies, events, errors."""
+    cases = [
+        (gateway, {"model": "tiny", "input": "Hello", "max_output_tokens": 6}),
+        (
+            gateway,
+            {
+                "model": "tiny",
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+                "instructions": "Be brief.",
+                "max_output_tokens": 40,
+                "temperature": 0,
+            },
+        ),
+        (agent_gateway, {"model": "tiny-agent", "input": "What does the README say?", "tools": [RESPONSES_TOOL]}),
+    ]
+    kinds: set[str] = set()
+    for target, body in cases:
+        whole = httpx.post(f"{target.base_url}/v1/responses", json=body, timeout=120)
+        assert whole.status_code == 200, whole.text
+        check(whole.json(), "Response", "responses")
+        with httpx.stream("POST", f"{target.base_url}/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+            events = _sse_events(r)
+        for name, event in events:
+            assert name == event["type"]
+            check(event, _event_schema(name), "responses")
+            kinds.add(name)
+        check(events[-1][1]["response"], "Response", "responses")
+    assert {"response.function_call_arguments.delta", "response.function_call_arguments.done",
+            "response.output_text.delta", "response.completed", "response.incomplete"} <= kinds  # fmt: skip
+    refused = httpx.post(f"{gateway.base_url}/v1/responses", json={"model": "tiny", "input": []}, timeout=30)
+    assert refused.status_code == 400
+    check(refused.json(), "ErrorResponse")
+
+
+def _strict(model: Any, data: Any) -> None:
+    """``data`` validates as the SDK model, and holds no field the SDK does not know (recursively)."""
+    from pydantic import BaseModel, TypeAdapter
+
+    value = TypeAdapter(model).validate_python(data)
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, BaseModel):
+            assert not node.model_extra, f"{path}: fields the SDK does not know: {sorted(node.model_extra)}"
+            for name in type(node).model_fields:
+                walk(getattr(node, name), f"{path}.{name}")
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{path}[{i}]")
+
+    walk(value, type(value).__name__)
+
+
+def test_messages_bodies_and_events_match_anthropics_sdk_types(
+    gateway: RunningGateway, agent_gateway: RunningGateway
+) -> None:
+    from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
+
+    read = {"name": "read", "description": "Read a file", "input_schema": READ_TOOL["function"]["parameters"]}  # type: ignore[index]
+    cases = [
+        (gateway, {"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": "Hello"}]}),
+        (
+            agent_gateway,
+            {
+                "model": "tiny-agent",
+                "max_tokens": 64,
+                "tools": [read],
+                "messages": [{"role": "user", "content": "What does the README say?"}],
+            },
+        ),
+    ]
+    kinds: set[str] = set()
+    for target, body in cases:
+        whole = httpx.post(f"{target.base_url}/v1/messages", json=body, timeout=120)
+        assert whole.status_code == 200, whole.text
+        _strict(Message, whole.json())
+        with httpx.stream("POST", f"{target.base_url}/v1/messages", json={**body, "stream": True}, timeout=120) as r:
+            events = _sse_events(r)
+        for name, event in events:
+            assert name == event["type"]
+            _strict(RawMessageStreamEvent, event)
+            kinds.add(name + (":" + event["delta"]["type"] if name == "content_block_delta" else ""))
+        count = httpx.post(f"{target.base_url}/v1/messages/count_tokens", json={k: v for k, v in body.items()
+                           if k != "max_tokens"}, timeout=30)  # fmt: skip
+        _strict(MessageTokensCount, count.json())
+    assert {"content_block_delta:text_delta", "content_block_delta:input_json_delta", "message_delta"} <= kinds
+    error = httpx.post(f"{gateway.base_url}/v1/messages", json={"model": "tiny"}, timeout=30)
+    assert error.status_code == 400
+    assert set(error.json()) == {"type", "error"} and set(error.json()["error"]) == {"type", "message"}
