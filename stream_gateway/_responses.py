@@ -280,7 +280,7 @@ def _shell(rid: str, created: int, model: str, body: ResponsesRequest, status: s
                 "description": t.description,
                 "parameters": t.parameters,
                 "strict": t.strict,
-            }  # fmt: skip
+            }
             for t in body.tools or ()
         ],
         "top_p": body.top_p if body.top_p is not None else 1.0,
