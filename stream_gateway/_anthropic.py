@@ -13,8 +13,11 @@ Requests (as Anthropic documents them, read for this from its API reference):
   content (``text`` and ``tool_use`` blocks) → one assistant message with its tool calls (the
   ``tool_use`` id is the call id, ``input`` the JSON arguments). ``thinking`` blocks are
   dropped (this gateway's models do not produce them). Images and documents: a clear 400.
+* ``role: "system"`` messages inside ``messages`` (Claude Code sends them) → system messages
+  there.
 * ``tools`` (``name``, ``description``, ``input_schema``) → function tools; Anthropic's server
-  tools (``web_search``, ``bash_20250124`` ...) are refused; ``tool_choice`` ``auto`` / ``any`` /
+  tools (``web_search_20250305`` ...) run on Anthropic's servers: this gateway runs no tools, so
+  they are not offered to the model (a ``tool_choice`` naming one is refused); ``tool_choice`` ``auto`` / ``any`` /
   ``tool`` / ``none`` → ``auto`` / ``required`` / the named function / ``none``;
   ``disable_parallel_tool_use`` → ``parallel_tool_calls: false``.
 * ``max_tokens`` (required), ``stop_sequences``, ``stream``, ``metadata.user_id``;
@@ -105,7 +108,8 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | OtherBlock, Field
 
 
 class MessageParam(_In):
-    role: Literal["user", "assistant"]
+    # "system" inside messages: Claude Code's mid-conversation system messages (a beta it sends).
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -189,6 +193,12 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
         )
         texts: list[str] = []
+        if message.role == "system":
+            for block in blocks:
+                if not isinstance(block, TextBlock):
+                    raise InvalidRequest(f"{where}: a system message holds text only.", param=where)
+            out.append({"role": "system", "content": "\n\n".join(b.text for b in blocks)})
+            continue
         if message.role == "assistant":
             calls = []
             for block in blocks:
@@ -224,14 +234,10 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
 
 def _tools(body: CountTokensRequest) -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    if body.tools:
-        for tool in body.tools:
-            if tool.type not in (None, "custom"):
-                raise InvalidRequest(
-                    f"Tool {tool.name!r} is an Anthropic server tool ({tool.type}); only client tools with an "
-                    "input_schema are supported.",
-                    param="tools",
-                )
+    # Anthropic's server tools (web_search_..., code_execution_...) run on Anthropic's servers;
+    # this gateway runs no tools, so they are not offered to the model (see the module docstring).
+    client_tools = [tool for tool in body.tools or () if tool.type in (None, "custom")]
+    if client_tools:
         fields["tools"] = [
             {
                 "type": "function",
@@ -241,7 +247,7 @@ def _tools(body: CountTokensRequest) -> dict[str, Any]:
                     "parameters": tool.input_schema or {"type": "object", "properties": {}},
                 },
             }
-            for tool in body.tools
+            for tool in client_tools
         ]
     choice = body.tool_choice
     if choice is not None:

@@ -12,7 +12,9 @@ Requests (OpenAI's API reference for ``responses.create``, and the ``openai`` SD
   ``function_call_output`` (``call_id``, ``output``). An assistant message and the function
   calls after it are one assistant turn. ``reasoning`` items are dropped (these models do not
   produce them). ``instructions`` → a system message first.
-* ``tools`` (``type: function``) and ``tool_choice``; ``text.format`` ``json_schema`` /
+* ``tools`` (``type: function``) and ``tool_choice``; hosted tools (``web_search``, ``file_search``,
+  ``mcp`` ...), ``namespace`` and ``custom`` tools are not offered to the model (this gateway
+  runs no tools; Codex sends several by default); ``text.format`` ``json_schema`` /
   ``json_object`` → constrained decoding; ``max_output_tokens``, ``temperature``, ``top_p``,
   ``parallel_tool_calls``, ``metadata``, ``user``. ``reasoning``, ``include``, ``truncation``
   and ``store`` are accepted; nothing is stored for later retrieval (``GET`` of a response is
@@ -158,13 +160,15 @@ def _messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dic
 def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
     """The chat completion request that ``body`` means (after ``history``, a previous response's)."""
     fields: dict[str, Any] = {"model": body.model, "messages": _messages(body, history or [])}
-    if body.tools:
+    # Hosted tools (web_search, file_search, mcp ...), namespaces and custom (freeform) tools run
+    # on OpenAI's side or need a grammar per tool: this gateway runs no tools, so they are not
+    # offered to the model (Codex sends several by default).
+    functions = [tool for tool in body.tools or () if tool.type == "function"]
+    if functions:
         tools = []
-        for tool in body.tools:
-            if tool.type != "function" or not tool.name:
-                raise InvalidRequest(
-                    f"Tool type {tool.type!r} is a hosted tool; only function tools are supported.", param="tools"
-                )
+        for tool in functions:
+            if not tool.name:
+                raise InvalidRequest("A function tool needs a name.", param="tools")
             function: dict[str, Any] = {
                 "name": tool.name,
                 "description": tool.description,
@@ -282,6 +286,7 @@ def _shell(rid: str, created: int, model: str, body: ResponsesRequest, status: s
                 "strict": t.strict,
             }
             for t in body.tools or ()
+            if t.type == "function"
         ],
         "top_p": body.top_p if body.top_p is not None else 1.0,
         "truncation": "disabled",

@@ -607,6 +607,11 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         }
         return ORJSONResponse({"object": "list", "data": [model]})
 
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> Response:
+        """Claude Code opens a connection with ``HEAD /`` before its first request."""
+        return ORJSONResponse({"object": "stream-gateway", "model": engine.model_id})
+
     @app.get("/health")
     async def health() -> Response:
         stats = engine.statistics()

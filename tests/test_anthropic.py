@@ -99,11 +99,19 @@ def test_errors_take_anthropics_shape(gateway: RunningGateway) -> None:
                 max_tokens=4,
                 messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
             )
-        with pytest.raises(anthropic.BadRequestError, match="server tool"):
-            client.messages.create(
-                model="tiny", max_tokens=4, messages=USER,  # type: ignore[arg-type]
-                tools=[{"type": "web_search_20250305", "name": "web_search"}],  # type: ignore[list-item]
-            )  # fmt: skip
+        # Server tools run on Anthropic's side: not offered to the model; naming one is refused.
+        served = client.messages.create(model="tiny", max_tokens=2, messages=USER,  # type: ignore[arg-type]
+                                        tools=[{"type": "web_search_20250305", "name": "web_search"}])  # type: ignore[list-item]  # fmt: skip
+        assert served.stop_reason == "max_tokens"
+        with pytest.raises(anthropic.BadRequestError):
+            client.messages.create(model="tiny", max_tokens=2, messages=USER,  # type: ignore[arg-type]
+                                   tools=[{"type": "web_search_20250305", "name": "web_search"}],  # type: ignore[list-item]
+                                   tool_choice={"type": "tool", "name": "web_search"})  # fmt: skip
+        # Claude Code's mid-conversation system messages, and its HEAD / preconnect.
+        mid = client.messages.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}])  # type: ignore[list-item,misc]  # fmt: skip
+        assert mid.usage.input_tokens > 0
+    assert httpx.head(f"{gateway.base_url}/", timeout=10).status_code == 200
     raw = httpx.post(f"{gateway.base_url}/v1/messages", json={"model": "tiny", "messages": USER}, timeout=10)
     assert raw.status_code == 400
     assert raw.json()["type"] == "error" and raw.json()["error"]["type"] == "invalid_request_error"

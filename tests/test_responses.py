@@ -60,8 +60,13 @@ def test_a_response_and_its_stream_carry_the_same_tokens(gateway: RunningGateway
 
 def test_bad_responses_requests_are_refused_clearly(gateway: RunningGateway) -> None:
     with _client(gateway) as client:
-        with pytest.raises(openai.BadRequestError, match="hosted tool"):
-            client.responses.create(model="tiny", input=SEA, tools=[{"type": "web_search"}])  # type: ignore[list-item]
+        # Hosted tools are not offered to the model (the gateway runs none); the request is served.
+        hosted = client.responses.create(model="tiny", input=SEA, max_output_tokens=2,
+                                         tools=[{"type": "web_search"}, READ])  # type: ignore[list-item]  # fmt: skip
+        assert [tool.type for tool in hosted.tools] == ["function"]
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model="tiny", input=SEA, tools=[{"type": "web_search"}],  # type: ignore[list-item]
+                                    tool_choice={"type": "function", "name": "web_search"})  # fmt: skip
         image = [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/x.png"}]}]
         with pytest.raises(openai.BadRequestError, match="input_image parts are not supported"):
             client.responses.create(model="tiny", input=image)  # type: ignore[arg-type]
