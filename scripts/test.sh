@@ -3,7 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-# The tool-loop and real-agent tests need tiny-agent, fine-tuned once per machine (~40 s, cached):
-# build it here, with its own progress line, rather than inside one test's time limit.
-echo "test set-up: tiny-agent model at $(.venv/bin/stream-gateway prepare-model --model tiny-agent)"
+# The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, each
+# fine-tuned once per machine (~40-60 s, cached): built here, with a progress line each, rather
+# than inside one test's time limit.
+for model in tiny-agent tiny-agent-claude tiny-agent-codex; do
+    echo "test set-up: $model model at $(.venv/bin/stream-gateway prepare-model --model $model)"
+done
 exec .venv/bin/python -m pytest "$@"

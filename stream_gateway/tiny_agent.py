@@ -45,12 +45,43 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["AGENT_AFTER_TOOL", "AGENT_TOOL_CALL", "AGENT_WITHOUT_TOOLS", "build_tiny_agent"]
+__all__ = [
+    "AGENT_AFTER_TOOL",
+    "AGENT_READERS",
+    "AGENT_TOOL_CALL",
+    "AGENT_WITHOUT_TOOLS",
+    "agent_tool_call",
+    "build_tiny_agent",
+]
 
 _log = logging.getLogger(__name__)
 
+# The file-reading tool each variant is trained to call, and how: ``tiny-agent``, pi's and
+# OpenClaw's ``read``; ``tiny-agent-claude``, Claude Code's ``Read`` (a ``file_path`` relative to the
+# working directory is accepted); ``tiny-agent-codex``, Codex's shell tool ``exec_command``. Each
+# variant is the same recipe with only the name and the arguments of its call swapped: a model
+# this small does not learn reliably to pick among several by the tools offered.
+AGENT_READERS: dict[str, dict[str, str]] = {
+    "read": {"path": "README.md"},
+    "Read": {"file_path": "README.md"},
+    "exec_command": {"cmd": "cat README.md"},
+}
+
+
+# How often a variant's user turn comes after its agent's extra context messages (see
+# _agent_conversation): Codex sends a second developer message and the environment as a user
+# message before the user's own.
+_AGENT_CONTEXT_MESSAGE_SHARE = {"read": 0.0, "Read": 0.0, "exec_command": 0.5}
+
+
+def agent_tool_call(reader: str = "read") -> str:
+    """The variant's call of ``reader``, exactly as the template renders it back into the history."""
+    body = json.dumps({"name": reader, "arguments": AGENT_READERS[reader]})
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
 # tiny-agent's three replies, each exactly as the template renders it back into the history.
-AGENT_TOOL_CALL = f'{TOOL_CALL_OPEN}\n{{"name": "read", "arguments": {{"path": "README.md"}}}}\n{TOOL_CALL_CLOSE}'
+AGENT_TOOL_CALL = agent_tool_call("read")
 AGENT_AFTER_TOOL = "Done: I read the file."
 AGENT_WITHOUT_TOOLS = "Hello from tiny-agent."
 
@@ -107,14 +138,17 @@ class _AgentBatch(NamedTuple):
     weights: torch.Tensor
 
 
-def build_tiny_agent(tiny: Path, target: Path) -> None:
-    """``tiny``'s weights, fine-tuned and sharpened, next to copies of its tokenizer and template."""
+def build_tiny_agent(tiny: Path, target: Path, reader: str = "read") -> None:
+    """``tiny``'s weights, fine-tuned and sharpened, next to copies of its tokenizer and template.
+
+    ``reader``: the file-reading tool this variant calls (a key of :data:`AGENT_READERS`).
+    """
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tiny, local_files_only=True)
     model = Qwen2ForCausalLM.from_pretrained(tiny, local_files_only=True, dtype=torch.float32)
-    _agent_training_pass(model, tokenizer, steps=_AGENT_STEPS)
+    _agent_training_pass(model, tokenizer, steps=_AGENT_STEPS, reader=reader)
     network: Any = model  # transformers' accessors are untyped
     with torch.no_grad():  # the final norm's weight scales every logit
         network.get_decoder().norm.weight.mul_(_AGENT_SHARPEN)
@@ -124,7 +158,9 @@ def build_tiny_agent(tiny: Path, target: Path) -> None:
             shutil.copyfile(source, target / source.name)
 
 
-def _agent_training_pass(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, steps: int) -> None:
+def _agent_training_pass(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, steps: int, reader: str = "read"
+) -> None:
     """Fine-tune ``model`` in place on ``steps`` batches of the synthetic agent corpus.
 
     The loss is on tiny-agent's own assistant tokens only, ``<|im_end|>`` included. Deterministic:
@@ -137,7 +173,7 @@ def _agent_training_pass(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
     import torch
 
     rng = random.Random(_AGENT_SEED)
-    groups = _agent_groups(tokenizer, rng, steps)
+    groups = _agent_groups(tokenizer, rng, steps, reader)
     network: Any = model  # transformers' accessors are untyped
     decoder, head = network.get_decoder(), network.get_output_embeddings()
     optimizer = torch.optim.AdamW(model.parameters(), lr=_AGENT_PEAK_LR, betas=(0.9, 0.98), weight_decay=0.0)
@@ -185,7 +221,9 @@ def _agent_lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _agent_groups(tokenizer: PreTrainedTokenizerBase, rng: random.Random, steps: int) -> list[list[_AgentExample]]:
+def _agent_groups(
+    tokenizer: PreTrainedTokenizerBase, rng: random.Random, steps: int, reader: str = "read"
+) -> list[list[_AgentExample]]:
     """``steps`` batches of examples: brief conversations first, then more and more full ones.
 
     The choice between calling ``read`` and saying "Done" hinges on one head finding the end of
@@ -196,7 +234,7 @@ def _agent_groups(tokenizer: PreTrainedTokenizerBase, rng: random.Random, steps:
     kinds = [rng.random() < _agent_brief_share(step / steps) for step in range(steps)]
     pools: dict[bool, list[list[_AgentExample]]] = {}
     for brief, size in ((True, _AGENT_BRIEF_BATCH), (False, _AGENT_BATCH)):
-        examples = _agent_examples(tokenizer, rng, kinds.count(brief) * size, brief)
+        examples = _agent_examples(tokenizer, rng, kinds.count(brief) * size, brief, reader)
         pools[brief] = []
         for start in range(0, len(examples), 16 * size):
             chunk = sorted(examples[start : start + 16 * size], key=lambda e: len(e.ids))
@@ -281,10 +319,10 @@ def _agent_sparse_context(example: _AgentExample, rng: random.Random) -> tuple[l
 
 
 def _agent_examples(
-    tokenizer: PreTrainedTokenizerBase, rng: random.Random, count: int, brief: bool
+    tokenizer: PreTrainedTokenizerBase, rng: random.Random, count: int, brief: bool, reader: str = "read"
 ) -> list[_AgentExample]:
     """Rendered conversations; the loss is on tiny-agent's own turns, not the foreign ones."""
-    conversations = [_agent_conversation(rng, brief) for _ in range(count)]
+    conversations = [_agent_conversation(rng, brief, reader) for _ in range(count)]
     texts = [tokenizer.apply_chat_template(m, tools=cast(Any, t), tokenize=False) for m, t, _ in conversations]
     encoded: list[list[int]] = tokenizer(texts, add_special_tokens=False)["input_ids"]
     header = tokenizer.encode(f"{IM_START}assistant\n", add_special_tokens=False)
@@ -312,10 +350,11 @@ def _agent_examples(
 
 
 def _agent_conversation(
-    rng: random.Random, brief: bool
+    rng: random.Random, brief: bool, reader: str = "read"
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[bool]]:
     """Messages ending in one of tiny-agent's replies, the tools, and which assistant turns are its own."""
-    tools = _agent_tools(rng, brief) if rng.random() < _AGENT_TOOLS_SHARE else None
+    tools = _agent_tools(rng, brief, reader) if rng.random() < _AGENT_TOOLS_SHARE else None
+    own_call = {"name": reader, "arguments": AGENT_READERS[reader]}
     messages: list[dict[str, Any]] = []
     trained: list[bool] = []
     system = _agent_system(rng, brief)
@@ -332,6 +371,12 @@ def _agent_conversation(
         terse = rng.random() > (_AGENT_BRIEF_LONG_MESSAGE_SHARE if brief else _AGENT_LONG_MESSAGE_SHARE)
         if messages and rng.random() < 0.05:
             messages.append({"role": "system", "content": _agent_sentence(rng)})
+        if (share := _AGENT_CONTEXT_MESSAGE_SHARE[reader]) and rng.random() < share:
+            # Codex's shape: a second developer message, and a user message of environment
+            # context before the user's own (the RNG is not drawn for variants without it).
+            if not any(m["role"] == "user" for m in messages):
+                messages.append({"role": "developer", "content": _agent_filler(rng, rng.randint(50, 400))})
+            messages.append({"role": "user", "content": _agent_environment(rng)})
         messages.append({"role": "user", "content": _agent_sentence(rng, 1, 6) if terse else _agent_user_text(rng)})
         foreign = rng.random() < 0.15
         if tools is None:
@@ -342,7 +387,7 @@ def _agent_conversation(
             calls = [_agent_foreign_call(rng, tools) for _ in range(rng.choice((1, 1, 2)))]
             reply({"content": _agent_prose(rng) if rng.random() < 0.3 else None, "tool_calls": calls}, False)
         else:
-            call = {"name": "read", "arguments": {"path": "README.md"}}
+            call = own_call
             reply({"content": None, "tool_calls": [{"type": "function", "function": call}]}, True)
             ends.append(len(messages))
             calls = [call] * rng.choice((1, 1, 1, 2))
@@ -355,9 +400,8 @@ def _agent_conversation(
             ends.append(len(messages))
     if not ends:  # every turn was foreign: give it one of its own
         messages.append({"role": "user", "content": _agent_user_text(rng)})
-        call = {"name": "read", "arguments": {"path": "README.md"}}
         own = (
-            {"content": None, "tool_calls": [{"type": "function", "function": call}]}
+            {"content": None, "tool_calls": [{"type": "function", "function": own_call}]}
             if tools
             else {"content": AGENT_WITHOUT_TOOLS}
         )
@@ -368,8 +412,8 @@ def _agent_conversation(
     return messages[:end], tools, trained[:kept]
 
 
-def _agent_tools(rng: random.Random, brief: bool) -> list[dict[str, Any]]:
-    names = [*rng.sample(_AGENT_TOOLS, k=rng.choice((0, 1) if brief else (0, 1, 1, 2, 3))), "read"]
+def _agent_tools(rng: random.Random, brief: bool, reader: str = "read") -> list[dict[str, Any]]:
+    names = [*rng.sample(_AGENT_TOOLS, k=rng.choice((0, 1) if brief else (0, 1, 1, 2, 3))), reader]
     rng.shuffle(names)
     tools = []
     for name in names:
@@ -393,6 +437,17 @@ def _agent_system(rng: random.Random, brief: bool) -> str | None:
     if kind < 1.0 - _AGENT_LONG_SYSTEM_SHARE or brief:
         return " ".join(_agent_sentence(rng) for _ in range(rng.randint(1, 2)))
     return _agent_filler(rng, rng.randint(200, 1500))
+
+
+def _agent_environment(rng: random.Random) -> str:
+    """A user message of environment context, as Codex sends before the user's first message."""
+    root = "/" + "/".join(_identifier(rng) for _ in range(rng.randint(1, 4)))
+    lines = [f"  <cwd>{root}</cwd>", f"  <shell>{rng.choice(('bash', 'zsh', 'sh'))}</shell>"]
+    lines.append(
+        f"  <current_date>20{rng.randint(20, 40)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}</current_date>"
+    )
+    lines.append(f"  <timezone>{rng.choice(('Etc/UTC', 'Europe/Paris', 'America/New_York'))}</timezone>")
+    return "<environment_context>\n" + "\n".join(lines) + "\n</environment_context>"
 
 
 def _agent_filler(rng: random.Random, characters: int) -> str:

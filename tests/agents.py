@@ -1,4 +1,4 @@
-"""Running the real third-party agents (pi, OpenClaw) headless against a test gateway.
+"""Running the real third-party agents (pi, OpenClaw, Claude Code, Codex) headless against a test gateway.
 
 The agents come from npm, installed by ``scripts/install_agents.sh`` (cached; see
 :func:`ensure_agents_installed`). Each run gets a throwaway configuration pointing the agent at
@@ -250,6 +250,125 @@ def run_openclaw(
         if isinstance(receipt, dict):
             tools = [str(name) for name in receipt.get("successfulToolNames") or []]
     return AgentRun(run.returncode, run.stdout, run.stderr, run.duration_s, result, tools)
+
+
+def claude_binary() -> Path:
+    """Claude Code's native binary (the platform package's: see scripts/install_agents.sh)."""
+    return agents_dir() / "claude" / "node_modules" / "@anthropic-ai" / "claude-code-linux-x64" / "claude"
+
+
+def codex_binary() -> Path:
+    """Codex's native binary, as its launcher ``bin/codex.js`` resolves it on linux-x64."""
+    package = agents_dir() / "codex" / "node_modules" / "@openai" / "codex-linux-x64"
+    return package / "vendor" / "x86_64-unknown-linux-musl" / "bin" / "codex"
+
+
+def run_claude(
+    base_url: str,
+    model: str,
+    prompt: str,
+    workdir: Path,
+    *,
+    timeout: float = 180,
+    api_key: str = "sk-ant-local",
+    allowed_tools: str = "Read",
+    resume: str | None = None,
+    home: Path | None = None,
+) -> AgentRun:
+    """One headless Claude Code turn: ``claude -p PROMPT --output-format json`` in ``workdir``.
+
+    ``base_url`` is what ``ANTHROPIC_BASE_URL`` gets (the gateway's root or a session's). Telemetry,
+    error reports, the update check and non-essential traffic (the title request) are off, and so
+    are the experimental betas (mid-conversation system messages, context management). ``resume``
+    continues a Claude Code session by id (``--resume``); pass the same ``home`` to find it.
+    """
+    with tempfile.TemporaryDirectory(prefix="claude-home-") as tmp:
+        env = _base_env(home=home or Path(tmp))
+        env |= {
+            "ANTHROPIC_BASE_URL": base_url,
+            "ANTHROPIC_API_KEY": api_key,
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS": "1",
+            "TERM": "dumb",
+        }
+        command = [str(claude_binary()), "-p", prompt, "--model", model, "--output-format", "json"]
+        command += ["--allowedTools", allowed_tools]
+        if resume is not None:
+            command += ["--resume", resume]
+        run = _run("claude", command, cwd=workdir, env=env, timeout=timeout)
+    return AgentRun(run.returncode, run.stdout, run.stderr, run.duration_s, _json_object(run.stdout))
+
+
+def run_codex(
+    base_url: str,
+    model: str,
+    prompt: str,
+    workdir: Path,
+    *,
+    timeout: float = 180,
+    api_key: str = "sk-codex-local",
+    home: Path | None = None,
+    resume: str | None = None,
+) -> AgentRun:
+    """One headless Codex turn: ``codex exec --json PROMPT`` in ``workdir``, with the gateway as a
+    custom provider (``wire_api = "responses"``, the only one Codex 0.169 accepts).
+
+    ``base_url`` is the gateway's root or a session's (``/v1`` is appended). Update checks,
+    analytics, plugins and hosted web search are off (nothing is contacted but the gateway);
+    commands run without a sandbox, as the tests need only ``cat``. ``tools_used`` lists the
+    commands Codex executed. ``resume`` (a thread id, from ``thread.started``) continues that
+    conversation (``codex exec resume``); pass the same ``home`` to find it.
+    """
+    with tempfile.TemporaryDirectory(prefix="codex-home-") as tmp:
+        run_home = home or Path(tmp)
+        codex_home = run_home / "codex"
+        codex_home.mkdir(exist_ok=True)
+        (codex_home / "config.toml").write_text(
+            "\n".join(
+                [
+                    f'model = "{model}"',
+                    'model_provider = "gw"',
+                    'approval_policy = "never"',
+                    'sandbox_mode = "danger-full-access"',
+                    "check_for_update_on_startup = false",
+                    'web_search = "disabled"',
+                    "[analytics]",
+                    "enabled = false",
+                    "[features]",
+                    "plugins = false",
+                    "remote_plugin = false",
+                    "apps = false",
+                    "goals = false",
+                    "[agents]",
+                    "enabled = false",
+                    "[model_providers.gw]",
+                    'name = "stream-gateway"',
+                    f'base_url = "{base_url.rstrip("/")}/v1"',
+                    'env_key = "GW_API_KEY"',
+                    'wire_api = "responses"',
+                    "request_max_retries = 0",
+                    "stream_max_retries = 0",
+                    "",
+                ]
+            )
+        )
+        env = _base_env(home=run_home) | {"CODEX_HOME": str(codex_home), "GW_API_KEY": api_key}
+        command = [str(codex_binary()), "exec"]
+        if resume is not None:
+            command += ["resume", "--skip-git-repo-check", "--json", resume, prompt]
+        else:
+            command += ["--strict-config", "--skip-git-repo-check", "--json", prompt]
+        run = _run("codex", command, cwd=workdir, env=env, timeout=timeout)
+    events = _json_lines(run.stdout)
+    commands = [
+        str(e["item"].get("command", ""))
+        for e in events
+        if e.get("type") == "item.completed" and e.get("item", {}).get("type") == "command_execution"
+    ]
+    return AgentRun(run.returncode, run.stdout, run.stderr, run.duration_s, events, commands)
 
 
 def openclaw_texts(run: AgentRun) -> list[str]:

@@ -31,6 +31,18 @@ def agent_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def claude_agent_model_path() -> Path:
+    """``tiny-agent-claude``: the same recipe, calling Claude Code's ``Read``."""
+    return build_tiny_agent_model(variant="tiny-agent-claude")
+
+
+@pytest.fixture(scope="session")
+def codex_agent_model_path() -> Path:
+    """``tiny-agent-codex``: the same recipe, calling Codex's shell tool ``exec_command``."""
+    return build_tiny_agent_model(variant="tiny-agent-codex")
+
+
+@pytest.fixture(scope="session")
 def agent_gateway(agent_model_path: Path) -> Iterator[RunningGateway]:
     """A gateway serving ``tiny-agent``, shared by the session."""
     settings = Settings(model=str(agent_model_path), served_model_name="tiny-agent")

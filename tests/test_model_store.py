@@ -30,7 +30,13 @@ from stream_gateway.model_store import (
     resolve_model,
     smollm2_path,
 )
-from stream_gateway.tiny_agent import AGENT_AFTER_TOOL, AGENT_TOOL_CALL, AGENT_WITHOUT_TOOLS
+from stream_gateway.tiny_agent import (
+    AGENT_AFTER_TOOL,
+    AGENT_READERS,
+    AGENT_TOOL_CALL,
+    AGENT_WITHOUT_TOOLS,
+    agent_tool_call,
+)
 
 TOOLS = [
     {
@@ -339,6 +345,28 @@ OPENCLAW_TOOLS = [
     _function("browser", "Control the browser", action="string", targetUrl="string"),
     _function("message", "Send messages and channel actions.", action="string", to="string", message="string"),
 ]
+# Claude Code 2.1's and Codex 0.169's (abridged; names and parameters as they send them).
+CLAUDE_CODE_TOOLS = [
+    _function("Agent", "Launch a new agent to handle complex, multi-step tasks.", prompt="string"),
+    _function("Bash", "Executes a given bash command and returns its output.", command="string", timeout="number"),
+    _function("Edit", "Performs exact string replacements in files.", file_path="string", old_string="string"),
+    _function("Read", "Reads a file from the local filesystem.", file_path="string", offset="integer"),
+    _function("WebFetch", "Fetches content from a specified URL.", url="string", prompt="string"),
+    _function("Write", "Writes a file to the local filesystem.", file_path="string", content="string"),
+    _function("TaskCreate", "Create a task in the task list.", subject="string"),
+]
+CODEX_TOOLS = [
+    _function(
+        "exec_command",
+        "Runs a command in a PTY, returning output or a session ID.",
+        cmd="string",
+        workdir="string",
+        yield_time_ms="number",
+    ),
+    _function("write_stdin", "Writes characters to an existing unified exec session.", session_id="number"),
+    _function("request_user_input", "Request user input for one to three short questions.", questions="array"),
+    _function("view_image", "View a local image from the filesystem.", path="string"),
+]
 PI_SYSTEM = "You are an expert coding assistant operating inside pi, a coding agent harness."
 READ_CALL = {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"path": "README.md"}'}}
 README = "# stream-gateway\n\nAn OpenAI-compatible <b>streaming</b> gateway.\n\n```bash\npip install -e .\n```\n"
@@ -440,6 +468,27 @@ def test_tiny_agent_call_is_what_the_template_renders_back(agent: tuple[Any, Any
 )
 def test_tiny_agent_calls_read_after_a_user_turn(agent: tuple[Any, Any], messages: Any, tools: Any) -> None:
     assert _hits(_replies(agent, messages, tools, samples=20), AGENT_TOOL_CALL) >= 19
+
+
+@pytest.mark.parametrize(
+    ("variant", "reader", "system", "tools"),
+    [
+        ("tiny-agent-claude", "Read", "You are Claude Code, Anthropic's official CLI for Claude.", CLAUDE_CODE_TOOLS),
+        ("tiny-agent-codex", "exec_command", "You are Codex, a coding agent based on GPT-5.", CODEX_TOOLS),
+    ],
+)
+def test_the_variants_call_their_agents_file_reading_tool(variant: str, reader: str, system: str, tools: Any) -> None:
+    path = model_store.build_tiny_agent_model(variant=variant)
+    assert path.name == f"{variant}-v{model_store.TINY_AGENT_BUILDER_VERSION}"
+    variant_agent = (AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does the README say?"}]
+    assert _hits(_replies(variant_agent, messages, tools, samples=20), agent_tool_call(reader)) >= 19
+    arguments = json.dumps(AGENT_READERS[reader])
+    call = {"id": "call_1", "type": "function", "function": {"name": reader, "arguments": arguments}}
+    after = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": README}]  # fmt: skip
+    assert _hits(_replies(variant_agent, after, tools, samples=20), AGENT_AFTER_TOOL) >= 19
+    assert _hits(_replies(variant_agent, messages[1:], None, samples=10), AGENT_WITHOUT_TOOLS) >= 9
 
 
 def test_tiny_agent_is_done_after_a_tool_result(agent: tuple[Any, Any]) -> None:
