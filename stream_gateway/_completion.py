@@ -187,7 +187,7 @@ class CompletionService:
         self._sessions.store.touch(session)
         params = SamplingParams(
             max_tokens=requested if requested is not None else min(self._settings.default_max_tokens, room),
-            temperature=1.0 if body.temperature is None else body.temperature,
+            temperature=self._settings.default_temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(body.top_k or 0, 0),
             seed=body.seed,

@@ -115,6 +115,9 @@ class Settings(BaseSettings):
     replica_id: str | None = Field(None, description="this gateway's name in policy events (default: host-pid)")
 
     default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")
+    default_temperature: float = Field(
+        1.0, ge=0.0, le=2.0, description="sampling temperature when a chat, Messages or Responses request sets none"
+    )
     max_n: int = Field(8, ge=1, description="largest accepted n")
     durable_wait_seconds: float = Field(
         5.0,

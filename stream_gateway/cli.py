@@ -180,6 +180,7 @@ def add_gateway_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--device", help="torch device for the transformers engine (default cpu)")
     command.add_argument("--synthetic-tokens-per-second", type=float, help="synthetic engine rate")
     command.add_argument("--default-max-tokens", type=int, help="completion budget when none is asked")
+    command.add_argument("--default-temperature", type=float, help="temperature when none is asked (default 1.0)")
     command.add_argument(
         "--durable-wait-seconds",
         type=float,

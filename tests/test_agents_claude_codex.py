@@ -38,7 +38,9 @@ def agents() -> Path:
 
 
 def _gateway(model: Path, name: str) -> Iterator[RunningGateway]:
-    settings = Settings(model=str(model), served_model_name=name)
+    # Greedy (neither agent sends a temperature): the runs are reproducible; tiny-agent's
+    # variants are tested at temperature 1.0 in test_model_store.py.
+    settings = Settings(model=str(model), served_model_name=name, default_temperature=0.0)
     with run_gateway(build_engine(settings), settings) as running:
         yield running
 

@@ -124,6 +124,7 @@ def test_errors_take_anthropics_shape(gateway: RunningGateway) -> None:
 def _turn(client: anthropic.Anthropic, messages: list[dict[str, Any]], stream: bool) -> Any:
     kwargs: dict[str, Any] = {"model": "tiny-agent", "max_tokens": 64, "system": "You are a coding agent.",
                               "messages": messages, "tools": [READ]}  # fmt: skip
+    kwargs["extra_body"] = GREEDY  # what is tested is the protocol; tiny-agent's sampling is tested elsewhere
     if not stream:
         return client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as events:

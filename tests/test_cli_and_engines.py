@@ -208,3 +208,25 @@ def test_up_stops_its_nats_server_on_sigterm(tiny_model_path: Path, tmp_path: Pa
     assert match is not None, output
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", int(match[1]))) != 0, "the embedded nats-server outlived up"
+
+
+def test_default_temperature_applies_when_a_request_sets_none(tiny_model_path: Path) -> None:
+    """``--default-temperature 0``: requests without a temperature are greedy (the same answer twice)."""
+    from .servers import run_gateway
+
+    settings = Settings(model=str(tiny_model_path), served_model_name="tiny", default_temperature=0.0)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 12}
+    with run_gateway(build_engine(settings), settings) as gateway:
+        answers = {
+            httpx.post(f"{gateway.base_url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0][
+                "message"
+            ]["content"]
+            for _ in range(3)
+        }
+        sampled = {
+            httpx.post(f"{gateway.base_url}/v1/chat/completions", json={**body, "temperature": 1.0}, timeout=60).json()[
+                "choices"
+            ][0]["message"]["content"]
+            for _ in range(4)
+        }
+    assert len(answers) == 1 and len(sampled) > 1, (answers, sampled)

@@ -20,9 +20,12 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.embedded import EmbeddedNatsServer
+
 from .agent_loop import READ_TOOL
 from .fidelity import assert_chain_logprobs
 from .servers import RunningGateway
+from .test_gateway_events import capture_gateway, capture_settings  # noqa: F401  (fixtures)
 
 READ = {"type": "function", **READ_TOOL["function"]}  # type: ignore[dict-item]
 SEA = "Tell me about the sea."
@@ -78,6 +81,8 @@ def test_bad_responses_requests_are_refused_clearly(gateway: RunningGateway) -> 
 
 
 def _respond(client: OpenAI, stream: bool, **kwargs: Any) -> Any:
+    # Greedy: what is tested is the protocol; tiny-agent's sampled choices are tested elsewhere.
+    kwargs["temperature"] = 0
     if not stream:
         return client.responses.create(model="tiny-agent", tools=[READ], max_output_tokens=64, **kwargs)  # type: ignore[list-item]
     events = list(client.responses.create(model="tiny-agent", tools=[READ], max_output_tokens=64, stream=True,  # type: ignore[list-item]
@@ -124,3 +129,56 @@ def test_a_function_call_loop_is_one_token_exact_chain(
     assert all(t["matches_full_render"] for t in turns)
     model = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
     assert_chain_logprobs(model, chain["token_ids"], chain["mask"], chain["logprobs"])
+
+
+def test_a_previous_response_of_another_key_is_not_continued(gateway: RunningGateway) -> None:
+    first = httpx.post(f"{gateway.base_url}/v1/responses", json={"model": "tiny", "input": SEA, "max_output_tokens": 2},
+                       headers={"authorization": "Bearer key-a"}, timeout=60)  # fmt: skip
+    assert first.status_code == 200, first.text
+    follow = {"model": "tiny", "input": "More?", "max_output_tokens": 2, "previous_response_id": first.json()["id"]}
+    same = httpx.post(f"{gateway.base_url}/v1/responses", json=follow, headers={"authorization": "Bearer key-a"},
+                      timeout=60)  # fmt: skip
+    other = httpx.post(f"{gateway.base_url}/v1/responses", json=follow, headers={"authorization": "Bearer key-b"},
+                       timeout=60)  # fmt: skip
+    assert same.status_code == 200, same.text
+    assert other.status_code == 400 and other.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_a_responses_turn_makes_the_events_a_chat_turn_makes(
+    capture_gateway: RunningGateway,  # noqa: F811  (the fixture imported above)
+    nats_server: EmbeddedNatsServer,
+) -> None:
+    """The same conversation through chat completions and Responses: the same event kinds and
+    fields, the same prompt and (greedy) output ids."""
+    from .test_gateway_events import KEY, of_session, wait_for
+
+    prompt = [{"role": "user", "content": SEA}]
+    chat_session, responses_session = f"c{secrets.token_hex(4)}", f"r{secrets.token_hex(4)}"
+    headers = {"authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "messages": prompt, "max_tokens": 8, "temperature": 0}
+    url = f"{capture_gateway.base_url}/sessions/{chat_session}/v1/chat/completions"
+    chat = httpx.post(url, headers=headers, json=body, timeout=60)
+    assert chat.status_code == 200, chat.text
+    base = f"{capture_gateway.base_url}/sessions/{responses_session}/v1"
+    with OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=60) as client:
+        events = list(client.responses.create(model="tiny", input=SEA, max_output_tokens=8, temperature=0,
+                                              stream=True))  # fmt: skip
+    response = events[-1].response  # type: ignore[union-attr]
+    for session in (chat_session, responses_session):
+        httpx.post(f"{capture_gateway.base_url}/sessions/{session}/close", headers=headers, timeout=10)
+
+    def both_closed(found: list[Any]) -> bool:
+        sessions = (chat_session, responses_session)
+        return all("session.closed" in [e.kind for e in of_session(found, s)] for s in sessions)
+
+    stored = wait_for(nats_server.url, both_closed)
+    by_protocol = [of_session(stored, s) for s in (chat_session, responses_session)]
+    assert [e.kind for e in by_protocol[0]] == [e.kind for e in by_protocol[1]]
+    for chat_event, responses_event in zip(*by_protocol, strict=True):
+        assert type(chat_event) is type(responses_event)
+        assert set(chat_event.model_dump()) == set(responses_event.model_dump())
+    [chat_turn] = [e for e in by_protocol[0] if e.kind == "turn.completed"]
+    [responses_turn] = [e for e in by_protocol[1] if e.kind == "turn.completed"]
+    assert chat_turn.prompt_ids == responses_turn.prompt_ids  # type: ignore[attr-defined]
+    assert chat_turn.output_ids == responses_turn.output_ids  # type: ignore[attr-defined]
+    assert responses_turn.content == response.output_text  # type: ignore[attr-defined]
