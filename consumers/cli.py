@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli import nats_from_args, progress, run_command
+from pipeline.cli import nats_from_args, progress, standalone
 from pipeline.connection import NatsAuth, NatsRefused, add_nats_arguments
 
 from .streams import ConsumerStreams
@@ -149,9 +149,7 @@ def add_commands(commands: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m consumers.cli assemble|batch ...``."""
-    parser = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    return run_command(parser.parse_args(argv))
+    return standalone(__doc__.split("\n\n")[0], add_commands, argv)
 
 
 if __name__ == "__main__":

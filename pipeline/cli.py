@@ -17,7 +17,7 @@ from typing import Any
 
 from .connection import NatsAuth, add_nats_arguments, nats_auth_from_args, split_servers
 
-__all__ = ["add_commands", "main", "nats_from_args", "progress", "run_command"]
+__all__ = ["add_commands", "main", "nats_from_args", "progress", "run_command", "standalone"]
 
 
 def progress(message: str) -> None:
@@ -160,11 +160,16 @@ def run_command(args: argparse.Namespace) -> int:
     return result
 
 
+def standalone(description: str, add: Any, argv: Sequence[str] | None) -> int:
+    """A package's own ``python -m <package>.cli``: its commands (``add`` registers them) alone."""
+    parser = argparse.ArgumentParser(prog="stream-gateway", description=description)
+    add(parser.add_subparsers(dest="command", required=True))
+    return run_command(parser.parse_args(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pipeline.cli tail|publish-weights ...``."""
-    parser = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    return run_command(parser.parse_args(argv))
+    return standalone(__doc__.split("\n\n")[0], add_commands, argv)
 
 
 if __name__ == "__main__":

@@ -454,21 +454,22 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         remember(response)
         return ORJSONResponse(response, headers=headers)
 
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await limited(request, openai_responses, None)
+    def generation_routes(path: str, handler: Callable[[Request, str | None, str], Awaitable[Response]]) -> None:
+        """``POST path`` and its session-scoped twin ``/sessions/{session_id}path``, under the tenant's limits."""
 
-    @app.post("/sessions/{session_id}/v1/responses")
-    async def session_responses(request: Request, session_id: str) -> Response:
-        return await limited(request, openai_responses, session_id)
+        async def route(request: Request) -> Response:
+            return await limited(request, handler, None)
 
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await limited(request, anthropic_messages, None)
+        async def session_route(request: Request, session_id: str) -> Response:
+            return await limited(request, handler, session_id)
 
-    @app.post("/sessions/{session_id}/v1/messages")
-    async def session_messages(request: Request, session_id: str) -> Response:
-        return await limited(request, anthropic_messages, session_id)
+        app.post(path, name=handler.__name__)(route)
+        app.post(f"/sessions/{{session_id}}{path}", name=f"session_{handler.__name__}")(session_route)
+
+    generation_routes("/v1/chat/completions", chat_completion)
+    generation_routes("/v1/completions", text_completion)
+    generation_routes("/v1/messages", anthropic_messages)
+    generation_routes("/v1/responses", openai_responses)
 
     async def count_message_tokens(request: Request) -> Response:
         authorize(request)
@@ -477,22 +478,6 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
 
     app.post("/v1/messages/count_tokens")(count_message_tokens)
     app.post("/sessions/{session_id}/v1/messages/count_tokens")(count_message_tokens)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await limited(request, text_completion, None)
-
-    @app.post("/sessions/{session_id}/v1/completions")
-    async def session_completions(request: Request, session_id: str) -> Response:
-        return await limited(request, text_completion, session_id)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await limited(request, chat_completion, None)
-
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def session_chat_completions(request: Request, session_id: str) -> Response:
-        return await limited(request, chat_completion, session_id)
 
     @app.get("/sessions/{session_id}")
     async def inspect_session(request: Request, session_id: str) -> Response:
