@@ -45,6 +45,8 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _procs import free_port  # noqa: E402
+
 from consumers.parquet import BatchManifest  # noqa: E402
 from consumers.streams import ConsumerStreams  # noqa: E402
 from consumers.trajectory import Trajectory  # noqa: E402
@@ -281,7 +283,7 @@ async def run(args: argparse.Namespace) -> int:
     model = str(resolve_model("tiny", None))
     nats = EmbeddedNatsServer(NatsServerConfig(store_dir=work / "nats", monitor_port=None))
     await asyncio.to_thread(nats.start)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     procs = {
         "gateway": Process("gateway", ["serve", "--engine", "synthetic", "--model", model, "--served-model-name", "m",
@@ -304,12 +306,12 @@ async def run(args: argparse.Namespace) -> int:
         print(f"chaos: {args.duration:g} s, {args.conversations} conversations of {args.turns} turns, "
               f"a fault every ~{args.fault_every:g} s; logs in {work}", flush=True)  # fmt: skip
         stop = asyncio.Event()
-        clients = asyncio.create_task(_clients(base, args, tally, stop))
-        faults = asyncio.create_task(_faults(rng, args, nats, procs, base, tally, stop))
-        await asyncio.sleep(args.duration)
-        stop.set()
-        await faults
-        await asyncio.wait_for(clients, 180)  # conversations in progress finish (and close)
+        # Conversations in progress when the time is up finish (and close): 180 s at most.
+        async with asyncio.timeout(args.duration + 180), asyncio.TaskGroup() as tasks:
+            tasks.create_task(_clients(base, args, tally, stop))
+            tasks.create_task(_faults(rng, args, nats, procs, base, tally, stop))
+            await asyncio.sleep(args.duration)
+            stop.set()
         traffic_s = time.monotonic() - started
         print(f"  traffic over after {traffic_s:.0f} s; {len(tally.completed)} turns completed; draining", flush=True)
         deadline = time.monotonic() + args.drain_timeout
@@ -344,14 +346,6 @@ async def run(args: argparse.Namespace) -> int:
     bad = (count.events_lost + count.events_duplicated + count.trajectories_lost + count.trajectories_duplicated
            + count.batch_lost + count.batch_duplicated)  # fmt: skip
     return 1 if bad else 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main() -> int:

@@ -54,12 +54,13 @@ def _assemble(args: argparse.Namespace) -> int:
 
 
 def batcher_config(
-    args: argparse.Namespace, servers: tuple[str, ...], auth: NatsAuth, output_dir: Path | None
+    args: argparse.Namespace, servers: tuple[str, ...], auth: NatsAuth, output_dir: Path | None, **more: Any
 ) -> BatcherConfig:
-    """The batcher's configuration from :func:`add_batch_flags`' flags."""
+    """The batcher's configuration from :func:`add_batch_flags`' flags (and ``more`` fields)."""
     from .batcher import BatcherConfig
 
     return BatcherConfig(
+        **more,
         servers=servers,
         auth=auth,
         names=ConsumerStreams(prefix=args.subject_prefix or "sg", events=args.events_stream or "SG_EVENTS"),
@@ -72,7 +73,6 @@ def batcher_config(
         overlong=args.overlong,
         no_reward=args.no_reward,
         output_dir=output_dir,
-        ack_wait_s=getattr(args, "ack_wait", None) or 30.0,
     )
 
 
@@ -84,7 +84,7 @@ def _batch(args: argparse.Namespace) -> int:
     servers, auth = nats
     output_dir = Path(args.output_dir).expanduser() if args.output_dir else None
     try:
-        config = batcher_config(args, servers, auth, output_dir)
+        config = batcher_config(args, servers, auth, output_dir, ack_wait_s=args.ack_wait)
     except ValueError as exc:
         print(f"stream-gateway batch: {exc}", file=sys.stderr)
         return 2

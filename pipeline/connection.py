@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 PASSWORD_ENV = "STREAM_GATEWAY_NATS_PASSWORD"
+_FLAG_FIELDS = ("user", "password", "token", "creds", "nkey", "tls_ca", "tls_cert", "tls_key", "tls_hostname")
 TOKEN_ENV = "STREAM_GATEWAY_NATS_TOKEN"
 
 
@@ -97,8 +98,10 @@ class NatsAuth:
     def from_options(cls, options: Any) -> NatsAuth:
         """From a mapping (a config file's, an OmegaConf node) with this class's field names.
 
-        A password or token not in it comes from ``STREAM_GATEWAY_NATS_PASSWORD`` /
-        ``STREAM_GATEWAY_NATS_TOKEN``, so that config files need not hold secrets.
+        A password (with a user) or a token (without one) not in it comes from
+        ``STREAM_GATEWAY_NATS_PASSWORD`` / ``STREAM_GATEWAY_NATS_TOKEN``, so that neither config
+        files nor command lines need hold secrets. The one place, outside the gateway's Settings,
+        that reads them.
         """
         values = {str(k): v for k, v in dict(options or {}).items() if v is not None}
         known = {f.name for f in fields(cls)}
@@ -265,18 +268,4 @@ def add_nats_arguments(parser: argparse.ArgumentParser, *, url_default: str | No
 
 def nats_auth_from_args(args: argparse.Namespace) -> NatsAuth:
     """The :class:`NatsAuth` of :func:`add_nats_arguments`'s flags (and the secrets' variables)."""
-
-    def path(value: str | None) -> Path | None:
-        return Path(value).expanduser() if value else None
-
-    return NatsAuth(
-        user=args.nats_user,
-        password=args.nats_password or (os.environ.get(PASSWORD_ENV) or None if args.nats_user else None),
-        token=args.nats_token or os.environ.get(TOKEN_ENV) or None,
-        creds=path(args.nats_creds),
-        nkey=path(args.nats_nkey),
-        tls_ca=path(args.nats_tls_ca),
-        tls_cert=path(args.nats_tls_cert),
-        tls_key=path(args.nats_tls_key),
-        tls_hostname=args.nats_tls_hostname,
-    )
+    return NatsAuth.from_options({name: getattr(args, f"nats_{name}") for name in _FLAG_FIELDS})
