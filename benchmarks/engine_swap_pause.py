@@ -177,7 +177,7 @@ def main() -> None:
     if args.tokenizer:
         tokenizer_dir = Path(args.tokenizer)
     else:
-        from stream_gateway.model_store import build_tiny_model
+        from stream_gateway.models._cache import build_tiny_model
 
         tokenizer_dir = build_tiny_model()
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: the exactness check compares against it

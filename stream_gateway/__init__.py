@@ -4,7 +4,7 @@ The public surface: :func:`create_app` builds the ASGI app for an engine, :class
 configures a process, and the error hierarchy lives in :mod:`stream_gateway._errors`.
 """
 
-from ._errors import (
+from stream_gateway._errors import (
     AuthenticationFailed,
     ContextLengthExceeded,
     EngineError,
@@ -15,8 +15,8 @@ from ._errors import (
     NotFound,
     UnsupportedParameter,
 )
-from ._settings import Settings
-from .app import create_app
+from stream_gateway._settings import Settings
+from stream_gateway.app import create_app
 
 __all__ = [
     "AuthenticationFailed",

@@ -170,7 +170,7 @@ class Settings(BaseSettings):
     @field_validator("tool_parser")
     @classmethod
     def _known_tool_parser(cls, value: str) -> str:
-        from .tool_parsers import TOOL_PARSERS
+        from stream_gateway.tool_parsers import TOOL_PARSERS
 
         if value not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser {value!r}; available: {', '.join(sorted(TOOL_PARSERS))}")

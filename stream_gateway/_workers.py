@@ -33,7 +33,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import Process
 
-from ._settings import Settings
+from stream_gateway._settings import Settings
 
 __all__ = ["check_workers", "listening_socket", "run_workers"]
 
@@ -80,7 +80,7 @@ def listening_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket
 
 def worker_environment(settings: Settings, index: int) -> dict[str, str]:
     """The environment of worker ``index``: every setting as ``STREAM_GATEWAY_*``, adjusted per worker."""
-    from .app import default_outbox_dir
+    from stream_gateway.app import default_outbox_dir
 
     values = settings.model_dump(mode="json")
     outbox = Path(settings.outbox_dir) if settings.outbox_dir else default_outbox_dir(settings)

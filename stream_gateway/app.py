@@ -42,12 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import _anthropic as anthropic
-from . import _responses as responses_api
-from ._api_types import ChatCompletionRequest
-from ._capture import EventRecorder
-from ._completion import CompletionService
-from ._errors import (
+from stream_gateway.protocols import _anthropic as anthropic
+from stream_gateway.protocols import _responses as responses_api
+from stream_gateway.completion._request import ChatCompletionRequest
+from stream_gateway.capture._recorder import EventRecorder
+from stream_gateway.completion._service import CompletionService
+from stream_gateway._errors import (
     AuthenticationFailed,
     Conflict,
     GatewayError,
@@ -56,17 +56,17 @@ from ._errors import (
     PermissionDenied,
     RequestTooLarge,
 )
-from ._metrics import GatewayMetrics
-from ._policy_sync import PolicyApplier, PolicyNotNewer
-from ._sessions import Session, SessionStore, session_body
-from ._settings import Settings
-from ._shared_sessions import SessionDirectory, SharedSessions, expected_seqs
-from ._streaming import RawSendApp, TokenStreamResponse, UpdateChannel
-from ._tenants import KeyEntry, KeyRing, Limits, RateLimited, RateLimiter
-from ._token_in import CompletionRequest, TextChunkEncoder, TokenInService, text_completion_body
-from .engines import Engine, WeightsRejected
-from .engines._pool import normalize_url
-from .engines.remote import RemoteEngine
+from stream_gateway._metrics import GatewayMetrics
+from stream_gateway.control._policy_sync import PolicyApplier, PolicyNotNewer
+from stream_gateway.sessions._store import Session, SessionStore, session_body
+from stream_gateway._settings import Settings
+from stream_gateway.sessions._shared import SessionDirectory, SharedSessions, expected_seqs
+from stream_gateway.completion._channel import RawSendApp, TokenStreamResponse, UpdateChannel
+from stream_gateway.control._tenants import KeyEntry, KeyRing, Limits, RateLimited, RateLimiter
+from stream_gateway.protocols._token_in import CompletionRequest, TextChunkEncoder, TokenInService, text_completion_body
+from stream_gateway.engines import Engine, WeightsRejected
+from stream_gateway.engines._pool import normalize_url
+from stream_gateway.engines.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
 
@@ -700,7 +700,7 @@ def _openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], model: str) -> di
 
 async def _start_follower(tg: Any, applier: PolicyApplier, settings: Settings, config: Any) -> None:
     """Follow published policies; wait (bounded) until this replica serves the latest one."""
-    from ._policy_sync import PolicyFollower
+    from stream_gateway.control._policy_sync import PolicyFollower
 
     follower = PolicyFollower(applier, config.servers, config.stream, auth=config.auth)
     tg.start_soon(follower.run)
@@ -716,7 +716,7 @@ async def _start_follower(tg: Any, applier: PolicyApplier, settings: Settings, c
 
 async def _start_upstream_follower(tg: Any, engine: RemoteEngine, settings: Settings) -> None:
     """Follow the servers written into ``--upstreams-bucket``; wait (bounded) for its contents."""
-    from ._upstream_sync import UpstreamFollower
+    from stream_gateway.control._upstream_sync import UpstreamFollower
 
     assert settings.nats_url is not None and settings.upstreams_bucket is not None
     follower = UpstreamFollower(engine, settings.nats_servers(), settings.upstreams_bucket, settings.nats_auth())

@@ -22,66 +22,15 @@ from typing import Any
 from pipeline.cli import progress
 from pipeline.connection import add_nats_arguments
 
-from ._settings import Settings
-from .engines import ENGINE_NAMES, Engine, create_engine
-
-
-def build_engine(settings: Settings) -> Engine:
-    """The engine ``settings`` ask for, built (not started) on the resolved local model."""
-    from .model_store import resolve_model
-
-    model = resolve_model(settings.model, settings.model_cache_dir)
-    options: dict[str, Any] = {}
-    if settings.engine == "transformers":
-        options = {
-            "served_model_name": settings.served_model_name or default_name(settings.model),
-            "max_batch_size": settings.max_batch_size,
-            "max_model_len": settings.max_model_len,
-            "device": settings.device,
-            "recompute_on_update": settings.kv_cache_on_update == "recompute",
-        }
-    elif settings.engine == "synthetic":
-        options = {
-            "served_model_name": settings.served_model_name or "synthetic",
-            "tokens_per_second": settings.synthetic_tokens_per_second,
-        }
-        if settings.max_model_len:
-            options["max_model_len"] = settings.max_model_len
-    elif settings.engine == "vllm":
-        options = {
-            "served_model_name": settings.served_model_name or default_name(settings.model),
-            "max_model_len": settings.max_model_len,
-        }
-    elif settings.engine in ("vllm-http", "sglang-http"):
-        if not settings.upstreams and not (settings.upstreams_bucket and settings.nats_url):
-            raise SystemExit(
-                f"stream-gateway: --engine {settings.engine} needs its servers: --upstream URL (repeatable), "
-                "or --upstreams-bucket with --nats-url"
-            )
-        options = {
-            "served_model_name": settings.served_model_name or default_name(settings.model),
-            "max_model_len": settings.max_model_len,
-            "upstreams": settings.upstreams,
-            "api_key": settings.upstream_api_key,
-            "health_interval_s": settings.upstream_health_interval_seconds,
-            "health_timeout_s": settings.upstream_health_timeout_seconds,
-            "connect_timeout_s": settings.upstream_connect_timeout_seconds,
-            "read_timeout_s": settings.upstream_read_timeout_seconds,
-            "max_connections": settings.upstream_max_connections,
-        }
-    return create_engine(settings.engine, model, **options)
-
-
-def default_name(model: str) -> str:
-    """Clients address the built-in models by their short names, others by their last path part."""
-    return model.rstrip("/").rsplit("/", 1)[-1]
+from stream_gateway._settings import Settings
+from stream_gateway.engines import ENGINE_NAMES, build_engine
 
 
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from ._workers import WorkersRefused, check_workers, listening_socket, run_workers
-    from .app import create_app
+    from stream_gateway._workers import WorkersRefused, check_workers, listening_socket, run_workers
+    from stream_gateway.app import create_app
 
     try:
         check_workers(settings)
@@ -141,7 +90,7 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 
 
 def _prepare_model(settings: Settings) -> int:
-    from .model_store import resolve_model
+    from stream_gateway.models._cache import resolve_model
 
     print(resolve_model(settings.model, settings.model_cache_dir))
     return 0
@@ -243,7 +192,7 @@ def _exposure_refusal(settings: Settings) -> str | None:
     """Why these settings must not serve: an unreadable key file, or no keys on a public address."""
     import ipaddress
 
-    from ._tenants import read_key_file
+    from stream_gateway.control._tenants import read_key_file
 
     if settings.api_key_file is not None:
         try:

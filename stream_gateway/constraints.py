@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import numpy as np
 import orjson
 
-from ._errors import InvalidRequest
+from stream_gateway._errors import InvalidRequest
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer

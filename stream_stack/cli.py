@@ -20,11 +20,10 @@ import pipeline.cli
 import stream_gateway.cli
 from pipeline.cli import progress
 from stream_gateway._settings import Settings
+from stream_gateway.engines import build_engine, default_name
 from stream_gateway.cli import (
     add_gateway_flags,
-    build_engine,
     configure_logging,
-    default_name,
     refusal,
     run_until_interrupted,
     settings_from_args,

@@ -9,8 +9,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
-from stream_gateway.model_store import build_tiny_agent_model, build_tiny_model
+from stream_gateway.engines import build_engine
+from stream_gateway.models._cache import build_tiny_agent_model, build_tiny_model
 
 from .nats_fixtures import nats_server
 from .servers import RunningGateway, run_gateway

@@ -31,7 +31,7 @@ from pipeline.events import Event, SessionClosed, TurnCompleted
 from pipeline.publisher import EventPublisher, PublisherConfig
 from pipeline.subscriber import message_payload
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 
 from .servers import RunningGateway, run_gateway
 
@@ -145,8 +145,8 @@ def test_gateway_sessions_become_their_chains_token_for_token(
 
 def _fake_session(session_id: str, turns: int, rng: random.Random, *, close: bool = True) -> list[Event]:
     """A session's events as the gateway would publish them (no model needed)."""
-    from stream_gateway._capture import EventRecorder
-    from stream_gateway._sessions import Session, Turn
+    from stream_gateway.capture._recorder import EventRecorder
+    from stream_gateway.sessions._store import Session, Turn
     from stream_gateway.engines import SamplingParams
 
     events: list[Event] = []

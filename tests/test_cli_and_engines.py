@@ -17,7 +17,7 @@ from openai import OpenAI
 
 import stream_gateway
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 
 from .servers import RunningGateway, free_port, run_gateway, wait_healthy
 

@@ -21,7 +21,7 @@ from openai import OpenAI
 from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stream_gateway._api_types import ChatCompletionRequest
+from stream_gateway.completion._request import ChatCompletionRequest
 from stream_gateway.constraints import replay_masks, response_format_constraint, tool_choice_constraint
 from stream_gateway.engines.transformers import end_of_turn_ids
 

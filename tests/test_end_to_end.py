@@ -31,7 +31,7 @@ from consumers.parquet import decode_batch
 from consumers.verl_batch import padded_batch, to_data_proto
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 
 from .agent_loop import READ_TOOL, drive_session
 from .servers import RunningGateway, run_gateway

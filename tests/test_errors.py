@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 
 from .servers import RunningGateway, run_gateway
 

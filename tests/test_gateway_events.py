@@ -25,7 +25,7 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import Event, TurnCompleted, TurnDelta, TurnRecord, decode_event, full_prompt_ids, tenant_id
 from pipeline.subscriber import decode_message
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 
 from .servers import RunningGateway, run_gateway
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 
 from .servers import RunningGateway, run_gateway
 from .test_conformance import check

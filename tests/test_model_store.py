@@ -1,4 +1,4 @@
-"""Tests for stream_gateway.model_store: real builds into temp dirs, real transformers loads.
+"""Tests for stream_gateway.models._cache: real builds into temp dirs, real transformers loads.
 
 The SmolLM2 tests are marked ``slow``: they dequantize the 135M GGUF once per session (~40 s).
 The full tiny-agent (~40 s to build on two cores) goes to the default cache, as conftest's tiny
@@ -20,8 +20,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stream_gateway import model_store, tiny_agent
-from stream_gateway.model_store import (
+from stream_gateway.models import _cache as model_store
+from stream_gateway.models import _tiny_agent as tiny_agent
+from stream_gateway.models._cache import (
     MARKER_FILE,
     SmolLM2NotInstalled,
     build_tiny_agent_model,
@@ -30,7 +31,7 @@ from stream_gateway.model_store import (
     resolve_model,
     smollm2_path,
 )
-from stream_gateway.tiny_agent import (
+from stream_gateway.models._tiny_agent import (
     AGENT_AFTER_TOOL,
     AGENT_READERS,
     AGENT_TOOL_CALL,
@@ -84,7 +85,7 @@ def test_tiny_build_is_deterministic(tiny_dir: Path, tmp_path: Path) -> None:
 
 
 def test_concurrent_builds_in_processes_agree(tmp_path: Path) -> None:
-    code = "import sys; from pathlib import Path; from stream_gateway.model_store import build_tiny_model; "
+    code = "import sys; from pathlib import Path; from stream_gateway.models._cache import build_tiny_model; "
     code += "print(build_tiny_model(Path(sys.argv[1])))"
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -28,7 +28,7 @@ from consumers.verl_adapter import StreamSettings
 from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 
 from .servers import free_port, run_gateway, wait_healthy
 from .test_gateway_events import of_session, read_stream

@@ -31,7 +31,7 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import PolicyApplied, PolicyRejected, PolicyUpdated, TurnCompleted
 from pipeline.policies import POLICY_BUCKET, publish_policy
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 
 from .fidelity import assert_chain_logprobs
 from .servers import free_port, run_gateway, wait_healthy

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from stream_gateway._api_types import Message
-from stream_gateway._fingerprint import message_fingerprint
-from stream_gateway._text import TextAssembler
+from stream_gateway.completion._request import Message
+from stream_gateway.completion._fingerprint import message_fingerprint
+from stream_gateway.completion._text import TextAssembler
 from stream_gateway.tool_parsers import create_tool_parser, parse_tool_calls
 
 PROFILE = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -34,7 +34,7 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import TurnRecord
 from pipeline.policies import announce_policy
 from stream_gateway import Settings
-from stream_gateway.cli import build_engine
+from stream_gateway.engines import build_engine
 from stream_gateway.engines.remote import RemoteEngine
 from stream_gateway.engines.transformers import TransformersEngine
 

@@ -239,7 +239,7 @@ def test_a_failed_request_leaves_no_session(gateway: RunningGateway) -> None:
 
 
 def test_store_is_bounded_and_its_index_follows_evictions() -> None:
-    from stream_gateway._sessions import SessionStore, Turn
+    from stream_gateway.sessions._store import SessionStore, Turn
 
     store = SessionStore(max_sessions=2)
     sessions = [store.create("t") for _ in range(3)]

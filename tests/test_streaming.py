@@ -18,10 +18,10 @@ import pytest
 from openai import OpenAI
 
 from stream_gateway import Settings
-from stream_gateway._chunks import ChoiceUpdate
+from stream_gateway.protocols._chat import ChoiceUpdate
 from stream_gateway._errors import EngineError
-from stream_gateway._streaming import UpdateChannel, coalesce, fold_tool_calls
-from stream_gateway.cli import build_engine
+from stream_gateway.completion._channel import UpdateChannel, coalesce, fold_tool_calls
+from stream_gateway.engines import build_engine
 from stream_gateway.tool_parsers import ToolCallDelta
 
 from .servers import RunningGateway, run_gateway

@@ -13,8 +13,9 @@ import pytest
 from openai import OpenAI
 
 from stream_gateway import Settings
-from stream_gateway._tenants import KeyRing, Limits, read_key_file
-from stream_gateway.cli import build_engine, main
+from stream_gateway.control._tenants import KeyRing, Limits, read_key_file
+from stream_gateway.cli import main
+from stream_gateway.engines import build_engine
 
 from .servers import RunningGateway, run_gateway
 from .test_conformance import check

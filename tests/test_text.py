@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from stream_gateway._text import TextAssembler
+from stream_gateway.completion._text import TextAssembler
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .._errors import EngineUnavailable
-from ._base import (
+from stream_gateway._errors import EngineUnavailable
+from stream_gateway.engines._base import (
     Engine,
     EngineStatistics,
     EngineStep,
@@ -30,8 +30,12 @@ __all__ = [
     "SamplingParams",
     "WeightUpdateReport",
     "WeightsRejected",
+    "build_engine",
     "create_engine",
+    "default_name",
 ]
+
+from stream_gateway.engines._build import build_engine, default_name  # noqa: E402
 
 ENGINE_NAMES = ("transformers", "synthetic", "vllm", "vllm-http", "sglang-http")
 
@@ -39,19 +43,19 @@ ENGINE_NAMES = ("transformers", "synthetic", "vllm", "vllm-http", "sglang-http")
 def create_engine(name: str, model: str | Path, **options: Any) -> Engine:
     """Build (not start) the engine called ``name`` for ``model``; enter it to start it."""
     if name == "transformers":
-        from .transformers import TransformersEngine
+        from stream_gateway.engines.transformers import TransformersEngine
 
         return TransformersEngine(model, **options)
     if name == "synthetic":
-        from .synthetic import SyntheticEngine
+        from stream_gateway.engines.synthetic import SyntheticEngine
 
         return SyntheticEngine(model, **options)
     if name == "vllm":
-        from .vllm import VLLMEngine
+        from stream_gateway.engines.vllm import VLLMEngine
 
         return VLLMEngine(model, **options)
     if name in ("vllm-http", "sglang-http"):
-        from .remote import PROTOCOLS, RemoteEngine
+        from stream_gateway.engines.remote import PROTOCOLS, RemoteEngine
 
         return RemoteEngine(model, protocol=PROTOCOLS[name], **options)
     raise EngineUnavailable(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

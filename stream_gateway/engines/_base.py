@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 if TYPE_CHECKING:
     import torch
 
-    from ..constraints import Constraint
+    from stream_gateway.constraints import Constraint
 
 FinishReason = Literal["stop", "length"]
 

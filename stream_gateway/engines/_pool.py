@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from .._errors import EngineUnavailable, InvalidRequest
+from stream_gateway._errors import EngineUnavailable, InvalidRequest
 
 __all__ = ["Upstream", "UpstreamPool", "normalize_url"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._base import SamplingParams
+from stream_gateway.engines._base import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,9 +53,9 @@ import httpx
 import orjson
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from .._errors import EngineError, EngineUnavailable, GatewayError, InvalidRequest
-from ._base import EngineStatistics, EngineStep, FinishReason, SamplingParams, WeightUpdateReport
-from ._pool import Upstream, UpstreamPool
+from stream_gateway._errors import EngineError, EngineUnavailable, GatewayError, InvalidRequest
+from stream_gateway.engines._base import EngineStatistics, EngineStep, FinishReason, SamplingParams, WeightUpdateReport
+from stream_gateway.engines._pool import Upstream, UpstreamPool
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ import anyio
 import anyio.lowlevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
-from ._weights import read_checkpoint
+from stream_gateway.engines._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+from stream_gateway.engines._weights import read_checkpoint
 
 if TYPE_CHECKING:
     import torch

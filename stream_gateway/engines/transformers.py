@@ -55,11 +55,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from .._errors import EngineError, EngineUnavailable
-from ..constraints import TokenMask, grammar_tokenizer
-from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport, merge_steps
-from ._sampling import sample_batch
-from ._weights import check_tensors, read_checkpoint
+from stream_gateway._errors import EngineError, EngineUnavailable
+from stream_gateway.constraints import TokenMask, grammar_tokenizer
+from stream_gateway.engines._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport, merge_steps
+from stream_gateway.engines._sampling import sample_batch
+from stream_gateway.engines._weights import check_tensors, read_checkpoint
 
 __all__ = ["TransformersEngine"]
 

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from .._errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
-from ._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+from stream_gateway._errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
+from stream_gateway.engines._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
 
 if TYPE_CHECKING:
     import torch

@@ -50,9 +50,9 @@ import orjson
 from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import TurnAborted, TurnCompleted, decode_event, subject_token, tenant_id
 
-from ._errors import NotFound
-from ._sessions import SEQ_BLOCK, Session, SessionStore, Turn
-from .tool_parsers import ToolCall
+from stream_gateway._errors import NotFound
+from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn
+from stream_gateway.tool_parsers import ToolCall
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

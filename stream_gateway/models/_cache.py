@@ -185,7 +185,7 @@ def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-a
     ``AGENT_WITHOUT_TOOLS``. Every reply ends with ``<|im_end|>``. ``variant`` (a key of
     :data:`AGENT_VARIANTS`) picks the tool it calls.
     """
-    from .tiny_agent import build_tiny_agent
+    from stream_gateway.models._tiny_agent import build_tiny_agent
 
     tiny = build_tiny_model(cache_dir)
     reader = AGENT_VARIANTS[variant]

@@ -31,9 +31,9 @@ from pipeline.events import PolicyUpdated, decode_event
 from pipeline.policies import PolicyDownloadError, download_policy, policy_history, policy_subject
 from pipeline.streams import StreamSpec
 
-from ._capture import EventRecorder
-from ._metrics import GatewayMetrics
-from .engines import Engine, WeightsRejected, WeightUpdateReport
+from stream_gateway.capture._recorder import EventRecorder
+from stream_gateway._metrics import GatewayMetrics
+from stream_gateway.engines import Engine, WeightsRejected, WeightUpdateReport
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext

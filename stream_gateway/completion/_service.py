@@ -21,11 +21,11 @@ from typing import Any, Protocol
 import anyio
 from transformers import PreTrainedTokenizerBase
 
-from ._api_types import ChatCompletionRequest
-from ._capture import EventRecorder
-from ._chunks import ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
-from ._context import Context, ContextBuilder, cheap_to_build
-from ._errors import (
+from stream_gateway.completion._request import ChatCompletionRequest
+from stream_gateway.capture._recorder import EventRecorder
+from stream_gateway.protocols._chat import ChoiceResult, ChoiceUpdate, ChunkEncoder, completion_body
+from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build
+from stream_gateway._errors import (
     Conflict,
     ContextLengthExceeded,
     EngineError,
@@ -34,17 +34,17 @@ from ._errors import (
     ModelNotFound,
     UnsupportedParameter,
 )
-from ._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
-from ._metrics import GatewayMetrics
-from ._sessions import Session, Turn
-from ._settings import Settings
-from ._shared_sessions import SessionDirectory
-from ._streaming import UpdateChannel, coalesce
-from ._text import TextAssembler
-from .constraints import Constraint, response_format_constraint, tool_choice_constraint
-from .constraints import check as check_grammar
-from .engines import Engine, SamplingParams
-from .tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
+from stream_gateway.completion._fingerprint import assistant_fingerprint, extend_key, message_fingerprint, prefix_keys, tools_fingerprint
+from stream_gateway._metrics import GatewayMetrics
+from stream_gateway.sessions._store import Session, Turn
+from stream_gateway._settings import Settings
+from stream_gateway.sessions._shared import SessionDirectory
+from stream_gateway.completion._channel import UpdateChannel, coalesce
+from stream_gateway.completion._text import TextAssembler
+from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
+from stream_gateway.constraints import check as check_grammar
+from stream_gateway.engines import Engine, SamplingParams
+from stream_gateway.tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
 
 
 class FrameEncoder(Protocol):

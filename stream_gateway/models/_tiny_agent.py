@@ -25,7 +25,7 @@ import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from .model_store import (
+from stream_gateway.models._cache import (
     _CITIES,
     _UNICODE,
     _WORD_LIST,

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from ._api_types import Message
+from stream_gateway.completion._request import Message
 
 Fingerprint = bytes
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from ._errors import GatewayError
-from .tool_parsers import ToolCall, ToolCallDelta
+from stream_gateway._errors import GatewayError
+from stream_gateway.tool_parsers import ToolCall, ToolCallDelta
 
 DONE_FRAME = b"data: [DONE]\n\n"
 

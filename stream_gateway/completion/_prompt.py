@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from ._api_types import Message
+from stream_gateway.completion._request import Message
 
 
 def template_message(message: Message) -> dict[str, Any]:

@@ -41,9 +41,9 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ._chunks import ChoiceUpdate
-from ._errors import GatewayError
-from .tool_parsers import ToolCallDelta
+from stream_gateway.protocols._chat import ChoiceUpdate
+from stream_gateway._errors import GatewayError
+from stream_gateway.tool_parsers import ToolCallDelta
 
 log = logging.getLogger(__name__)
 

@@ -31,16 +31,16 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
-from ._api_types import MAX_STOP_SEQUENCES, StreamOptions, null_is_absent
-from ._capture import EventRecorder
-from ._chunks import DONE_FRAME, ChoiceResult, ChoiceUpdate, TokenText, frame_head, usage_body
-from ._completion import PreparedCompletion, check_model_and_n
-from ._context import Context
-from ._errors import Conflict, ContextLengthExceeded, GatewayError, InvalidRequest, UnsupportedParameter
-from ._sessions import Session, Turn
-from ._settings import Settings
-from ._shared_sessions import SessionDirectory
-from .engines import Engine, SamplingParams
+from stream_gateway.completion._request import MAX_STOP_SEQUENCES, StreamOptions, null_is_absent
+from stream_gateway.capture._recorder import EventRecorder
+from stream_gateway.protocols._chat import DONE_FRAME, ChoiceResult, ChoiceUpdate, TokenText, frame_head, usage_body
+from stream_gateway.completion._service import PreparedCompletion, check_model_and_n
+from stream_gateway.completion._context import Context
+from stream_gateway._errors import Conflict, ContextLengthExceeded, GatewayError, InvalidRequest, UnsupportedParameter
+from stream_gateway.sessions._store import Session, Turn
+from stream_gateway._settings import Settings
+from stream_gateway.sessions._shared import SessionDirectory
+from stream_gateway.engines import Engine, SamplingParams
 
 __all__ = ["CompletionRequest", "TextChunkEncoder", "TokenInService", "text_completion_body"]
 

@@ -43,9 +43,9 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._api_types import ChatCompletionRequest
-from ._chunks import ChoiceResult, ChoiceUpdate
-from ._errors import GatewayError, InvalidRequest
+from stream_gateway.completion._request import ChatCompletionRequest
+from stream_gateway.protocols._chat import ChoiceResult, ChoiceUpdate
+from stream_gateway._errors import GatewayError, InvalidRequest
 
 __all__ = [
     "CountTokensRequest",

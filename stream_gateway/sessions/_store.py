@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import NotFound
-from .tool_parsers import ToolCall
+from stream_gateway._errors import NotFound
+from stream_gateway.tool_parsers import ToolCall
 
 log = logging.getLogger(__name__)
 

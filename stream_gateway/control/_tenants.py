@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._errors import GatewayError
+from stream_gateway._errors import GatewayError
 
 __all__ = ["KeyRing", "Limits", "RateLimited", "RateLimiter", "read_key_file"]
 

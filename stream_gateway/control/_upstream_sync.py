@@ -24,10 +24,10 @@ import anyio
 
 from pipeline.connection import NatsAuth, NatsRefused, connect
 
-from ._errors import InvalidRequest
+from stream_gateway._errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from .engines.remote import RemoteEngine
+    from stream_gateway.engines.remote import RemoteEngine
 
 __all__ = ["UpstreamFollower"]
 

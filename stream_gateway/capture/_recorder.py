@@ -53,8 +53,8 @@ from pipeline.events import (
 )
 
 if TYPE_CHECKING:
-    from ._sessions import Session, Turn
-    from .engines import SamplingParams, WeightUpdateReport
+    from stream_gateway.sessions._store import Session, Turn
+    from stream_gateway.engines import SamplingParams, WeightUpdateReport
 
 __all__ = ["DeltaCoalescer", "EventRecorder"]
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ._errors import InvalidRequest, UnsupportedParameter
+from stream_gateway._errors import InvalidRequest, UnsupportedParameter
 
 IGNORED_PARAMETERS = frozenset(
     {

@@ -1,0 +1,64 @@
+"""``build_engine``: the engine a process's settings ask for, on its resolved local model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from stream_gateway.engines._base import Engine
+
+if TYPE_CHECKING:
+    from stream_gateway._settings import Settings
+
+__all__ = ["build_engine", "default_name"]
+
+
+def build_engine(settings: Settings) -> Engine:
+    """The engine ``settings`` ask for, built (not started) on the resolved local model."""
+    from stream_gateway.engines import create_engine
+    from stream_gateway.models._cache import resolve_model
+
+    model = resolve_model(settings.model, settings.model_cache_dir)
+    options: dict[str, Any] = {}
+    if settings.engine == "transformers":
+        options = {
+            "served_model_name": settings.served_model_name or default_name(settings.model),
+            "max_batch_size": settings.max_batch_size,
+            "max_model_len": settings.max_model_len,
+            "device": settings.device,
+            "recompute_on_update": settings.kv_cache_on_update == "recompute",
+        }
+    elif settings.engine == "synthetic":
+        options = {
+            "served_model_name": settings.served_model_name or "synthetic",
+            "tokens_per_second": settings.synthetic_tokens_per_second,
+        }
+        if settings.max_model_len:
+            options["max_model_len"] = settings.max_model_len
+    elif settings.engine == "vllm":
+        options = {
+            "served_model_name": settings.served_model_name or default_name(settings.model),
+            "max_model_len": settings.max_model_len,
+        }
+    elif settings.engine in ("vllm-http", "sglang-http"):
+        if not settings.upstreams and not (settings.upstreams_bucket and settings.nats_url):
+            raise SystemExit(
+                f"stream-gateway: --engine {settings.engine} needs its servers: --upstream URL (repeatable), "
+                "or --upstreams-bucket with --nats-url"
+            )
+        options = {
+            "served_model_name": settings.served_model_name or default_name(settings.model),
+            "max_model_len": settings.max_model_len,
+            "upstreams": settings.upstreams,
+            "api_key": settings.upstream_api_key,
+            "health_interval_s": settings.upstream_health_interval_seconds,
+            "health_timeout_s": settings.upstream_health_timeout_seconds,
+            "connect_timeout_s": settings.upstream_connect_timeout_seconds,
+            "read_timeout_s": settings.upstream_read_timeout_seconds,
+            "max_connections": settings.upstream_max_connections,
+        }
+    return create_engine(settings.engine, model, **options)
+
+
+def default_name(model: str) -> str:
+    """Clients address the built-in models by their short names, others by their last path part."""
+    return model.rstrip("/").rsplit("/", 1)[-1]
