@@ -38,6 +38,11 @@ class GatewayError(Exception):
         self.param = param
         self.code = code if code is not None else self.default_code
 
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """Response headers this error calls for (``Retry-After`` of a rate limit); none by default."""
+        return None
+
     def body(self) -> dict[str, Any]:
         """The OpenAI-style error body."""
         return {

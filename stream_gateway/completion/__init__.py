@@ -1,1 +1,67 @@
-"""TODO"""
+"""The protocol-neutral core: a canonical request in, a token-exact turn and its output out.
+
+The request's path through it: :class:`Admission` (model, ``n``, sizes, context length, sampling
+defaults) → :class:`Preparer` (the session it continues, the prompt the chat template renders
+around the reused ids: :mod:`._context`, :mod:`._prompt`, :mod:`._fingerprint`) →
+:class:`CompletionService` (one engine request per choice; the token loop assembles text
+(:mod:`._text`) and tool calls, and puts :class:`ChoiceUpdate` objects into an
+:class:`UpdateChannel`) → a protocol's :class:`FrameEncoder` or a whole body. Beside the loop,
+:class:`TurnLifecycle` records the turn: events, metrics, spend, the session tree.
+"""
+
+from stream_gateway.completion._admission import Admission, SamplingRequest
+from stream_gateway.completion._channel import UpdateChannel, coalesce, fold_tool_calls
+from stream_gateway.completion._context import Context, ContextBuilder
+from stream_gateway.completion._fingerprint import (
+    assistant_fingerprint,
+    extend_key,
+    message_fingerprint,
+    prefix_keys,
+    tools_fingerprint,
+)
+from stream_gateway.completion._prepare import PreparedCompletion, Preparer, TokenInRequest
+from stream_gateway.completion._request import (
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    Message,
+    StreamOptions,
+    Tool,
+    null_is_absent,
+)
+from stream_gateway.completion._service import CompletionService, FrameEncoder, TokenText
+from stream_gateway.completion._text import TextAssembler
+from stream_gateway.completion._turn import Spend, TurnLifecycle, Turns
+from stream_gateway.completion._updates import ChoiceResult, ChoiceUpdate
+
+__all__ = [
+    "MAX_STOP_SEQUENCES",
+    "Admission",
+    "ChatCompletionRequest",
+    "ChoiceResult",
+    "ChoiceUpdate",
+    "CompletionService",
+    "Context",
+    "ContextBuilder",
+    "FrameEncoder",
+    "Message",
+    "PreparedCompletion",
+    "Preparer",
+    "SamplingRequest",
+    "Spend",
+    "StreamOptions",
+    "TextAssembler",
+    "TokenInRequest",
+    "TokenText",
+    "Tool",
+    "TurnLifecycle",
+    "Turns",
+    "UpdateChannel",
+    "assistant_fingerprint",
+    "coalesce",
+    "extend_key",
+    "fold_tool_calls",
+    "message_fingerprint",
+    "null_is_absent",
+    "prefix_keys",
+    "tools_fingerprint",
+]

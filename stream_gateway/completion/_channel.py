@@ -1,4 +1,4 @@
-"""The per-token path from a choice's producer to the socket: an update channel and a lean SSE response.
+"""The per-token path from a choice's producers to the response's writer: the update channel.
 
 A response's producers (one task per choice) put :class:`ChoiceUpdate` objects into an
 :class:`UpdateChannel`; the response's writer takes *everything* waiting at once, merges what
@@ -10,47 +10,24 @@ one chunk: never dropped, never reordered, ``token_ids`` and logprobs exactly th
 in the chunk. It is vLLM's ``--stream-interval`` made adaptive: the interval is however long the
 last write took.
 
-Deliberate divergences, in the manner of sse-starlette's own docstring:
-
-1. :class:`UpdateChannel` is not an anyio memory object stream. ``put`` never blocks and never
+Deliberate choice: :class:`UpdateChannel` is not an anyio memory object stream. ``put`` never blocks and never
    checkpoints: the pending list is bounded by the turn's ``max_tokens`` (the producer keeps every
    token for the record anyway), and a client that stops reading is cut off by the send timeout.
    An anyio stream costs a checkpoint per send, a task lookup and a generic-alias instantiation
    per blocking receive (anyio 4.16), a fifth of the gateway's CPU per token when measured.
    The wake-up is a bare asyncio future: the gateway runs on asyncio (uvicorn) only.
-2. :class:`TokenStreamResponse` keeps sse-starlette's ``EventSourceResponse`` (3.7.0, read) for
-   headers, HEAD, the disconnect listener, the shutdown watcher and the task group, and replaces
-   two of its methods: ``_stream_response`` writes body frames with the server's own ``send``
-   (the ASGI callable uvicorn gave the app, kept by :class:`RawSendApp` in the scope) instead of
-   through five middleware wrappers, and without a cancel scope per frame; ``_ping`` becomes a
-   watchdog that ticks once a second, sends the keep-alive comment when nothing was written for
-   ``ping`` seconds, and raises ``SendTimeoutError`` when one write has waited ``send_timeout``
-   seconds (sse-starlette wraps every send in ``move_on_after`` for that). The response start
-   still goes through the middlewares, so they know the response has started.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
-from typing import Any
 
 import anyio
-from sse_starlette import EventSourceResponse
-from sse_starlette.sse import SendTimeoutError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stream_gateway.protocols._chat import ChoiceUpdate
+from stream_gateway.completion._updates import ChoiceUpdate
 from stream_gateway._errors import GatewayError
 from stream_gateway.tool_parsers import ToolCallDelta
-
-log = logging.getLogger(__name__)
-
-RAW_SEND = "stream_gateway.raw_send"
-"""The scope key under which :class:`RawSendApp` keeps the server's ``send``."""
-
-_WATCHDOG_TICK_S = 1.0
 
 ChannelItem = ChoiceUpdate | GatewayError
 
@@ -156,73 +133,3 @@ def fold_tool_calls(deltas: Sequence[ToolCallDelta]) -> tuple[ToolCallDelta, ...
                 delta.index, seen.id or delta.id, seen.name or delta.name, seen.arguments + delta.arguments
             )
     return tuple(folded.values())
-
-
-class RawSendApp:
-    """Outermost ASGI layer: keeps the server's ``send`` in the scope for :class:`TokenStreamResponse`."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[RAW_SEND] = send
-        await self.app(scope, receive, send)
-
-
-class TokenStreamResponse(EventSourceResponse):
-    """An SSE response whose body iterator yields ready frames (see the module docstring)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._raw_send: Send | None = None
-        self._writes = 0  # frames written so far: the watchdog's clock
-        self._sending = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._raw_send = scope.get(RAW_SEND)
-        await super().__call__(scope, receive, send)
-
-    async def _stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        raw = self._raw_send or send
-        body = self.body_iterator
-        try:
-            async for chunk in body:
-                self._sending = True
-                await raw({"type": "http.response.body", "body": chunk, "more_body": True})
-                self._sending = False
-                self._writes += 1
-        except BaseException:
-            aclose = getattr(body, "aclose", None)
-            if aclose is not None:
-                with anyio.move_on_after(self._cleanup_timeout, shield=True):
-                    await aclose()
-            raise
-        async with self._send_lock:
-            self.active = False
-            await raw({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _ping(self, send: Send) -> None:
-        raw = self._raw_send or send
-        timeout = self.send_timeout or 0.0
-        tick = min(_WATCHDOG_TICK_S, self.ping_interval, timeout or _WATCHDOG_TICK_S)
-        idle_s = stuck_s = 0.0
-        seen = self._writes
-        while self.active:
-            await anyio.sleep(tick)
-            if self._writes != seen:
-                seen, idle_s, stuck_s = self._writes, 0.0, 0.0
-                continue
-            idle_s += tick
-            if self._sending:
-                stuck_s += tick
-                if timeout and stuck_s >= timeout:
-                    log.warning("dropping a client that read nothing for %.0f s", stuck_s)
-                    raise SendTimeoutError()
-            elif idle_s >= self.ping_interval:
-                idle_s = 0.0
-                async with self._send_lock:
-                    if self.active:
-                        message: Message = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
-                        await raw(message)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from stream_gateway._errors import GatewayError
 
-__all__ = ["KeyRing", "Limits", "RateLimited", "RateLimiter", "read_key_file"]
+__all__ = ["KeyEntry", "KeyRing", "Limits", "RateLimited", "RateLimiter", "read_key_file"]
 
 log = logging.getLogger(__name__)
 

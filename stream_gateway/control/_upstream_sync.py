@@ -27,7 +27,7 @@ from pipeline.connection import NatsAuth, NatsRefused, connect
 from stream_gateway._errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from stream_gateway.engines.remote import RemoteEngine
+    from stream_gateway.engines import UpstreamControl
 
 __all__ = ["UpstreamFollower"]
 
@@ -38,7 +38,7 @@ class UpstreamFollower:
     """Keeps ``engine``'s pool in step with the KV bucket ``bucket``."""
 
     def __init__(
-        self, engine: RemoteEngine, servers: tuple[str, ...], bucket: str, auth: NatsAuth | None = None
+        self, engine: UpstreamControl, servers: tuple[str, ...], bucket: str, auth: NatsAuth | None = None
     ) -> None:
         self._engine = engine
         self._servers = servers

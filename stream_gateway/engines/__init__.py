@@ -17,6 +17,8 @@ from stream_gateway.engines._base import (
     EngineStep,
     FinishReason,
     SamplingParams,
+    Upstream,
+    UpstreamControl,
     WeightsRejected,
     WeightUpdateReport,
 )
@@ -28,14 +30,18 @@ __all__ = [
     "EngineStep",
     "FinishReason",
     "SamplingParams",
+    "Upstream",
+    "UpstreamControl",
     "WeightUpdateReport",
     "WeightsRejected",
     "build_engine",
     "create_engine",
     "default_name",
+    "normalize_url",
 ]
 
 from stream_gateway.engines._build import build_engine, default_name  # noqa: E402
+from stream_gateway.engines._pool import normalize_url  # noqa: E402
 
 ENGINE_NAMES = ("transformers", "synthetic", "vllm", "vllm-http", "sglang-http")
 

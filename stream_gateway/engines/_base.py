@@ -127,6 +127,34 @@ class EngineStatistics:
     running: bool = True  # False once the engine has crashed or stopped: /health says 503
 
 
+class Upstream(Protocol):
+    """One inference server of a remote engine's pool, as the control plane sees it."""
+
+    url: str
+    healthy: bool
+    outstanding: int
+
+
+class UpstreamControl(Protocol):
+    """The capability of an engine that samples on a pool of servers: change the pool at run time."""
+
+    def upstream_list(self) -> Sequence[Upstream]:
+        """The servers of the pool, in order."""
+        ...
+
+    def describe_upstreams(self) -> list[dict[str, object]]:
+        """The pool as ``GET /admin/upstreams`` shows it."""
+        ...
+
+    async def add_upstream(self, url: str) -> tuple[Upstream, bool]:
+        """Add (or keep) the server at ``url``; whether it is new."""
+        ...
+
+    def remove_upstream(self, url: str) -> Upstream | None:
+        """Take the server at ``url`` out of the pool (``None``: it was not in it)."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What every engine implements. Engines are async context managers: enter starts them."""
@@ -138,6 +166,7 @@ class Engine(Protocol):
     policy_version: int
     remote: bool  # the weights live on other servers: updates only announce a version (see .remote)
     constrained_decoding: bool  # follows SamplingParams.constraint (stream_gateway.constraints)
+    upstreams: UpstreamControl | None  # the pool of servers of an engine that has one (see .remote)
 
     async def __aenter__(self) -> Engine: ...
 

@@ -85,6 +85,11 @@ class RemoteEngine:
     remote = True
     constrained_decoding = False
 
+    @property
+    def upstreams(self) -> RemoteEngine:
+        """This engine is its own pool control (:class:`~._base.UpstreamControl`)."""
+        return self
+
     def __init__(
         self,
         tokenizer: str | Path,
@@ -159,6 +164,14 @@ class RemoteEngine:
         self.max_model_len = min(reported) if reported else self._fallback_len
 
     # -- the pool -----------------------------------------------------------------------------
+
+    def upstream_list(self) -> list[Upstream]:
+        """The servers of the pool, in order."""
+        return list(self.pool)
+
+    def describe_upstreams(self) -> list[dict[str, Any]]:
+        """The pool as ``GET /admin/upstreams`` shows it."""
+        return self.pool.describe()
 
     async def add_upstream(self, url: str) -> tuple[Upstream, bool]:
         """Add a server and check it at once (it takes requests as soon as the check passes).

@@ -16,7 +16,7 @@ import anyio
 import anyio.lowlevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from stream_gateway.engines._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+from stream_gateway.engines._base import UpstreamControl, EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
 from stream_gateway.engines._weights import read_checkpoint
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class SyntheticEngine:
     name = "synthetic"
     remote = False
     constrained_decoding = False
+    upstreams: UpstreamControl | None = None
 
     def __init__(
         self,

@@ -38,7 +38,7 @@ import anyio
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_gateway._errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
-from stream_gateway.engines._base import EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+from stream_gateway.engines._base import UpstreamControl, EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +66,7 @@ class VLLMEngine:
     name = "vllm"
     remote = False
     constrained_decoding = False
+    upstreams: UpstreamControl | None = None
 
     def __init__(
         self,

@@ -38,17 +38,19 @@ sampled. Errors: ``{"type": "error", "error": {"type", "message"}}``, in a strea
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from stream_gateway.completion._request import ChatCompletionRequest
-from stream_gateway.protocols._chat import ChoiceResult, ChoiceUpdate
 from stream_gateway._errors import GatewayError, InvalidRequest
+from stream_gateway.completion import ChatCompletionRequest, ChoiceResult, ChoiceUpdate, CompletionService, PreparedCompletion
+from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
 
 __all__ = [
     "CountTokensRequest",
+    "MessagesEdge",
     "MessagesEncoder",
     "MessagesRequest",
     "error_body",
@@ -338,7 +340,9 @@ def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
 
 def error_body(error: GatewayError) -> dict[str, Any]:
     """Anthropic's error shape for a gateway error."""
-    kind = _ERROR_TYPES.get(error.status_code, "api_error")
+    kind = _ERROR_TYPES.get(error.status_code)
+    if kind is None:  # a status Anthropic does not list (405): its kind of request error, or a server error
+        kind = "invalid_request_error" if error.error_type == "invalid_request_error" else "api_error"
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
@@ -414,3 +418,48 @@ class MessagesEncoder:
     @staticmethod
     def error(error: GatewayError) -> bytes:
         return _event("error", error_body(error))
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesExchange:
+    """One admitted Messages request."""
+
+    prepared: PreparedCompletion
+    stream: bool
+    message: str  # the message id
+
+    @property
+    def batch(self) -> tuple[PreparedCompletion]:
+        return (self.prepared,)
+
+    def start_stream(self) -> StreamStart:
+        encoder = MessagesEncoder(self.message, self.prepared.model)
+        return StreamStart(encoder, encoder.start(len(self.prepared.prompt_ids)), True)
+
+    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        return message_body(self.message, self.prepared.model, results[0], len(self.prepared.prompt_ids))
+
+
+class MessagesEdge:
+    """Anthropic's Messages API, translated into a chat request and served as one."""
+
+    path = "/v1/messages"
+    name = "anthropic_messages"
+    request = MessagesRequest
+
+    def __init__(self, service: CompletionService) -> None:
+        self._service = service
+        self.side_routes = (SideRoute("/v1/messages/count_tokens", CountTokensRequest, self._count_tokens),)
+
+    def session_id(self, body: MessagesRequest) -> str | None:
+        return None
+
+    async def open(self, body: MessagesRequest, call: Call) -> MessagesExchange:
+        chat = to_chat_request(body)
+        prepared = await self._service.prepare(chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
+        return MessagesExchange(prepared, body.stream, message_id())
+
+    async def _count_tokens(self, body: CountTokensRequest, tenant: str) -> dict[str, Any]:
+        return {"input_tokens": await self._service.count_tokens(to_chat_request(body))}
+
+    error_body = staticmethod(error_body)

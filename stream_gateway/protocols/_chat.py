@@ -8,71 +8,26 @@ sse-starlette passes through untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from stream_gateway._errors import GatewayError
-from stream_gateway.tool_parsers import ToolCall, ToolCallDelta
+from stream_gateway.completion import (
+    ChatCompletionRequest,
+    ChoiceResult,
+    ChoiceUpdate,
+    CompletionService,
+    PreparedCompletion,
+    TokenText,
+)
+from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
+from stream_gateway.tool_parsers import ToolCallDelta
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
-TokenText = Callable[[int], tuple[str, list[int]]]
-
-
-@dataclass(slots=True)
-class ChoiceUpdate:
-    """What one choice produced since its previous update; the last one has a finish reason."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[tuple[tuple[int, float], ...]] | None
-    finish_reason: str | None = None
-    tool_calls: tuple[ToolCallDelta, ...] = ()
-    version_spans: list[tuple[int, int]] | None = None  # final update: (version, first token index) spans
-    stop_sequence: str | None = None  # final update: the stop string that ended it, if one did
-
-
-@dataclass(slots=True)
-class ChoiceResult:
-    """A whole choice, accumulated from its updates (non-streaming responses and capture)."""
-
-    index: int
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    finish_reason: str | None = None
-    call_deltas: list[ToolCallDelta] = field(default_factory=list)
-    version_spans: list[tuple[int, int]] | None = None  # (version, first token index) spans, once finished
-    stop_sequence: str | None = None
-
-    def add(self, update: ChoiceUpdate) -> None:
-        """Fold one update in."""
-        if update.version_spans is not None:
-            self.version_spans = update.version_spans
-        if update.stop_sequence is not None:
-            self.stop_sequence = update.stop_sequence
-        self.text_parts.append(update.text)
-        self.call_deltas.extend(update.tool_calls)
-        self.token_ids.extend(update.token_ids)
-        self.logprobs.extend(update.logprobs)
-        if update.top_logprobs is not None:
-            self.top_logprobs.extend(update.top_logprobs)
-        if update.finish_reason is not None:
-            self.finish_reason = update.finish_reason
-
-    def tool_calls(self) -> list[ToolCall]:
-        """The complete tool calls, reassembled from their deltas."""
-        calls: dict[int, list[str]] = {}
-        for delta in self.call_deltas:
-            entry = calls.setdefault(delta.index, [delta.id or "", delta.name or "", ""])
-            entry[2] += delta.arguments
-        return [ToolCall(i, name, arguments) for i, name, arguments in (calls[k] for k in sorted(calls))]
 
 
 def logprobs_content(
@@ -276,3 +231,67 @@ def completion_body(
     if token_ids:
         body["prompt_token_ids"] = list(prompt_token_ids)
     return body
+
+
+@dataclass(frozen=True, slots=True)
+class ChatExchange:
+    """One admitted chat completion."""
+
+    prepared: PreparedCompletion
+    stream: bool
+    token_text: TokenText
+
+    @property
+    def batch(self) -> tuple[PreparedCompletion]:
+        return (self.prepared,)
+
+    def start_stream(self) -> StreamStart:
+        prepared = self.prepared
+        encoder = ChunkEncoder(
+            prepared.completion_id,
+            prepared.created,
+            prepared.model,
+            token_text=self.token_text,
+            logprobs=prepared.logprobs,
+            token_ids=prepared.return_token_ids,
+            legacy_functions=prepared.legacy_functions,
+        )
+        first = encoder.role(prepared.n, prepared.prompt_ids if prepared.return_token_ids else None)
+        return StreamStart(encoder, first, prepared.include_usage)
+
+    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        prepared = self.prepared
+        return completion_body(
+            prepared.completion_id,
+            prepared.created,
+            prepared.model,
+            prepared.prompt_ids,
+            results,
+            token_text=self.token_text,
+            logprobs=prepared.logprobs,
+            token_ids=prepared.return_token_ids,
+            legacy_functions=prepared.legacy_functions,
+        )
+
+
+class ChatEdge:
+    """OpenAI's chat completions, the core's own shape."""
+
+    path = "/v1/chat/completions"
+    name = "chat_completion"
+    request = ChatCompletionRequest
+    side_routes: tuple[SideRoute, ...] = ()
+
+    def __init__(self, service: CompletionService) -> None:
+        self._service = service
+
+    def session_id(self, body: ChatCompletionRequest) -> str | None:
+        return None
+
+    async def open(self, body: ChatCompletionRequest, call: Call) -> ChatExchange:
+        prepared = await self._service.prepare(body, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
+        return ChatExchange(prepared, body.stream, self._service.token_text)
+
+    @staticmethod
+    def error_body(error: GatewayError) -> dict[str, Any]:
+        return error.body()

@@ -38,16 +38,24 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from stream_gateway.completion._request import ChatCompletionRequest
-from stream_gateway.protocols._chat import ChoiceResult, ChoiceUpdate
 from stream_gateway._errors import GatewayError, InvalidRequest
+from stream_gateway.completion import ChatCompletionRequest, ChoiceResult, ChoiceUpdate, CompletionService, PreparedCompletion
+from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
 
-__all__ = ["ResponseStore", "ResponsesEncoder", "ResponsesRequest", "response_body", "to_chat_request"]
+__all__ = [
+    "ResponseStore",
+    "ResponsesEdge",
+    "ResponsesEncoder",
+    "ResponsesRequest",
+    "response_body",
+    "to_chat_request",
+]
 
 _KEEP = 10_000  # responses held for previous_response_id, per process
 
@@ -336,13 +344,22 @@ def error_event(error: GatewayError, sequence: int) -> dict[str, Any]:
 class ResponsesEncoder:
     """Responses stream events from a chat response's updates (one choice)."""
 
-    __slots__ = ("_calls", "_finish", "_id", "_input_tokens", "_open", "_seq", "_shell", "_text", "on_end")
+    __slots__ = ("_calls", "_finish", "_id", "_input_tokens", "_open", "_seq", "_shell", "_text", "_on_end")
 
-    def __init__(self, rid: str, created: int, model: str, body: ResponsesRequest, input_tokens: int) -> None:
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        body: ResponsesRequest,
+        input_tokens: int,
+        on_end: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """``on_end`` is called with the whole response once it has ended."""
         self._id = rid
         self._input_tokens = input_tokens
         self._finish: str | None = None
-        self.on_end: Callable[[dict[str, Any]], None] | None = None  # called with the whole response
+        self._on_end = on_end
         self._seq = 0
         self._shell = _shell(rid, created, model, body, "in_progress")
         self._text: list[str] | None = None  # the open message item's text
@@ -418,8 +435,8 @@ class ResponsesEncoder:
     def end(self, prompt_tokens: int, completion_tokens: int, include_usage: bool) -> bytes:
         out = self._close()
         _finish(self._shell, self._finish, self._input_tokens, completion_tokens)
-        if self.on_end is not None:
-            self.on_end(self._shell)
+        if self._on_end is not None:
+            self._on_end(self._shell)
         kind = "response.incomplete" if self._shell["status"] == "incomplete" else "response.completed"
         return out + self._event(kind, {"response": self._shell})
 
@@ -431,3 +448,70 @@ class ResponsesEncoder:
 
 def created_now() -> int:
     return int(time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesExchange:
+    """One admitted Responses request; a finished one is held for ``previous_response_id``."""
+
+    prepared: PreparedCompletion
+    request: ResponsesRequest
+    rid: str
+    tenant: str
+    conversation: list[dict[str, Any]]  # the chat messages it was served as
+    held: ResponseStore
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+    @property
+    def batch(self) -> tuple[PreparedCompletion]:
+        return (self.prepared,)
+
+    def start_stream(self) -> StreamStart:
+        prepared = self.prepared
+        encoder = ResponsesEncoder(
+            self.rid, prepared.created, prepared.model, self.request, len(prepared.prompt_ids), self._remember
+        )
+        return StreamStart(encoder, encoder.start(), True)
+
+    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        prepared = self.prepared
+        response = response_body(
+            self.rid, prepared.created, prepared.model, self.request, results[0], len(prepared.prompt_ids)
+        )
+        self._remember(response)
+        return response
+
+    def _remember(self, response: dict[str, Any]) -> None:
+        if response["status"] == "completed" or response["status"] == "incomplete":
+            self.held.put(self.rid, self.tenant, [*self.conversation, assistant_message(response["output"])])
+
+
+class ResponsesEdge:
+    """OpenAI's Responses API, translated into a chat request and served as one."""
+
+    path = "/v1/responses"
+    name = "openai_responses"
+    request = ResponsesRequest
+    side_routes: tuple[SideRoute, ...] = ()
+
+    def __init__(self, service: CompletionService, held: ResponseStore | None = None) -> None:
+        self._service = service
+        self._held = held if held is not None else ResponseStore()
+
+    def session_id(self, body: ResponsesRequest) -> str | None:
+        return None
+
+    async def open(self, body: ResponsesRequest, call: Call) -> ResponsesExchange:
+        previous = body.previous_response_id
+        history = self._held.history(previous, call.tenant) if previous else None
+        chat = to_chat_request(body, history)
+        prepared = await self._service.prepare(chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
+        conversation = [m.model_dump(exclude_none=True) for m in chat.messages]
+        return ResponsesExchange(prepared, body, response_id(), call.tenant, conversation, self._held)
+
+    @staticmethod
+    def error_body(error: GatewayError) -> dict[str, Any]:
+        return error.body()

@@ -22,30 +22,32 @@ gateway in front of this one (or of vLLM 0.33+) records them per token.
 
 from __future__ import annotations
 
-import secrets
-import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from transformers import PreTrainedTokenizerBase
 
-from stream_gateway.completion._request import MAX_STOP_SEQUENCES, StreamOptions, null_is_absent
-from stream_gateway.capture._recorder import EventRecorder
-from stream_gateway.protocols._chat import DONE_FRAME, ChoiceResult, ChoiceUpdate, TokenText, frame_head, usage_body
-from stream_gateway.completion._service import PreparedCompletion, check_model_and_n
-from stream_gateway.completion._context import Context
-from stream_gateway._errors import Conflict, ContextLengthExceeded, GatewayError, InvalidRequest, UnsupportedParameter
-from stream_gateway.sessions._store import Session, Turn
-from stream_gateway._settings import Settings
-from stream_gateway.sessions._shared import SessionDirectory
-from stream_gateway.engines import Engine, SamplingParams
+from stream_gateway._errors import GatewayError, InvalidRequest, UnsupportedParameter
+from stream_gateway.completion import (
+    MAX_STOP_SEQUENCES,
+    ChoiceResult,
+    ChoiceUpdate,
+    CompletionService,
+    PreparedCompletion,
+    SamplingRequest,
+    StreamOptions,
+    TokenInRequest,
+    TokenText,
+    null_is_absent,
+)
+from stream_gateway.protocols._chat import DONE_FRAME, frame_head, usage_body
+from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
 
-__all__ = ["CompletionRequest", "TextChunkEncoder", "TokenInService", "text_completion_body"]
+__all__ = ["CompletionRequest", "TextChunkEncoder", "TokenInEdge", "text_completion_body"]
 
 MAX_LOGPROBS = 20
-MAX_BATCH = 64
 
 TokenIds = Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)]
 
@@ -139,125 +141,6 @@ class CompletionRequest(BaseModel):
             return ()
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         return tuple(s for s in stops if s)
-
-
-class TokenInService:
-    """Prepares token-in requests: the prompt ids as given, placed in a session by id prefix."""
-
-    def __init__(self, engine: Engine, settings: Settings, sessions: SessionDirectory, recorder: EventRecorder) -> None:
-        self._engine = engine
-        self._settings = settings
-        self._sessions = sessions
-        self._recorder = recorder
-
-    async def prepare(
-        self, body: CompletionRequest, *, tenant: str, session_id: str | None = None, agent: str | None = None
-    ) -> list[PreparedCompletion]:
-        """One prepared completion per prompt, sharing one response id; choices numbered on."""
-        engine = self._engine
-        check_model_and_n(engine, self._settings, body.model, body.n)
-        body.check_supported()
-        prompts = body.prompts()
-        if len(prompts) > MAX_BATCH:
-            raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
-        token_lists = [self._prompt_ids(p, body.add_special_tokens) for p in prompts]
-        named: Session | None = None
-        if session_id is not None:
-            named = await self._sessions.lookup(session_id, tenant)
-            if named is not None and named.closed:
-                raise Conflict(f"Session `{session_id}` is closed.", param="session_id", code="session_closed")
-        limit = engine.max_model_len
-        requested = body.max_tokens
-        for ids in token_lists:
-            room = limit - len(ids)
-            if room <= 0 or (requested is not None and requested > room):
-                completion = requested if requested is not None else 1
-                raise ContextLengthExceeded(
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{len(ids) + completion} tokens ({len(ids)} in the prompt, {completion} in the completion). "
-                    "Please reduce the length of the prompt or completion.",
-                    param="max_tokens" if room > 0 else "prompt",
-                )
-        completion_id = f"cmpl-{secrets.token_hex(12)}"
-        created = int(time.time())
-        arrived = time.perf_counter()
-        stop_ids = frozenset(body.stop_token_ids or ())
-        batch = []
-        for position, ids in enumerate(token_lists):
-            session, parent = await self._place(ids, tenant, session_id, named)
-            if session_id is not None:
-                named = session
-            await self._sessions.prepare_to_write(session)
-            if not session.announced:
-                self._recorder.session_opened(session, engine.policy_version, agent, {})
-            self._sessions.store.touch(session)
-            reused = len(parent.prompt_ids) + len(parent.output_ids) if parent is not None else 0
-            params = SamplingParams(
-                max_tokens=requested
-                if requested is not None
-                else min(self._settings.default_max_tokens, limit - len(ids)),
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=max(body.top_k or 0, 0),
-                seed=body.seed,
-                top_logprobs=body.logprobs or 0,
-                stop_token_ids=stop_ids,
-                ignore_eos=body.ignore_eos,
-            )
-            batch.append(
-                PreparedCompletion(
-                    completion_id=completion_id,
-                    created=created,
-                    arrived=arrived,
-                    model=engine.model_id,
-                    session=session,
-                    context=Context(ids, parent, reused, True),
-                    conversation_key=b"",
-                    context_length=0,
-                    prompt_ids=ids,
-                    params=params,
-                    n=body.n,
-                    stops=body.stop_sequences(),
-                    logprobs=body.logprobs is not None,
-                    return_token_ids=bool(body.return_token_ids),
-                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                    tool_parser=None,
-                    tool_names=frozenset(),
-                    first_index=position * body.n,
-                    token_in=True,
-                )
-            )
-        return batch
-
-    async def _place(
-        self, ids: list[int], tenant: str, session_id: str | None, named: Session | None
-    ) -> tuple[Session, Turn | None]:
-        """The session the prompt belongs to, and the turn it continues (if any).
-
-        Without a session id, continuation is found among the sessions this replica holds (the
-        shared state indexes conversations, not id prefixes): name the session (vLLM's
-        ``session_id``, or the session URL) to continue it on any replica.
-        """
-        if session_id is not None:
-            session = named if named is not None else await self._sessions.open(session_id, tenant)
-            return session, await self._sessions.match_tokens(session, ids)
-        found = self._sessions.store.find_tokens(tenant, ids)
-        if found is not None:
-            return found
-        return await self._sessions.open(None, tenant), None
-
-    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        tokenizer: PreTrainedTokenizerBase = self._engine.tokenizer
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("The prompt must not be empty.", param="prompt")
-            ids: list[int] = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            return ids
-        vocab = len(tokenizer)
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param="prompt")
-        return list(prompt)
 
 
 class TextChunkEncoder:
@@ -426,3 +309,89 @@ def weight_version_spans(spans: Sequence[tuple[int, int]], length: int) -> list[
 
 
 _dumps = orjson.dumps
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInExchange:
+    """One admitted token-in request: a prepared completion per prompt, one response id."""
+
+    batch: list[PreparedCompletion]
+    request: CompletionRequest
+    token_text: TokenText
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+    def start_stream(self) -> StreamStart:
+        first, body = self.batch[0], self.request
+        encoder = TextChunkEncoder(
+            first.completion_id,
+            first.created,
+            first.model,
+            token_text=self.token_text,
+            logprobs=first.logprobs,
+            token_ids=first.return_token_ids,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            weight_versions=body.return_weight_versions,
+            prompts={p.first_index + i: p.prompt_ids for p in self.batch for i in range(p.n)},
+        )
+        return StreamStart(encoder, None, first.include_usage)
+
+    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        body = self.request
+        return text_completion_body(
+            self.batch,
+            results,
+            token_text=self.token_text,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            weight_versions=body.return_weight_versions,
+        )
+
+
+class TokenInEdge:
+    """vLLM's ``/v1/completions``: prompt ids in, sampled ids out, placed in sessions by id prefix."""
+
+    path = "/v1/completions"
+    name = "text_completion"
+    request = CompletionRequest
+    side_routes: tuple[SideRoute, ...] = ()
+
+    def __init__(self, service: CompletionService) -> None:
+        self._service = service
+
+    def session_id(self, body: CompletionRequest) -> str | None:
+        return body.session_id or None
+
+    async def open(self, body: CompletionRequest, call: Call) -> TokenInExchange:
+        self._service.admission.check_model_and_n(body.model, body.n)
+        body.check_supported()
+        sampling = SamplingRequest(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            top_logprobs=body.logprobs or 0,
+            ignore_eos=body.ignore_eos,
+            stop_token_ids=frozenset(body.stop_token_ids or ()),
+        )
+        request = TokenInRequest(
+            model=body.model,
+            n=body.n,
+            prompts=body.prompts(),
+            add_special_tokens=body.add_special_tokens,
+            sampling=sampling,
+            stops=body.stop_sequences(),
+            logprobs=body.logprobs is not None,
+            return_token_ids=bool(body.return_token_ids),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
+        batch = await self._service.prepare_tokens(
+            request, tenant=call.tenant, session_id=call.session_id, agent=call.agent
+        )
+        return TokenInExchange(batch, body, self._service.token_text)
+
+    @staticmethod
+    def error_body(error: GatewayError) -> dict[str, Any]:
+        return error.body()

@@ -1,1 +1,29 @@
-"""TODO"""
+"""Sessions: trees of token-exact turns, found by id or by the conversation a request continues.
+
+* :mod:`._store`: :class:`Turn`, :class:`Session` (a tree) and the bounded local
+  :class:`SessionStore`.
+* :mod:`._directory`: :class:`SessionDirectory`, the front door the completion core uses.
+* :mod:`._shared`: the NATS side that lets any replica continue any session.
+
+The contracts these keep (a turn holds exactly the sampled ids; an echoed assistant message is
+continued by its ids, never re-tokenized; a diverging history opens a branch, never a splice)
+are stated in ``docs/sessions.md``.
+"""
+
+from stream_gateway.sessions._directory import SessionDirectory, SharingConfig
+from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
+from stream_gateway.sessions._store import SEQ_BLOCK, Chain, Session, SessionStore, Turn, session_body
+
+__all__ = [
+    "SEQ_BLOCK",
+    "Chain",
+    "Session",
+    "SessionDirectory",
+    "SessionStore",
+    "SharedSessions",
+    "SharedUnavailable",
+    "SharingConfig",
+    "Turn",
+    "expected_seqs",
+    "session_body",
+]

@@ -40,7 +40,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
-__all__ = ["SessionDirectory", "SharedSessions", "expected_seqs"]
+__all__ = ["SharedSessions", "SharedUnavailable", "expected_seqs"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class SharedSessions:
         timeout_s: float = 1.0,
         record_ttl_s: float = 0.0,
         idle_seconds: float = 3600.0,
+        on_remote_close: Callable[[Session, str], Awaitable[object]] | None = None,
     ) -> None:
         self._store = store
         self._servers = servers
@@ -140,7 +141,7 @@ class SharedSessions:
         self._idle: dict[str, Session] = {}
         self._wake = anyio.Event()
         self.ready = anyio.Event()  # set once the bucket exists (or the first attempt failed)
-        self.on_remote_close: Any = None  # called with a cached session another replica closed
+        self._on_remote_close = on_remote_close  # called with a cached session gone idle everywhere
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -571,8 +572,8 @@ class SharedSessions:
             return
         if time.time() - float(record.get("last_active", 0)) < self._idle_seconds:
             return  # active on another replica
-        if self.on_remote_close is not None:
-            await self.on_remote_close(session, "idle")
+        if self._on_remote_close is not None:
+            await self._on_remote_close(session, "idle")
 
     async def _write(self, session: Session, *, reserve: bool = False) -> None:
         """Merge what is pending for ``session`` into its record (compare-and-set), then the index."""
@@ -689,149 +690,3 @@ class SharedSessions:
             session.shared = SharedState()
         state: SharedState = session.shared
         return state
-
-
-class SessionDirectory:
-    """Finds, opens and closes sessions: the local store, and the shared state when there is one."""
-
-    def __init__(self, store: SessionStore, shared: SharedSessions | None = None) -> None:
-        self.store = store
-        self.shared = shared
-        self.before_open: Callable[[str], None] | None = None  # may refuse a tenant's new session
-
-    # -- by id --------------------------------------------------------------------------------
-
-    async def get(self, session_id: str, tenant: str) -> Session:
-        """The tenant's session, as current as the shared state allows (404 if there is none)."""
-        session = await self.lookup(session_id, tenant)
-        if session is None:
-            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
-        return session
-
-    async def lookup(self, session_id: str, tenant: str) -> Session | None:
-        """The tenant's session ``session_id`` (refreshed, or loaded into the cache), ``None`` if none."""
-        session = self.store.lookup(session_id, tenant)
-        shared = self.shared
-        if shared is None:
-            return session
-        try:
-            if session is not None:
-                await shared.refresh(session)
-                return session
-            loaded = await shared.load(session_id, tenant)
-        except SharedUnavailable:
-            return session
-        return self.store.insert(loaded) if loaded is not None else None
-
-    async def open(self, session_id: str | None, tenant: str) -> Session:
-        """A new session (named, or with a generated id) for a request that will run."""
-        if self.before_open is not None:
-            self.before_open(tenant)
-        session = self.store.create(tenant) if session_id is None else self.store.get_or_create(session_id, tenant)
-        shared = self.shared
-        if shared is None or session.turns or session.shared is not None:
-            return session
-        session.seq_end = SEQ_BLOCK  # the creator numbers from the first block
-        if session_id is None:
-            return session  # a generated id: its record is written with its first turn
-        try:
-            created = await shared.create_named(session)
-        except SharedUnavailable:
-            return session  # written when NATS is back
-        if created is not session:  # another replica created it first
-            self.store.discard(session)
-            return self.store.insert(created)
-        return session
-
-    # -- by conversation ----------------------------------------------------------------------
-
-    async def match(self, session: Session, keys: list[bytes], positions: list[int]) -> tuple[Turn | None, str | None]:
-        """The deepest turn of ``session`` the conversation continues; and why a deeper one was not usable."""
-        turn, at = session.match(keys, positions)
-        shared = self.shared
-        if shared is None or not positions or at == positions[-1]:
-            return turn, None
-        try:
-            await shared.refresh(session)
-        except SharedUnavailable as exc:
-            return turn, str(exc)
-        return session.match(keys, positions)[0], None
-
-    async def find(
-        self, tenant: str, keys: list[bytes], positions: list[int]
-    ) -> tuple[tuple[Session, Turn] | None, str | None]:
-        """The tenant's session and turn the conversation continues (deepest first); and a fallback reason."""
-        local = self.store.find_at(tenant, keys, positions)
-        shared = self.shared
-        at = local[2] if local is not None else -1
-        deeper = [i for i in positions if i > at]
-        found = (local[0], local[1]) if local is not None else None
-        if shared is None or not deeper:
-            return found, None
-        try:
-            hit = await shared.probe(tenant, [keys[i] for i in deeper])
-            if hit is None:
-                return found, None
-            _, session_id, turn_id = hit
-            session = self.store.cached(session_id)
-            if session is not None and turn_id not in session.turns:
-                await shared.refresh(session)
-            elif session is None:
-                loaded = await shared.load(session_id, tenant)
-                session = self.store.insert(loaded) if loaded is not None else None
-        except SharedUnavailable as exc:
-            return found, str(exc)
-        except NotFound:
-            return found, None
-        if session is None or session.closed or session.tenant != tenant:
-            return found, None
-        turn, _ = session.match(keys, positions)
-        if turn is None:
-            return found, f"turn {turn_id} of session {session_id} could not be read back from the stream"
-        return (session, turn), None
-
-    async def match_tokens(self, session: Session, ids: list[int]) -> Turn | None:
-        """The deepest finished turn of ``session`` that ``ids`` extend, refreshing it on a miss."""
-        turn = session.match_tokens(ids)
-        if turn is None and self.shared is not None and session.shared is not None:
-            try:
-                await self.shared.refresh(session)
-            except SharedUnavailable:
-                return None
-            turn = session.match_tokens(ids)
-        return turn
-
-    # -- writing ------------------------------------------------------------------------------
-
-    async def prepare_to_write(self, session: Session) -> None:
-        """Make sure this replica holds event numbers for ``session``."""
-        if self.shared is not None:
-            await self.shared.ensure_seqs(session)
-
-    def turn_recorded(self, session: Session, turn: Turn) -> anyio.Event | None:
-        """Share ``turn``; an event set once it is stored (``None`` without shared sessions)."""
-        if self.shared is None:
-            return None
-        return self.shared.turn_recorded(session, turn)
-
-    async def wait_shared(self, done: anyio.Event | None) -> None:
-        """Wait (bounded) until a turn is stored in the shared state; not at all while NATS is away."""
-        shared = self.shared
-        if done is None or shared is None or not shared.available:
-            return
-        with anyio.move_on_after(shared.timeout_s * 2):
-            await done.wait()
-
-    def feedback_recorded(self, session: Session, record: dict[str, Any]) -> None:
-        session.feedback.append(record)
-        if self.shared is not None:
-            self.shared.feedback_recorded(session, record)
-
-    async def close(self, session: Session, reason: str) -> bool:
-        """Close ``session`` everywhere; ``False`` if it already was."""
-        if session.closed:
-            return False
-        if self.shared is not None:
-            await self.shared.ensure_seqs(session)
-            await self.shared.close(session, reason)  # learns every turn's event numbers first
-        return self.store.close(session, reason)

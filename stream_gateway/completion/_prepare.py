@@ -1,0 +1,329 @@
+"""Preparing a request: admit it, place it in a session, build its token-exact prompt.
+
+Two shapes of request reach the core: chat-shaped ones (chat completions, and Messages and
+Responses translated at their edges), whose prompt the chat template renders from messages and
+whose continuation is found by conversation keys; and token-in ones (vLLM's ``/v1/completions``),
+whose prompt ids the client gives and whose continuation is found by id prefix. Both pass the
+same :class:`~._admission.Admission` and open sessions the same way, and both end as
+:class:`PreparedCompletion` objects the token loop runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+import anyio
+from transformers import PreTrainedTokenizerBase
+
+from stream_gateway._errors import Conflict, InvalidRequest, UnsupportedParameter
+from stream_gateway._metrics import GatewayMetrics
+from stream_gateway._settings import Settings
+from stream_gateway.capture import EventRecorder
+from stream_gateway.completion._admission import Admission, SamplingRequest
+from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build
+from stream_gateway.completion._fingerprint import message_fingerprint, prefix_keys, tools_fingerprint
+from stream_gateway.completion._request import ChatCompletionRequest
+from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
+from stream_gateway.constraints import check as check_grammar
+from stream_gateway.engines import Engine, SamplingParams
+from stream_gateway.sessions import Session, SessionDirectory, Turn
+
+__all__ = ["PreparedCompletion", "Preparer", "TokenInRequest"]
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 64  # prompts per token-in request
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCompletion:
+    """A validated request, its prompt ids and everything needed to serve it."""
+
+    completion_id: str
+    created: int
+    arrived: float
+    model: str
+    session: Session
+    context: Context
+    conversation_key: bytes  # prefix key of the request's messages (turn keys extend it)
+    context_length: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stops: tuple[str, ...]
+    logprobs: bool
+    return_token_ids: bool
+    include_usage: bool
+    tool_parser: str | None  # None: the output is plain content
+    tool_names: frozenset[str]
+    legacy_functions: bool = False  # the request used ``functions``: answer with ``function_call``
+    first_index: int = 0  # choice indices start here (a batch of prompts numbers its choices on)
+    token_in: bool = False  # prompt ids given by the client (``/v1/completions``): continued by id prefix only
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInRequest:
+    """A token-in request in the core's terms: prompts (ids, or text to encode) and sampling."""
+
+    model: str
+    n: int
+    prompts: list[str | list[int]]
+    add_special_tokens: bool
+    sampling: SamplingRequest
+    stops: tuple[str, ...]
+    logprobs: bool
+    return_token_ids: bool
+    include_usage: bool
+
+
+class Preparer:
+    """Turns validated requests into :class:`PreparedCompletion` objects."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        sessions: SessionDirectory,
+        recorder: EventRecorder,
+    ) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._metrics = metrics
+        self._sessions = sessions
+        self._recorder = recorder
+        self.admission = Admission(engine, settings)
+
+    @cached_property
+    def _context_builder(self) -> ContextBuilder:
+        # Lazily: the engine's tokenizer exists only once the engine has started.
+        return ContextBuilder(self._engine.tokenizer)
+
+    # -- chat-shaped requests --------------------------------------------------------------------
+
+    async def chat(
+        self, body: ChatCompletionRequest, *, tenant: str, session_id: str | None = None, agent: str | None = None
+    ) -> PreparedCompletion:
+        """Validate ``body``, place it in a session, and build its token-exact prompt.
+
+        With ``session_id`` the request belongs to that session (created on first use);
+        without, it joins the tenant's session whose conversation it continues, or a new one.
+        ``agent`` (the User-Agent) goes into the ``session.opened`` event.
+        """
+        arrived = time.perf_counter()
+        self.admission.check_model_and_n(body.model, body.n)
+        body.check_supported()
+        await self._check_size(body)
+        constraint = None
+        if body.response_format is not None or isinstance(body.tool_choice, dict) or body.tool_choice == "required":
+            constraint = await anyio.to_thread.run_sync(self._constraint, body)
+        keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
+        session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id)
+        context = await self._build_context(body, parent, unavailable, session_id)
+        requested = body.requested_max_tokens()
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        room = self.admission.fit(len(context.prompt_ids), requested, noun="messages", max_param=max_param)
+        # Only a request that will run gets a session: failed ones leave nothing behind.
+        session = await self._admit_session(session, session_id, tenant, agent, body.metadata or {})
+        sampling = SamplingRequest(
+            max_tokens=requested,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+            ignore_eos=body.ignore_eos,
+        )
+        return PreparedCompletion(
+            completion_id=f"chatcmpl-{secrets.token_hex(12)}",
+            created=int(time.time()),
+            arrived=arrived,
+            model=self._engine.model_id,
+            session=session,
+            context=context,
+            conversation_key=keys[-1],
+            context_length=len(body.messages),
+            prompt_ids=context.prompt_ids,
+            params=self.admission.params(sampling, room, constraint),
+            n=body.n,
+            stops=body.stop_sequences(),
+            logprobs=body.logprobs,
+            return_token_ids=body.return_token_ids,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            tool_parser=self._settings.tool_parser if body.tools and body.tool_choice != "none" else None,
+            tool_names=frozenset(t.function.name for t in body.tools or ()),
+            legacy_functions=body.legacy_functions,
+        )
+
+    async def _find_conversation(
+        self, body: ChatCompletionRequest, keys: list[bytes], tenant: str, session_id: str | None
+    ) -> tuple[Session | None, Turn | None, str | None]:
+        """The session and turn the messages continue, and why the shared state could not say
+        whether a deeper turn exists (``None``: it could)."""
+        # Turn keys end with an assistant message; the request's last message is always new.
+        positions = [i for i, m in enumerate(body.messages[:-1]) if m.role == "assistant"]
+        if session_id is None:
+            found, unavailable = await self._sessions.find(tenant, keys, positions)
+            session, parent = found if found is not None else (None, None)
+            return session, parent, unavailable
+        session = await self._sessions.lookup(session_id, tenant)
+        if session is None:
+            return None, None, None
+        if session.closed:
+            raise Conflict(f"Session `{session_id}` is closed.", param="session_id", code="session_closed")
+        parent, unavailable = await self._sessions.match(session, keys, positions)
+        return session, parent, unavailable
+
+    async def _build_context(
+        self, body: ChatCompletionRequest, parent: Turn | None, unavailable: str | None, session_id: str | None
+    ) -> Context:
+        if cheap_to_build(body.messages, body.tools, parent):
+            context = self._context_builder.build(body.messages, body.tools, parent)
+        else:
+            context = await anyio.to_thread.run_sync(self._context_builder.build, body.messages, body.tools, parent)
+        if unavailable is not None and context.fallback_reason is None:
+            context = replace(context, fallback_reason=unavailable)
+        if context.fallback_reason is not None:
+            self._metrics.context_fallbacks.inc()
+            log.info("session %s: new root instead of continuing a turn: %s", session_id, context.fallback_reason)
+        return context
+
+    async def count_tokens(self, body: ChatCompletionRequest) -> int:
+        """The prompt tokens ``body`` would take: a full render of its messages and tools."""
+        self.admission.check_model_and_n(body.model, body.n)
+        await self._check_size(body)
+        builder = self._context_builder
+        return len(await anyio.to_thread.run_sync(builder.render_ids, body.messages, body.tools))
+
+    async def _check_size(self, body: ChatCompletionRequest) -> None:
+        """Refuse at once what cannot fit, before fingerprinting, rendering or tokenizing all of it."""
+        self.admission.check_message_count(len(body.messages))
+        texts = [m.text() for m in body.messages]
+        budget = self.admission.characters_need_counting(sum(len(t) for t in texts))
+        if budget is not None:
+            # Suspiciously long: count the tokens of a prefix whose size the context bounds (not
+            # the request), off the loop. More tokens than the context there: more in the whole.
+            await anyio.to_thread.run_sync(self.admission.check_prefix_tokens, texts, budget)
+
+    def _constraint(self, body: ChatCompletionRequest) -> Constraint | None:
+        """What ``response_format`` or ``tool_choice`` holds the output to (in a worker thread:
+        the first grammar for a large vocabulary takes a while); 400 if it cannot be enforced."""
+        by_format = response_format_constraint(body.response_format)
+        tokenizer = self._engine.tokenizer
+        by_choice = tool_choice_constraint(body.tool_choice, body.tools, tokenizer, self._settings.tool_parser)
+        if by_format is not None and by_choice is not None:
+            raise InvalidRequest("response_format and a forced tool_choice cannot be combined", param="response_format")
+        constraint = by_format or by_choice
+        if constraint is None:
+            return None
+        param = "response_format" if by_format is not None else "tool_choice"
+        if not self._engine.constrained_decoding:
+            raise UnsupportedParameter(
+                f"{param} {constraint.kind.replace('_', ' ')} needs constrained decoding, which the "
+                f"{self._engine.name} engine does not do; the transformers engine does",
+                param=param,
+            )
+        check_grammar(constraint, tokenizer, param)
+        return constraint
+
+    # -- token-in requests -----------------------------------------------------------------------
+
+    async def tokens(
+        self, request: TokenInRequest, *, tenant: str, session_id: str | None = None, agent: str | None = None
+    ) -> list[PreparedCompletion]:
+        """One prepared completion per prompt, sharing one response id; choices numbered on."""
+        self.admission.check_model_and_n(request.model, request.n)
+        if len(request.prompts) > MAX_BATCH:
+            raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
+        token_lists = [self._prompt_ids(p, request.add_special_tokens) for p in request.prompts]
+        named: Session | None = None
+        if session_id is not None:
+            named = await self._sessions.lookup(session_id, tenant)
+            if named is not None and named.closed:
+                raise Conflict(f"Session `{session_id}` is closed.", param="session_id", code="session_closed")
+        requested = request.sampling.max_tokens
+        rooms = [self.admission.fit(len(ids), requested, noun="prompt", max_param="max_tokens") for ids in token_lists]
+        completion_id = f"cmpl-{secrets.token_hex(12)}"
+        created = int(time.time())
+        arrived = time.perf_counter()
+        batch = []
+        for position, (ids, room) in enumerate(zip(token_lists, rooms, strict=True)):
+            session, parent = await self._place_tokens(ids, tenant, session_id, named)
+            if session_id is not None:
+                named = session
+            session = await self._admit_session(session, session_id, tenant, agent, {})
+            reused = len(parent.prompt_ids) + len(parent.output_ids) if parent is not None else 0
+            batch.append(
+                PreparedCompletion(
+                    completion_id=completion_id,
+                    created=created,
+                    arrived=arrived,
+                    model=self._engine.model_id,
+                    session=session,
+                    context=Context(ids, parent, reused, True),
+                    conversation_key=b"",
+                    context_length=0,
+                    prompt_ids=ids,
+                    params=self.admission.params(request.sampling, room),
+                    n=request.n,
+                    stops=request.stops,
+                    logprobs=request.logprobs,
+                    return_token_ids=request.return_token_ids,
+                    include_usage=request.include_usage,
+                    tool_parser=None,
+                    tool_names=frozenset(),
+                    first_index=position * request.n,
+                    token_in=True,
+                )
+            )
+        return batch
+
+    async def _place_tokens(
+        self, ids: list[int], tenant: str, session_id: str | None, named: Session | None
+    ) -> tuple[Session | None, Turn | None]:
+        """The session the prompt belongs to (``None``: a new one), and the turn it continues.
+
+        Without a session id, continuation is found among the sessions this replica holds (the
+        shared state indexes conversations, not id prefixes): name the session (vLLM's
+        ``session_id``, or the session URL) to continue it on any replica.
+        """
+        if session_id is not None:
+            session = named if named is not None else await self._sessions.open(session_id, tenant)
+            return session, await self._sessions.match_tokens(session, ids)
+        found = self._sessions.store.find_tokens(tenant, ids)
+        if found is not None:
+            return found
+        return None, None
+
+    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        tokenizer: PreTrainedTokenizerBase = self._engine.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("The prompt must not be empty.", param="prompt")
+            ids: list[int] = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return ids
+        vocab = len(tokenizer)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param="prompt")
+        return list(prompt)
+
+    # -- both --------------------------------------------------------------------------------------
+
+    async def _admit_session(
+        self, session: Session | None, session_id: str | None, tenant: str, agent: str | None, metadata: dict[str, str]
+    ) -> Session:
+        """Open the request's session if it has none yet, announce it once, and ready it for writes."""
+        if session is None:
+            session = await self._sessions.open(session_id, tenant)
+        if session.closed:  # closed while this request's prompt was being built
+            raise Conflict(f"Session `{session.session_id}` is closed.", param="session_id", code="session_closed")
+        await self._sessions.prepare_to_write(session)
+        if not session.announced:
+            self._recorder.session_opened(session, self._engine.policy_version, agent, metadata)
+        self._sessions.store.touch(session)
+        return session

@@ -1,0 +1,160 @@
+"""A turn's life beside the token loop: started, its live deltas, finished, and made durable.
+
+:class:`TurnLifecycle` owns everything a choice does that is not sending tokens: the
+``turn.started`` event, the live token deltas, the latency metrics, the tenant's token spend, the
+:class:`~stream_gateway.sessions.Turn` record in the session tree, the ``turn.completed`` or
+``turn.aborted`` event, and the wait until that event is durable and other replicas can find the
+turn. The token loop (:mod:`._service`) only calls :meth:`TurnLifecycle.step` per engine step and
+:meth:`TurnLifecycle.finish` once, whatever way the choice ended.
+
+Deliberate choice: metrics that fire per step are gathered in lists and counted at the end (one
+histogram call per turn, not per token); see ``benchmarks/hot_path.py``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+
+from stream_gateway._metrics import GatewayMetrics
+from stream_gateway.capture import EventRecorder
+from stream_gateway.completion._fingerprint import assistant_fingerprint, extend_key
+from stream_gateway.completion._updates import ChoiceResult
+from stream_gateway.engines import SamplingParams
+from stream_gateway.sessions import SessionDirectory, Turn
+
+if TYPE_CHECKING:
+    from stream_gateway.completion._service import PreparedCompletion
+
+__all__ = ["TurnLifecycle", "Turns"]
+
+Spend = Callable[[str, int], None]
+"""``(tenant, tokens)``: charges a tenant's token budget (the control plane's limiter)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Turns:
+    """What every turn reports to: events, sessions, metrics and the tenant's budget."""
+
+    recorder: EventRecorder
+    sessions: SessionDirectory
+    metrics: GatewayMetrics
+    spend: Spend | None
+    durable_wait_s: float
+
+    def begin(self, prepared: PreparedCompletion, index: int, params: SamplingParams, policy_version: int) -> TurnLifecycle:
+        """Start the turn of choice ``index`` (its ``turn.started`` event goes out now)."""
+        return TurnLifecycle(self, prepared, index, params, policy_version)
+
+
+class TurnLifecycle:
+    """One choice's turn, from ``turn.started`` to its durable record."""
+
+    __slots__ = ("_deltas", "_gaps", "_last", "_of", "first_token_s", "index", "params", "policy_version", "prepared", "turn_id")
+
+    def __init__(
+        self, of: Turns, prepared: PreparedCompletion, index: int, params: SamplingParams, policy_version: int
+    ) -> None:
+        self._of = of
+        self.prepared = prepared
+        self.index = index
+        self.params = params
+        self.policy_version = policy_version
+        self.turn_id = f"turn{secrets.token_hex(12)}"
+        self.first_token_s: float | None = None
+        self._gaps: list[float] = []  # between engine steps, counted into the histogram at the end
+        self._last = prepared.arrived
+        context = prepared.context
+        of.recorder.turn_started(
+            prepared.session,
+            self.turn_id,
+            context.parent.turn_id if context.parent is not None else None,
+            prepared.completion_id,
+            index,
+            len(prepared.prompt_ids),
+            context.reused_prompt_tokens,
+            params,
+            policy_version,
+        )
+        self._deltas = of.recorder.deltas(prepared.session, self.turn_id, policy_version)
+
+    def step(self, ids: list[int], logprobs: list[float], now: float) -> None:
+        """An engine step arrived at ``now``; ``ids``/``logprobs`` are the whole turn's so far."""
+        if self.first_token_s is None:
+            self.first_token_s = now - self.prepared.arrived
+            self._of.metrics.time_to_first_token.observe(self.first_token_s)
+        else:
+            self._gaps.append(now - self._last)
+        self._last = now
+        if self._deltas is not None:
+            self._deltas.advance(ids, logprobs, now)
+
+    async def finish(
+        self,
+        result: ChoiceResult,
+        spans: list[tuple[int, int]],
+        abort_reason: str | None,
+        abort_detail: str | None,
+    ) -> None:
+        """Record the turn however it ended; a completed one returns once it is durable and shared.
+
+        The response ends (usage, ``[DONE]``) after this, so a crash cannot take back from the
+        training data what the client already has, and other replicas can find the turn.
+        """
+        of, prepared = self._of, self.prepared
+        ids = result.token_ids
+        of.metrics.completion_tokens.inc(len(ids))
+        if of.spend is not None:
+            of.spend(prepared.session.tenant, len(ids))
+        of.metrics.inter_token_latency.observe_many(self._gaps)
+        if self._deltas is not None:
+            self._deltas.flush(ids, result.logprobs)
+        turn = self._record(result, spans or [(self.policy_version, 0)])
+        durable = of.recorder.turn_finished(
+            prepared.session, turn, prepared.completion_id, self.index, self.params, abort_reason, abort_detail
+        )
+        shared = of.sessions.turn_recorded(prepared.session, turn)
+        if abort_reason is None:
+            if durable is not None:
+                with anyio.move_on_after(of.durable_wait_s):
+                    await durable.wait()
+            await of.sessions.wait_shared(shared)
+
+    def _record(self, result: ChoiceResult, policy_versions: list[tuple[int, int]]) -> Turn:
+        prepared = self.prepared
+        content = "".join(result.text_parts)
+        calls = tuple(result.tool_calls())
+        key = None
+        if result.finish_reason is not None and not prepared.token_in:
+            fingerprint = assistant_fingerprint(content, [(c.name, c.arguments) for c in calls])
+            key = extend_key(prepared.conversation_key, fingerprint)
+        context = prepared.context
+        duration = time.perf_counter() - prepared.arrived
+        turn = Turn(
+            turn_id=self.turn_id,
+            session_id=prepared.session.session_id,
+            parent_id=context.parent.turn_id if context.parent is not None else None,
+            key=key,
+            context_length=prepared.context_length,
+            prompt_ids=tuple(prepared.prompt_ids),
+            reused_prompt_tokens=context.reused_prompt_tokens,
+            output_ids=tuple(result.token_ids),
+            logprobs=tuple(result.logprobs),
+            finish_reason=result.finish_reason,
+            content=content,
+            tool_calls=calls,
+            policy_version=policy_versions[0][0],
+            policy_versions=tuple(policy_versions),
+            created_at=time.time() - duration,
+            time_to_first_token_s=self.first_token_s,
+            duration_s=duration,
+            matches_full_render=context.matches_full_render,
+            fallback_reason=context.fallback_reason,
+        )
+        self._of.sessions.store.add_turn(prepared.session, turn)
+        return turn

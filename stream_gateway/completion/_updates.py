@@ -1,0 +1,68 @@
+"""What a choice's producer hands to a response: one update per engine step, and their sum.
+
+A :class:`ChoiceUpdate` is protocol-neutral: text, the token ids and logprobs behind it, tool-call
+deltas, and at the end the finish reason, the policy-version spans and the stop string. Every wire
+format's encoder (:mod:`stream_gateway.protocols`) turns updates into its own frames; a
+:class:`ChoiceResult` folds them into a whole choice for non-streamed bodies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stream_gateway.tool_parsers import ToolCall, ToolCallDelta
+
+__all__ = ["ChoiceResult", "ChoiceUpdate"]
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """What one choice produced since its previous update; the last one has a finish reason."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None
+    finish_reason: str | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    version_spans: list[tuple[int, int]] | None = None  # final update: (version, first token index) spans
+    stop_sequence: str | None = None  # final update: the stop string that ended it, if one did
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """A whole choice, accumulated from its updates (non-streaming responses and capture)."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+    call_deltas: list[ToolCallDelta] = field(default_factory=list)
+    version_spans: list[tuple[int, int]] | None = None  # (version, first token index) spans, once finished
+    stop_sequence: str | None = None
+
+    def add(self, update: ChoiceUpdate) -> None:
+        """Fold one update in."""
+        if update.version_spans is not None:
+            self.version_spans = update.version_spans
+        if update.stop_sequence is not None:
+            self.stop_sequence = update.stop_sequence
+        self.text_parts.append(update.text)
+        self.call_deltas.extend(update.tool_calls)
+        self.token_ids.extend(update.token_ids)
+        self.logprobs.extend(update.logprobs)
+        if update.top_logprobs is not None:
+            self.top_logprobs.extend(update.top_logprobs)
+        if update.finish_reason is not None:
+            self.finish_reason = update.finish_reason
+
+    def tool_calls(self) -> list[ToolCall]:
+        """The complete tool calls, reassembled from their deltas."""
+        calls: dict[int, list[str]] = {}
+        for delta in self.call_deltas:
+            entry = calls.setdefault(delta.index, [delta.id or "", delta.name or "", ""])
+            entry[2] += delta.arguments
+        return [ToolCall(i, name, arguments) for i, name, arguments in (calls[k] for k in sorted(calls))]

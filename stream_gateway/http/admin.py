@@ -1,0 +1,164 @@
+"""The operator's routes: weights, inference servers, models, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from stream_gateway._errors import Conflict, InvalidRequest, NotFound
+from stream_gateway.control import PolicyNotNewer
+from stream_gateway.engines import UpstreamControl, WeightsRejected, normalize_url
+from stream_gateway.http._body import parse_body
+from stream_gateway.http._render import ORJSONResponse
+from stream_gateway.http._state import GatewayState, gateway_state
+
+__all__ = ["UpstreamsBody", "WeightsBody", "admin_bodies", "admin_router", "running_loop"]
+
+admin_router = APIRouter()
+
+
+class WeightsBody(BaseModel):
+    """``POST /policy/weights``: load a checkpoint as the next policy version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, description="a directory of *.safetensors files (the engine's model)")
+    policy_version: int = Field(strict=True, gt=0)
+
+
+class UpstreamsBody(BaseModel):
+    """``POST /admin/upstreams``: servers to add to and remove from a remote engine's pool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    add: list[str] = Field(default_factory=list, max_length=256, description="server URLs to add")
+    remove: list[str] = Field(default_factory=list, max_length=256, description="server URLs to take out")
+
+
+admin_bodies: dict[str, type[BaseModel]] = {"/policy/weights": WeightsBody, "/admin/upstreams": UpstreamsBody}
+
+
+@admin_router.post("/policy/weights")
+async def load_weights(request: Request) -> Response:
+    state = gateway_state(request)
+    state.auth.admin(request, "weight updates")
+    body = await parse_body(request, WeightsBody, state.settings.max_request_bytes)
+    if not await anyio.Path(body.path).is_dir():
+        raise InvalidRequest(f"No directory `{body.path}` on the gateway's machine.", param="path")
+    try:
+        report = await state.applier.apply_directory(body.path, body.policy_version, source=body.path)
+    except PolicyNotNewer as exc:
+        raise Conflict(
+            f"policy_version must be above the current {state.engine.policy_version}.",
+            param="policy_version",
+            code="stale_policy_version",
+        ) from exc
+    except (WeightsRejected, OSError) as exc:  # unreadable or mismatched checkpoint
+        raise InvalidRequest(f"The engine could not load `{body.path}`: {exc}", param="path") from exc
+    result = {"object": "policy", "policy_version": report.policy_version, "previous_version": report.previous_version}
+    return ORJSONResponse(
+        result | {"weights": body.path, "pause_s": report.pause_s, "copy_s": report.copy_s, "replica": state.replica}
+    )
+
+
+def _upstreams(state: GatewayState) -> UpstreamControl:
+    upstreams = state.engine.upstreams
+    if upstreams is None:
+        raise NotFound(
+            f"The {state.engine.name} engine has no inference servers to manage (only vllm-http and sglang-http do).",
+            code="no_upstreams",
+        )
+    return upstreams
+
+
+@admin_router.get("/admin/upstreams")
+async def list_upstreams(request: Request) -> Response:
+    state = gateway_state(request)
+    state.auth.admin(request, "managing inference servers")
+    return ORJSONResponse({"object": "list", "data": _upstreams(state).describe_upstreams()})
+
+
+@admin_router.post("/admin/upstreams")
+async def change_upstreams(request: Request) -> Response:
+    state = gateway_state(request)
+    state.auth.admin(request, "managing inference servers")
+    upstreams = _upstreams(state)
+    body = await parse_body(request, UpstreamsBody, state.settings.max_request_bytes)
+    for url in [*body.add, *body.remove]:
+        normalize_url(url)  # refuse the whole request before changing anything
+    removed = [u.url for u in (upstreams.remove_upstream(url) for url in body.remove) if u is not None]
+    added = []
+    for url in body.add:
+        upstream, new = await upstreams.add_upstream(url)
+        if new:
+            added.append(upstream.url)
+    data = upstreams.describe_upstreams()
+    return ORJSONResponse({"object": "list", "added": added, "removed": removed, "data": data})
+
+
+@admin_router.get("/v1/models")
+@admin_router.get("/sessions/{session_id}/v1/models")
+async def list_models(request: Request) -> Response:
+    state = gateway_state(request)
+    state.auth.tenant(request)
+    engine = state.engine
+    model = {
+        "id": engine.model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "stream-gateway",
+        "max_model_len": engine.max_model_len,
+    }
+    return ORJSONResponse({"object": "list", "data": [model]})
+
+
+@admin_router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+async def root(request: Request) -> Response:
+    """Claude Code opens a connection with ``HEAD /`` before its first request."""
+    return ORJSONResponse({"object": "stream-gateway", "model": gateway_state(request).engine.model_id})
+
+
+@admin_router.get("/health")
+async def health(request: Request) -> Response:
+    state = gateway_state(request)
+    engine = state.engine
+    stats = engine.statistics()
+    body: dict[str, Any] = {
+        "status": "ok" if stats.running else "unavailable",
+        "engine": engine.name,
+        "model": engine.model_id,
+        "policy_version": engine.policy_version,
+        "replica": state.replica,
+        "server": {"loop": running_loop(), "http": state.settings.server_stack()[1]},
+        "active_requests": stats.active_requests,
+        "waiting_requests": stats.waiting_requests,
+        "total_requests": stats.total_requests,
+        "total_generated_tokens": stats.total_generated_tokens,
+    }
+    if engine.upstreams is not None:
+        body["upstreams"] = [
+            {"url": u.url, "healthy": u.healthy, "outstanding": u.outstanding} for u in engine.upstreams.upstream_list()
+        ]
+    if (publisher_stats := state.metrics.publisher_statistics()) is not None:
+        body["events"] = {
+            "connected": publisher_stats.connected,
+            "pending": publisher_stats.pending,
+            "outbox": publisher_stats.outbox,
+        }
+    return ORJSONResponse(body, status_code=200 if stats.running else 503)
+
+
+@admin_router.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    metrics = gateway_state(request).metrics
+    return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def running_loop() -> str:
+    """The running event loop's implementation: ``uvloop`` or ``asyncio``."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]

@@ -1,0 +1,138 @@
+"""The generation routes: one handler serves every wire format's :class:`~stream_gateway.protocols.Edge`.
+
+Each edge's route (``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``,
+``/v1/responses``) and its session-scoped twin (``/sessions/{session_id}`` + the route) run under
+the tenant's limits: its slot is held until the response has ended. The handler parses the body
+into the edge's request, opens it into an exchange, then streams (the core produces into an
+update channel, the edge's encoder writes frames) or collects the choices into the edge's body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from stream_gateway.completion import UpdateChannel
+from stream_gateway.http._body import check_session_id, parse_body
+from stream_gateway.http._render import HeldResponse, ORJSONResponse
+from stream_gateway.http._sse import TokenStreamResponse
+from stream_gateway.http._state import GatewayState, gateway_state
+from stream_gateway.protocols import Call, Edge, SideRoute
+
+__all__ = ["generation_bodies", "generation_router"]
+
+SESSION_PREFIX = "/sessions/{session_id}"
+
+
+def generation_router(edges: Sequence[Edge[Any]]) -> APIRouter:
+    """``POST`` routes for every edge and its side routes, each with its session-scoped twin."""
+    router = APIRouter()
+    for edge in edges:
+        route, session_route = _endpoints(edge)
+        router.add_api_route(edge.path, route, methods=["POST"], name=edge.name)
+        router.add_api_route(SESSION_PREFIX + edge.path, session_route, methods=["POST"], name=f"session_{edge.name}")
+        for side in edge.side_routes:
+            side_route, side_session_route = _side_endpoints(side)
+            name = f"{edge.name}_{side.path.rsplit('/', 1)[-1]}"
+            router.add_api_route(side.path, side_route, methods=["POST"], name=name)
+            router.add_api_route(SESSION_PREFIX + side.path, side_session_route, methods=["POST"], name=f"session_{name}")
+    return router
+
+
+Endpoint = Callable[..., Awaitable[Response]]
+
+
+def _endpoints(edge: Edge[Any]) -> tuple[Endpoint, Endpoint]:
+    # FastAPI reads an endpoint's signature for its parameters: only the request and the path's.
+    async def route(request: Request) -> Response:
+        return await _limited(request, edge, None)
+
+    async def session_route(request: Request, session_id: str) -> Response:
+        return await _limited(request, edge, session_id)
+
+    return route, session_route
+
+
+def _side_endpoints(side: SideRoute) -> tuple[Endpoint, Endpoint]:
+    async def route(request: Request) -> Response:
+        return await _side(request, side)
+
+    async def session_route(request: Request, session_id: str) -> Response:
+        return await _side(request, side)
+
+    return route, session_route
+
+
+def generation_bodies(edges: Sequence[Edge[Any]]) -> dict[str, type[BaseModel]]:
+    """The request body each generation route parses, by path (for the OpenAPI document)."""
+    bodies: dict[str, type[BaseModel]] = {}
+    for edge in edges:
+        bodies[edge.path] = bodies[SESSION_PREFIX + edge.path] = edge.request
+        for side in edge.side_routes:
+            bodies[side.path] = bodies[SESSION_PREFIX + side.path] = side.request
+    return bodies
+
+
+async def _limited(request: Request, edge: Edge[Any], session_id: str | None) -> Response:
+    """The edge's response, under the tenant's limits: its slot is held until the response ends."""
+    state = gateway_state(request)
+    entry = state.auth.entry(request)
+    release = state.limiter.admit(entry.tenant, entry.limits)
+    try:
+        response = await _generate(request, state, edge, session_id, entry.tenant)
+    except BaseException:
+        release()
+        raise
+    return HeldResponse(response, release)
+
+
+async def _generate(
+    request: Request, state: GatewayState, edge: Edge[Any], session_id: str | None, tenant: str
+) -> Response:
+    body = await parse_body(request, edge.request, state.settings.max_request_bytes)
+    session_id = session_id or request.headers.get("x-session-id") or edge.session_id(body) or None
+    if session_id is not None:
+        check_session_id(session_id)
+    exchange = await edge.open(body, Call(tenant, session_id, request.headers.get("user-agent")))
+    batch = exchange.batch
+    headers = {"x-session-id": batch[0].session.session_id}
+    service = state.service
+    if exchange.stream:
+        start = exchange.start_stream()
+        channel = UpdateChannel()
+        choices = sum(p.n for p in batch)
+        prompt_tokens = sum(len(p.prompt_ids) for p in batch)
+        frames = service.frames(start.encoder, channel, start.first, choices, prompt_tokens, start.include_usage)
+        return TokenStreamResponse(
+            frames,
+            headers=headers,
+            data_sender_callable=partial(service.produce, batch, channel),
+            ping=state.settings.sse_ping_seconds,
+            send_timeout=state.settings.sse_send_timeout_seconds,
+        )
+    results = await service.collect(batch, _disconnect_waiter(request))
+    if results is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return ORJSONResponse(exchange.body(results), headers=headers)
+
+
+async def _side(request: Request, side: SideRoute) -> Response:
+    state = gateway_state(request)
+    tenant = state.auth.tenant(request)
+    body = await parse_body(request, side.request, state.settings.max_request_bytes)
+    return ORJSONResponse(await side.answer(body, tenant))
+
+
+def _disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:
+    """A function that returns once the client of ``request`` has disconnected."""
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait_disconnect

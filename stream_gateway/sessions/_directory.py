@@ -1,0 +1,221 @@
+"""The sessions' front door: find, open and close sessions, locally and, when shared, through NATS.
+
+:class:`SessionDirectory` owns the local :class:`~._store.SessionStore` and, with
+:class:`SharingConfig`, the :class:`~._shared.SharedSessions` that make it a cache over NATS. The
+completion core asks it for the turn a conversation continues (:meth:`SessionDirectory.find`,
+:meth:`SessionDirectory.match`, :meth:`SessionDirectory.match_tokens`) and tells it about turns
+and feedback; it decides what is local and what goes to the shared state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import anyio
+
+from pipeline.connection import NatsAuth
+from stream_gateway._errors import NotFound
+from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
+from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn
+
+__all__ = ["SessionDirectory", "SharingConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class SharingConfig:
+    """Where and how sessions are shared between replicas (see :mod:`._shared`)."""
+
+    servers: tuple[str, ...]
+    auth: NatsAuth | None
+    bucket: str
+    events_stream: str
+    subject_prefix: str
+    replicas: int = 1
+    timeout_s: float = 1.0
+    record_ttl_s: float = 0.0
+
+
+class SessionDirectory:
+    """Finds, opens and closes sessions: the local store, and the shared state when there is one."""
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        idle_seconds: float,
+        sharing: SharingConfig | None = None,
+        on_closed: Callable[[Session, str, list[tuple[int, int]] | None], None] | None = None,
+        before_open: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_closed(session, reason, expected_seqs)``: a session ended here (``expected_seqs``
+        with shared sessions: the numbers of its durable events); ``before_open(tenant)`` may
+        refuse a tenant's new session (its limits)."""
+        self._on_closed = on_closed
+        self.before_open = before_open
+        self.store = SessionStore(
+            max_sessions=max_sessions,
+            idle_seconds=idle_seconds,
+            on_close=self._closed,
+            on_evict=self._evicted if sharing is not None else None,
+        )
+        self.shared = (
+            SharedSessions(self.store, **_options(sharing), idle_seconds=idle_seconds, on_remote_close=self.close)
+            if sharing is not None
+            else None
+        )
+
+    def _closed(self, session: Session, reason: str) -> None:
+        if self._on_closed is not None:
+            self._on_closed(session, reason, expected_seqs(session) if self.shared is not None else None)
+
+    def _evicted(self, session: Session, reason: str) -> None:
+        assert self.shared is not None
+        self.shared.evicted(session, reason)
+
+    def open_sessions(self, tenant: str) -> int:
+        """How many sessions of ``tenant`` this replica holds open."""
+        return sum(1 for s in self.store if s.tenant == tenant and not s.closed)
+
+    # -- by id --------------------------------------------------------------------------------
+
+    async def get(self, session_id: str, tenant: str) -> Session:
+        """The tenant's session, as current as the shared state allows (404 if there is none)."""
+        session = await self.lookup(session_id, tenant)
+        if session is None:
+            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+        return session
+
+    async def lookup(self, session_id: str, tenant: str) -> Session | None:
+        """The tenant's session ``session_id`` (refreshed, or loaded into the cache), ``None`` if none."""
+        session = self.store.lookup(session_id, tenant)
+        shared = self.shared
+        if shared is None:
+            return session
+        try:
+            if session is not None:
+                await shared.refresh(session)
+                return session
+            loaded = await shared.load(session_id, tenant)
+        except SharedUnavailable:
+            return session
+        return self.store.insert(loaded) if loaded is not None else None
+
+    async def open(self, session_id: str | None, tenant: str) -> Session:
+        """A new session (named, or with a generated id) for a request that will run."""
+        if self.before_open is not None:
+            self.before_open(tenant)
+        session = self.store.create(tenant) if session_id is None else self.store.get_or_create(session_id, tenant)
+        shared = self.shared
+        if shared is None or session.turns or session.shared is not None:
+            return session
+        session.seq_end = SEQ_BLOCK  # the creator numbers from the first block
+        if session_id is None:
+            return session  # a generated id: its record is written with its first turn
+        try:
+            created = await shared.create_named(session)
+        except SharedUnavailable:
+            return session  # written when NATS is back
+        if created is not session:  # another replica created it first
+            self.store.discard(session)
+            return self.store.insert(created)
+        return session
+
+    # -- by conversation ----------------------------------------------------------------------
+
+    async def match(self, session: Session, keys: list[bytes], positions: list[int]) -> tuple[Turn | None, str | None]:
+        """The deepest turn of ``session`` the conversation continues; and why a deeper one was not usable."""
+        turn, at = session.match(keys, positions)
+        shared = self.shared
+        if shared is None or not positions or at == positions[-1]:
+            return turn, None
+        try:
+            await shared.refresh(session)
+        except SharedUnavailable as exc:
+            return turn, str(exc)
+        return session.match(keys, positions)[0], None
+
+    async def find(
+        self, tenant: str, keys: list[bytes], positions: list[int]
+    ) -> tuple[tuple[Session, Turn] | None, str | None]:
+        """The tenant's session and turn the conversation continues (deepest first); and a fallback reason."""
+        local = self.store.find_at(tenant, keys, positions)
+        shared = self.shared
+        at = local[2] if local is not None else -1
+        deeper = [i for i in positions if i > at]
+        found = (local[0], local[1]) if local is not None else None
+        if shared is None or not deeper:
+            return found, None
+        try:
+            hit = await shared.probe(tenant, [keys[i] for i in deeper])
+            if hit is None:
+                return found, None
+            _, session_id, turn_id = hit
+            session = self.store.cached(session_id)
+            if session is not None and turn_id not in session.turns:
+                await shared.refresh(session)
+            elif session is None:
+                loaded = await shared.load(session_id, tenant)
+                session = self.store.insert(loaded) if loaded is not None else None
+        except SharedUnavailable as exc:
+            return found, str(exc)
+        except NotFound:
+            return found, None
+        if session is None or session.closed or session.tenant != tenant:
+            return found, None
+        turn, _ = session.match(keys, positions)
+        if turn is None:
+            return found, f"turn {turn_id} of session {session_id} could not be read back from the stream"
+        return (session, turn), None
+
+    async def match_tokens(self, session: Session, ids: list[int]) -> Turn | None:
+        """The deepest finished turn of ``session`` that ``ids`` extend, refreshing it on a miss."""
+        turn = session.match_tokens(ids)
+        if turn is None and self.shared is not None and session.shared is not None:
+            try:
+                await self.shared.refresh(session)
+            except SharedUnavailable:
+                return None
+            turn = session.match_tokens(ids)
+        return turn
+
+    # -- writing ------------------------------------------------------------------------------
+
+    async def prepare_to_write(self, session: Session) -> None:
+        """Make sure this replica holds event numbers for ``session``."""
+        if self.shared is not None:
+            await self.shared.ensure_seqs(session)
+
+    def turn_recorded(self, session: Session, turn: Turn) -> anyio.Event | None:
+        """Share ``turn``; an event set once it is stored (``None`` without shared sessions)."""
+        if self.shared is None:
+            return None
+        return self.shared.turn_recorded(session, turn)
+
+    async def wait_shared(self, done: anyio.Event | None) -> None:
+        """Wait (bounded) until a turn is stored in the shared state; not at all while NATS is away."""
+        shared = self.shared
+        if done is None or shared is None or not shared.available:
+            return
+        with anyio.move_on_after(shared.timeout_s * 2):
+            await done.wait()
+
+    def feedback_recorded(self, session: Session, record: dict[str, Any]) -> None:
+        session.feedback.append(record)
+        if self.shared is not None:
+            self.shared.feedback_recorded(session, record)
+
+    async def close(self, session: Session, reason: str) -> bool:
+        """Close ``session`` everywhere; ``False`` if it already was."""
+        if session.closed:
+            return False
+        if self.shared is not None:
+            await self.shared.ensure_seqs(session)
+            await self.shared.close(session, reason)  # learns every turn's event numbers first
+        return self.store.close(session, reason)
+
+
+def _options(sharing: SharingConfig) -> dict[str, Any]:
+    # Not dataclasses.asdict: it would turn the NatsAuth inside into a dict too.
+    return {f.name: getattr(sharing, f.name) for f in fields(sharing)}
