@@ -57,8 +57,8 @@ from consumers.trajectory import Trajectory
 from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import Event, SessionClosed, encode_event
 from pipeline.publisher import EventPublisher, PublisherConfig
-from stream_gateway.capture._recorder import EventRecorder
-from stream_gateway.sessions._store import Session, Turn
+from stream_gateway.capture import EventRecorder
+from stream_gateway.sessions import Session, Turn
 from stream_gateway.engines import SamplingParams
 
 NAMES = ConsumerStreams()

@@ -97,7 +97,7 @@ async def _run(args: argparse.Namespace, model_dir: Path) -> None:
     engine = module.TransformersEngine(
         model_dir, max_batch_size=args.rows, device=args.device, recompute_on_update=not args.keep_cache
     )
-    from stream_gateway.engines._base import SamplingParams
+    from stream_gateway.engines import SamplingParams
 
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=11, ignore_eos=True)
     prompts = [[5 + i % 50] * (16 + 37 * i) for i in range(args.rows)]
@@ -177,7 +177,7 @@ def main() -> None:
     if args.tokenizer:
         tokenizer_dir = Path(args.tokenizer)
     else:
-        from stream_gateway.models._cache import build_tiny_model
+        from stream_gateway.models import build_tiny_model
 
         tokenizer_dir = build_tiny_model()
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: the exactness check compares against it

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Install (idempotent) and run the whole test suite. Extra arguments go to pytest.
+# Install (idempotent), check (scripts/check: ruff, mypy strict) and run the whole test suite.
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# The rules that run (ruff, mypy strict) before a test does: a finding fails the run.
+bash scripts/check
 # The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, each
 # fine-tuned once per machine (~40-60 s, cached): built here, with a progress line each, rather
 # than inside one test's time limit.

@@ -37,7 +37,6 @@ from anyio.abc import TaskGroup
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from stream_gateway import protocols
 from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
@@ -59,6 +58,7 @@ from stream_gateway.http import (
     session_bodies,
     sessions_router,
 )
+from stream_gateway.protocols import edges as protocol_edges
 from stream_gateway.sessions import SessionDirectory, SharingConfig
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         before_open=limiter.check_new_session,
     )
     service = CompletionService(engine, settings, metrics, sessions, recorder, spend=limiter.spend)
-    edges = protocols.edges(service)
+    edges = protocol_edges(service)
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     state = GatewayState(
         settings=settings,

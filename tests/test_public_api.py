@@ -57,3 +57,82 @@ def test_dependency_direction() -> None:
         tree = ast.parse(path.read_text())
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
         assert not any(m.startswith("consumers") for m in modules), path
+
+
+# -- stream_gateway's surface, the underscore rule and the import graph ------------------------------
+
+GATEWAY_PACKAGES = [
+    "stream_gateway",
+    "stream_gateway.capture",
+    "stream_gateway.completion",
+    "stream_gateway.control",
+    "stream_gateway.engines",
+    "stream_gateway.http",
+    "stream_gateway.models",
+    "stream_gateway.protocols",
+    "stream_gateway.sessions",
+]
+
+
+def test_every_package_init_is_its_whole_public_surface() -> None:
+    """Each ``__init__``'s ``__all__`` is sorted, names what exists, and leaves out nothing it binds."""
+    import importlib
+    import types
+
+    for name in GATEWAY_PACKAGES + ["pipeline", "consumers"]:
+        package = importlib.import_module(name)
+        exported = package.__all__
+        assert exported == sorted(exported), name
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            assert all(hasattr(package, n) for n in exported), name
+        tree = ast.parse(Path(package.__file__).read_text())
+        bound = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                bound.update(alias.asname or alias.name for alias in node.names)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                bound.add(node.name)
+        public = {
+            n for n in bound if not n.startswith("_") and not isinstance(getattr(package, n, None), types.ModuleType)
+        }
+        assert public <= set(exported), (name, sorted(public - set(exported)))
+
+
+def _private_owner(module: str) -> str | None:
+    """The package a private module belongs to (``a.b._c.d`` -> ``a.b``), ``None`` if it is public."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def test_private_modules_are_imported_only_inside_their_package() -> None:
+    """httpx's rule: ``pkg._mod`` is imported only from inside ``pkg`` (tests, white-box, may)."""
+    offenders = []
+    for top in ("stream_gateway", "pipeline", "consumers", "stream_stack", "benchmarks", "examples", "scripts"):
+        for path in (ROOT / top).rglob("*.py"):
+            here = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets: list[str] = []
+                if isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+                for target in targets:
+                    if target.split(".")[0] not in ("stream_gateway", "pipeline", "consumers", "stream_stack"):
+                        continue  # a script's own helpers (benchmarks/_procs.py and the like)
+                    owner = _private_owner(target)
+                    if owner is not None and owner and not (here + ".").startswith(owner + "."):
+                        offenders.append(f"{here} imports {target}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_stream_gateway_has_no_import_circle() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import import_graph
+    finally:
+        sys.path.pop(0)
+    assert import_graph.circles(import_graph.import_graph("stream_gateway")) == []

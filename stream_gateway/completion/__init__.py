@@ -34,7 +34,6 @@ from stream_gateway.completion._turn import Spend, TurnLifecycle, Turns
 from stream_gateway.completion._updates import ChoiceResult, ChoiceUpdate
 
 __all__ = [
-    "MAX_STOP_SEQUENCES",
     "Admission",
     "ChatCompletionRequest",
     "ChoiceResult",
@@ -43,6 +42,7 @@ __all__ = [
     "Context",
     "ContextBuilder",
     "FrameEncoder",
+    "MAX_STOP_SEQUENCES",
     "Message",
     "PreparedCompletion",
     "Preparer",

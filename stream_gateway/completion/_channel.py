@@ -23,10 +23,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import anyio
-
-from stream_gateway.completion._updates import ChoiceUpdate
 from stream_gateway._errors import GatewayError
+from stream_gateway.completion._updates import ChoiceUpdate
 from stream_gateway.tool_parsers import ToolCallDelta
 
 ChannelItem = ChoiceUpdate | GatewayError

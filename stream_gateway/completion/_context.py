@@ -32,10 +32,10 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from stream_gateway.completion._request import Message, Tool
 from stream_gateway._errors import InvalidRequest
 from stream_gateway.completion._prompt import template_message
-from stream_gateway.sessions._store import Turn
+from stream_gateway.completion._request import Message, Tool
+from stream_gateway.sessions import Turn
 
 _PROBE = "\u2063probe\u2063"
 

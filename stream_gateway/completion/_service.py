@@ -120,10 +120,14 @@ class CompletionService:
         finally:
             channel.close()
 
-    async def _run_choice(self, prepared: PreparedCompletion, choice: int, channel: UpdateChannel) -> None:
+    async def _run_choice(  # noqa: PLR0915 (one loop on purpose: the per-token path, kept in one frame)
+        self, prepared: PreparedCompletion, choice: int, channel: UpdateChannel
+    ) -> None:
         # The per-token path: per engine step, list appends, the detokenizer, and (when there is
         # text to send) one update put into the channel. Metrics and events are per turn
-        # (:class:`~._turn.TurnLifecycle`), or every few dozen tokens for live deltas.
+        # (:class:`~._turn.TurnLifecycle`), or every few dozen tokens for live deltas. Why it is
+        # one function of ~90 lines: a call per step costs measurably here (benchmarks/hot_path.py),
+        # and the loop reads top to bottom as one step's journey.
         params = prepared.params
         if choice and params.seed is not None:
             params = replace(params, seed=params.seed + choice)  # n seeded choices must differ

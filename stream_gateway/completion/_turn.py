@@ -29,7 +29,7 @@ from stream_gateway.engines import SamplingParams
 from stream_gateway.sessions import SessionDirectory, Turn
 
 if TYPE_CHECKING:
-    from stream_gateway.completion._service import PreparedCompletion
+    from stream_gateway.completion._prepare import PreparedCompletion
 
 __all__ = ["TurnLifecycle", "Turns"]
 
@@ -47,7 +47,9 @@ class Turns:
     spend: Spend | None
     durable_wait_s: float
 
-    def begin(self, prepared: PreparedCompletion, index: int, params: SamplingParams, policy_version: int) -> TurnLifecycle:
+    def begin(
+        self, prepared: PreparedCompletion, index: int, params: SamplingParams, policy_version: int
+    ) -> TurnLifecycle:
         """Start the turn of choice ``index`` (its ``turn.started`` event goes out now)."""
         return TurnLifecycle(self, prepared, index, params, policy_version)
 
@@ -55,7 +57,18 @@ class Turns:
 class TurnLifecycle:
     """One choice's turn, from ``turn.started`` to its durable record."""
 
-    __slots__ = ("_deltas", "_gaps", "_last", "_of", "first_token_s", "index", "params", "policy_version", "prepared", "turn_id")
+    __slots__ = (
+        "_deltas",
+        "_gaps",
+        "_last",
+        "_of",
+        "first_token_s",
+        "index",
+        "params",
+        "policy_version",
+        "prepared",
+        "turn_id",
+    )
 
     def __init__(
         self, of: Turns, prepared: PreparedCompletion, index: int, params: SamplingParams, policy_version: int

@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
-
 from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import PolicyUpdated, decode_event
 from pipeline.policies import PolicyDownloadError, download_policy, policy_history, policy_subject
 from pipeline.streams import StreamSpec
 
-from stream_gateway.capture._recorder import EventRecorder
 from stream_gateway._metrics import GatewayMetrics
+from stream_gateway.capture import EventRecorder
 from stream_gateway.engines import Engine, WeightsRejected, WeightUpdateReport
 
 if TYPE_CHECKING:
@@ -156,7 +155,6 @@ class PolicyFollower:
 
     async def _follow(self) -> None:
         from nats.js.api import ConsumerConfig, DeliverPolicy
-
         from pipeline.streams import ensure_stream
 
         nc = await connect(

@@ -21,7 +21,6 @@ import logging
 from typing import TYPE_CHECKING
 
 import anyio
-
 from pipeline.connection import NatsAuth, NatsRefused, connect
 
 from stream_gateway._errors import InvalidRequest

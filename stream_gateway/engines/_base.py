@@ -166,7 +166,11 @@ class Engine(Protocol):
     policy_version: int
     remote: bool  # the weights live on other servers: updates only announce a version (see .remote)
     constrained_decoding: bool  # follows SamplingParams.constraint (stream_gateway.constraints)
-    upstreams: UpstreamControl | None  # the pool of servers of an engine that has one (see .remote)
+
+    @property
+    def upstreams(self) -> UpstreamControl | None:
+        """The pool of servers of an engine that samples on one (see .remote); ``None`` for others."""
+        ...
 
     async def __aenter__(self) -> Engine: ...
 

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stream_gateway._errors import EngineUnavailable
 from stream_gateway.engines._base import Engine
 
 if TYPE_CHECKING:
     from stream_gateway._settings import Settings
 
-__all__ = ["build_engine", "default_name"]
+__all__ = ["ENGINE_NAMES", "build_engine", "create_engine", "default_name"]
+
+ENGINE_NAMES = ("transformers", "synthetic", "vllm", "vllm-http", "sglang-http")
 
 
 def build_engine(settings: Settings) -> Engine:
     """The engine ``settings`` ask for, built (not started) on the resolved local model."""
-    from stream_gateway.engines import create_engine
-    from stream_gateway.models._cache import resolve_model
+    from stream_gateway.models import resolve_model
 
     model = resolve_model(settings.model, settings.model_cache_dir)
     options: dict[str, Any] = {}
@@ -62,3 +65,24 @@ def build_engine(settings: Settings) -> Engine:
 def default_name(model: str) -> str:
     """Clients address the built-in models by their short names, others by their last path part."""
     return model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def create_engine(name: str, model: str | Path, **options: Any) -> Engine:
+    """Build (not start) the engine called ``name`` for ``model``; enter it to start it."""
+    if name == "transformers":
+        from stream_gateway.engines.transformers import TransformersEngine
+
+        return TransformersEngine(model, **options)
+    if name == "synthetic":
+        from stream_gateway.engines.synthetic import SyntheticEngine
+
+        return SyntheticEngine(model, **options)
+    if name == "vllm":
+        from stream_gateway.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model, **options)
+    if name in ("vllm-http", "sglang-http"):
+        from stream_gateway.engines.remote import PROTOCOLS, RemoteEngine
+
+        return RemoteEngine(model, protocol=PROTOCOLS[name], **options)
+    raise EngineUnavailable(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

@@ -40,7 +40,9 @@ def generation_router(edges: Sequence[Edge[Any]]) -> APIRouter:
             side_route, side_session_route = _side_endpoints(side)
             name = f"{edge.name}_{side.path.rsplit('/', 1)[-1]}"
             router.add_api_route(side.path, side_route, methods=["POST"], name=name)
-            router.add_api_route(SESSION_PREFIX + side.path, side_session_route, methods=["POST"], name=f"session_{name}")
+            router.add_api_route(
+                SESSION_PREFIX + side.path, side_session_route, methods=["POST"], name=f"session_{name}"
+            )
     return router
 
 

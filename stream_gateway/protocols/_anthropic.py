@@ -45,7 +45,13 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from stream_gateway._errors import GatewayError, InvalidRequest
-from stream_gateway.completion import ChatCompletionRequest, ChoiceResult, ChoiceUpdate, CompletionService, PreparedCompletion
+from stream_gateway.completion import (
+    ChatCompletionRequest,
+    ChoiceResult,
+    ChoiceUpdate,
+    CompletionService,
+    PreparedCompletion,
+)
 from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
 
 __all__ = [
@@ -443,9 +449,9 @@ class MessagesExchange:
 class MessagesEdge:
     """Anthropic's Messages API, translated into a chat request and served as one."""
 
-    path = "/v1/messages"
-    name = "anthropic_messages"
-    request = MessagesRequest
+    path: str = "/v1/messages"
+    name: str = "anthropic_messages"
+    request: type[BaseModel] = MessagesRequest
 
     def __init__(self, service: CompletionService) -> None:
         self._service = service

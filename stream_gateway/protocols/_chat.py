@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from pydantic import BaseModel
 
 from stream_gateway._errors import GatewayError
 from stream_gateway.completion import (
@@ -27,7 +28,6 @@ from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
 from stream_gateway.tool_parsers import ToolCallDelta
 
 DONE_FRAME = b"data: [DONE]\n\n"
-
 
 
 def logprobs_content(
@@ -277,9 +277,9 @@ class ChatExchange:
 class ChatEdge:
     """OpenAI's chat completions, the core's own shape."""
 
-    path = "/v1/chat/completions"
-    name = "chat_completion"
-    request = ChatCompletionRequest
+    path: str = "/v1/chat/completions"
+    name: str = "chat_completion"
+    request: type[BaseModel] = ChatCompletionRequest
     side_routes: tuple[SideRoute, ...] = ()
 
     def __init__(self, service: CompletionService) -> None:

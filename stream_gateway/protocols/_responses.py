@@ -45,7 +45,13 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from stream_gateway._errors import GatewayError, InvalidRequest
-from stream_gateway.completion import ChatCompletionRequest, ChoiceResult, ChoiceUpdate, CompletionService, PreparedCompletion
+from stream_gateway.completion import (
+    ChatCompletionRequest,
+    ChoiceResult,
+    ChoiceUpdate,
+    CompletionService,
+    PreparedCompletion,
+)
 from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
 
 __all__ = [
@@ -344,7 +350,7 @@ def error_event(error: GatewayError, sequence: int) -> dict[str, Any]:
 class ResponsesEncoder:
     """Responses stream events from a chat response's updates (one choice)."""
 
-    __slots__ = ("_calls", "_finish", "_id", "_input_tokens", "_open", "_seq", "_shell", "_text", "_on_end")
+    __slots__ = ("_calls", "_finish", "_id", "_input_tokens", "_on_end", "_open", "_seq", "_shell", "_text")
 
     def __init__(
         self,
@@ -492,9 +498,9 @@ class ResponsesExchange:
 class ResponsesEdge:
     """OpenAI's Responses API, translated into a chat request and served as one."""
 
-    path = "/v1/responses"
-    name = "openai_responses"
-    request = ResponsesRequest
+    path: str = "/v1/responses"
+    name: str = "openai_responses"
+    request: type[BaseModel] = ResponsesRequest
     side_routes: tuple[SideRoute, ...] = ()
 
     def __init__(self, service: CompletionService, held: ResponseStore | None = None) -> None:

@@ -352,9 +352,9 @@ class TokenInExchange:
 class TokenInEdge:
     """vLLM's ``/v1/completions``: prompt ids in, sampled ids out, placed in sessions by id prefix."""
 
-    path = "/v1/completions"
-    name = "text_completion"
-    request = CompletionRequest
+    path: str = "/v1/completions"
+    name: str = "text_completion"
+    request: type[BaseModel] = CompletionRequest
     side_routes: tuple[SideRoute, ...] = ()
 
     def __init__(self, service: CompletionService) -> None:

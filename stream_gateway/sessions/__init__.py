@@ -15,8 +15,8 @@ from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, e
 from stream_gateway.sessions._store import SEQ_BLOCK, Chain, Session, SessionStore, Turn, session_body
 
 __all__ = [
-    "SEQ_BLOCK",
     "Chain",
+    "SEQ_BLOCK",
     "Session",
     "SessionDirectory",
     "SessionStore",
