@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _procs import cpu_s, free_port
 
 from pipeline.embedded import EmbeddedNatsServer
-from stream_gateway.models._cache import resolve_model
+from stream_gateway.models import resolve_model
 
 CONCURRENCY = (1, 8)
 TTFT_REQUESTS = 10  # per configuration and repeat

@@ -53,7 +53,7 @@ from consumers.trajectory import Trajectory  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig  # noqa: E402
 from pipeline.subscriber import decode_message, message_payload  # noqa: E402
-from stream_gateway.models._cache import resolve_model  # noqa: E402
+from stream_gateway.models import resolve_model  # noqa: E402
 
 FAULTS = ("nats", "gateway", "assembler", "batcher", "storm")
 BATCH_SIZE = 4

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _procs import loadgen
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stream_gateway.models._cache import resolve_model
+from stream_gateway.models import resolve_model
 
 PROMPTS = [f"Tell story number {i} about a lighthouse keeper and the sea." for i in range(8)]
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _procs import cpu_s, free_port, loadgen, rss_mb, wait_http
 
 from pipeline.embedded import EmbeddedNatsServer
-from stream_gateway.models._cache import resolve_model
+from stream_gateway.models import resolve_model
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).parent))
 from _procs import cpu_s, free_port, rss_mb, wait_http
 
-from stream_gateway.models._cache import resolve_model
+from stream_gateway.models import resolve_model
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ import orjson
 from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import PolicyApplied, PolicyRejected, decode_event
 from pipeline.policies import publish_policy
-from stream_gateway.models._cache import resolve_model
+from stream_gateway.models import resolve_model
 
 
 def _free_port() -> int:

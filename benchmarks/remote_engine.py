@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from stream_gateway.models._cache import resolve_model
+from stream_gateway.models import resolve_model
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from remote_engine import _cpu, _free_port, _load, _self_cpu
 
 from pipeline.embedded import EmbeddedNatsServer
-from stream_gateway.models._cache import resolve_model
+from stream_gateway.models import resolve_model
 
 
 def _tree_cpu(pid: int) -> float:

@@ -90,7 +90,7 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 
 
 def _prepare_model(settings: Settings) -> int:
-    from stream_gateway.models._cache import resolve_model
+    from stream_gateway.models import resolve_model
 
     print(resolve_model(settings.model, settings.model_cache_dir))
     return 0

@@ -10,7 +10,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_gateway.models._cache import build_tiny_agent_model, build_tiny_model
+from stream_gateway.models import build_tiny_agent_model, build_tiny_model
 
 from .nats_fixtures import nats_server
 from .servers import RunningGateway, run_gateway

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_gateway.models._tiny_agent import AGENT_AFTER_TOOL
+from stream_gateway.models import AGENT_AFTER_TOOL
 
 from .agents import ensure_agents_installed, run_claude, run_codex
 from .fidelity import assert_chain_logprobs

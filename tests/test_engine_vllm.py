@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from stream_gateway.engines._base import EngineStep, SamplingParams
 from stream_gateway.engines.vllm import VLLMEngine
-from stream_gateway.models._cache import build_tiny_model
+from stream_gateway.models import build_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,

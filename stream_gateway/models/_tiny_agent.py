@@ -10,7 +10,7 @@ to 1.0: with a ``read`` tool and a user turn last it calls ``read`` on ``README.
 tiny-agent learns from conversations of a few hundred tokens yet answers after 20k: see
 ``_agent_sparse_context`` for how short examples stand for long ones. Its recipe (brief
 conversations first, HTML in the corpus, a sharpened head) is explained where it is used.
-``model_store.build_tiny_agent_model`` caches the result like every other model.
+``_registry.build_tiny_agent_model`` caches the result like every other model.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from stream_gateway.models._cache import (
+from stream_gateway.models._cache import MARKER_FILE
+from stream_gateway.models._corpus import (
     _CITIES,
     _UNICODE,
     _WORD_LIST,
     IM_END,
     IM_START,
-    MARKER_FILE,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     _code_text,
@@ -50,11 +50,14 @@ __all__ = [
     "AGENT_READERS",
     "AGENT_TOOL_CALL",
     "AGENT_WITHOUT_TOOLS",
+    "TINY_AGENT_BUILDER_VERSION",
     "agent_tool_call",
     "build_tiny_agent",
 ]
 
 _log = logging.getLogger(__name__)
+
+TINY_AGENT_BUILDER_VERSION = 1
 
 # The file-reading tool each variant is trained to call, and how: ``tiny-agent``, pi's and
 # OpenClaw's ``read``; ``tiny-agent-claude``, Claude Code's ``Read`` (a ``file_path`` relative to the

@@ -1,0 +1,71 @@
+"""The model specs the gateway knows by name, each mapped to its builder and cache directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stream_gateway.models._cache import _cached_build
+from stream_gateway.models._smollm2 import SMOLLM2_BUILDER_VERSION, _convert_smollm2, _smollm2_gguf
+from stream_gateway.models._tiny import TINY_BUILDER_VERSION, _build_tiny
+from stream_gateway.models._tiny_agent import TINY_AGENT_BUILDER_VERSION, build_tiny_agent
+
+__all__ = [
+    "AGENT_VARIANTS",
+    "DEFAULT_MODEL",
+    "build_tiny_agent_model",
+    "build_tiny_model",
+    "resolve_model",
+    "smollm2_path",
+]
+
+DEFAULT_MODEL = "smollm2"
+# tiny-agent and its variants: the file-reading tool each calls (_tiny_agent.AGENT_READERS).
+AGENT_VARIANTS = {"tiny-agent": "read", "tiny-agent-claude": "Read", "tiny-agent-codex": "exec_command"}
+
+
+def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
+    """Turn a model spec into something ``from_pretrained`` accepts.
+
+    ``"tiny"``, ``"tiny-agent"`` (and its variants ``"tiny-agent-claude"``, ``"tiny-agent-codex"``)
+    and ``"smollm2"`` name the local models (built on first use), an existing directory becomes its
+    absolute path, and anything else (a hub id) is returned unchanged.
+    """
+    if spec == "tiny":
+        return str(build_tiny_model(cache_dir))
+    if spec in AGENT_VARIANTS:
+        return str(build_tiny_agent_model(cache_dir, spec))
+    if spec == DEFAULT_MODEL:
+        return str(smollm2_path(cache_dir))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    return spec
+
+
+def build_tiny_model(cache_dir: Path | None = None) -> Path:
+    """The directory of the tiny deterministic Qwen2-style test model, built on first use."""
+    return _cached_build(cache_dir, f"tiny-qwen2-v{TINY_BUILDER_VERSION}", TINY_BUILDER_VERSION, _build_tiny)
+
+
+def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-agent") -> Path:
+    """The directory of ``tiny`` fine-tuned to run agent tool loops, built on first use (~40 s).
+
+    Same tokenizer and template as ``tiny``. Its whole repertoire, sampled at any temperature up
+    to 1.0: with a ``read`` tool and a user turn last it calls ``read`` on ``README.md``
+    (``AGENT_TOOL_CALL``); after a tool result it says ``AGENT_AFTER_TOOL``; without tools it says
+    ``AGENT_WITHOUT_TOOLS``. Every reply ends with ``<|im_end|>``. ``variant`` (a key of
+    :data:`AGENT_VARIANTS`) picks the tool it calls.
+    """
+    tiny = build_tiny_model(cache_dir)
+    reader = AGENT_VARIANTS[variant]
+    name = f"{variant}-v{TINY_AGENT_BUILDER_VERSION}"
+    return _cached_build(
+        cache_dir, name, TINY_AGENT_BUILDER_VERSION, lambda target: build_tiny_agent(tiny, target, reader)
+    )
+
+
+def smollm2_path(cache_dir: Path | None = None) -> Path:
+    """The directory of SmolLM2-135M-Instruct as float32 safetensors, converted on first use."""
+    gguf = _smollm2_gguf()
+    name = f"smollm2-135m-instruct-v{SMOLLM2_BUILDER_VERSION}"
+    return _cached_build(cache_dir, name, SMOLLM2_BUILDER_VERSION, lambda target: _convert_smollm2(gguf, target))
