@@ -58,8 +58,8 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import Event, SessionClosed, encode_event
 from pipeline.publisher import EventPublisher, PublisherConfig
 from stream_gateway.capture import EventRecorder
-from stream_gateway.sessions import Session, Turn
 from stream_gateway.engines import SamplingParams
+from stream_gateway.sessions import Session, Turn
 
 NAMES = ConsumerStreams()
 PROMPT_IDS = 500

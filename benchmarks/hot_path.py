@@ -5,6 +5,8 @@ Run (from the repository root, after ``bash scripts/install.sh``)::
     .venv/bin/python benchmarks/hot_path.py
     .venv/bin/python benchmarks/hot_path.py --streams 1 16 64 --tokens 256 --repeats 5 --json hot.json
     .venv/bin/python benchmarks/hot_path.py --litellm      # adds LiteLLM in front of a fake upstream
+    git worktree add /tmp/before <commit> && .venv/bin/python benchmarks/hot_path.py --baseline-tree /tmp/before
+                                                           # adds that commit's gateway (a refactor's before/after)
 
 Set-up, all real processes on this machine: an embedded ``nats-server`` (JetStream, temp store);
 two gateways on the synthetic engine (``--model tiny``'s tokenizer, tokens as fast as the loop
@@ -32,6 +34,7 @@ its loopback and the load generator set). ``--repeats 0`` measures only that.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -70,12 +73,14 @@ class Server:
         return sum(rss_mb(pid) for pid in self.pids or [self.process.pid])
 
 
-def start_gateway(name: str, extra: list[str]) -> Server:
+def start_gateway(name: str, extra: list[str], tree: Path | None = None) -> Server:
+    """A synthetic-engine gateway; ``tree``: run another checkout's code (same venv) instead of this one's."""
     port = free_port()
     command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "synthetic",
                "--model", resolve_model("tiny"), "--served-model-name", "tiny", "--port", str(port),
                "--log-level", "warning", "--default-max-tokens", "4096", *extra]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tree, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", process)
     return Server(name, url, "tiny", process)
@@ -173,6 +178,9 @@ def main() -> None:
         "--litellm-tokens-per-run", type=int, default=16384, help="LiteLLM costs ~10x more per token: fewer tokens"
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--baseline-tree", type=Path, help="also run the gateway of this checkout (e.g. the commit before a change)"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNatsServer() as nats:
@@ -181,6 +189,11 @@ def main() -> None:
             start_gateway("capture off", []),
             start_gateway("capture on", ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox")]),
         ]
+        if args.baseline_tree is not None:
+            tree = args.baseline_tree.resolve()
+            servers.append(start_gateway("before off", [], tree))
+            outbox = str(Path(tmp) / "outbox-before")
+            servers.append(start_gateway("before on", ["--nats-url", nats.url, "--outbox-dir", outbox], tree))
         bare, upstream = start_upstream()
         if args.litellm:
             servers.append(start_litellm(Path(tmp), bare.url, upstream.pid))
@@ -193,7 +206,7 @@ def main() -> None:
                     for server in order:
                         budget = args.litellm_tokens_per_run if server.name == "litellm" else args.tokens_per_run
                         requests = max(1, budget // (streams * args.tokens))
-                        uses_nats = server.name == "capture on"
+                        uses_nats = server.name in ("capture on", "before on")
                         run = one_run(server, nats_pid if uses_nats else None, streams, args.tokens, requests)
                         server.runs.setdefault(streams, []).append(run)
                         print(
@@ -259,6 +272,12 @@ def report(result: dict[str, Any]) -> None:
         for streams in on:
             ratio = on[streams]["server_cpu_per_1k"] / off[streams]["server_cpu_per_1k"]
             print(f"capture on / off, CPU per token at {streams} streams: {ratio:.3f}")
+    for mode in ("off", "on"):
+        now, before = servers.get(f"capture {mode}"), servers.get(f"before {mode}")
+        if now and before:
+            for streams in now:
+                ratio = now[streams]["server_cpu_per_1k"] / before[streams]["server_cpu_per_1k"]
+                print(f"this tree / baseline tree, capture {mode}, CPU per token at {streams} streams: {ratio:.3f}")
     lite = servers.get("litellm")
     if lite and on:
         for streams in on:

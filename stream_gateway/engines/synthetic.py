@@ -16,7 +16,13 @@ import anyio
 import anyio.lowlevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from stream_gateway.engines._base import UpstreamControl, EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+from stream_gateway.engines._base import (
+    EngineStatistics,
+    EngineStep,
+    SamplingParams,
+    UpstreamControl,
+    WeightUpdateReport,
+)
 from stream_gateway.engines._weights import read_checkpoint
 
 if TYPE_CHECKING:

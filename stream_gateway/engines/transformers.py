@@ -57,7 +57,14 @@ from transformers.cache_utils import DynamicLayer
 
 from stream_gateway._errors import EngineError, EngineUnavailable
 from stream_gateway.constraints import TokenMask, grammar_tokenizer
-from stream_gateway.engines._base import UpstreamControl, EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport, merge_steps
+from stream_gateway.engines._base import (
+    EngineStatistics,
+    EngineStep,
+    SamplingParams,
+    UpstreamControl,
+    WeightUpdateReport,
+    merge_steps,
+)
 from stream_gateway.engines._sampling import sample_batch
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
 

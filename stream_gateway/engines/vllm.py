@@ -38,7 +38,13 @@ import anyio
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_gateway._errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
-from stream_gateway.engines._base import UpstreamControl, EngineStatistics, EngineStep, SamplingParams, WeightUpdateReport
+from stream_gateway.engines._base import (
+    EngineStatistics,
+    EngineStep,
+    SamplingParams,
+    UpstreamControl,
+    WeightUpdateReport,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -10,12 +10,18 @@ core's request, its frame encoder, whole body and error body) added to :func:`ed
 layer serves it, session-scoped twin and OpenAPI schema included, with no other change.
 """
 
-from stream_gateway.completion import CompletionService
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from stream_gateway.protocols._anthropic import MessagesEdge
 from stream_gateway.protocols._chat import ChatEdge
 from stream_gateway.protocols._edge import Call, Edge, Exchange, SideRoute, StreamStart
 from stream_gateway.protocols._responses import ResponsesEdge
 from stream_gateway.protocols._token_in import TokenInEdge
+
+if TYPE_CHECKING:
+    from stream_gateway.completion import CompletionService
 
 __all__ = [
     "Call",
