@@ -2,13 +2,22 @@
 
 Read once at start-up from command-line flags and ``STREAM_GATEWAY_*`` environment variables
 (flags win), then passed explicitly. Nothing else in the gateway reads the environment.
+
+Each field is also the single source of its command-line flag: :func:`stream_gateway.cli.add_gateway_flags`
+makes ``--field-name`` from the field's name, type, default and ``description`` (the flag's help).
+Where that rule is not the whole story the field says so itself, with a :class:`Flag` in its
+annotation (a repeatable list spelled in the singular, values looked up elsewhere), and the
+settings that have no flag at all are in :data:`WITHOUT_FLAG`, each with its reason.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -17,48 +26,110 @@ if TYPE_CHECKING:
     from pipeline.connection import NatsAuth
 
 
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """What a setting's flag needs beyond the rule: its spelling, and where its choices come from."""
+
+    name: str | None = None
+    """The flag, when it is not ``--field-name`` (a repeatable list's flag names one item)."""
+    choices: Callable[[], Sequence[str]] | None = None
+    """The accepted values, asked for when a parser is built (their registry imports late)."""
+
+
+def _engine_names() -> Sequence[str]:
+    from stream_gateway.engines import ENGINE_NAMES
+
+    return ENGINE_NAMES
+
+
+def _tool_parser_names() -> Sequence[str]:
+    from stream_gateway.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
+
+
+WITHOUT_FLAG: Mapping[str, str] = MappingProxyType(
+    {
+        "worker_index": "set by the --workers supervisor in each worker's environment; "
+        "a gateway started by hand is no supervisor's worker",
+    }
+)
+"""Settings that are deliberately not flags, and why (the environment still sets them)."""
+
+
 class Settings(BaseSettings):
     """Gateway settings. Every field is also ``STREAM_GATEWAY_<FIELD>`` in the environment."""
 
     model_config = SettingsConfigDict(env_prefix="STREAM_GATEWAY_", frozen=True)
 
     model: str = Field("smollm2", description="'smollm2', 'tiny', 'tiny-agent', a local HF model directory or a hub id")
-    engine: str = Field("transformers", description="transformers, synthetic, vllm, vllm-http or sglang-http")
-    served_model_name: str | None = Field(None, description="model name clients use (default: derived)")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_keys: tuple[str, ...] = Field((), description="accepted bearer keys; empty accepts any key")
-    api_key_file: Path | None = Field(
-        None, description="file of `key tenant [limit=value ...]` lines (reloaded on SIGHUP); see docs/operations.md"
+    engine: Annotated[str, Flag(choices=_engine_names)] = Field(
+        "transformers", description="what samples the tokens (see docs/engines.md)"
     )
-    allow_anonymous: bool = Field(False, description="serve on a non-loopback address without keys (refused otherwise)")
-    max_concurrent_requests_per_key: int | None = Field(None, ge=1, description="default per-tenant limit")
-    requests_per_minute_per_key: int | None = Field(None, ge=1, description="default per-tenant limit")
-    tokens_per_minute_per_key: int | None = Field(None, ge=1, description="default per-tenant limit")
-    max_sessions_per_key: int | None = Field(None, ge=1, description="default per-tenant limit (open sessions)")
-    admin_api_keys: tuple[str, ...] = Field((), description="keys allowed to load new weights; empty: nobody")
-    model_cache_dir: Path | None = Field(None, description="where built/converted models are cached")
+    served_model_name: str | None = Field(
+        None, description="the model name clients send (default: derived from the model)"
+    )
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    api_keys: Annotated[tuple[str, ...], Flag(name="--api-key")] = Field(
+        (), description="accepted bearer keys (none given: any key is accepted)"
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description="file of `key tenant [limit=value ...]` lines (reloaded on SIGHUP); see docs/operations.md",
+    )
+    allow_anonymous: bool = Field(
+        False, description="listen on a non-loopback address without keys (otherwise refused)"
+    )
+    max_concurrent_requests_per_key: int | None = Field(
+        None, ge=1, description="default per-tenant limit of requests in flight (429 over it)"
+    )
+    requests_per_minute_per_key: int | None = Field(
+        None, ge=1, description="default per-tenant limit of requests per minute (429 over it)"
+    )
+    tokens_per_minute_per_key: int | None = Field(
+        None, ge=1, description="default per-tenant limit of tokens per minute (429 over it)"
+    )
+    max_sessions_per_key: int | None = Field(
+        None, ge=1, description="default per-tenant limit of open sessions (429 over it)"
+    )
+    admin_api_keys: Annotated[tuple[str, ...], Flag(name="--admin-api-key")] = Field(
+        (), description="keys allowed to load new weights (none given: nobody)"
+    )
+    model_cache_dir: Path | None = Field(
+        None, description="where built/converted models are cached (default: ~/.cache/stream-gateway/models)"
+    )
 
     max_batch_size: int = Field(16, ge=1, description="transformers engine: rows decoded together")
-    max_model_len: int | None = Field(None, ge=16, description="cap on prompt + completion tokens")
-    device: str = "cpu"
-    synthetic_tokens_per_second: float = Field(0.0, ge=0.0, description="synthetic engine rate, 0 = max")
+    max_model_len: int | None = Field(
+        None, ge=16, description="cap on prompt + completion tokens (default: the model's own limit)"
+    )
+    device: str = Field("cpu", description="torch device of the transformers engine")
+    synthetic_tokens_per_second: float = Field(0.0, ge=0.0, description="synthetic engine rate, 0: unthrottled")
 
-    upstreams: tuple[str, ...] = Field((), description="vllm-http/sglang-http: the inference servers' URLs")
-    upstream_api_key: str | None = Field(None, description="bearer key sent to the inference servers")
+    upstreams: Annotated[tuple[str, ...], Flag(name="--upstream")] = Field(
+        (), description="vllm-http/sglang-http: the inference servers' URLs"
+    )
+    upstream_api_key: str | None = Field(None, description="bearer key the gateway sends to its inference servers")
     upstreams_bucket: str | None = Field(
         None, description="with --nats-url: a NATS KV bucket of server URLs (key: a name, value: the URL) to follow"
     )
-    upstream_health_interval_seconds: float = Field(2.0, gt=0, description="how often every server is checked")
+    upstream_health_interval_seconds: float = Field(
+        2.0, gt=0, description="how often every inference server is checked"
+    )
     upstream_health_timeout_seconds: float = Field(2.0, gt=0, description="a check not answered this fast fails")
-    upstream_connect_timeout_seconds: float = Field(5.0, gt=0, description="connecting to a server")
+    upstream_connect_timeout_seconds: float = Field(5.0, gt=0, description="longest wait to connect to a server")
     upstream_read_timeout_seconds: float = Field(
         300.0, gt=0, description="longest wait for the next bytes of a server's stream (first token included)"
     )
     upstream_max_connections: int = Field(512, ge=1, description="open connections to all servers together")
 
-    tool_parser: str = Field("hermes", description="how tool calls are read from model output (hermes, qwen)")
-    max_sessions: int = Field(10_000, ge=1, description="sessions kept in memory before the oldest are evicted")
+    tool_parser: Annotated[str, Flag(choices=_tool_parser_names)] = Field(
+        "hermes", description="how tool calls are read from model output (see docs/http-api.md)"
+    )
+    max_sessions: int = Field(
+        10_000, ge=1, description="sessions kept in memory; beyond it the least recently used are evicted"
+    )
     session_idle_seconds: float = Field(3600.0, gt=0, description="a session idle this long is evicted")
 
     nats_url: str | None = Field(None, description="NATS server(s), comma-separated; unset: capture is off")
@@ -88,15 +159,19 @@ class Settings(BaseSettings):
         description="close open sessions when the gateway stops (default: only when sessions are not shared, "
         "since another replica may continue them)",
     )
-    workers: int = Field(1, ge=1, le=64, description="gateway processes sharing the port (needs shared sessions)")
+    workers: int = Field(
+        1, ge=1, le=64, description="gateway processes sharing the port (needs a shareable engine and shared sessions)"
+    )
     worker_index: int | None = Field(None, ge=0, description="set by the supervisor in each worker process")
     outbox_dir: Path | None = Field(None, description="disk outbox for events NATS has not taken yet")
     subject_prefix: str = Field("sg", pattern=r"^[A-Za-z0-9_-]+$", description="first token of event subjects")
     events_stream: str = Field("SG_EVENTS", description="JetStream stream holding durable events")
-    stream_replicas: int = Field(1, ge=1, le=5, description="replicas of the stream (NATS cluster)")
-    stream_max_bytes: int = Field(-1, ge=-1, description="stream size limit, -1 unlimited (oldest go first)")
-    stream_max_age_seconds: float = Field(0.0, ge=0, description="stream age limit, 0 keeps events forever")
-    event_buffer_size: int = Field(10_000, ge=1, description="durable events held in memory before disk")
+    stream_replicas: int = Field(1, ge=1, le=5, description="replicas of the stream on a NATS cluster")
+    stream_max_bytes: int = Field(
+        -1, ge=-1, description="stream size limit in bytes, -1: unlimited (the oldest events go first)"
+    )
+    stream_max_age_seconds: float = Field(0.0, ge=0, description="stream age limit, 0: events are kept forever")
+    event_buffer_size: int = Field(10_000, ge=1, description="durable events held in memory before the disk outbox")
     live_deltas: bool = Field(True, description="publish coalesced token deltas on the live subjects")
     delta_tokens: int = Field(128, ge=1, description="a live delta every this many tokens...")
     delta_interval_ms: float = Field(50.0, gt=0, description="...or when this long has passed since the last")
@@ -126,12 +201,12 @@ class Settings(BaseSettings):
         "JetStream or the disk outbox; 0: do not wait",
     )
     max_request_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024, description="largest request body; larger ones get 413 before they are read"
+        8 * 1024 * 1024, ge=1024, description="largest request body in bytes; larger ones get 413 before they are read"
     )
     max_messages: int = Field(4096, ge=1, description="most messages in one chat request")
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")
     sse_send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing this long is dropped")
-    log_level: str = "info"
+    log_level: str = Field("info", description="log level of the gateway and uvicorn")
     loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="event loop (auto: uvloop when installed, as uvicorn chooses)"
     )

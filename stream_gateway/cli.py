@@ -7,6 +7,10 @@
 :func:`add_commands` registers them on the ``stream-gateway`` command, which
 :mod:`stream_stack.cli` composes with the pipeline's and the consumers' commands and ``up``;
 ``python -m stream_gateway.cli`` runs them alone. The gateway never imports the consumers.
+
+The flags are not written here: :func:`add_gateway_flags` makes one per :class:`Settings` field,
+so that a setting's name, type, default and help are written once, on the field. ``up`` runs
+workers with the :mod:`stream_gateway._workers` names re-exported here (that module stays private).
 """
 
 from __future__ import annotations
@@ -16,20 +20,46 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
+from dataclasses import fields
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pipeline.cli import progress
-from pipeline.connection import add_nats_arguments
+from pipeline.connection import NatsAuth, add_nats_arguments
+from pydantic.fields import FieldInfo
 
-from stream_gateway._settings import Settings
-from stream_gateway.engines import ENGINE_NAMES, build_engine
+from stream_gateway._settings import WITHOUT_FLAG, Flag, Settings
+from stream_gateway._workers import WorkersRefused, check_workers, listening_socket, run_workers
+from stream_gateway.engines import build_engine
+
+__all__ = [
+    "ENVIRONMENT_NOTE",
+    "WorkersRefused",
+    "add_commands",
+    "add_gateway_flags",
+    "check_workers",
+    "configure_logging",
+    "main",
+    "refusal",
+    "run_until_interrupted",
+    "run_workers",
+    "serve",
+    "settings_from_args",
+    "uvicorn_options",
+]
+
+ENVIRONMENT_NOTE = (
+    "Every gateway setting is also an environment variable, STREAM_GATEWAY_ and its name "
+    "(--max-batch-size: STREAM_GATEWAY_MAX_BATCH_SIZE=32, --no-live-deltas: STREAM_GATEWAY_LIVE_DELTAS=false, "
+    '--api-key: STREAM_GATEWAY_API_KEYS=\'["k1", "k2"]\'); a flag wins over it.'
+)
 
 
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from stream_gateway._workers import WorkersRefused, check_workers, listening_socket, run_workers
     from stream_gateway.app import create_app
 
     try:
@@ -96,95 +126,76 @@ def _prepare_model(settings: Settings) -> int:
     return 0
 
 
-def add_gateway_flags(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--model", help="'smollm2' (default), 'tiny', 'tiny-agent', a local HF model dir, or a hub id")
-    command.add_argument("--engine", choices=ENGINE_NAMES, help="default: transformers")
-    command.add_argument("--served-model-name", help="the model name clients send (default: from --model)")
-    command.add_argument("--host", help="default: 127.0.0.1")
-    command.add_argument("--port", type=int, help="default: 8000")
-    command.add_argument("--api-key", action="append", dest="api_keys", help="accepted key (repeatable)")
-    command.add_argument("--api-key-file", help="`key tenant [limit=value ...]` per line; reloaded on SIGHUP")
-    command.add_argument(
-        "--allow-anonymous",
-        action="store_const",
-        const=True,
-        help="listen on a non-loopback address without keys (otherwise refused)",
-    )
-    command.add_argument("--max-concurrent-requests-per-key", type=int, help="default per-tenant limit (429 over it)")
-    command.add_argument("--requests-per-minute-per-key", type=int, help="default per-tenant limit (429 over it)")
-    command.add_argument("--tokens-per-minute-per-key", type=int, help="default per-tenant limit (429 over it)")
-    command.add_argument("--max-sessions-per-key", type=int, help="default per-tenant limit of open sessions")
-    command.add_argument(
-        "--admin-api-key", action="append", dest="admin_api_keys", help="key allowed to load weights (repeatable)"
-    )
-    command.add_argument(
-        "--upstream", action="append", dest="upstreams", help="vllm-http/sglang-http: a server URL (repeatable)"
-    )
-    command.add_argument("--upstream-api-key", help="bearer key the gateway sends to its inference servers")
-    command.add_argument("--upstreams-bucket", help="with --nats-url: follow server URLs written into this KV bucket")
-    command.add_argument("--upstream-health-interval-seconds", type=float, help="server health checks (default 2)")
-    command.add_argument("--upstream-read-timeout-seconds", type=float, help="longest silence of a server (300)")
-    command.add_argument("--max-batch-size", type=int, help="transformers engine batch size (default 16)")
-    command.add_argument("--max-model-len", type=int, help="cap on prompt + completion tokens")
-    command.add_argument("--device", help="torch device for the transformers engine (default cpu)")
-    command.add_argument("--synthetic-tokens-per-second", type=float, help="synthetic engine rate")
-    command.add_argument("--default-max-tokens", type=int, help="completion budget when none is asked")
-    command.add_argument("--default-temperature", type=float, help="temperature when none is asked (default 1.0)")
-    command.add_argument(
-        "--durable-wait-seconds",
-        type=float,
-        help="final chunk waits this long at most for the turn's events (5; 0: no)",
-    )
-    command.add_argument("--max-request-bytes", type=int, help="largest request body (default 8 MiB; larger: 413)")
-    command.add_argument("--max-messages", type=int, help="most messages in one chat request (default 4096)")
-    command.add_argument("--model-cache-dir", help="where built/converted models are cached")
-    command.add_argument("--log-level", help="uvicorn/gateway log level (default info)")
-    command.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), help="event loop (default auto: uvloop)")
-    command.add_argument("--http", choices=("auto", "httptools", "h11"), help="HTTP parser (default auto: httptools)")
-    command.add_argument("--events-stream", help="JetStream stream for durable events (default SG_EVENTS)")
-    command.add_argument("--subject-prefix", help="first token of event subjects (default sg)")
-    command.add_argument("--stream-replicas", type=int, help="stream replicas on a NATS cluster (default 1)")
-    command.add_argument("--stream-max-bytes", type=int, help="stream size limit in bytes (default unlimited)")
-    command.add_argument("--stream-max-age-seconds", type=float, help="stream age limit (default forever)")
-    command.add_argument("--no-live-deltas", dest="live_deltas", action="store_const", const=False)
-    command.add_argument("--delta-tokens", type=int, help="a live delta every N tokens (default 128)")
-    command.add_argument("--delta-interval-ms", type=float, help="...or every T ms (default 50)")
-    command.add_argument(
-        "--no-follow-policies",
-        dest="follow_policies",
-        action="store_const",
-        const=False,
-        help="with --nats-url: do not apply the policies published on NATS",
-    )
-    command.add_argument(
-        "--policy-sync-timeout-seconds", type=float, help="at start, wait this long for the latest policy (300)"
-    )
-    command.add_argument("--replica-id", help="this gateway's name in policy events (default host-pid)")
-    command.add_argument(
-        "--workers", type=int, help="gateway processes sharing the port (default 1; needs a shareable engine)"
-    )
-    command.add_argument(
-        "--no-shared-sessions",
-        dest="shared_sessions",
-        action="store_const",
-        const=False,
-        help="with --nats-url: keep sessions in this process only (replicas do not share them)",
-    )
-    command.add_argument("--sessions-bucket", help="NATS KV bucket of the shared session state (sg_sessions)")
-    command.add_argument(
-        "--session-sync-timeout-seconds", type=float, help="longest wait for the shared session state (1)"
-    )
-    command.add_argument(
-        "--close-sessions-on-shutdown",
-        action="store_const",
-        const=True,
-        help="close open sessions when this gateway stops (default only without shared sessions)",
-    )
-    command.add_argument(
-        "--kv-cache-on-update",
-        choices=("recompute", "keep"),
-        help="transformers engine, requests in flight at a weight update: recompute their KV cache (exact "
-        "logprobs, longer pause; default) or keep it (the pause is the copy alone)",
+_NATS_GROUP = frozenset({"nats_url", *(f"nats_{f.name}" for f in fields(NatsAuth))})
+"""Settings whose flags are :func:`~pipeline.connection.add_nats_arguments`' group, which every command
+that connects to NATS shares: ``serve`` adds that group rather than making these flags again."""
+
+
+def add_gateway_flags(
+    command: argparse.ArgumentParser, *, only: Collection[str] | None = None, exclude: Collection[str] = ()
+) -> None:
+    """One flag per setting (``only`` those, less ``exclude``), made from its :class:`Settings` field.
+
+    ``--field-name`` (or the field's :class:`~stream_gateway._settings.Flag` name), its description as
+    the help, with the default; a boolean is the one switch that changes its default (``--x`` when
+    off, ``--no-x`` when on); a tuple is a repeatable flag; a ``Literal`` or a ``Flag``'s choices are
+    the accepted values. Every flag defaults to unset, so that an unset flag leaves the setting to
+    ``STREAM_GATEWAY_*`` and then to the field's default. Not made here: :data:`WITHOUT_FLAG`, and
+    the NATS options, which :func:`~pipeline.connection.add_nats_arguments` adds.
+    """
+    for name, field in Settings.model_fields.items():
+        if name in WITHOUT_FLAG or name in _NATS_GROUP or name in exclude or (only is not None and name not in only):
+            continue
+        flag, options = _flag(name, field)
+        command.add_argument(flag, dest=name, **options)
+
+
+def _flag(name: str, field: FieldInfo) -> tuple[str, dict[str, Any]]:
+    """The flag of setting ``name`` and its ``add_argument`` options."""
+    marks = next((m for m in field.metadata if isinstance(m, Flag)), Flag())
+    flag = marks.name or "--" + name.replace("_", "-")
+    kind, values = _kind(field.annotation)
+    default = field.get_default()
+    meaning = (field.description or "").replace("%", "%%")  # argparse formats help with %
+    if kind is bool:
+        if default is True:
+            return "--no-" + flag.removeprefix("--"), {
+                "action": "store_const",
+                "const": False,
+                "help": f"turn off (on by default): {meaning}",
+            }
+        return flag, {"action": "store_const", "const": True, "help": meaning}
+    options: dict[str, Any] = {}
+    if kind is tuple:
+        options["action"] = "append"
+        meaning += " (repeatable)"
+    elif kind in (int, float):
+        options["type"] = kind
+    if marks.choices is not None:
+        values = tuple(marks.choices())
+    if values:
+        options["choices"] = values
+    else:
+        options["metavar"] = flag.removeprefix("--").replace("-", "_").upper()  # a list's flag names one item
+    if default not in (None, ()):
+        meaning += f" (default: {default:g})" if isinstance(default, float) else f" (default: {default})"
+    options["help"] = meaning
+    return flag, options
+
+
+def _kind(annotation: Any) -> tuple[Any, tuple[str, ...]]:
+    """A setting's type as its flag sees it (``None`` aside), and a ``Literal``'s values."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) in (Union, UnionType) and len(args) == 1:
+        return _kind(args[0])
+    if get_origin(annotation) is Literal:
+        return str, tuple(str(a) for a in args)
+    if get_origin(annotation) is tuple and args[1:] == [Ellipsis]:
+        return tuple, ()
+    if annotation in (bool, int, float, str, Path):
+        return annotation, ()
+    raise TypeError(
+        f"no flag for a setting of type {annotation!r}: teach stream_gateway.cli._kind, or list it in WITHOUT_FLAG"
     )
 
 
@@ -192,7 +203,7 @@ def _exposure_refusal(settings: Settings) -> str | None:
     """Why these settings must not serve: an unreadable key file, or no keys on a public address."""
     import ipaddress
 
-    from stream_gateway.control._tenants import read_key_file
+    from stream_gateway.control import read_key_file
 
     if settings.api_key_file is not None:
         try:
@@ -215,14 +226,13 @@ def _exposure_refusal(settings: Settings) -> str | None:
     )
 
 
-def settings_from_args(args: argparse.Namespace, skip: Sequence[str] = ()) -> Settings:
-    """The gateway's settings from its flags (unset flags: environment, then defaults)."""
-    ignored = {"command", "run", *skip}
-    flags = {k: v for k, v in vars(args).items() if k not in ignored and v is not None}
-    for many in ("api_keys", "admin_api_keys", "upstreams"):
-        if many in flags:
-            flags[many] = tuple(flags[many])
-    return Settings(**flags)
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The gateway's settings from a command's flags (unset flags: environment, then defaults).
+
+    Only the namespace's settings are read: a command's other flags (``up``'s) are its own business.
+    """
+    given = {name: value for name in Settings.model_fields if (value := getattr(args, name, None)) is not None}
+    return Settings(**given)
 
 
 def refusal(settings: Settings) -> str | None:
@@ -254,15 +264,13 @@ def _prepare_model_command(args: argparse.Namespace) -> int:
 
 def add_commands(commands: Any) -> None:
     """Register ``serve`` and ``prepare-model`` on an ``add_subparsers()`` object."""
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible gateway")
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible gateway", epilog=ENVIRONMENT_NOTE)
     add_gateway_flags(serve)
     add_nats_arguments(serve, url_default=None)
-    serve.add_argument("--outbox-dir", help="disk outbox for events NATS has not taken yet")
     serve.set_defaults(run=_serve_command)
 
     prepare = commands.add_parser("prepare-model", help="build/convert a local model and print its path")
-    prepare.add_argument("--model", help="'smollm2' (default), 'tiny' or 'tiny-agent'")
-    prepare.add_argument("--model-cache-dir", help="where built/converted models are cached")
+    add_gateway_flags(prepare, only=("model", "model_cache_dir"))
     prepare.set_defaults(run=_prepare_model_command)
 
 

@@ -14,35 +14,38 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import consumers.cli
 import pipeline.cli
 import stream_gateway.cli
 from pipeline.cli import progress
-from stream_gateway._settings import Settings
-from stream_gateway.engines import build_engine, default_name
+from stream_gateway import Settings
 from stream_gateway.cli import (
+    ENVIRONMENT_NOTE,
+    WorkersRefused,
     add_gateway_flags,
+    check_workers,
     configure_logging,
     refusal,
     run_until_interrupted,
+    run_workers,
     settings_from_args,
     uvicorn_options,
 )
+from stream_gateway.engines import build_engine, default_name
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from consumers.assembler import AssemblerConfig
+    from consumers.batcher import BatcherConfig
+    from consumers.streams import ConsumerStreams
+    from pipeline.embedded import EmbeddedNatsServer
 
-_UP_ONLY = ("data_dir", "nats_port", "nats_monitor_port", "idle_timeout", "default_reward", "reward_function")
-_BATCH_ONLY = (
-    "batch_size",
-    "group_size",
-    "group_key",
-    "max_staleness",
-    "prompt_length",
-    "response_length",
-    "overlong",
-    "no_reward",
-)
+__all__ = ["main", "parser"]
+
+_SET_BY_UP = ("outbox_dir",)
+"""Settings ``up`` decides itself, so that it has no flag for them: the outbox lives in its data dir
+(and its NATS is the embedded server, so it has no NATS options either)."""
 
 
 def default_data_dir() -> Path:
@@ -50,7 +53,7 @@ def default_data_dir() -> Path:
 
 
 def _up_command(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args, skip=(*_UP_ONLY, *_BATCH_ONLY))
+    settings = settings_from_args(args)
     if (reason := refusal(settings)) is not None:
         print(f"stream-gateway: {reason}", file=sys.stderr)
         return 2
@@ -73,7 +76,6 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
     from consumers.streams import ConsumerStreams
     from pipeline.connection import NatsAuth
     from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
-    from stream_gateway._workers import WorkersRefused, check_workers, run_workers
     from stream_gateway.app import create_app
 
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
@@ -108,20 +110,9 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
             engine = build_engine(settings)
             app = create_app(engine, settings)
             model_name = engine.model_id
-        stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
         say("ready:")
-        workers = f", {settings.workers} workers" if settings.workers > 1 else ""
-        say(f"  OpenAI API     http://{settings.host}:{settings.port}/v1   (model {model_name!r}{workers})")
-        base = f"http://{settings.host}:{settings.port}"
-        say(f"  sessions       {base}/sessions/<id>/v1   (end one: POST {base}/sessions/<id>/close)")
-        say(f"  metrics        http://{settings.host}:{settings.port}/metrics")
-        say(f"  NATS           {nats_server.url}   ({stream})")
-        if nats_server.monitor_url:
-            say(f"  NATS monitor   {nats_server.monitor_url}")
-        say(f"  trajectories   stream {names.trajectories} (assembler, idle timeout {args.idle_timeout:g} s)")
-        say(f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})")
-        say(f"  new weights    stream-gateway publish-weights --nats-url {nats_server.url} --policy-version N DIR")
-        say(f"  watch events:  stream-gateway tail --nats-url {nats_server.url}")
+        for line in _ready(settings, model_name, nats_server, names, assembler, batcher, batch_dir):
+            say(line)
 
         async def gateway() -> None:
             if settings.workers > 1:
@@ -149,12 +140,42 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def _ready(
+    settings: Settings,
+    model_name: str,
+    nats_server: EmbeddedNatsServer,
+    names: ConsumerStreams,
+    assembler: AssemblerConfig,
+    batcher: BatcherConfig,
+    batch_dir: Path,
+) -> list[str]:
+    """``up``'s banner: where each part listens or writes, and the commands to use them."""
+    url, monitor = nats_server.url, nats_server.monitor_url
+    base = f"http://{settings.host}:{settings.port}"
+    workers = f", {settings.workers} workers" if settings.workers > 1 else ""
+    stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
+    return [
+        f"  OpenAI API     {base}/v1   (model {model_name!r}{workers})",
+        f"  sessions       {base}/sessions/<id>/v1   (end one: POST {base}/sessions/<id>/close)",
+        f"  metrics        {base}/metrics",
+        f"  NATS           {url}   ({stream})",
+        *([f"  NATS monitor   {monitor}"] if monitor else []),
+        f"  trajectories   stream {names.trajectories} (assembler, idle timeout {assembler.idle_timeout_s:g} s)",
+        f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})",
+        f"  new weights    stream-gateway publish-weights --nats-url {url} --policy-version N DIR",
+        f"  watch events:  stream-gateway tail --nats-url {url}",
+    ]
 
-    up_command = commands.add_parser("up", help="embedded NATS + the gateway capturing into it, on this machine")
-    add_gateway_flags(up_command)
+
+def parser() -> argparse.ArgumentParser:
+    """The ``stream-gateway`` command, every subcommand on it."""
+    command = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
+    commands = command.add_subparsers(dest="command", required=True)
+
+    up_command = commands.add_parser(
+        "up", help="embedded NATS + the gateway capturing into it, on this machine", epilog=ENVIRONMENT_NOTE
+    )
+    add_gateway_flags(up_command, exclude=_SET_BY_UP)
     up_command.add_argument("--data-dir", help="NATS store and outbox (default ~/.local/state/stream-gateway/up)")
     up_command.add_argument("--nats-port", type=int, default=4222, help="embedded NATS port (default 4222; 0: any)")
     up_command.add_argument("--nats-monitor-port", type=int, default=8222, help="its HTTP monitor port (default 8222)")
@@ -167,12 +188,12 @@ def _parser() -> argparse.ArgumentParser:
     stream_gateway.cli.add_commands(commands)
     pipeline.cli.add_commands(commands)
     consumers.cli.add_commands(commands)
-    return parser
+    return command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-gateway`` console script."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.command in ("up", "serve", "prepare-model"):
         result: int = args.run(args)
         return result

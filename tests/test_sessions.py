@@ -1,4 +1,4 @@
-"""Sessions and token-exact multi-turn context (DESIGN.md T1-T3), with the real tiny model.
+"""Sessions and token-exact multi-turn context (T1-T3 of docs/sessions.md), with the real tiny model.
 
 The tiny model's replies are random text, which is what makes these tests sharp: re-tokenizing
 random text almost never gives back the sampled ids, so a prompt that contains the sampled ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -10,8 +11,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from pipeline.embedded import EmbeddedNatsServer
+from stream_gateway import Settings
+from stream_gateway._workers import worker_environment
+from stream_gateway.cli import settings_from_args
 
 from .servers import free_port, wait_healthy
 
@@ -110,3 +115,33 @@ def test_sighup_to_the_supervisor_reloads_every_workers_keys(tiny_model_path: Pa
         finally:
             process.terminate()
             assert process.wait(timeout=60) == 0, log.read_text()
+
+
+def test_every_setting_reaches_the_workers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The supervisor hands its settings on as ``STREAM_GATEWAY_*`` variables: a worker reads the same ones."""
+    settings = Settings.model_validate(
+        {
+            "engine": "synthetic",
+            "served_model_name": "tiny",
+            "api_keys": ("k1", "k2"),
+            "model_cache_dir": tmp_path / "models",
+            "live_deltas": False,
+            "close_sessions_on_shutdown": True,
+            "session_idle_seconds": 60.5,
+            "max_n": 3,
+            "kv_cache_on_update": "keep",
+            "nats_url": "nats://127.0.0.1:4222",
+            "workers": 2,
+            "outbox_dir": tmp_path / "outbox",
+            "replica_id": "r",
+        }
+    )
+    environment = worker_environment(settings, 1)
+    for name in os.environ:
+        if name.startswith("STREAM_GATEWAY_"):
+            monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    worker = settings_from_args(argparse.Namespace())  # no flags: the environment alone
+    expected = {"workers": 1, "worker_index": 1, "outbox_dir": tmp_path / "outbox" / "w1", "replica_id": "r-w1"}
+    assert worker == settings.model_copy(update=expected)

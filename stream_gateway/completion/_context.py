@@ -1,4 +1,4 @@
-"""Token-exact prompts for continued conversations (contract T2 and T3 of DESIGN.md).
+"""Token-exact prompts for continued conversations (contracts T2 and T3 of docs/sessions.md).
 
 When a request continues a known turn, its prompt is that turn's prompt ids, then the ids the
 engine sampled for it, then only the *new* messages tokenized as the chat template renders them at
