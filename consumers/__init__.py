@@ -3,7 +3,10 @@
 * :mod:`consumers.trajectory`: the :class:`Trajectory` model (token-exact chains of turns);
 * :mod:`consumers.trajectories`: building trajectories from one session's events (pure);
 * :mod:`consumers.assembler`: the durable consumer that emits trajectories exactly once;
+* :mod:`consumers.rewards`: programmatic rewards (``--reward-function``), run by the assembler;
 * :mod:`consumers.batcher`: groups trajectories into training batches (parquet + manifest);
+* :mod:`consumers.grouping`: the batcher's policies and grouping, without I/O (:class:`GroupPlanner`);
+* :mod:`consumers.batch_record`: the batcher's durable record of a batch, and why it makes exactly once;
 * :mod:`consumers.verl_batch`: verl's padded ``DataProto`` and jagged ``TensorDict`` layouts;
 * :mod:`consumers.verl_adapter`: a verl 0.9 agent loop manager that trains on the stream;
 * :mod:`consumers.verl_weights`: a verl 0.9 checkpoint manager that publishes each step's weights;
@@ -14,25 +17,30 @@ need them, so importing this package stays cheap: :class:`StreamCheckpointManage
 lazily (its module imports verl, as verl's plugin registry requires).
 """
 
-from typing import TYPE_CHECKING, Any
+import typing
 
 from .assembler import Assembler, AssemblerConfig, AssemblerStatistics, run_assembler
+from .batch_record import BatchRecord
 from .batcher import Batcher, BatcherConfig, BatcherStatistics, run_batcher
+from .grouping import GroupingPolicy, GroupPlanner
 from .streams import ConsumerStreams
 from .trajectories import SessionEvents, build_trajectories
 from .trajectory import Trajectory, TurnSummary, trajectory_id
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from .verl_weights import StreamCheckpointManager
 
 __all__ = [
     "Assembler",
     "AssemblerConfig",
     "AssemblerStatistics",
+    "BatchRecord",
     "Batcher",
     "BatcherConfig",
     "BatcherStatistics",
     "ConsumerStreams",
+    "GroupPlanner",
+    "GroupingPolicy",
     "SessionEvents",
     "StreamCheckpointManager",
     "Trajectory",
@@ -44,7 +52,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     """Import :mod:`consumers.verl_weights` (verl, ray: seconds) on first use of its export only."""
     if name == "StreamCheckpointManager":
         from .verl_weights import StreamCheckpointManager

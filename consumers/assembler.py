@@ -33,29 +33,31 @@ after marking: the state says emitted; the message is just acknowledged.
 Memory holds only the current fetch batch and, per open session this instance has seen, its
 deadline (a float): state lives in the bucket. A restarted instance scans the bucket's keys once
 to find the deadlines of sessions it never saw.
+
+The pull loop is the batcher's too (:mod:`consumers._runner`); programmatic rewards are
+:mod:`consumers.rewards`.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import orjson
-
-from pipeline.connection import NatsAuth, connect
+from pipeline.connection import NatsAuth
 from pipeline.durable import publish_durable
 from pipeline.events import decode_event, subject_token
 from pipeline.subscriber import decode_message, message_payload
 
-from .streams import ConsumerStreams, ensure_consumer_streams
+from ._runner import DurableRunner, PullSpec
+from .rewards import apply_reward, load_reward_function
+from .streams import ConsumerStreams
 from .trajectories import SessionEvents, build_trajectories
-from .trajectory import Trajectory
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -66,8 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["Assembler", "AssemblerConfig", "AssemblerStatistics", "load_reward_function", "run_assembler"]
 
 log = logging.getLogger(__name__)
-
-RewardFunction = Callable[[Trajectory], "float | Awaitable[float | None] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,17 +105,6 @@ class AssemblerStatistics:
     conflicts: int  # compare-and-set retries (another instance wrote first)
 
 
-def load_reward_function(spec: str) -> RewardFunction:
-    """``"package.module:function"`` → the function; a clear error if either is missing."""
-    module_name, _, name = spec.partition(":")
-    if not module_name or not name:
-        raise ValueError(f"reward function {spec!r}: expected 'module:function'")
-    function = getattr(importlib.import_module(module_name), name, None)
-    if not callable(function):
-        raise ValueError(f"reward function {spec!r}: {module_name} has no callable {name!r}")
-    return function  # type: ignore[no-any-return]
-
-
 class Assembler:
     """One assembler instance; ``await run()`` until cancelled."""
 
@@ -127,6 +116,20 @@ class Assembler:
         self._waiting_reward: set[str] = set()
         self._limiter = anyio.CapacityLimiter(32)  # sessions of one fetch handled at once
         self._events = self._emitted = self._trajectories = self._late = self._conflicts = 0
+        self._last_report = time.monotonic()
+        spec = PullSpec(
+            stream=config.names.events,
+            subjects=config.names.event_subjects,
+            durable=config.durable,
+            ack_wait_s=config.ack_wait_s,
+            max_ack_pending=max(config.fetch_batch * 8, 1024),
+            fetch_timeout_s=config.sweep_interval_s,
+            sole_reader=False,  # instances share the durable
+            ride_out_disconnects=False,  # nothing is held between fetches
+        )
+        self._runner = DurableRunner(
+            spec, servers=config.servers, auth=config.auth, names=config.names, role="assembler", log=log
+        )
 
     def statistics(self) -> AssemblerStatistics:
         """A snapshot of the counters."""
@@ -142,48 +145,27 @@ class Assembler:
 
     async def run(self) -> None:
         """Consume, assemble and publish until cancelled."""
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-        config, names = self._config, self._config.names
-        # A server that is not up yet is waited for; one that refuses us ends the run (NatsRefused).
-        nc = await connect(config.servers, config.auth, name=f"assembler-{config.durable}", max_reconnect_attempts=-1)
-        try:
-            js = nc.jetstream()
-            await ensure_consumer_streams(js, names)
-            kv = await js.key_value(names.state_bucket)
-            subscription = await js.pull_subscribe(
-                names.event_subjects,
-                durable=config.durable,
-                stream=names.events,
-                config=ConsumerConfig(
-                    ack_policy=AckPolicy.EXPLICIT,
-                    deliver_policy=DeliverPolicy.ALL,
-                    ack_wait=config.ack_wait_s,
-                    max_ack_pending=max(config.fetch_batch * 8, 1024),
-                ),
-            )
+        async with self._runner.connected() as (nc, js):
+            kv = await js.key_value(self._config.names.state_bucket)
+            subscription = await self._runner.bind(js)
             await self._load_deadlines(kv)
             work = _Work(nc, js, kv)
-            last_report = time.monotonic()
-            while True:
-                try:
-                    messages = await subscription.fetch(config.fetch_batch, timeout=config.sweep_interval_s)
-                except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
-                    messages = []
-                if messages:
-                    await self._handle(work, messages)
-                await self._sweep(work)
-                if self._progress is not None and time.monotonic() - last_report >= 10:
-                    last_report = time.monotonic()
-                    s = self.statistics()
-                    self._progress(
-                        f"assembler: {s.events} events, {s.sessions_waiting} sessions open, "
-                        f"{s.sessions_emitted} emitted ({s.trajectories} trajectories), "
-                        f"{s.rewards_pending} waiting for rewards"
-                    )
-        finally:
-            with anyio.move_on_after(2, shield=True):
-                await nc.close()
+            self._last_report = time.monotonic()
+            await self._runner.consume(subscription, partial(self._on_fetch, work), lambda: self._config.fetch_batch)
+
+    async def _on_fetch(self, work: _Work, messages: list[Msg]) -> None:
+        """One fetch's messages (maybe none), then whatever came due, then the progress line."""
+        if messages:
+            await self._handle(work, messages)
+        await self._sweep(work)
+        if self._progress is not None and time.monotonic() - self._last_report >= 10:
+            self._last_report = time.monotonic()
+            s = self.statistics()
+            self._progress(
+                f"assembler: {s.events} events, {s.sessions_waiting} sessions open, "
+                f"{s.sessions_emitted} emitted ({s.trajectories} trajectories), "
+                f"{s.rewards_pending} waiting for rewards"
+            )
 
     # -- consuming -------------------------------------------------------------------------------
 
@@ -345,8 +327,14 @@ class Assembler:
             max_tokens=config.max_tokens,
             default_reward=None if self._reward_function is not None else config.default_reward,
         )
-        if self._reward_function is not None:
-            trajectories = [await self._apply_reward(t) for t in trajectories]
+        if self._reward_function is not None:  # only set with config.reward_function
+            name, timeout_s = config.reward_function or "", config.reward_timeout_s
+            trajectories = [
+                await apply_reward(
+                    t, self._reward_function, name=name, timeout_s=timeout_s, default_reward=config.default_reward
+                )
+                for t in trajectories
+            ]
         for trajectory in trajectories:
             await publish_durable(
                 work.nc,
@@ -374,27 +362,6 @@ class Assembler:
         self._emitted += 1
         self._trajectories += len(trajectories)
         log.info("session %s: %d trajectories (%s)", state["session_id"], len(trajectories), because)
-
-    async def _apply_reward(self, trajectory: Trajectory) -> Trajectory:
-        if trajectory.reward_source == "feedback":
-            return trajectory  # a live user's score wins over a program's
-        assert self._reward_function is not None
-        name = self._config.reward_function
-        try:
-            with anyio.fail_after(self._config.reward_timeout_s):
-                value = self._reward_function(trajectory)
-                if inspect.isawaitable(value):
-                    value = await value
-        except Exception as exc:  # a broken reward function must not stop the assembler
-            log.warning("reward function %s failed on %s: %r", name, trajectory.trajectory_id, exc)
-            value = None
-        if value is None:
-            value, source = self._config.default_reward, "default" if self._config.default_reward is not None else None
-        else:
-            source = name
-        return trajectory.model_copy(
-            update={"reward": None if value is None else float(value), "reward_source": source}
-        )
 
 
 @dataclass(slots=True)

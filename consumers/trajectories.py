@@ -3,9 +3,11 @@
 :func:`build_trajectories` takes whatever events of a session arrived (any order, any number
 of copies) and returns the same trajectories for the same set of events: events are keyed by
 ``seq``, turns by id, and output is sorted. Each trajectory is a root-to-leaf chain of the turn
-tree the events describe. A turn whose parent is missing (a session emitted incomplete), or
-whose reference to its parent's ids does not add up, cannot be rebuilt exactly: it is left out,
-with its descendants, and logged. (Events from this gateway never splice, so this only happens
+tree the events describe, its ids, loss mask and logprobs laid out by
+:func:`pipeline.chains.chain_tokens` (in its ``appended`` form: turn events carry only what each
+turn appended to its parent's ids). A turn whose parent is missing (a session emitted
+incomplete), or whose reference to its parent's ids does not add up, cannot be rebuilt exactly:
+it is left out, with its descendants, and logged. (Events from this gateway never splice, so this only happens
 when events were lost or cut by the stream's retention.)
 """
 
@@ -16,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from pipeline.chains import chain_tokens
 from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnRecord
 
 from .trajectory import Trajectory, TurnSummary, token_policy_versions, trajectory_id
@@ -110,32 +113,23 @@ def _trajectory(
     max_tokens: int | None,
 ) -> Trajectory:
     root = chain[0]
-    tokens = list(root.prompt_ids)
-    prompt_length = len(tokens)
-    mask = [0] * prompt_length
-    logprobs = [0.0] * prompt_length
-    summaries = []
-    for i, turn in enumerate(chain):
-        if i:  # what this turn appended after its parent's output: tool results, user text, template
-            tokens.extend(turn.prompt_ids)
-            mask.extend([0] * len(turn.prompt_ids))
-            logprobs.extend([0.0] * len(turn.prompt_ids))
-        summaries.append(
-            TurnSummary(
-                turn_id=turn.turn_id,
-                start=len(tokens),
-                length=len(turn.output_ids),
-                finish_reason=getattr(turn, "finish_reason", None),
-                policy_version=turn.policy_version,
-                policy_versions=list(turn.policy_versions),
-                reward=turn_rewards.get(turn.turn_id),
-                time_to_first_token_s=turn.time_to_first_token_s,
-                duration_s=turn.duration_s,
-            )
+    laid_out = chain_tokens(chain, prompts="appended")  # events carry what each turn appended
+    tokens, mask, logprobs = list(laid_out.token_ids), list(laid_out.loss_mask), list(laid_out.logprobs)
+    prompt_length = laid_out.prompt_length
+    summaries = [
+        TurnSummary(
+            turn_id=turn.turn_id,
+            start=start,
+            length=len(turn.output_ids),
+            finish_reason=getattr(turn, "finish_reason", None),
+            policy_version=turn.policy_version,
+            policy_versions=list(turn.policy_versions),
+            reward=turn_rewards.get(turn.turn_id),
+            time_to_first_token_s=turn.time_to_first_token_s,
+            duration_s=turn.duration_s,
         )
-        tokens.extend(turn.output_ids)
-        mask.extend([1] * len(turn.output_ids))
-        logprobs.extend(turn.logprobs)
+        for turn, start in zip(chain, laid_out.output_starts, strict=True)
+    ]
     truncated = capped
     if max_tokens is not None and len(tokens) > max_tokens:
         tokens, mask, logprobs = tokens[:max_tokens], mask[:max_tokens], logprobs[:max_tokens]
@@ -144,7 +138,7 @@ def _trajectory(
     # Every kept token's version counts: a turn that spans a weight update holds several.
     versions = [v for v in token_policy_versions(summaries, len(tokens)) if v >= 0] or [root.policy_version]
     return Trajectory(
-        trajectory_id=trajectory_id(root.session_id or "", [t.turn_id for t in chain]),
+        trajectory_id=trajectory_id(root.session_id or "", list(laid_out.turn_ids)),
         session_id=root.session_id or "",
         tenant=root.tenant,
         model=root.model,

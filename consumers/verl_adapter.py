@@ -75,7 +75,6 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import anyio
 import numpy as np
-
 from pipeline.connection import NatsAuth, NatsRefused, connect, split_servers
 from pipeline.subscriber import message_payload
 

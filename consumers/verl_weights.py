@@ -76,13 +76,12 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
 
 import anyio
 import torch
-from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
-from verl.utils.ray_utils import auto_await
-
 from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import PolicyUpdated, decode_event
 from pipeline.policies import POLICY_BUCKET, policy_subject, publish_tensors
 from pipeline.streams import StreamSpec, ensure_stream
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+from verl.utils.ray_utils import auto_await
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

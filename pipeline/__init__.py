@@ -3,6 +3,7 @@
 The contract the gateway and the consumers share (see ``docs/events.md``):
 
 * :mod:`pipeline.events`: the versioned event models and their orjson wire form;
+* :mod:`pipeline.chains`: a root-to-leaf path of turns laid out as ids, loss mask and logprobs;
 * :mod:`pipeline.streams`: subjects, the events stream and the payload object store;
 * :mod:`pipeline.publisher`: the non-blocking publisher with its disk outbox;
 * :mod:`pipeline.subscriber`: reading events back (oversized payloads included);
@@ -11,6 +12,7 @@ The contract the gateway and the consumers share (see ``docs/events.md``):
 ``pipeline`` never imports ``stream_gateway`` or ``consumers``.
 """
 
+from .chains import ChainTurn, TokenChain, chain_tokens
 from .embedded import EmbeddedNatsServer, NatsServerConfig, NatsServerNotInstalled
 from .events import (
     AnyEvent,
@@ -32,6 +34,7 @@ from .subscriber import decode_message, message_payload
 
 __all__ = [
     "AnyEvent",
+    "ChainTurn",
     "EmbeddedNatsServer",
     "Event",
     "EventPublisher",
@@ -44,10 +47,12 @@ __all__ = [
     "SessionClosed",
     "SessionOpened",
     "StreamSpec",
+    "TokenChain",
     "TurnAborted",
     "TurnCompleted",
     "TurnDelta",
     "TurnStarted",
+    "chain_tokens",
     "decode_event",
     "decode_message",
     "delta_subject",

@@ -10,8 +10,8 @@
 * ``step_delay_s``: a pause after each of those steps, widening the windows that a kill from
   outside at a random moment can land in.
 
-It prints ``ready`` once the batcher consumes. The hooks wrap the batcher's private steps: a test
-instrument, not an API.
+It prints ``ready`` once the batcher consumes. The hooks wrap the private steps of the batcher's
+writer (:mod:`consumers._batch_writer`): a test instrument, not an API.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any
 
 import anyio
 
-import consumers.batcher as batcher_module
+import consumers._batch_writer as writer_module
 import consumers.verl_batch  # noqa: F401  (imported now, so startup time does not vary with the first message)
+from consumers._batch_writer import BatchWriter
 from consumers.batcher import Batcher, BatcherConfig
 from consumers.streams import ConsumerStreams
 
@@ -47,9 +48,9 @@ def _instrument(die_at: str | None, delay: float) -> None:
 
         return wrapper
 
-    Batcher._commit = after("commit", Batcher._commit)  # type: ignore[method-assign]
-    Batcher._publish = after("published", Batcher._publish)  # type: ignore[method-assign]
-    batcher_module.publish_durable = after("manifest", batcher_module.publish_durable)  # type: ignore[attr-defined]
+    BatchWriter.commit = after("commit", BatchWriter.commit)  # type: ignore[method-assign]
+    BatchWriter.publish = after("published", BatchWriter.publish)  # type: ignore[method-assign]
+    writer_module.publish_durable = after("manifest", writer_module.publish_durable)  # type: ignore[attr-defined]
 
 
 async def _main(config: BatcherConfig) -> None:

@@ -137,8 +137,10 @@ def test_gateway_sessions_become_their_chains_token_for_token(
         assert trajectory.prompt_length == len(body["turns"][0]["prompt_ids"])
         assert (trajectory.reward, trajectory.reward_source, trajectory.emitted_because) == (1.0, "feedback", "closed")
         assert trajectory.complete and not trajectory.truncated
+        # The second turn's feedback (0.25) lands on it, in the one chain that holds it; no other turn has any.
         rewards = {s.turn_id: s.reward for s in trajectory.turns}
-        assert rewards.get(turn_ids[1], "absent") in (0.25, "absent")
+        assert (turn_ids[1] in rewards) == (trajectory.num_turns == 3)
+        assert rewards == {turn_id: 0.25 if turn_id == turn_ids[1] else None for turn_id in rewards}
         assert trajectory.num_turns == len(trajectory.turns)
     assert {t.num_turns for t in mine} == {3, 2}
 

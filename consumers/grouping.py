@@ -1,0 +1,272 @@
+"""The batcher's grouping policy: which trajectories are kept, and how they make groups and batches.
+
+:class:`GroupPlanner` is the batcher's decisions without its I/O: no NATS, no acknowledgements,
+and time only through the clock it is given, so it can be driven (and tested) offline. The
+batcher (:mod:`consumers.batcher`) hands it every trajectory not already bound to a batch,
+acknowledges what it drops, holds what it keeps, and asks it for the next batch.
+
+Policies, checked in this order except that a too-long *response* is judged after the reward
+(:func:`prepare_trajectory` holds all but staleness):
+
+* **staleness**: dropped when ``min_policy_version < current - max_staleness``, ``current`` being
+  the highest of the latest ``policy.updated`` event (:meth:`GroupPlanner.note_policy`) and the
+  highest ``max_policy_version`` seen in a trajectory (:meth:`GroupPlanner.note_trajectory`);
+* **malformed**: ids, mask and logprobs of different lengths, a mask value other than 0/1, or a
+  sampled id inside the first prompt (which verl's layout would lose): dropped, so that a batch
+  never fails to build in the trainer;
+* **length**: a prompt over ``prompt_length`` is dropped; a response over ``response_length`` is
+  cut there (``overlong="truncate"``: ids, mask and logprobs cut, turns clipped, marked
+  ``truncated``) or dropped (``"drop"``); an empty prompt or response is dropped (verl needs both);
+* **reward**: a trajectory without one is dropped (``no_reward="drop"``) or gets 0.0 (``"zero"``).
+
+Groups: a trajectory's group is its :func:`~consumers.verl_batch.group_uid` by ``group_key``; a
+``metadata:<name>`` key that the session lacks falls back to the prompt. A group with a dropped
+member can never be whole: when its members plus its dropped count reach ``group_size`` the rest
+are released too (dropped as an incomplete group). More than ``group_size`` trajectories with one
+key (a session that branched) make further groups of the same key. With ``group_timeout_s`` an
+incomplete group held that long is released by :meth:`GroupPlanner.expire`; without it, it waits
+forever. Whole groups go into batches in the order they completed; two groups of one key in one
+batch get distinct uids (``<uid>.1``, ...).
+
+The count of a group's dropped members lives here, in memory: after a restart such a group waits
+for members that will not come (hence ``group_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .trajectory import Trajectory
+
+__all__ = [
+    "Admission",
+    "Drop",
+    "DroppedGroup",
+    "GroupPlanner",
+    "GroupingPolicy",
+    "PlannedBatch",
+    "check_batch_shape",
+    "prepare_trajectory",
+]
+
+Drop = Literal["stale", "length", "no_reward", "malformed"]
+
+
+def check_batch_shape(batch_size: int, group_size: int) -> None:
+    """Raise ``ValueError`` unless ``batch_size`` is a positive multiple of a positive ``group_size``."""
+    if batch_size < 1 or group_size < 1 or batch_size % group_size:
+        raise ValueError(f"batch_size {batch_size} must be a positive multiple of group_size {group_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupingPolicy:
+    """What :class:`GroupPlanner` decides by (the batcher's flags of the same names)."""
+
+    batch_size: int = 16  # trajectories per batch
+    group_size: int = 1  # a batch holds only whole groups of this size
+    group_key: str = "metadata:group"  # or "prompt"
+    max_staleness: int | None = None  # in policy versions; None: keep everything
+    prompt_length: int = 1024
+    response_length: int = 2048
+    overlong: Literal["truncate", "drop"] = "truncate"
+    no_reward: Literal["drop", "zero"] = "drop"
+    group_timeout_s: float | None = None  # release a group still incomplete after this long
+
+    def __post_init__(self) -> None:
+        check_batch_shape(self.batch_size, self.group_size)
+        if self.group_key != "prompt" and not (self.group_key.startswith("metadata:") and len(self.group_key) > 9):
+            raise ValueError(f"group_key {self.group_key!r}: expected 'prompt' or 'metadata:<name>'")
+        if self.prompt_length < 1 or self.response_length < 1:
+            raise ValueError("prompt_length and response_length must be positive")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+
+
+def prepare_trajectory(
+    trajectory: Trajectory,
+    *,
+    prompt_length: int,
+    response_length: int,
+    overlong: Literal["truncate", "drop"],
+    no_reward: Literal["drop", "zero"],
+) -> Trajectory | Drop:
+    """The trajectory as it goes into a batch (cut, reward defaulted), or why it is dropped.
+
+    Staleness is not decided here: it depends on the planner's view of the current policy.
+    """
+    ids, mask = trajectory.token_ids, trajectory.loss_mask
+    if (
+        len(ids) != len(mask)
+        or len(ids) != len(trajectory.logprobs)
+        or any(m not in (0, 1) for m in mask)
+        or any(mask[: trajectory.prompt_length])
+    ):
+        return "malformed"
+    if not 0 < trajectory.prompt_length <= prompt_length or trajectory.response_length <= 0:
+        return "length"
+    if trajectory.reward is None:
+        if no_reward == "drop":
+            return "no_reward"
+        trajectory = trajectory.model_copy(update={"reward": 0.0, "reward_source": "default"})
+    if trajectory.response_length > response_length:
+        if overlong == "drop":
+            return "length"
+        cut = trajectory.prompt_length + response_length
+        turns = [
+            turn.model_copy(update={"length": min(turn.length, cut - turn.start)})
+            for turn in trajectory.turns
+            if turn.start < cut
+        ]
+        trajectory = trajectory.model_copy(
+            update={
+                "token_ids": trajectory.token_ids[:cut],
+                "loss_mask": trajectory.loss_mask[:cut],
+                "logprobs": trajectory.logprobs[:cut],
+                "turns": turns,
+                "num_turns": max(1, len(turns)) if trajectory.turns else trajectory.num_turns,
+                "truncated": True,
+            }
+        )
+    return trajectory
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedGroup:
+    """A group that can never be whole (a dropped member, or too old): its held members go too."""
+
+    uid: str
+    members: tuple[str, ...]  # trajectory ids held until now, to be acknowledged and forgotten
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What :meth:`GroupPlanner.admit` decided about one trajectory."""
+
+    outcome: Trajectory | Drop  # as it goes into a batch (to be held), or why it was dropped
+    released: DroppedGroup | None = None  # its group, if that can no longer be whole
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBatch:
+    """The members of the next batch and their uids, in row order: whole groups, one after another."""
+
+    members: tuple[str, ...]
+    uids: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _OpenGroup:
+    uid: str
+    since: float
+    members: list[str] = field(default_factory=list)
+    dropped: set[str] = field(default_factory=set)  # a set: a second copy of a dropped one counts once
+
+
+class GroupPlanner:
+    """The batcher's grouping policy as a state machine without I/O (see the module docstring)."""
+
+    def __init__(self, policy: GroupingPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self._policy = policy
+        self._clock = clock
+        self._open: dict[str, _OpenGroup] = {}  # group uid -> its current (incomplete) instance
+        self._ready: deque[tuple[str, list[str]]] = deque()  # whole groups, in completion order
+        self._policy_version: int | None = None  # from policy.updated events
+        self._seen_version: int | None = None  # from trajectories
+
+    @property
+    def policy(self) -> GroupingPolicy:
+        """What the planner decides by."""
+        return self._policy
+
+    @property
+    def open_groups(self) -> int:
+        """Groups whose members are still arriving."""
+        return len(self._open)
+
+    @property
+    def current_version(self) -> int | None:
+        """The newest policy version known (what staleness is measured from); ``None``: none yet."""
+        known = [v for v in (self._policy_version, self._seen_version) if v is not None]
+        return max(known) if known else None
+
+    def note_policy(self, version: int) -> None:
+        """A ``policy.updated`` event announced ``version``."""
+        self._policy_version = max(self._policy_version or 0, version)
+
+    def note_trajectory(self, trajectory: Trajectory) -> None:
+        """A trajectory arrived (bound to a batch or not): its newest version counts as known."""
+        version = trajectory.max_policy_version
+        self._seen_version = version if self._seen_version is None else max(self._seen_version, version)
+
+    def admit(self, trajectory: Trajectory) -> Admission:
+        """Decide one trajectory that is not bound to a batch: drop it, or hold it in its group."""
+        policy = self._policy
+        outcome: Trajectory | Drop
+        current = self.current_version
+        if policy.max_staleness is not None and current is not None:
+            stale = trajectory.min_policy_version < current - policy.max_staleness
+        else:
+            stale = False
+        if stale:
+            outcome = "stale"
+        else:
+            outcome = prepare_trajectory(
+                trajectory,
+                prompt_length=policy.prompt_length,
+                response_length=policy.response_length,
+                overlong=policy.overlong,
+                no_reward=policy.no_reward,
+            )
+        uid = _group_uid(trajectory, policy.group_key)
+        group = self._open.get(uid)
+        if group is None:
+            group = self._open[uid] = _OpenGroup(uid, since=self._clock())
+        if isinstance(outcome, str):
+            group.dropped.add(trajectory.trajectory_id)
+        else:
+            group.members.append(trajectory.trajectory_id)
+        released = None
+        if len(group.members) + len(group.dropped) >= policy.group_size:
+            del self._open[uid]
+            if group.dropped:
+                released = DroppedGroup(uid, tuple(group.members))
+            else:
+                self._ready.append((uid, group.members))
+        return Admission(outcome, released)
+
+    def expire(self) -> list[DroppedGroup]:
+        """Release the groups still incomplete after ``group_timeout_s`` (none without one)."""
+        timeout = self._policy.group_timeout_s
+        if timeout is None:
+            return []
+        cutoff = self._clock() - timeout
+        expired = [uid for uid, group in self._open.items() if group.since < cutoff]
+        return [DroppedGroup(uid, tuple(self._open.pop(uid).members)) for uid in expired]
+
+    def next_batch(self) -> PlannedBatch | None:
+        """The next ``batch_size`` members from whole groups, oldest first; ``None``: not enough yet."""
+        batch_size = self._policy.batch_size
+        if sum(len(members) for _, members in self._ready) < batch_size:
+            return None
+        uids: list[str] = []
+        members: list[str] = []
+        occurrences: dict[str, int] = {}
+        while len(members) < batch_size:
+            uid, group = self._ready.popleft()
+            seen = occurrences.get(uid, 0)
+            occurrences[uid] = seen + 1
+            uids += [uid if not seen else f"{uid}.{seen}"] * len(group)
+            members += group
+        return PlannedBatch(tuple(members), tuple(uids))
+
+
+def _group_uid(trajectory: Trajectory, key: str) -> str:
+    from .verl_batch import group_uid  # imports torch: only once a trajectory is grouped
+
+    if key.startswith("metadata:") and key.removeprefix("metadata:") not in trajectory.metadata:
+        key = "prompt"
+    return group_uid(trajectory, key)

@@ -1,0 +1,97 @@
+"""Chains: the token-exact sequence of one root-to-leaf path of a session's turn tree.
+
+A chain is what the last turn of the path saw plus what it sampled: the first turn's prompt,
+then for every turn its sampled ids, then the ids the next turn appended (tool results, user
+messages, template text), and so on. Alongside the ids, a loss mask (1 exactly on sampled ids)
+and logprobs (each sampled id's, 0.0 on prompt ids). The gateway shows chains in
+``GET /sessions/{id}``; the assembler publishes them as trajectories. :func:`chain_tokens` is
+the one place that lays a chain out, so the two cannot drift apart.
+
+Deliberate choices:
+
+* **Two forms of a turn's prompt, one layout.** The gateway keeps each turn's *whole* prompt;
+  ``turn.completed`` events carry only what a turn *appended* after its parent's prompt and
+  output (``reused_prompt_tokens`` counts the rest, see :mod:`pipeline.events`). The caller
+  says which form its turns hold (``prompts=``): the layout is the same.
+* **Joining is checked by the caller, not here.** In the whole form, a turn's prompt is trusted
+  to start with everything before it in the chain (the gateway compares ids before it makes a
+  turn a child), and only the ids past that length are added. In the appended form the caller
+  has already matched ``reused_prompt_tokens`` against the parent's ids (the assembler leaves a
+  turn that does not add up out of the tree). So nothing is ever spliced or compared twice.
+* **Nothing else is checked either.** Logprobs are taken as given, one per sampled id; a
+  mismatch shows as misaligned lengths, which the batcher refuses as malformed.
+* Turns are read through :class:`ChainTurn`, a protocol, so the gateway's frozen ``Turn`` and the
+  events' ``TurnRecord`` both fit without either knowing this module; the result is immutable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+__all__ = ["ChainTurn", "TokenChain", "chain_tokens"]
+
+
+class ChainTurn(Protocol):
+    """What :func:`chain_tokens` reads of a turn."""
+
+    @property
+    def turn_id(self) -> str: ...
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_ids(self) -> Sequence[int]: ...
+
+    @property
+    def logprobs(self) -> Sequence[float]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChain:
+    """A chain's ids with their loss mask and logprobs aligned, and where each turn sits in them."""
+
+    turn_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]  # 1 on sampled ids, 0 on prompt ids
+    logprobs: tuple[float, ...]  # the sampled ids' logprobs, 0.0 on prompt ids
+    prompt_length: int  # the first turn's prompt: everything before its first sampled id
+    output_starts: tuple[int, ...]  # per turn: the index in token_ids of its first sampled id
+
+
+def chain_tokens(turns: Iterable[ChainTurn], *, prompts: Literal["whole", "appended"] = "whole") -> TokenChain:
+    """Lay out a root-to-leaf path of turns, root first (see the module docstring).
+
+    ``prompts="whole"``: each turn's ``prompt_ids`` is its whole prompt, starting with the chain so
+    far (the gateway's turns). ``prompts="appended"``: each turn's ``prompt_ids`` is what it appended
+    after its parent's prompt and output, the root's being its whole prompt (``turn.completed``
+    events). No turns: an empty chain.
+    """
+    turn_ids: list[str] = []
+    tokens: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    starts: list[int] = []
+    prompt_length = 0
+    for turn in turns:
+        new_prompt = turn.prompt_ids[len(tokens) :] if prompts == "whole" else turn.prompt_ids
+        tokens.extend(new_prompt)
+        mask.extend([0] * len(new_prompt))
+        logprobs.extend([0.0] * len(new_prompt))
+        if not turn_ids:
+            prompt_length = len(tokens)
+        turn_ids.append(turn.turn_id)
+        starts.append(len(tokens))
+        tokens.extend(turn.output_ids)
+        mask.extend([1] * len(turn.output_ids))
+        logprobs.extend(turn.logprobs)
+    return TokenChain(
+        turn_ids=tuple(turn_ids),
+        token_ids=tuple(tokens),
+        loss_mask=tuple(mask),
+        logprobs=tuple(logprobs),
+        prompt_length=prompt_length,
+        output_starts=tuple(starts),
+    )
