@@ -128,7 +128,7 @@ def test_gateway_turns_and_their_events_lay_out_as_the_gateways_chains() -> None
         assert (laid_out.turn_ids, laid_out.token_ids, laid_out.loss_mask, laid_out.logprobs) == (
             chain.turn_ids,
             chain.token_ids,
-            chain.mask,
+            chain.loss_mask,
             chain.logprobs,
         )
         assert laid_out.prompt_length == len(turns[0].prompt_ids)
@@ -143,6 +143,6 @@ def test_the_assemblers_trajectories_are_the_gateways_chains() -> None:
     for chain in session.chains():
         trajectory = by_turns[chain.turn_ids]
         assert tuple(trajectory.token_ids) == chain.token_ids
-        assert tuple(trajectory.loss_mask) == chain.mask
+        assert tuple(trajectory.loss_mask) == chain.loss_mask
         assert tuple(trajectory.logprobs) == chain.logprobs
         assert [s.start for s in trajectory.turns] == [len(session.turns[t].prompt_ids) for t in chain.turn_ids]

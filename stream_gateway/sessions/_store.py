@@ -32,10 +32,15 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pipeline import TokenChain, chain_tokens
 
 from stream_gateway._errors import NotFound
 from stream_gateway.tool_parsers import ToolCall
+
+if TYPE_CHECKING:
+    from stream_gateway.sessions._shared import SharedState
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +72,8 @@ class Turn:
     fallback_reason: str | None  # why a matching parent could not be continued (a new root instead)
 
 
-@dataclass(frozen=True, slots=True)
-class Chain:
-    """A root-to-leaf path: the leaf's tokens contain every ancestor's, model spans masked 1."""
-
-    turn_ids: tuple[str, ...]
-    token_ids: tuple[int, ...]
-    mask: tuple[int, ...]
-    logprobs: tuple[float, ...]
+Chain = TokenChain
+"""A root-to-leaf path of a session's tree (:func:`pipeline.chain_tokens`, the same the consumers build)."""
 
 
 @dataclass(slots=True)
@@ -101,7 +100,7 @@ class Session:
     seq_blocks: list[tuple[int, int]] = field(default_factory=list)
     turn_seqs: dict[str, list[int]] = field(default_factory=dict)
     opened_seq: int | None = None
-    shared: Any = None  # the shared sessions' bookkeeping (revision, loaded events), when on
+    shared: SharedState | None = None  # the shared sessions' bookkeeping (revision, loaded events), when on
 
     def take_seq(self) -> int:
         """The number of the session's next durable event."""
@@ -174,7 +173,7 @@ class Session:
             while path[-1].parent_id is not None:
                 path.append(self.turns[path[-1].parent_id])
             path.reverse()
-            chains.append(_chain(path))
+            chains.append(chain_tokens(path))
         return chains
 
 
@@ -205,22 +204,6 @@ def _extends(prompt_ids: list[int], turn: Turn) -> bool:
     size = len(turn.prompt_ids)
     end = size + len(turn.output_ids)
     return tuple(prompt_ids[:size]) == turn.prompt_ids and tuple(prompt_ids[size:end]) == turn.output_ids
-
-
-def _chain(path: list[Turn]) -> Chain:
-    tokens: list[int] = []
-    mask: list[int] = []
-    logprobs: list[float] = []
-    for turn in path:
-        # Each turn's prompt starts with everything before it (checked when it was built).
-        new_prompt = turn.prompt_ids[len(tokens) :]
-        tokens.extend(new_prompt)
-        mask.extend([0] * len(new_prompt))
-        logprobs.extend([0.0] * len(new_prompt))
-        tokens.extend(turn.output_ids)
-        mask.extend([1] * len(turn.output_ids))
-        logprobs.extend(turn.logprobs)
-    return Chain(tuple(t.turn_id for t in path), tuple(tokens), tuple(mask), tuple(logprobs))
 
 
 class SessionStore:
@@ -452,7 +435,7 @@ def session_body(session: Session) -> dict[str, Any]:
             for t in session.turns.values()
         ],
         "chains": [
-            {"turn_ids": c.turn_ids, "token_ids": c.token_ids, "mask": c.mask, "logprobs": c.logprobs}
+            {"turn_ids": c.turn_ids, "token_ids": c.token_ids, "mask": c.loss_mask, "logprobs": c.logprobs}
             for c in session.chains()
         ],
     }
