@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
-
 from pipeline.events import (
     SCHEMA_VERSION,
     Event,
@@ -42,19 +41,17 @@ from pipeline.events import (
     SamplingRecord,
     SessionClosed,
     SessionOpened,
-    ToolCallRecord,
-    TurnAborted,
-    TurnCompleted,
     TurnDelta,
     TurnStarted,
-    Usage,
     new_event_id,
     tenant_id,
 )
 
+from stream_gateway.sessions import turn_to_event
+
 if TYPE_CHECKING:
-    from stream_gateway.sessions._store import Session, Turn
     from stream_gateway.engines import SamplingParams, WeightUpdateReport
+    from stream_gateway.sessions import Session, Turn
 
 __all__ = ["DeltaCoalescer", "EventRecorder"]
 
@@ -224,34 +221,15 @@ class EventRecorder:
         durable (in JetStream or the publisher's disk outbox), when the publisher can tell."""
         if self._publish is None:
             return None
-        fields = {
-            **self._common(session, turn.policy_version, self._turn_seq(session, turn.turn_id)),
-            "turn_id": turn.turn_id,
-            "parent_turn_id": turn.parent_id,
-            "request_id": request_id,
-            "choice_index": index,
-            "reused_prompt_tokens": turn.reused_prompt_tokens,
-            "prompt_ids": list(turn.prompt_ids[turn.reused_prompt_tokens :]),
-            "output_ids": list(turn.output_ids),
-            "logprobs": list(turn.logprobs),
-            "policy_versions": list(turn.policy_versions),
-            "content": turn.content,
-            "tool_calls": [
-                ToolCallRecord.model_construct(id=c.id, name=c.name, arguments=c.arguments) for c in turn.tool_calls
-            ],
-            "usage": Usage.model_construct(prompt_tokens=len(turn.prompt_ids), completion_tokens=len(turn.output_ids)),
-            "sampling": _sampling(params),
-            "started_at": turn.created_at,
-            "time_to_first_token_s": turn.time_to_first_token_s,
-            "duration_s": turn.duration_s,
-            "matches_full_render": turn.matches_full_render,
-            "fallback_reason": turn.fallback_reason,
-        }
-        event: Event
-        if turn.finish_reason is not None:
-            event = TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
-        else:
-            event = TurnAborted.model_construct(**fields, reason=abort_reason or "cancelled", detail=abort_detail)
+        event = turn_to_event(
+            turn,
+            self._common(session, turn.policy_version, self._turn_seq(session, turn.turn_id)),
+            request_id=request_id,
+            choice_index=index,
+            sampling=_sampling(params),
+            abort_reason=abort_reason,
+            abort_detail=abort_detail,
+        )
         if self._publish_durable is not None:
             return self._publish_durable(event)
         self._publish(event)

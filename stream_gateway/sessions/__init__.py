@@ -4,6 +4,11 @@
   :class:`SessionStore`.
 * :mod:`._directory`: :class:`SessionDirectory`, the front door the completion core uses.
 * :mod:`._shared`: the NATS side that lets any replica continue any session.
+* :mod:`._record`: :class:`SessionRecord` and :class:`TurnEntry`, the record replicas share, and
+  :func:`merge_record`, a write's pure merge.
+* :mod:`._replay`: turns read back from the events stream, parents first.
+* :mod:`._events`: :func:`turn_to_event` and :func:`turn_from_event`, a turn and its
+  ``turn.completed``/``turn.aborted`` event converted in one place.
 
 The contracts these keep (a turn holds exactly the sampled ids; an echoed assistant message is
 continued by its ids, never re-tokenized; a diverging history opens a branch, never a splice)
@@ -11,6 +16,8 @@ are stated in ``docs/sessions.md``.
 """
 
 from stream_gateway.sessions._directory import SessionDirectory, SharingConfig
+from stream_gateway.sessions._events import TurnEvent, turn_from_event, turn_to_event
+from stream_gateway.sessions._record import SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
 from stream_gateway.sessions._store import SEQ_BLOCK, Chain, Session, SessionStore, Turn, session_body
 
@@ -19,11 +26,17 @@ __all__ = [
     "SEQ_BLOCK",
     "Session",
     "SessionDirectory",
+    "SessionRecord",
     "SessionStore",
     "SharedSessions",
     "SharedUnavailable",
     "SharingConfig",
     "Turn",
+    "TurnEntry",
+    "TurnEvent",
     "expected_seqs",
+    "merge_record",
     "session_body",
+    "turn_from_event",
+    "turn_to_event",
 ]

@@ -32,6 +32,10 @@ continuing one of its turns starts a new root.
 Event numbers: each replica numbers a session's durable events from a block of ``seq`` values it
 reserved in the record (the creator holds ``[0, SEQ_BLOCK)``), and ``session.closed`` lists the
 numbers that exist (``expected_seqs``) so consumers know when they have them all.
+
+Where the pieces are: the record's typed form and the pure merge of a write are
+:mod:`._record`, reading turns back from the events stream is :mod:`._replay`, and this module is
+the I/O around them (the connection, the reads, the write loop).
 """
 
 from __future__ import annotations
@@ -40,19 +44,19 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
-
 from pipeline.connection import NatsAuth, NatsRefused, connect
-from pipeline.events import TurnAborted, TurnCompleted, decode_event, subject_token, tenant_id
+from pipeline.events import subject_token, tenant_id
 
 from stream_gateway._errors import NotFound
-from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn
-from stream_gateway.tool_parsers import ToolCall
+from stream_gateway.sessions._record import SeqBlock, SessionRecord, TurnEntry, merge_record
+from stream_gateway.sessions._replay import ReplayCursor, TurnReplay
+from stream_gateway.sessions._store import Session, SessionStore, Turn
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -76,14 +80,133 @@ class SharedState:
     """A cached session's bookkeeping against its record."""
 
     revision: int | None = None  # the record revision last read or written here; None: not stored yet
-    record: dict[str, Any] | None = None  # that revision's record, when it holds nothing this replica lacks
-    stream_seq: int = 0  # the last events-stream sequence read for this session
-    pending: dict[str, dict[str, Any]] = field(default_factory=dict)  # turn entries not yet stored
+    record: SessionRecord | None = None  # that revision's record, when it holds nothing this replica lacks
+    cursor: ReplayCursor = field(default_factory=ReplayCursor)  # how far this session's events were read
+    pending: dict[str, TurnEntry] = field(default_factory=dict)  # turn entries not yet stored
     pending_feedback: list[dict[str, Any]] = field(default_factory=list)
     pending_close: str | None = None
     waiters: dict[str, anyio.Event] = field(default_factory=dict)  # turn id -> set once stored (or given up)
     lock: anyio.Lock = field(default_factory=anyio.Lock)  # one write of the record at a time, per replica
-    known_turns: dict[str, dict[str, Any]] = field(default_factory=dict)  # the record's turn entries
+    known_turns: dict[str, TurnEntry] = field(default_factory=dict)  # the record's turn entries
+
+    def learn(self, session: Session, record: SessionRecord) -> None:
+        """Take the record's turn entries and event numbers (not its turns' ids: see :mod:`._replay`)."""
+        self.known_turns.update(record.turns)
+        if record.opened_seq is not None:
+            session.opened_seq = record.opened_seq
+        for turn_id, entry in record.turns.items():
+            session.turn_seqs.setdefault(turn_id, list(entry.seqs))
+
+    def written(self, session: Session, record: SessionRecord, revision: int, block: SeqBlock | None) -> None:
+        """``record`` is stored at ``revision``: take what it says, and the ``block`` of event numbers."""
+        # Turns other replicas wrote are read (with their events) at the next refresh: until
+        # then the copy is not trusted for the next write.
+        complete = all(t in session.turns for t in record.turns)
+        self.revision = revision if complete else -1
+        self.record = record if complete else None
+        self.learn(session, record)
+        if block is not None:
+            session.seq_blocks.append(block)
+
+    def settle(self, turns: Mapping[str, TurnEntry], feedback: list[dict[str, Any]], close: str | None) -> None:
+        """What a write stored is no longer pending; its turns' waiters are told."""
+        for turn_id in turns:
+            self.pending.pop(turn_id, None)
+            waiter = self.waiters.pop(turn_id, None)
+            if waiter is not None:
+                waiter.set()
+        self.pending_feedback = [f for f in self.pending_feedback if f not in feedback]
+        if close is not None and self.pending_close == close:
+            self.pending_close = None
+
+    def trusted(self) -> tuple[SessionRecord | None, int | None] | None:
+        """The record (and revision) a write may merge into without reading it; ``None``: read it.
+
+        That is the copy last read or written here, unless it lacks turns another replica added;
+        or no record at all for a session this replica created and never stored.
+        """
+        if self.record is not None and self.revision is not None and self.revision >= 0:
+            return self.record, self.revision
+        if self.record is None and self.revision is None:
+            return None, None
+        return None
+
+    def nothing_pending(self) -> bool:
+        """Whether every turn, feedback record and close queued here is stored."""
+        return not self.pending and not self.pending_feedback and self.pending_close is None
+
+
+class SessionsBucket:
+    """The sessions bucket's layout: records (``s.``), the turn key index (``k.``), close markers (``c.``)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def get_record(self, session_id: str) -> tuple[bytes | None, int | None]:
+        """The stored record's JSON and revision; ``(None, None)``: there is none."""
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(_record_key(session_id))
+        except KeyNotFoundError:
+            return None, None
+        if not entry.value:
+            return None, None
+        return entry.value, entry.revision
+
+    async def read_record(self, session_id: str) -> tuple[SessionRecord | None, int | None]:
+        """The stored record and its revision; ``(None, None)``: there is none."""
+        value, revision = await self.get_record(session_id)
+        return (SessionRecord.from_json(orjson.loads(value)), revision) if value is not None else (None, None)
+
+    async def put_record(self, record: SessionRecord, revision: int | None) -> int:
+        """Compare-and-set ``record`` over ``revision`` (``None``: create it); its new revision."""
+        value = orjson.dumps(record.to_json())
+        key = _record_key(record.session_id)
+        if revision is None:
+            return await self.kv.create(key, value)
+        return await self.kv.update(key, value, last=revision)
+
+    async def find_turn(self, owner: str, key: bytes) -> tuple[str, str] | None:
+        """The (session, turn) the tenant ``owner``'s conversation ``key`` closes, if indexed."""
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(f"k.{owner}.{key.hex()}")
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        value = orjson.loads(entry.value)
+        return value["s"], value["t"]
+
+    async def index_turn(self, owner: str, key: bytes, session_id: str, turn_id: str) -> None:
+        """Index the tenant ``owner``'s conversation ``key`` as closed by ``turn_id``."""
+        await self.kv.put(f"k.{owner}.{key.hex()}", orjson.dumps({"s": session_id, "t": turn_id}))
+
+    async def index_written(
+        self, session: Session, record: SessionRecord, turns: Mapping[str, TurnEntry], close: str | None, *, by: str
+    ) -> None:
+        """After ``record`` was written: index its new ``turns``' keys (unless the session is closed),
+        and announce a ``close``."""
+        for turn_id, entry in turns.items():
+            if entry.key and turn_id in session.turns and not record.closed:
+                await self.index_turn(tenant_id(session.tenant), entry.key, session.session_id, turn_id)
+        if close is not None:
+            await self.announce_close(session.session_id, close, by)
+
+    async def announce_close(self, session_id: str, reason: str, by: str) -> None:
+        """Tell every replica (watching :meth:`watch_closes`) that ``session_id`` is closed."""
+        marker = {"session_id": session_id, "reason": reason, "by": by}
+        await self.kv.put(f"c.{subject_token(session_id)}", orjson.dumps(marker))
+
+    async def watch_closes(self) -> KeyValue.KeyWatcher:
+        """A watch of the close markers written from now on."""
+        return await self.kv.watch("c.>", include_history=False, ignore_deletes=True)
+
+
+def _record_key(session_id: str) -> str:
+    return f"s.{subject_token(session_id)}"
 
 
 def expected_seqs(session: Session) -> list[tuple[int, int]]:
@@ -124,16 +247,15 @@ class SharedSessions:
         self._store = store
         self._servers = servers
         self._auth = auth
-        self._bucket = bucket
-        self._stream = events_stream
-        self._prefix = subject_prefix
+        self._bucket_name = bucket
         self._replicas = replicas
         self.timeout_s = timeout_s
         self._ttl = record_ttl_s
         self._idle_seconds = idle_seconds
+        self._replay = TurnReplay(store, stream=events_stream, subject_prefix=subject_prefix, timeout_s=timeout_s)
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
-        self._kv: KeyValue | None = None
+        self._bucket: SessionsBucket | None = None  # once provisioned
         self._failed_at = 0.0
         self._backoff = _BACKOFF[0]  # before the next retry of a failed write
         self._me = secrets.token_hex(8)  # tells this replica's close markers from others'
@@ -199,17 +321,17 @@ class SharedSessions:
                 assert self._js is not None
                 with anyio.fail_after(max(self.timeout_s, 5.0)):
                     try:
-                        self._kv = await self._js.create_key_value(
+                        kv = await self._js.create_key_value(
                             KeyValueConfig(
-                                bucket=self._bucket, history=1, replicas=self._replicas, ttl=self._ttl or None
+                                bucket=self._bucket_name, history=1, replicas=self._replicas, ttl=self._ttl or None
                             )
                         )
                     except BadRequestError:  # it exists with other settings (another replica's): use it
-                        self._kv = await self._js.key_value(self._bucket)
+                        kv = await self._js.key_value(self._bucket_name)
+                    self._bucket = SessionsBucket(kv)
                 self.ready.set()
                 self._wake.set()
-                watcher = await self._kv.watch("c.>", include_history=False, ignore_deletes=True)
-                async for entry in watcher:
+                async for entry in await self._bucket.watch_closes():
                     if entry is None or not entry.value:
                         continue
                     marker = orjson.loads(entry.value)
@@ -221,7 +343,7 @@ class SharedSessions:
                         log.info("session %s was closed by another replica", session.session_id)
                 backoff = _BACKOFF[0]
             except Exception as exc:  # connection trouble of every kind: retried
-                log.warning("shared sessions: bucket %s unavailable (%r); retrying", self._bucket, exc)
+                log.warning("shared sessions: bucket %s unavailable (%r); retrying", self._bucket_name, exc)
                 self.ready.set()  # serve meanwhile: requests fall back
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF[1])
@@ -231,7 +353,7 @@ class SharedSessions:
         """Whether reads are worth trying now (connected, provisioned, and no read just failed)."""
         nc = self._nc
         return (
-            self._kv is not None
+            self._bucket is not None
             and nc is not None
             and nc.is_connected
             and time.monotonic() - self._failed_at >= _RETRY_AFTER_FAILURE_S
@@ -242,29 +364,23 @@ class SharedSessions:
         log.warning("shared sessions: NATS did not answer (%r); falling back to the cache", exc)
         return SharedUnavailable(f"the shared session state (NATS) is unreachable: {exc!r}")
 
-    def _check(self) -> KeyValue:
-        if not self.available or self._kv is None:
+    def _check(self) -> SessionsBucket:
+        if not self.available or self._bucket is None:
             raise SharedUnavailable("the shared session state (NATS) is unreachable")
-        return self._kv
+        return self._bucket
 
     # -- reading ------------------------------------------------------------------------------
 
     async def probe(self, tenant: str, keys: list[bytes]) -> tuple[int, str, str] | None:
         """The deepest of ``keys`` (ordered shallow to deep) in the index: (position, session, turn)."""
-        kv = self._check()
-        from nats.js.errors import KeyNotFoundError
-
+        bucket = self._check()
         owner = tenant_id(tenant)
         found: dict[int, tuple[str, str]] = {}
 
         async def one(position: int, key: bytes) -> None:
-            try:
-                entry = await kv.get(f"k.{owner}.{key.hex()}")
-            except KeyNotFoundError:
-                return
-            if entry.value:
-                value = orjson.loads(entry.value)
-                found[position] = (value["s"], value["t"])
+            hit = await bucket.find_turn(owner, key)
+            if hit is not None:
+                found[position] = hit
 
         try:
             with anyio.fail_after(self.timeout_s):
@@ -283,14 +399,14 @@ class SharedSessions:
         record, revision = await self._get_record(session_id)
         if record is None:
             return None
-        if record["tenant"] != tenant_id(tenant):
+        if record.tenant != tenant_id(tenant):
             raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
         now = time.time()
-        session = Session(session_id, tenant, float(record["created_at"]), now, announced=True)
+        session = Session(session_id, tenant, float(record.created_at), now, announced=True)
         session.seq_end = 0  # no event numbers yet: reserved when this replica first writes
         session.shared = SharedState(revision=revision, record=record)
         await self._absorb(session, record)
-        if record.get("closed"):
+        if record.closed:
             session.closed = True
         return session
 
@@ -302,18 +418,18 @@ class SharedSessions:
             return
         state.revision, state.record = revision, record
         await self._absorb(session, record)
-        if record.get("closed") and not session.closed:
+        if record.closed and not session.closed:
             self._store.mark_closed(session)
 
     async def create_named(self, session: Session) -> Session:
         """Store a new named session's record; if another replica created it first, that one."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        kv = self._check()
-        record = self._new_record(session)
+        bucket = self._check()
+        record = SessionRecord.new(session)
         try:
             with anyio.fail_after(self.timeout_s):
-                revision = await kv.create(self._record_key(session.session_id), orjson.dumps(record))
+                revision = await bucket.put_record(record, None)
         except KeyWrongLastSequenceError:
             loaded = await self.load(session.session_id, session.tenant)
             if loaded is None:  # created and deleted in between: ours is as good
@@ -335,165 +451,45 @@ class SharedSessions:
         with contextlib.suppress(SharedUnavailable):
             await self._write(session, reserve=True)
 
-    async def _get_record(self, session_id: str) -> tuple[dict[str, Any] | None, int | None]:
-        from nats.js.errors import KeyNotFoundError
-
-        kv = self._check()
+    async def _get_record(self, session_id: str) -> tuple[SessionRecord | None, int | None]:
+        bucket = self._check()
         try:
             with anyio.fail_after(self.timeout_s):
-                entry = await kv.get(self._record_key(session_id))
-        except KeyNotFoundError:
-            return None, None
+                value, revision = await bucket.get_record(session_id)
         except Exception as exc:
             raise self._unavailable(exc) from exc
-        if not entry.value:
+        if value is None:
             return None, None
-        return orjson.loads(entry.value), entry.revision
+        return SessionRecord.from_json(orjson.loads(value)), revision
 
-    async def _absorb(self, session: Session, record: dict[str, Any]) -> None:
+    async def _absorb(self, session: Session, record: SessionRecord) -> None:
         """Take the record's turns (reading their events), feedback and event numbers into ``session``."""
         state = self._state(session)
-        entries: dict[str, dict[str, Any]] = record["turns"]
-        state.known_turns.update(entries)
-        if record.get("opened_seq") is not None:
-            session.opened_seq = record["opened_seq"]
-        for turn_id, entry in entries.items():
-            session.turn_seqs.setdefault(turn_id, list(entry["q"]))
+        state.learn(session, record)
         seen = {f["id"] for f in session.feedback}
-        session.feedback.extend(f for f in record.get("feedback", ()) if f["id"] not in seen)
-        missing = [t for t in entries if t not in session.turns]
-        if missing:
-            await self._read_turns(session, set(missing))
-
-    async def _read_turns(self, session: Session, wanted: set[str]) -> None:
-        """Read the turn events of ``session`` until every one of ``wanted`` is there (bounded)."""
-        state = self._state(session)
-        events: dict[str, TurnCompleted | TurnAborted] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            for event in await self._turn_events(session, state):
-                events.setdefault(event.turn_id, event)
-            if wanted <= events.keys() or time.monotonic() >= deadline:
-                break
-            await anyio.sleep(0.02)  # the writer's event may still be on its way to the stream
-        added = self._build_turns(session, {t: e for t, e in events.items() if t in wanted}, state.known_turns)
-        if added < len(wanted):
-            log.warning(
-                "session %s: %d of %d turns could not be read back from the stream",
-                session.session_id,
-                len(wanted) - added,
-                len(wanted),
-            )
-
-    async def _turn_events(self, session: Session, state: SharedState) -> list[TurnCompleted | TurnAborted]:
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-        from pipeline.subscriber import message_payload
-
-        js = self._js
-        assert js is not None
-        owner = subject_token(tenant_id(session.tenant))
-        subject = f"{self._prefix}.events.{owner}.{subject_token(session.session_id)}.turn.*"
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if state.stream_seq else DeliverPolicy.ALL,
-            opt_start_seq=state.stream_seq + 1 if state.stream_seq else None,
-            ack_policy=AckPolicy.NONE,
-            filter_subject=subject,
-            inactive_threshold=10.0,
-            mem_storage=True,
-            num_replicas=1,
-        )
-        out: list[TurnCompleted | TurnAborted] = []
+        session.feedback.extend(f for f in record.feedback if f["id"] not in seen)
+        missing = {t for t in record.turns if t not in session.turns}
+        if not missing:
+            return
+        assert self._js is not None  # a record was read: the connection is up
         try:
-            with anyio.fail_after(self.timeout_s * 4):
-                info = await js.add_consumer(self._stream, config=config)
-                remaining = info.num_pending
-                if not remaining:
-                    await js.delete_consumer(self._stream, info.name)
-                    return out
-                sub = await js.pull_subscribe_bind(consumer=info.name, stream=self._stream)
-                try:
-                    while remaining > 0:
-                        for msg in await sub.fetch(min(remaining, 256), timeout=self.timeout_s):
-                            remaining -= 1
-                            state.stream_seq = max(state.stream_seq, msg.metadata.sequence.stream)
-                            if not msg.subject.endswith((".turn.completed", ".turn.aborted")):
-                                continue
-                            event = decode_event(await message_payload(msg, js))
-                            assert isinstance(event, TurnCompleted | TurnAborted)
-                            out.append(event)
-                finally:
-                    await sub.unsubscribe()
-                    await js.delete_consumer(self._stream, info.name)
+            await self._replay.read_turns(self._js, session, state.cursor, missing, state.known_turns)
         except Exception as exc:
             raise self._unavailable(exc) from exc
-        return out
-
-    def _build_turns(
-        self,
-        session: Session,
-        events: dict[str, TurnCompleted | TurnAborted],
-        entries: dict[str, dict[str, Any]],
-    ) -> int:
-        """Rebuild turns from their events, parents first; returns how many were added."""
-        added = 0
-        left = dict(events)
-        progress = True
-        while left and progress:
-            progress = False
-            for turn_id, event in list(left.items()):
-                parent = session.turns.get(event.parent_turn_id) if event.parent_turn_id else None
-                if event.reused_prompt_tokens and parent is None:
-                    if event.parent_turn_id in left:
-                        continue  # its parent comes first
-                    del left[turn_id]  # its parent cannot be read back: the turn cannot be either
-                    continue
-                prefix: tuple[int, ...] = ()
-                if event.reused_prompt_tokens:
-                    assert parent is not None
-                    prefix = (*parent.prompt_ids, *parent.output_ids)[: event.reused_prompt_tokens]
-                entry = entries.get(turn_id, {})
-                key = entry.get("k")
-                turn = Turn(
-                    turn_id=turn_id,
-                    session_id=session.session_id,
-                    parent_id=event.parent_turn_id,
-                    key=bytes.fromhex(key) if key else None,
-                    context_length=int(entry.get("n", 0)),
-                    prompt_ids=(*prefix, *event.prompt_ids),
-                    reused_prompt_tokens=event.reused_prompt_tokens,
-                    output_ids=tuple(event.output_ids),
-                    logprobs=tuple(event.logprobs),
-                    finish_reason=event.finish_reason if isinstance(event, TurnCompleted) else None,
-                    content=event.content,
-                    tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in event.tool_calls),
-                    policy_version=event.policy_version,
-                    policy_versions=tuple((int(v), int(i)) for v, i in event.policy_versions),
-                    created_at=event.started_at,
-                    time_to_first_token_s=event.time_to_first_token_s,
-                    duration_s=event.duration_s,
-                    matches_full_render=event.matches_full_render,
-                    fallback_reason=event.fallback_reason,
-                )
-                self._store.add_turn(session, turn)
-                del left[turn_id]
-                added += 1
-                progress = True
-        return added
 
     # -- writing ------------------------------------------------------------------------------
 
     def turn_recorded(self, session: Session, turn: Turn) -> anyio.Event:
         """Queue ``turn`` for the shared state; the event is set once it is stored (or given up)."""
         state = self._state(session)
-        state.pending[turn.turn_id] = {
-            "p": turn.parent_id,
-            "n": turn.context_length,
-            "k": turn.key.hex() if turn.key is not None else None,
-            "q": list(session.turn_seqs.get(turn.turn_id, ())),
-            "f": turn.finish_reason is not None,
-            "t": round(turn.created_at, 3),
-        }
+        state.pending[turn.turn_id] = TurnEntry(
+            parent_id=turn.parent_id,
+            context_length=turn.context_length,
+            key=turn.key,
+            seqs=tuple(session.turn_seqs.get(turn.turn_id, ())),
+            finished=turn.finish_reason is not None,
+            created_at=round(turn.created_at, 3),
+        )
         done = state.waiters[turn.turn_id] = anyio.Event()
         self._mark_dirty(session)
         return done
@@ -553,7 +549,7 @@ class SharedSessions:
             while True:
                 await self._wake.wait()
                 self._wake = anyio.Event()
-                if self._kv is None:
+                if self._bucket is None:
                     continue
                 for session_id, session in list(self._dirty.items()):
                     if session_id not in writing:
@@ -568,9 +564,9 @@ class SharedSessions:
             record, _ = await self._get_record(session.session_id)
         except SharedUnavailable:
             return  # the assembler's idle timeout covers it
-        if record is None or record.get("closed"):
+        if record is None or record.closed:
             return
-        if time.time() - float(record.get("last_active", 0)) < self._idle_seconds:
+        if time.time() - float(record.last_active) < self._idle_seconds:
             return  # active on another replica
         if self._on_remote_close is not None:
             await self._on_remote_close(session, "idle")
@@ -580,8 +576,8 @@ class SharedSessions:
         from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
         state = self._state(session)
-        kv = self._kv
-        if kv is None or not (self._nc is not None and self._nc.is_connected):
+        bucket = self._bucket
+        if bucket is None or not (self._nc is not None and self._nc.is_connected):
             raise SharedUnavailable("the shared session state (NATS) is unreachable")
         # The first attempt trusts what this replica last wrote or read (or, for a session it
         # created and never stored, that there is no record): one round trip fewer per turn while
@@ -589,100 +585,31 @@ class SharedSessions:
         trust = True
         async with state.lock:
             while True:
-                turns = dict(state.pending)
-                feedback = list(state.pending_feedback)
-                close = state.pending_close
+                turns, feedback, close = dict(state.pending), list(state.pending_feedback), state.pending_close
                 want_block = reserve or session.seqs_low()
                 try:
                     with anyio.fail_after(self.timeout_s * 2):
-                        cached = state.record
-                        revision: int | None
-                        if trust and cached is not None and state.revision is not None and state.revision >= 0:
-                            record = {**cached, "turns": dict(cached["turns"]), "feedback": list(cached["feedback"])}
-                            revision = state.revision
-                        elif trust and cached is None and state.revision is None:
-                            record, revision = None, None
-                        else:
-                            try:
-                                entry = await kv.get(self._record_key(session.session_id))
-                                record = orjson.loads(entry.value) if entry.value else None
-                                revision = entry.revision if entry.value else None
-                            except KeyNotFoundError:
-                                record, revision = None, None
-                        if record is None:
-                            record = self._new_record(session)
-                        record["turns"].update(turns)
-                        have = {f["id"] for f in record["feedback"]}
-                        record["feedback"].extend(f for f in feedback if f["id"] not in have)
-                        record["last_active"] = max(float(record.get("last_active", 0)), session.last_active)
-                        if close is not None and not record.get("closed"):
-                            record["closed"] = close
-                        block = None
-                        if want_block:
-                            block = (record["next_seq"], record["next_seq"] + SEQ_BLOCK)
-                            record["next_seq"] = block[1]
-                        value = orjson.dumps(record)
-                        key = self._record_key(session.session_id)
-                        if revision is None:
-                            revision = await kv.create(key, value)
-                        else:
-                            revision = await kv.update(key, value, last=revision)
-                        for turn_id, turn_entry in turns.items():
-                            turn = session.turns.get(turn_id)
-                            if turn_entry["k"] and turn is not None and not record.get("closed"):
-                                index = {"s": session.session_id, "t": turn_id}
-                                await kv.put(f"k.{tenant_id(session.tenant)}.{turn_entry['k']}", orjson.dumps(index))
-                        if close is not None:
-                            marker = {"session_id": session.session_id, "reason": close, "by": self._me}
-                            await kv.put(f"c.{subject_token(session.session_id)}", orjson.dumps(marker))
+                        trusted = state.trusted() if trust else None
+                        if trusted is None:
+                            trusted = await bucket.read_record(session.session_id)
+                        stored, revision = trusted
+                        new = SessionRecord.new(session)
+                        record, block = merge_record(
+                            stored, turns, feedback, close, session.last_active, want_block, new=new
+                        )
+                        revision = await bucket.put_record(record, revision)
+                        await bucket.index_written(session, record, turns, close, by=self._me)
                 except (KeyWrongLastSequenceError, KeyNotFoundError):
                     trust = False
                     continue  # another replica wrote in between: merge again
                 except Exception as exc:
                     raise self._unavailable(exc) from exc
-                # Turns other replicas wrote are read (with their events) at the next refresh.
-                complete = all(t in session.turns for t in record["turns"])
-                state.revision = revision if complete else -1
-                state.record = record if complete else None
-                state.known_turns.update(record["turns"])
-                for turn_id, turn_entry in record["turns"].items():
-                    session.turn_seqs.setdefault(turn_id, list(turn_entry["q"]))
-                if record.get("opened_seq") is not None:
-                    session.opened_seq = record["opened_seq"]
-                if block is not None:
-                    session.seq_blocks.append(block)
-                for turn_id in turns:
-                    state.pending.pop(turn_id, None)
-                    waiter = state.waiters.pop(turn_id, None)
-                    if waiter is not None:
-                        waiter.set()
-                state.pending_feedback = [f for f in state.pending_feedback if f not in feedback]
-                if close is not None and state.pending_close == close:
-                    state.pending_close = None
+                state.written(session, record, revision, block)
+                state.settle(turns, feedback, close)
                 reserve = False
-                if not state.pending and not state.pending_feedback and state.pending_close is None:
+                if state.nothing_pending():
                     self._dirty.pop(session.session_id, None)
                     return
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    def _new_record(self, session: Session) -> dict[str, Any]:
-        return {
-            "v": 1,
-            "session_id": session.session_id,
-            "tenant": tenant_id(session.tenant),
-            "created_at": session.created_at,
-            "last_active": session.last_active,
-            "closed": None,
-            "next_seq": session.seq_end if session.seq_end else SEQ_BLOCK,
-            "opened_seq": session.opened_seq,
-            "turns": {},
-            "feedback": [],
-        }
-
-    @staticmethod
-    def _record_key(session_id: str) -> str:
-        return f"s.{subject_token(session_id)}"
 
     @staticmethod
     def _state(session: Session) -> SharedState:

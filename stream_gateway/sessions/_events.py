@@ -1,0 +1,108 @@
+"""A :class:`Turn` and its event form (``turn.completed``/``turn.aborted``), converted in one place.
+
+The recorder publishes a finished turn with :func:`turn_to_event`; a replica that reads a turn
+back from the events stream rebuilds it with :func:`turn_from_event`. What the event leaves out
+the caller supplies: on the way out, the fields every event has (``event_id``, ``seq``, ``time``:
+the recorder's), on the way back, what the shared session record holds (the turn's conversation
+key and context length) and the parent turn whose ids the prompt starts with.
+
+Deliberate choices:
+
+* Events are built with ``model_construct``: this runs once per turn on the request path, the
+  turn's data is already valid, and validating a 100k-id prompt would cost more than the publish.
+* The event holds only the prompt ids after the reused prefix (``reused_prompt_tokens``): a long
+  agent session would otherwise store its history once per turn. The prefix comes back from the
+  parent turn, which is why turns are rebuilt parents first (:mod:`._replay`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.events import SamplingRecord, ToolCallRecord, TurnAborted, TurnCompleted, Usage
+
+from stream_gateway.sessions._store import Turn
+from stream_gateway.tool_parsers import ToolCall
+
+__all__ = ["TurnEvent", "turn_from_event", "turn_to_event"]
+
+TurnEvent = TurnCompleted | TurnAborted
+
+
+def turn_to_event(
+    turn: Turn,
+    common: Mapping[str, Any],
+    *,
+    request_id: str,
+    choice_index: int,
+    sampling: SamplingRecord,
+    abort_reason: str | None = None,
+    abort_detail: str | None = None,
+) -> TurnEvent:
+    """``turn.completed`` for a finished turn, ``turn.aborted`` (``abort_reason``, default
+    ``cancelled``) otherwise; ``common``: the fields every event has, as the recorder sets them."""
+    fields = {
+        **common,
+        "turn_id": turn.turn_id,
+        "parent_turn_id": turn.parent_id,
+        "request_id": request_id,
+        "choice_index": choice_index,
+        "reused_prompt_tokens": turn.reused_prompt_tokens,
+        "prompt_ids": list(turn.prompt_ids[turn.reused_prompt_tokens :]),
+        "output_ids": list(turn.output_ids),
+        "logprobs": list(turn.logprobs),
+        "policy_versions": list(turn.policy_versions),
+        "content": turn.content,
+        "tool_calls": [
+            ToolCallRecord.model_construct(id=c.id, name=c.name, arguments=c.arguments) for c in turn.tool_calls
+        ],
+        "usage": Usage.model_construct(prompt_tokens=len(turn.prompt_ids), completion_tokens=len(turn.output_ids)),
+        "sampling": sampling,
+        "started_at": turn.created_at,
+        "time_to_first_token_s": turn.time_to_first_token_s,
+        "duration_s": turn.duration_s,
+        "matches_full_render": turn.matches_full_render,
+        "fallback_reason": turn.fallback_reason,
+    }
+    if turn.finish_reason is not None:
+        return TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
+    return TurnAborted.model_construct(**fields, reason=abort_reason or "cancelled", detail=abort_detail)
+
+
+def turn_from_event(
+    event: TurnEvent,
+    *,
+    session_id: str,
+    parent: Turn | None,
+    key: bytes | None,
+    context_length: int,
+) -> Turn:
+    """The :class:`Turn` ``event`` recorded; ``parent`` (the turn it continues) is needed when the
+    event reused prompt ids, ``key`` and ``context_length`` come from the session record."""
+    prefix: tuple[int, ...] = ()
+    if event.reused_prompt_tokens:
+        if parent is None:
+            raise ValueError(f"turn {event.turn_id} reuses its parent's ids: the parent is needed to rebuild it")
+        prefix = (*parent.prompt_ids, *parent.output_ids)[: event.reused_prompt_tokens]
+    return Turn(
+        turn_id=event.turn_id,
+        session_id=session_id,
+        parent_id=event.parent_turn_id,
+        key=key,
+        context_length=context_length,
+        prompt_ids=(*prefix, *event.prompt_ids),
+        reused_prompt_tokens=event.reused_prompt_tokens,
+        output_ids=tuple(event.output_ids),
+        logprobs=tuple(event.logprobs),
+        finish_reason=event.finish_reason if isinstance(event, TurnCompleted) else None,
+        content=event.content,
+        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in event.tool_calls),
+        policy_version=event.policy_version,
+        policy_versions=tuple((int(v), int(i)) for v, i in event.policy_versions),
+        created_at=event.started_at,
+        time_to_first_token_s=event.time_to_first_token_s,
+        duration_s=event.duration_s,
+        matches_full_render=event.matches_full_render,
+        fallback_reason=event.fallback_reason,
+    )
