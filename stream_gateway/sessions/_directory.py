@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import anyio
-
 from pipeline.connection import NatsAuth
+
 from stream_gateway._errors import NotFound
 from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
 from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn

@@ -16,7 +16,7 @@ store's ``on_close`` callback says why each one went: ``idle`` or ``evicted``).
 A closed session (``POST /sessions/{id}/close``) takes no more turns and is no longer found by
 automatic lookup, but stays inspectable and accepts feedback until it is evicted.
 
-With shared sessions (:mod:`._shared_sessions`) this store is a cache: the session state lives in
+With shared sessions (:mod:`._shared`) this store is a cache: the session state lives in
 NATS, eviction only drops the local copy (``on_evict``), and a session's durable events are
 numbered from blocks of ``seq`` values reserved in NATS, so that two replicas writing one
 session never use the same number.
