@@ -81,26 +81,78 @@ def test_parse_with_a_pydantic_response_format(client: OpenAI) -> None:
     raise AssertionError("no seed produced a finished answer")
 
 
-def test_streamed_json_schema_and_json_object(agent_gateway: RunningGateway) -> None:
-    schema = City.model_json_schema()
-    for response_format, validate in ((CITY_FORMAT, schema), ({"type": "json_object"}, {"type": "object"})):
-        body = {
-            "model": "tiny-agent",
-            "messages": [{"role": "user", "content": "json please"}],
-            "response_format": response_format,
-            "stream": True,
-            "max_tokens": 64,
-            "temperature": 0,
-        }
-        chunks = streamed_chunks(agent_gateway, body)
-        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
-        # Unconstrained, this model answers with a tool call: it now writes JSON of the schema.
-        assert text.startswith("{") and "<tool_call>" not in text
-        if finish == "stop":
-            jsonschema.validate(json.loads(text), validate)
-        else:
-            assert finish == "length"
+# City with bounds the grammar enforces: every document of it ends within a few tokens.
+BOUNDED_CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999},
+    },
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+def _closed(prefix: str) -> Any:
+    """``prefix`` (JSON cut off inside a value) completed by closing its open string and containers."""
+    closers, in_string, escaped = [], False, False
+    for char in prefix:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            closers.append("}" if char == "{" else "]")
+        elif char in "}]":
+            closers.pop()
+    return json.loads(prefix + ('"' if in_string else "") + "".join(reversed(closers)))
+
+
+@pytest.mark.parametrize(
+    ("response_format", "schema", "finish"),
+    [
+        # Greedy, this model repeats a digit of "population" for hundreds of tokens: cut off.
+        (CITY_FORMAT, City.model_json_schema(), "length"),
+        # Bounded, the grammar closes the object and then allows only the end of the turn.
+        (
+            {"type": "json_schema", "json_schema": {"name": "City", "schema": BOUNDED_CITY, "strict": True}},
+            BOUNDED_CITY,
+            "stop",
+        ),
+        # Greedy, the model writes its tool call's JSON and repeats a letter of the path: cut off.
+        ({"type": "json_object"}, {"type": "object"}, "length"),
+    ],
+    ids=["json_schema-cut", "json_schema-bounded", "json_object-cut"],
+)
+def test_streamed_json_schema_and_json_object(
+    agent_gateway: RunningGateway, response_format: dict[str, Any], schema: dict[str, Any], finish: str
+) -> None:
+    max_tokens = 64
+    body = {
+        "model": "tiny-agent",
+        "messages": [{"role": "user", "content": "json please"}],
+        "response_format": response_format,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    chunks = streamed_chunks(agent_gateway, body)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    tokens = chunks[-1]["usage"]["completion_tokens"]
+    # Unconstrained, this model answers with a tool call: it now writes JSON of the schema.
+    assert text.startswith("{") and "<tool_call>" not in text, text
+    assert finishes[-1] == finish, (finishes[-1], tokens, text)
+    if finish == "stop":
+        # The whole document, and it ended before the budget did.
+        assert tokens < max_tokens, (tokens, text)
+        document = json.loads(text)
+    else:
+        # Cut off inside a value: what was written is the start of a document of the schema.
+        assert tokens == max_tokens, (tokens, text)
+        document = _closed(text)
+    jsonschema.validate(document, schema)
 
 
 @pytest.mark.parametrize("stream", [False, True])

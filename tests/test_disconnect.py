@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from .servers import RunningGateway
@@ -72,7 +73,53 @@ def test_non_streaming_disconnect_aborts(gateway: RunningGateway) -> None:
     _wait_until_idle(gateway)
 
 
-def test_aborted_requests_are_counted(gateway: RunningGateway) -> None:
+def _aborted(gateway: RunningGateway) -> float:
+    """``gateway_aborted_requests_total`` now."""
     text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
     line = next(line for line in text.splitlines() if line.startswith("gateway_aborted_requests_total"))
-    assert float(line.split()[-1]) >= 1
+    return float(line.split()[-1])
+
+
+def _aborted_reaches(gateway: RunningGateway, expected: float, timeout: float = 10.0) -> None:
+    """The counter reaches ``expected`` (the server counts once it sees the client gone), and stays."""
+    deadline = time.monotonic() + timeout
+    while (value := _aborted(gateway)) < expected:
+        assert time.monotonic() < deadline, f"aborted requests: {value}, expected {expected}"
+        time.sleep(0.02)
+    _wait_until_idle(gateway)
+    time.sleep(0.2)
+    assert _aborted(gateway) == expected, "an aborted request was counted more than once"
+
+
+def test_aborted_requests_are_counted(gateway: RunningGateway) -> None:
+    # The counter is the shared gateway's: what earlier tests left there is the baseline.
+    _wait_until_idle(gateway)
+    time.sleep(0.2)
+    before = _aborted(gateway)
+
+    # Answers that run to their end are not aborts, streamed or not.
+    short = {**BODY, "max_tokens": 3}
+    finished = httpx.post(gateway.base_url + "/v1/chat/completions", json=short, timeout=60)
+    assert finished.status_code == 200, finished.text
+    with httpx.stream(
+        "POST", gateway.base_url + "/v1/chat/completions", json={**short, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        assert r.read().rstrip().endswith(b"data: [DONE]")
+    _wait_until_idle(gateway)
+    time.sleep(0.2)
+    assert _aborted(gateway) == before
+
+    # A stream the client leaves: one abort.
+    with httpx.stream(
+        "POST", gateway.base_url + "/v1/chat/completions", json={**BODY, "stream": True}, timeout=30
+    ) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+    _aborted_reaches(gateway, before + 1)
+
+    # A non-streamed answer the client stops waiting for: another.
+    with httpx.Client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post(gateway.base_url + "/v1/chat/completions", json=BODY)
+    _aborted_reaches(gateway, before + 2)
