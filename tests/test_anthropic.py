@@ -61,7 +61,10 @@ def test_a_message_and_its_stream_carry_the_same_tokens(gateway: RunningGateway,
     # Greedy: the stream says the same, token by token (one delta per sampled token or so).
     assert final.content[0].text == whole.content[0].text  # type: ignore[union-attr]
     assert final.usage.output_tokens == 12 and final.stop_reason == "max_tokens"
-    assert deltas >= 2  # incremental; steps that queue behind a busy loop are merged into one frame
+    # Steps that queue behind a busy loop are merged into one frame (the adaptive coalescing of
+    # http/_sse.py): on a loaded machine all 12 tokens can arrive in one delta (seen in a full-suite
+    # run). One token per chunk for a reader that keeps up is tests/test_streaming.py's contract.
+    assert deltas >= 1
     core = [e for e in events if e not in ("text",)]  # the SDK adds its own "text" helper events
     assert core[0] == "message_start" and core[1] == "content_block_start"
     assert core[-3:] == ["content_block_stop", "message_delta", "message_stop"]
