@@ -73,11 +73,25 @@ def test_non_streaming_disconnect_aborts(gateway: RunningGateway) -> None:
     _wait_until_idle(gateway)
 
 
+def _metric(gateway: RunningGateway, name: str) -> float:
+    text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
+    line = next(line for line in text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[-1])
+
+
 def _aborted(gateway: RunningGateway) -> float:
     """``gateway_aborted_requests_total`` now."""
-    text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
-    line = next(line for line in text.splitlines() if line.startswith("gateway_aborted_requests_total"))
-    return float(line.split()[-1])
+    return _metric(gateway, "gateway_aborted_requests_total")
+
+
+def _settled(gateway: RunningGateway, timeout: float = 10.0) -> None:
+    """No engine request and no response in progress: the abort counter is final (a response counts
+    its abort in the same ``finally`` that takes it off ``gateway_active_streams``)."""
+    _wait_until_idle(gateway, timeout)
+    deadline = time.monotonic() + timeout
+    while (active := _metric(gateway, "gateway_active_streams")) > 0:
+        assert time.monotonic() < deadline, f"responses still in progress: {active}"
+        time.sleep(0.02)
 
 
 def _aborted_reaches(gateway: RunningGateway, expected: float, timeout: float = 10.0) -> None:
@@ -86,15 +100,13 @@ def _aborted_reaches(gateway: RunningGateway, expected: float, timeout: float = 
     while (value := _aborted(gateway)) < expected:
         assert time.monotonic() < deadline, f"aborted requests: {value}, expected {expected}"
         time.sleep(0.02)
-    _wait_until_idle(gateway)
-    time.sleep(0.2)
+    _settled(gateway)
     assert _aborted(gateway) == expected, "an aborted request was counted more than once"
 
 
 def test_aborted_requests_are_counted(gateway: RunningGateway) -> None:
     # The counter is the shared gateway's: what earlier tests left there is the baseline.
-    _wait_until_idle(gateway)
-    time.sleep(0.2)
+    _settled(gateway)
     before = _aborted(gateway)
 
     # Answers that run to their end are not aborts, streamed or not.
@@ -106,8 +118,7 @@ def test_aborted_requests_are_counted(gateway: RunningGateway) -> None:
     ) as r:
         assert r.status_code == 200
         assert r.read().rstrip().endswith(b"data: [DONE]")
-    _wait_until_idle(gateway)
-    time.sleep(0.2)
+    _settled(gateway)
     assert _aborted(gateway) == before
 
     # A stream the client leaves: one abort.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from stream_gateway.protocols._anthropic import MessagesEdge
 from stream_gateway.protocols._chat import ChatEdge
-from stream_gateway.protocols._edge import Call, Edge, Exchange, SideRoute, StreamStart
+from stream_gateway.protocols._edge import Call, Edge, EdgeBase, Exchange, SideRoute, StreamStart
 from stream_gateway.protocols._responses import ResponsesEdge
 from stream_gateway.protocols._token_in import TokenInEdge
 
@@ -27,6 +27,7 @@ __all__ = [
     "Call",
     "ChatEdge",
     "Edge",
+    "EdgeBase",
     "Exchange",
     "MessagesEdge",
     "ResponsesEdge",

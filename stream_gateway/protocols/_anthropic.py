@@ -52,7 +52,7 @@ from stream_gateway.completion import (
     CompletionService,
     PreparedCompletion,
 )
-from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
+from stream_gateway.protocols._edge import Call, EdgeBase, SideRoute, StreamStart
 
 __all__ = [
     "CountTokensRequest",
@@ -446,7 +446,7 @@ class MessagesExchange:
         return message_body(self.message, self.prepared.model, results[0], len(self.prepared.prompt_ids))
 
 
-class MessagesEdge:
+class MessagesEdge(EdgeBase):
     """Anthropic's Messages API, translated into a chat request and served as one."""
 
     path: str = "/v1/messages"
@@ -454,11 +454,8 @@ class MessagesEdge:
     request: type[BaseModel] = MessagesRequest
 
     def __init__(self, service: CompletionService) -> None:
-        self._service = service
+        super().__init__(service)
         self.side_routes = (SideRoute("/v1/messages/count_tokens", CountTokensRequest, self._count_tokens),)
-
-    def session_id(self, body: MessagesRequest) -> str | None:
-        return None
 
     async def open(self, body: MessagesRequest, call: Call) -> MessagesExchange:
         chat = to_chat_request(body)

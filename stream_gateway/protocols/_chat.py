@@ -20,11 +20,10 @@ from stream_gateway.completion import (
     ChatCompletionRequest,
     ChoiceResult,
     ChoiceUpdate,
-    CompletionService,
     PreparedCompletion,
     TokenText,
 )
-from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
+from stream_gateway.protocols._edge import Call, EdgeBase, StreamStart
 from stream_gateway.tool_parsers import ToolCallDelta
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -274,24 +273,13 @@ class ChatExchange:
         )
 
 
-class ChatEdge:
+class ChatEdge(EdgeBase):
     """OpenAI's chat completions, the core's own shape."""
 
     path: str = "/v1/chat/completions"
     name: str = "chat_completion"
     request: type[BaseModel] = ChatCompletionRequest
-    side_routes: tuple[SideRoute, ...] = ()
-
-    def __init__(self, service: CompletionService) -> None:
-        self._service = service
-
-    def session_id(self, body: ChatCompletionRequest) -> str | None:
-        return None
 
     async def open(self, body: ChatCompletionRequest, call: Call) -> ChatExchange:
         prepared = await self._service.prepare(body, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
         return ChatExchange(prepared, body.stream, self._service.token_text)
-
-    @staticmethod
-    def error_body(error: GatewayError) -> dict[str, Any]:
-        return error.body()

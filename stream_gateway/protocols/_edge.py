@@ -18,9 +18,9 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel
 
 from stream_gateway._errors import GatewayError
-from stream_gateway.completion import ChoiceResult, FrameEncoder, PreparedCompletion
+from stream_gateway.completion import ChoiceResult, CompletionService, FrameEncoder, PreparedCompletion
 
-__all__ = ["Call", "Edge", "Exchange", "SideRoute", "StreamStart"]
+__all__ = ["Call", "Edge", "EdgeBase", "Exchange", "SideRoute", "StreamStart"]
 
 BodyT = TypeVar("BodyT", bound=BaseModel, contravariant=True)
 
@@ -99,3 +99,20 @@ class Edge(Protocol[BodyT]):
     def error_body(self, error: GatewayError) -> dict[str, Any]:
         """The error as this format's clients expect it."""
         ...
+
+
+class EdgeBase:
+    """What most edges share: the core they prepare through, no side routes, no session named in
+    the body, OpenAI's error shape. An edge overrides what differs."""
+
+    side_routes: Sequence[SideRoute] = ()
+
+    def __init__(self, service: CompletionService) -> None:
+        self._service = service
+
+    def session_id(self, body: Any) -> str | None:
+        return None
+
+    @staticmethod
+    def error_body(error: GatewayError) -> dict[str, Any]:
+        return error.body()

@@ -52,7 +52,7 @@ from stream_gateway.completion import (
     CompletionService,
     PreparedCompletion,
 )
-from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
+from stream_gateway.protocols._edge import Call, EdgeBase, StreamStart
 
 __all__ = [
     "ResponseStore",
@@ -495,20 +495,16 @@ class ResponsesExchange:
             self.held.put(self.rid, self.tenant, [*self.conversation, assistant_message(response["output"])])
 
 
-class ResponsesEdge:
+class ResponsesEdge(EdgeBase):
     """OpenAI's Responses API, translated into a chat request and served as one."""
 
     path: str = "/v1/responses"
     name: str = "openai_responses"
     request: type[BaseModel] = ResponsesRequest
-    side_routes: tuple[SideRoute, ...] = ()
 
     def __init__(self, service: CompletionService, held: ResponseStore | None = None) -> None:
-        self._service = service
+        super().__init__(service)
         self._held = held if held is not None else ResponseStore()
-
-    def session_id(self, body: ResponsesRequest) -> str | None:
-        return None
 
     async def open(self, body: ResponsesRequest, call: Call) -> ResponsesExchange:
         previous = body.previous_response_id
@@ -517,7 +513,3 @@ class ResponsesEdge:
         prepared = await self._service.prepare(chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
         conversation = [m.model_dump(exclude_none=True) for m in chat.messages]
         return ResponsesExchange(prepared, body, response_id(), call.tenant, conversation, self._held)
-
-    @staticmethod
-    def error_body(error: GatewayError) -> dict[str, Any]:
-        return error.body()

@@ -34,7 +34,6 @@ from stream_gateway.completion import (
     MAX_STOP_SEQUENCES,
     ChoiceResult,
     ChoiceUpdate,
-    CompletionService,
     PreparedCompletion,
     SamplingRequest,
     StreamOptions,
@@ -43,7 +42,7 @@ from stream_gateway.completion import (
     null_is_absent,
 )
 from stream_gateway.protocols._chat import DONE_FRAME, frame_head, usage_body
-from stream_gateway.protocols._edge import Call, SideRoute, StreamStart
+from stream_gateway.protocols._edge import Call, EdgeBase, StreamStart
 
 __all__ = ["CompletionRequest", "TextChunkEncoder", "TokenInEdge", "text_completion_body"]
 
@@ -349,16 +348,12 @@ class TokenInExchange:
         )
 
 
-class TokenInEdge:
+class TokenInEdge(EdgeBase):
     """vLLM's ``/v1/completions``: prompt ids in, sampled ids out, placed in sessions by id prefix."""
 
     path: str = "/v1/completions"
     name: str = "text_completion"
     request: type[BaseModel] = CompletionRequest
-    side_routes: tuple[SideRoute, ...] = ()
-
-    def __init__(self, service: CompletionService) -> None:
-        self._service = service
 
     def session_id(self, body: CompletionRequest) -> str | None:
         return body.session_id or None
@@ -391,7 +386,3 @@ class TokenInEdge:
             request, tenant=call.tenant, session_id=call.session_id, agent=call.agent
         )
         return TokenInExchange(batch, body, self._service.token_text)
-
-    @staticmethod
-    def error_body(error: GatewayError) -> dict[str, Any]:
-        return error.body()
