@@ -36,6 +36,13 @@ Deliberate choices:
   ``[version, first_output_index]`` spans covering the output in order, so every sampled id is
   labelled with the weights that sampled it. Schema-1 events (written before) decode with one
   span, ``[[policy_version, 0]]``.
+* **Thinking spans and predecessors** (schema 3). A reasoning model's turn says where its thinking
+  ends: ``reasoning_tokens`` (output ids from the first, ``<think>``/``</think>`` included) and
+  ``answer_start`` (the first answer id; null when the turn ended inside thinking). A root turn
+  that a known turn's conversation continues, but that could not extend its ids (a template that
+  drops earlier thinking under ``--reasoning-history template``, or any ``fallback_reason``),
+  names that turn in ``predecessor_turn_id``. Older events decode with no thinking (0, 0) and no
+  predecessor.
 * Models are frozen; the gateway builds them with ``model_construct`` (its data is already
   valid), consumers decode them with full validation (:func:`decode_event`).
 """
@@ -81,7 +88,7 @@ __all__ = [
     "tenant_id",
 ]
 
-SCHEMA_VERSION: Literal[2] = 2
+SCHEMA_VERSION: Literal[3] = 3
 
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Serialization-mode JSON Schemas mark defaulted fields required: the wire always carries them.
@@ -112,8 +119,10 @@ class Event(BaseModel):
 
     model_config = _MODEL_CONFIG
 
-    schema_version: Literal[1, 2] = Field(
-        SCHEMA_VERSION, description="bumped on an incompatible change (2: per-token policy versions)"
+    schema_version: Literal[1, 2, 3] = Field(
+        SCHEMA_VERSION,
+        description="bumped when the contract changes (2: per-token policy versions; 3: thinking spans and "
+        "predecessor links)",
     )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
@@ -245,6 +254,20 @@ class TurnRecord(Event):
     duration_s: float = Field(description="seconds from arrival to the end of the generation")
     matches_full_render: bool = Field(description="the prompt equals a fresh tokenization of the conversation")
     fallback_reason: str | None = Field(description="why a matching parent turn could not be continued")
+    predecessor_turn_id: str | None = Field(
+        None,
+        description="a root that a known turn's conversation continues (parent_turn_id is null, fallback_reason "
+        "says why): that turn; null otherwise",
+    )
+    reasoning_tokens: int = Field(
+        0, ge=0, description="the first output ids that are thinking, <think> and </think> included (0: none)"
+    )
+    answer_start: int | None = Field(
+        0,
+        ge=0,
+        description="output index of the first answer token (after </think>); null: the turn ended while "
+        "thinking, with no answer token",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -263,6 +286,13 @@ class TurnRecord(Event):
         for (v0, i0), (v1, i1) in itertools.pairwise(spans):
             if not (i0 < i1 < len(self.output_ids)) or v1 <= v0:
                 raise ValueError("policy_versions spans must start at increasing output indices with rising versions")
+        if self.reasoning_tokens > len(self.output_ids):
+            raise ValueError("reasoning_tokens cannot exceed the output")
+        if self.answer_start is None:
+            if self.reasoning_tokens != len(self.output_ids):
+                raise ValueError("answer_start is null only when the whole output is thinking")
+        elif self.answer_start != self.reasoning_tokens:
+            raise ValueError("answer_start must follow the thinking (equal reasoning_tokens)")
         return self
 
     def token_policy_versions(self) -> list[int]:

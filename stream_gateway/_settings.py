@@ -127,6 +127,21 @@ class Settings(BaseSettings):
     tool_parser: Annotated[str, Flag(choices=_tool_parser_names)] = Field(
         "hermes", description="how tool calls are read from model output (see docs/http-api.md)"
     )
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
+        "auto",
+        description="how thinking is told from the answer in model output (auto: from the chat template, "
+        "logged; see docs/reasoning.md)",
+    )
+    reasoning_history: Literal["keep", "template"] = Field(
+        "keep",
+        description="at a new user message, keep the model's earlier thinking in the prompt (one chain) or "
+        "render the history as the template does (a new root linked to its predecessor)",
+    )
+    reasoning_key_file: Path | None = Field(
+        None,
+        description="a file whose bytes key the signatures on thinking blocks and reasoning items; "
+        "share it between replicas (unset: a random key per process)",
+    )
     max_sessions: int = Field(
         10_000, ge=1, description="sessions kept in memory; beyond it the least recently used are evicted"
     )

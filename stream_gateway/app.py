@@ -170,6 +170,7 @@ async def _lifespan(state: GatewayState, _: FastAPI) -> AsyncIterator[None]:
     engine, settings = state.engine, state.settings
     async with engine, anyio.create_task_group() as tg:
         log.info("engine %s ready: model %s", engine.name, engine.model_id)
+        state.service.preparer.reasoning  # noqa: B018 (chosen and logged now; a bad --reasoning-parser fails the start)
         # Everything alive now (modules, the tokenizer, the model's Python objects) lives as long
         # as the process: out of the collector's reach, a full collection under load walks only
         # what requests create (it walked the whole transformers import before: pauses of

@@ -200,7 +200,7 @@ def test_every_kind_round_trips(event: Event) -> None:
     assert decode_event(data.decode()) == event
     # The wire form is plain JSON: any JSON library reads it.
     assert json.loads(data)["kind"] == event.kind
-    assert json.loads(data)["schema_version"] == 2
+    assert json.loads(data)["schema_version"] == 3
 
 
 @pytest.mark.parametrize("event", one_of_each(), ids=lambda e: e.kind)
@@ -229,7 +229,7 @@ def _wire(event: Event, **changes: Any) -> bytes:
     ("changes", "problem"),
     [
         ({"kind": "turn.exploded"}, "kind"),
-        ({"schema_version": 3}, "schema_version"),
+        ({"schema_version": 4}, "schema_version"),
         ({"seq": -1}, "seq"),
         ({"policy_version": "latest"}, "policy_version"),
         ({"event_id": _DROP}, "event_id"),

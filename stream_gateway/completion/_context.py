@@ -17,15 +17,26 @@ sampled ids stand in for it. The new text is ``full[len(upto):]``, preceded by w
 end-of-turn marker the model did not sample itself (``"\\n"`` after a sampled ``<|im_end|>``,
 all of ``"<|im_end|>\\n"`` after a turn cut by ``max_tokens``).
 
-Templates that are not prefix-stable (Qwen3-style templates that strip ``<think>`` blocks of
-earlier turns, or templates that render the system prompt differently as the conversation
-grows) fail that check: the request then starts a new root turn from a full render. Tokens are
-never spliced where the text does not line up.
+Templates that are not prefix-stable (templates that render the system prompt differently as
+the conversation grows) fail that check: the request then starts a new root turn from a full
+render. Tokens are never spliced where the text does not line up.
+
+Reasoning models (docs/reasoning.md). Clients drop, echo, summarise or re-shape the model's
+thinking; none of that is compared (:mod:`._fingerprint`), and the sampled ids (thinking
+included) stand in for the assistant message. To render the history, every assistant message of
+the chain gets its *recorded* thinking as ``reasoning_content``, whatever the client echoed, so
+the renders above agree with what was sampled. Qwen3-style templates then stay prefix-stable
+through a tool loop, and drop earlier thinking only at a new user message: there the texts differ
+by thinking blocks alone, and ``--reasoning-history`` decides. ``keep`` continues the chain (the
+prompt is the parent's ids, the sampled ids, then the new messages as the template renders them:
+``matches_full_render`` is false, honestly); ``template`` starts a new root from the full render,
+linked to the parent as its ``predecessor`` with the reason recorded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +46,7 @@ from transformers import PreTrainedTokenizerBase
 from stream_gateway._errors import InvalidRequest
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import Message, Tool
+from stream_gateway.reasoning import ReasoningFormat
 from stream_gateway.sessions import Turn
 
 _PROBE = "\u2063probe\u2063"
@@ -49,15 +61,25 @@ class Context:
     reused_prompt_tokens: int
     matches_full_render: bool
     fallback_reason: str | None = None  # why a matched parent could not be continued
+    predecessor: Turn | None = None  # that parent (the new root is linked to it)
 
 
 class ContextBuilder:
     """Builds prompts for one tokenizer and its chat template."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, reasoning: ReasoningFormat | None = None, history: str = "keep"
+    ) -> None:
         if tokenizer.chat_template is None:
             raise InvalidRequest("the served model has no chat template; chat completions need one")
         self._tokenizer = tokenizer
+        self._reasoning = reasoning
+        self._history = history
+        self._thinking_block = (
+            re.compile(re.escape(reasoning.start_tag) + r"[\s\S]*?" + re.escape(reasoning.end_tag) + r"\n*")
+            if reasoning is not None
+            else None
+        )
         self._turn_end = self._probe_turn_end()
         self._end_ids = {
             int(i)
@@ -65,22 +87,51 @@ class ContextBuilder:
             if isinstance(i, int)
         }
 
-    def build(self, messages: Sequence[Message], tools: Sequence[Tool] | None, parent: Turn | None) -> Context:
-        """The prompt for ``messages``, continuing ``parent`` (a turn they extend) when possible."""
+    def build(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None,
+        parent: Turn | None,
+        lineage: Mapping[int, Turn] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Context:
+        """The prompt for ``messages``, continuing ``parent`` (a turn they extend) when possible.
+
+        ``lineage`` maps the position of each assistant message of the chain to its recorded turn
+        (the parent and its ancestors), whose thinking the history is rendered with.
+        """
         specs = _tool_specs(tools)
         rendered = [template_message(m) for m in messages]
-        full = self._render(rendered, specs, generation=True)
+        if self._reasoning is not None and lineage:
+            for position, turn in lineage.items():
+                if position < len(rendered) and rendered[position]["role"] == "assistant":
+                    rendered[position]["reasoning_content"] = self.thought(turn)
+        kwargs = dict(template_kwargs or {})
+        full = self._render(rendered, specs, generation=True, **kwargs)
         full_ids = self._encode(full)
         if parent is None:
             return Context(full_ids, None, 0, True)
         k = parent.context_length
+
+        def new_root(reason: str) -> Context:
+            return Context(full_ids, None, 0, True, reason, parent)
+
         try:
-            base = self._render(rendered[:k], specs, generation=False)
-            upto = self._render(rendered[: k + 1], specs, generation=False)
+            base = self._render(rendered[:k], specs, generation=False, **kwargs)
+            upto = self._render(rendered[: k + 1], specs, generation=False, **kwargs)
         except InvalidRequest:
-            return Context(full_ids, None, 0, True, "the template cannot render the shorter conversation")
-        if not (upto.startswith(base) and full.startswith(upto) and upto.endswith(self._turn_end)):
-            return Context(full_ids, None, 0, True, "the chat template is not prefix-stable here")
+            return new_root("the template cannot render the shorter conversation")
+        if not (upto.startswith(base) and upto.endswith(self._turn_end)):
+            return new_root("the chat template is not prefix-stable here")
+        if full.startswith(upto):
+            tail = full[len(upto) :]
+        else:
+            without = self._tail_without_thinking(upto, full)
+            if without is None:
+                return new_root("the chat template is not prefix-stable here")
+            tail = without
+            if self._history == "template":
+                return new_root("reasoning_history=template: the chat template drops earlier thinking here")
         sampled = parent.output_ids
         bridge = self._turn_end
         if sampled and sampled[-1] in self._end_ids:
@@ -88,17 +139,37 @@ class ContextBuilder:
             if self._turn_end.startswith(end_text):
                 bridge = self._turn_end[len(end_text) :]
         reused = len(parent.prompt_ids) + len(sampled)
-        prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + full[len(upto) :])]
+        prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + tail)]
         return Context(prompt, parent, reused, prompt == full_ids)
+
+    def thought(self, turn: Turn) -> str:
+        """A recorded turn's thinking as text (tags and their newlines left out; ``""``: none)."""
+        if self._reasoning is None or not turn.reasoning_tokens:
+            return ""
+        tags = (self._reasoning.start_id, self._reasoning.end_id)
+        ids = [t for t in turn.output_ids[: turn.reasoning_tokens] if t not in tags]
+        return str(self._tokenizer.decode(ids, skip_special_tokens=False)).strip("\n")
+
+    def _tail_without_thinking(self, upto: str, full: str) -> str | None:
+        """What ``full`` renders after the last message of ``upto``, when the two differ only by
+        thinking blocks the template dropped (a new user message under a Qwen3-style template);
+        ``None`` when they differ otherwise, or the new messages themselves hold a thinking block."""
+        if self._thinking_block is None:
+            return None
+        short, long = self._thinking_block.sub("", upto), self._thinking_block.sub("", full)
+        if not long.startswith(short):
+            return None
+        tail = long[len(short) :]
+        return tail if full.endswith(tail) else None
 
     def render_ids(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> list[int]:
         """A fresh full render of ``messages`` with the generation prompt, tokenized."""
         return self._encode(self._render([template_message(m) for m in messages], _tool_specs(tools), generation=True))
 
-    def _render(self, messages: list[dict[str, Any]], tools: Any, *, generation: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: Any, *, generation: bool, **kwargs: Any) -> str:
         try:
             text = self._tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=generation, tokenize=False
+                messages, tools=tools, add_generation_prompt=generation, tokenize=False, **kwargs
             )
         except TemplateError as exc:
             # Templates raise for conversations they cannot render (e.g. roles out of order).
@@ -136,6 +207,21 @@ def cheap_to_build(messages: Sequence[Message], tools: Sequence[Tool] | None, pa
         if budget < 0:
             return False
     return True
+
+
+# What a template sets itself or is always given: never a request's to set.
+_RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token"})
+
+
+def template_variables(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
+    """The undeclared names of the chat template a request's ``chat_template_kwargs`` may set."""
+    from jinja2 import Environment, meta
+
+    template = tokenizer.chat_template
+    if not isinstance(template, str):
+        return frozenset()
+    names = meta.find_undeclared_variables(Environment().parse(template))
+    return frozenset(names - _RENDER_VARIABLES - {"raise_exception", "strftime_now", "range", "namespace"})
 
 
 def _tool_specs(tools: Sequence[Tool] | None) -> Any:

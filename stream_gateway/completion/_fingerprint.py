@@ -6,7 +6,9 @@ Agents re-serialise the history they echo back. These differences are not differ
 * tool-call ids rewritten (OpenClaw strips non-alphanumerics): ids are not compared at all, on
   assistant tool calls or on tool results' ``tool_call_id``;
 * ``content`` as a string or as a list of text parts; ``null`` vs ``""``; surrounding whitespace;
-* reasoning (``reasoning_content``, ``reasoning``) dropped from history: never compared;
+* reasoning (``reasoning_content``, ``reasoning``, a ``<think>...</think>`` block leading the
+  content, Anthropic ``thinking`` blocks, Responses ``reasoning`` items) echoed, dropped,
+  summarised or re-shaped: never compared (the sampled ids stand in for it);
 * ``developer`` vs ``system``.
 
 Everything else (roles, text, tool names, argument values, order) is compared exactly.
@@ -38,6 +40,8 @@ def canonical_arguments(arguments: str) -> Any:
 def assistant_fingerprint(content: str, tool_calls: Sequence[tuple[str, str]]) -> Fingerprint:
     """Fingerprint of an assistant message from its text and ``(name, arguments)`` calls."""
     calls = [[name, canonical_arguments(arguments)] for name, arguments in tool_calls]
+    if "</think>" in content:  # thinking echoed inline, before the answer: not the answer
+        content = content.rpartition("</think>")[2]
     return _digest(["assistant", content.strip(), calls])
 
 

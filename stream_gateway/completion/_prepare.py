@@ -15,6 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import anyio
 from transformers import PreTrainedTokenizerBase
@@ -24,12 +25,13 @@ from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._admission import Admission, SamplingRequest
-from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build
+from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build, template_variables
 from stream_gateway.completion._fingerprint import message_fingerprint, prefix_keys, tools_fingerprint
 from stream_gateway.completion._request import ChatCompletionRequest
 from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
 from stream_gateway.constraints import check as check_grammar
 from stream_gateway.engines import Engine, SamplingParams
+from stream_gateway.reasoning import ReasoningFormat, resolve_reasoning_format
 from stream_gateway.sessions import Session, SessionDirectory, Turn
 
 __all__ = ["PreparedCompletion", "Preparer", "TokenInRequest"]
@@ -63,6 +65,8 @@ class PreparedCompletion:
     legacy_functions: bool = False  # the request used ``functions``: answer with ``function_call``
     first_index: int = 0  # choice indices start here (a batch of prompts numbers its choices on)
     token_in: bool = False  # prompt ids given by the client (``/v1/completions``): continued by id prefix only
+    reasoning: ReasoningFormat | None = None  # the model's thinking tags (None: no reasoning parser)
+    split_reasoning: bool = True  # thinking streams apart from the answer (token-in: raw text, split only recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +105,13 @@ class Preparer:
     @cached_property
     def _context_builder(self) -> ContextBuilder:
         # Lazily: the engine's tokenizer exists only once the engine has started.
-        return ContextBuilder(self._engine.tokenizer)
+        return ContextBuilder(self._engine.tokenizer, self.reasoning, self._settings.reasoning_history)
+
+    @cached_property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The served model's thinking format (``--reasoning-parser``; ``auto`` is chosen and logged
+        here). Resolved once the engine has started; the app asks at start so a bad choice fails it."""
+        return resolve_reasoning_format(self._settings.reasoning_parser, self._engine.tokenizer)
 
     # -- chat-shaped requests --------------------------------------------------------------------
 
@@ -123,7 +133,7 @@ class Preparer:
             constraint = await anyio.to_thread.run_sync(self._constraint, body)
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
         session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id)
-        context = await self._build_context(body, parent, unavailable, session_id)
+        context = await self._build_context(body, session, parent, unavailable, session_id)
         requested = body.requested_max_tokens()
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         room = self.admission.fit(len(context.prompt_ids), requested, noun="messages", max_param=max_param)
@@ -157,6 +167,7 @@ class Preparer:
             tool_parser=self._settings.tool_parser if body.tools and body.tool_choice != "none" else None,
             tool_names=frozenset(t.function.name for t in body.tools or ()),
             legacy_functions=body.legacy_functions,
+            reasoning=self.reasoning,
         )
 
     async def _find_conversation(
@@ -179,18 +190,49 @@ class Preparer:
         return session, parent, unavailable
 
     async def _build_context(
-        self, body: ChatCompletionRequest, parent: Turn | None, unavailable: str | None, session_id: str | None
+        self,
+        body: ChatCompletionRequest,
+        session: Session | None,
+        parent: Turn | None,
+        unavailable: str | None,
+        session_id: str | None,
     ) -> Context:
+        builder = self._context_builder
+        kwargs = self._template_kwargs(body)
+        lineage = _lineage(session, parent) if self.reasoning is not None else None
         if cheap_to_build(body.messages, body.tools, parent):
-            context = self._context_builder.build(body.messages, body.tools, parent)
+            context = builder.build(body.messages, body.tools, parent, lineage, kwargs)
         else:
-            context = await anyio.to_thread.run_sync(self._context_builder.build, body.messages, body.tools, parent)
+            context = await anyio.to_thread.run_sync(builder.build, body.messages, body.tools, parent, lineage, kwargs)
         if unavailable is not None and context.fallback_reason is None:
             context = replace(context, fallback_reason=unavailable)
         if context.fallback_reason is not None:
             self._metrics.context_fallbacks.inc()
             log.info("session %s: new root instead of continuing a turn: %s", session_id, context.fallback_reason)
         return context
+
+    def _template_kwargs(self, body: ChatCompletionRequest) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` (vLLM's extension): only what the template reads, or a 400."""
+        given = body.chat_template_kwargs
+        if not given:
+            return None
+        known = self.template_variables
+        for name, value in given.items():
+            if name not in known:
+                raise InvalidRequest(
+                    f"chat_template_kwargs.{name}: the served model's chat template does not read it",
+                    param="chat_template_kwargs",
+                )
+            if name == "enable_thinking" and not isinstance(value, bool):
+                raise InvalidRequest(
+                    "chat_template_kwargs.enable_thinking must be a boolean", param="chat_template_kwargs"
+                )
+        return dict(given)
+
+    @cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads that a request may set (``enable_thinking``, ...)."""
+        return template_variables(self._engine.tokenizer)
 
     async def count_tokens(self, body: ChatCompletionRequest) -> int:
         """The prompt tokens ``body`` would take: a full render of its messages and tools."""
@@ -278,6 +320,8 @@ class Preparer:
                     tool_names=frozenset(),
                     first_index=position * request.n,
                     token_in=True,
+                    reasoning=self.reasoning,
+                    split_reasoning=False,
                 )
             )
         return batch
@@ -327,3 +371,13 @@ class Preparer:
             self._recorder.session_opened(session, self._engine.policy_version, agent, metadata)
         self._sessions.store.touch(session)
         return session
+
+
+def _lineage(session: Session | None, parent: Turn | None) -> dict[int, Turn]:
+    """The parent and its ancestors by the position of their assistant message in the request."""
+    out: dict[int, Turn] = {}
+    turn = parent
+    while turn is not None and session is not None:
+        out[turn.context_length] = turn
+        turn = session.turns.get(turn.parent_id) if turn.parent_id is not None else None
+    return out

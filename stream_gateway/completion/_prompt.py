@@ -34,6 +34,9 @@ def template_message(message: Message) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    if message.role == "assistant" and isinstance(reasoning, str):
+        out["reasoning_content"] = reasoning  # a client's echo; a recorded turn's own thinking replaces it
     return out
 
 

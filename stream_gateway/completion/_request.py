@@ -188,6 +188,7 @@ class ChatCompletionRequest(_Wire):
     return_token_ids: bool = False
     top_k: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
     @model_validator(mode="before")
     @classmethod

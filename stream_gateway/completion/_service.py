@@ -33,11 +33,13 @@ from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._channel import UpdateChannel, coalesce
 from stream_gateway.completion._prepare import PreparedCompletion, Preparer
 from stream_gateway.completion._text import TextAssembler
+from stream_gateway.completion._thinking import ThinkingStream
 from stream_gateway.completion._turn import Spend, Turns
 from stream_gateway.completion._updates import ChoiceResult, ChoiceUpdate
 from stream_gateway.engines import Engine
+from stream_gateway.reasoning import ThinkingSigner
 from stream_gateway.sessions import SessionDirectory
-from stream_gateway.tool_parsers import ParsedDelta, ToolCallDelta, create_tool_parser
+from stream_gateway.tool_parsers import ParsedDelta, ToolCallDelta, ToolCallStreamParser, create_tool_parser
 
 __all__ = ["CompletionService", "FrameEncoder", "TokenText"]
 
@@ -79,6 +81,13 @@ class CompletionService:
         self.count_tokens = self.preparer.count_tokens
         self.admission = self.preparer.admission
         self._turns = Turns(recorder, sessions, metrics, spend, settings.durable_wait_seconds)
+        self.signer = ThinkingSigner.from_file(settings.reasoning_key_file)
+        """Signs the thinking the edges hand out (Anthropic ``signature``, Responses ``encrypted_content``)."""
+
+    @property
+    def thinking_switch(self) -> bool:
+        """Whether the served model's chat template reads ``enable_thinking`` (it can think or not)."""
+        return "enable_thinking" in self.preparer.template_variables
 
     @property
     def token_text(self) -> TokenText:
@@ -132,8 +141,10 @@ class CompletionService:
         if choice and params.seed is not None:
             params = replace(params, seed=params.seed + choice)  # n seeded choices must differ
         index = prepared.first_index + choice
-        assembler = TextAssembler(self._engine.tokenizer.backend_tokenizer, prepared.stops)
-        parser = create_tool_parser(prepared.tool_parser, prepared.tool_names) if prepared.tool_parser else None
+        backend = self._engine.tokenizer.backend_tokenizer
+        assembler = TextAssembler(backend, prepared.stops)
+        thinking = ThinkingStream.of(prepared.reasoning, prepared.prompt_ids, backend, prepared.split_reasoning)
+        parser = _tool_parser(prepared)
         result = ChoiceResult(index)
         ids, logprobs = result.token_ids, result.logprobs  # the whole turn's
         top = result.top_logprobs if params.top_logprobs else None
@@ -159,9 +170,15 @@ class CompletionService:
                     if top is not None and step.top_logprobs is not None:
                         top.extend(step.top_logprobs)
                     turn.step(ids, logprobs, perf_counter())
-                    delta = assembler.feed(step.token_ids)
+                    step_ids: Sequence[int] = step.token_ids
+                    thought = ""
+                    if thinking is not None and thinking.active:
+                        thought, step_ids = thinking.feed(step_ids)
+                    delta = assembler.feed(step_ids)
                     finish: str | None = "stop" if delta.stopped else step.finish_reason
                     text = delta.text if finish is None or delta.stopped else delta.text + assembler.flush()
+                    if thinking is not None:
+                        text = thinking.answer(text)
                     calls: tuple[ToolCallDelta, ...] = ()
                     if parser is not None:
                         parsed = parser.feed(text)
@@ -174,7 +191,7 @@ class CompletionService:
                     # Tokens that produced nothing to send yet (half a character, a possible stop
                     # string, an unfinished tool call) ride along with the next update that has
                     # something, so no frame is empty.
-                    if text or calls or finish is not None:
+                    if text or thought or calls or finish is not None:
                         end = len(ids)
                         final_spans = list(spans) if finish is not None else None
                         update = ChoiceUpdate(
@@ -187,13 +204,16 @@ class CompletionService:
                             calls,
                             final_spans,
                             assembler.matched if delta.stopped else None,
+                            thought,
                         )
                         sent = end
                         result.text_parts.append(text)
+                        result.reasoning_parts.append(thought)
                         if calls:
                             result.call_deltas.extend(calls)
                         if finish is not None:
                             result.finish_reason, result.version_spans = finish, final_spans
+                            update.reasoning_tokens, update.answer_start = ThinkingStream.span_of(thinking)
                         channel.put(update)
                     if finish is not None:
                         return  # leaving the block closes the iterator: a stop string aborts the request
@@ -205,6 +225,7 @@ class CompletionService:
             raise
         finally:
             # Runs on normal ends, errors and cancellation alike; recording is synchronous.
+            result.reasoning_tokens, result.answer_start = ThinkingStream.span_of(thinking)
             await turn.finish(result, spans, abort_reason, abort_detail)
 
     async def frames(
@@ -275,6 +296,11 @@ class CompletionService:
             return None
         self._metrics.requests.labels("false", "200").inc()
         return results
+
+
+def _tool_parser(prepared: PreparedCompletion) -> ToolCallStreamParser | None:
+    """A fresh tool-call parser for one choice, or ``None`` when the output is plain content."""
+    return create_tool_parser(prepared.tool_parser, prepared.tool_names) if prepared.tool_parser else None
 
 
 async def _cancel_when(event: Callable[[], Awaitable[None]], scope: anyio.CancelScope) -> None:

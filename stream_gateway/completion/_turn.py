@@ -168,6 +168,9 @@ class TurnLifecycle:
             duration_s=duration,
             matches_full_render=context.matches_full_render,
             fallback_reason=context.fallback_reason,
+            predecessor_id=context.predecessor.turn_id if context.predecessor is not None else None,
+            reasoning_tokens=result.reasoning_tokens,
+            answer_start=result.answer_start,
         )
         self._of.sessions.store.add_turn(prepared.session, turn)
         return turn

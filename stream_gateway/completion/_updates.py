@@ -1,6 +1,6 @@
 """What a choice's producer hands to a response: one update per engine step, and their sum.
 
-A :class:`ChoiceUpdate` is protocol-neutral: text, the token ids and logprobs behind it, tool-call
+A :class:`ChoiceUpdate` is protocol-neutral: thinking and answer text, the token ids and logprobs behind it, tool-call
 deltas, and at the end the finish reason, the policy-version spans and the stop string. Every wire
 format's encoder (:mod:`stream_gateway.protocols`) turns updates into its own frames; a
 :class:`ChoiceResult` folds them into a whole choice for non-streamed bodies.
@@ -28,6 +28,9 @@ class ChoiceUpdate:
     tool_calls: tuple[ToolCallDelta, ...] = ()
     version_spans: list[tuple[int, int]] | None = None  # final update: (version, first token index) spans
     stop_sequence: str | None = None  # final update: the stop string that ended it, if one did
+    reasoning: str = ""  # thinking text (stream_gateway.reasoning), before ``text`` in the output
+    reasoning_tokens: int = 0  # final update: output tokens that are thinking, tags included
+    answer_start: int | None = 0  # final update: output index of the first answer token (None: none)
 
 
 @dataclass(slots=True)
@@ -43,6 +46,9 @@ class ChoiceResult:
     call_deltas: list[ToolCallDelta] = field(default_factory=list)
     version_spans: list[tuple[int, int]] | None = None  # (version, first token index) spans, once finished
     stop_sequence: str | None = None
+    reasoning_parts: list[str] = field(default_factory=list)
+    reasoning_tokens: int = 0
+    answer_start: int | None = 0
 
     def add(self, update: ChoiceUpdate) -> None:
         """Fold one update in."""
@@ -51,6 +57,8 @@ class ChoiceResult:
         if update.stop_sequence is not None:
             self.stop_sequence = update.stop_sequence
         self.text_parts.append(update.text)
+        if update.reasoning:
+            self.reasoning_parts.append(update.reasoning)
         self.call_deltas.extend(update.tool_calls)
         self.token_ids.extend(update.token_ids)
         self.logprobs.extend(update.logprobs)
@@ -58,6 +66,12 @@ class ChoiceResult:
             self.top_logprobs.extend(update.top_logprobs)
         if update.finish_reason is not None:
             self.finish_reason = update.finish_reason
+            self.reasoning_tokens, self.answer_start = update.reasoning_tokens, update.answer_start
+
+    @property
+    def reasoning(self) -> str:
+        """The whole thinking text (``""``: none)."""
+        return "".join(self.reasoning_parts)
 
     def tool_calls(self) -> list[ToolCall]:
         """The complete tool calls, reassembled from their deltas."""

@@ -11,8 +11,11 @@ Requests (as Anthropic documents them, read for this from its API reference):
 * ``messages``: ``user`` content (a string, ``text`` and ``tool_result`` blocks) → ``tool``
   messages for the results (in order), then one user message with the text; ``assistant``
   content (``text`` and ``tool_use`` blocks) → one assistant message with its tool calls (the
-  ``tool_use`` id is the call id, ``input`` the JSON arguments). ``thinking`` blocks are
-  dropped (this gateway's models do not produce them). Images and documents: a clear 400.
+  ``tool_use`` id is the call id, ``input`` the JSON arguments). ``thinking`` blocks are history
+  the chain does not need (the recorded ids stand in, docs/reasoning.md): one signed here is
+  recognised, a foreign one is accepted (its text becomes the message's ``reasoning_content``
+  for a template to render), one without a signature is a 400 as at Anthropic;
+  ``redacted_thinking`` is accepted and ignored. Images and documents: a clear 400.
 * ``role: "system"`` messages inside ``messages`` (Claude Code sends them) → system messages
   there.
 * ``tools`` (``name``, ``description``, ``input_schema``) → function tools; Anthropic's server
@@ -23,13 +26,17 @@ Requests (as Anthropic documents them, read for this from its API reference):
 * ``max_tokens`` (required), ``stop_sequences``, ``stream``, ``metadata.user_id``;
   ``output_config.format`` (``json_schema``) → constrained decoding, as ``response_format``
   (see docs/http-api.md). ``temperature``, ``top_p`` and ``top_k`` are no longer in Anthropic's
-  SDK (2.x) but older clients send them: honoured. ``thinking``, ``output_config.effort``,
-  ``cache_control`` and the ``anthropic-beta`` header are accepted and have no effect.
+  SDK (2.x) but older clients send them: honoured. ``thinking`` ``{"type": "disabled"}`` turns a
+  reasoning model's thinking off where its template has the switch (``enable_thinking``);
+  otherwise, and ``budget_tokens``, ``output_config.effort``, ``cache_control`` and the
+  ``anthropic-beta`` header, are accepted and have no effect.
 
-Responses: a ``message`` with ``text`` and ``tool_use`` blocks, ``stop_reason`` ``end_turn`` /
+Responses: a ``message`` with a ``thinking`` block (a reasoning model's, signed by this
+gateway), ``text`` and ``tool_use`` blocks, ``stop_reason`` ``end_turn`` /
 ``max_tokens`` / ``stop_sequence`` / ``tool_use``, ``usage.input_tokens`` / ``output_tokens``.
 Streams: ``message_start``, then per block ``content_block_start``, ``content_block_delta``
-(``text_delta``, ``input_json_delta``), ``content_block_stop``, then ``message_delta`` (stop
+(``thinking_delta`` then one ``signature_delta``, ``text_delta``, ``input_json_delta``),
+``content_block_stop``, then ``message_delta`` (stop
 reason, output tokens) and ``message_stop``, each frame written the moment its tokens are
 sampled. Errors: ``{"type": "error", "error": {"type", "message"}}``, in a stream as an
 ``error`` event.
@@ -37,6 +44,7 @@ sampled. Errors: ``{"type": "error", "error": {"type", "message"}}``, in a strea
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -53,6 +61,9 @@ from stream_gateway.completion import (
     PreparedCompletion,
 )
 from stream_gateway.protocols._edge import Call, EdgeBase, SideRoute, StreamStart
+from stream_gateway.reasoning import ThinkingSigner
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CountTokensRequest",
@@ -105,14 +116,22 @@ class ToolResultBlock(_In):
     is_error: bool | None = None
 
 
+class ThinkingBlock(_In):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
 class OtherBlock(_In):
-    """Any other block type: ``thinking`` is dropped, the rest refused."""
+    """Any other block type: ``redacted_thinking`` is ignored, the rest refused."""
 
     model_config = ConfigDict(extra="allow")
     type: str
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | OtherBlock, Field(union_mode="left_to_right")]
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | OtherBlock, Field(union_mode="left_to_right")
+]
 
 
 class MessageParam(_In):
@@ -182,7 +201,7 @@ def _text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
 
 def _refuse_block(block: OtherBlock, where: str) -> None:
     if block.type in ("thinking", "redacted_thinking"):
-        return
+        return  # a thinking block that failed ThinkingBlock's shape is refused by _thought
     if block.type in ("image", "document"):
         raise InvalidRequest(
             f"{where}: {block.type} blocks are not supported: the served model reads text only.", param=where
@@ -190,7 +209,20 @@ def _refuse_block(block: OtherBlock, where: str) -> None:
     raise InvalidRequest(f"{where}: unsupported content block type {block.type!r}.", param=where)
 
 
-def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+def _thought(block: ThinkingBlock | OtherBlock, where: str, signer: ThinkingSigner | None) -> str:
+    """The text of a thinking block in history (``""``: nothing to render)."""
+    if isinstance(block, OtherBlock):  # redacted_thinking (opaque), or a thinking block missing its text
+        if block.type == "thinking":
+            raise InvalidRequest(f"{where}: a thinking block needs its `thinking` text.", param=where)
+        return ""
+    if not block.signature:
+        raise InvalidRequest(f"{where}: a thinking block needs its `signature`, as it was received.", param=where)
+    if signer is not None and signer.check(block.signature, block.thinking) == "modified":
+        log.info("%s: a thinking block signed here but changed (or signed with another key): foreign history", where)
+    return block.thinking
+
+
+def _messages(body: CountTokensRequest, signer: ThinkingSigner | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system)
@@ -200,43 +232,62 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         blocks: list[Any] = (
             [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
         )
-        texts: list[str] = []
         if message.role == "system":
             for block in blocks:
                 if not isinstance(block, TextBlock):
                     raise InvalidRequest(f"{where}: a system message holds text only.", param=where)
             out.append({"role": "system", "content": "\n\n".join(b.text for b in blocks)})
-            continue
-        if message.role == "assistant":
-            calls = []
-            for block in blocks:
-                if isinstance(block, TextBlock):
-                    texts.append(block.text)
-                elif isinstance(block, ToolUseBlock):
-                    arguments = orjson.dumps(block.input).decode()
-                    function = {"name": block.name, "arguments": arguments}
-                    calls.append({"id": block.id, "type": "function", "function": function})
-                elif isinstance(block, ToolResultBlock):
-                    raise InvalidRequest(f"{where}: tool_result blocks belong in user messages.", param=where)
-                else:
-                    _refuse_block(block, where)
-            assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
-            if calls:
-                assistant["tool_calls"] = calls
-            out.append(assistant)
-            continue
-        for block in blocks:
-            if isinstance(block, ToolResultBlock):
-                content = _text_of(block.content, f"{where}.tool_result")
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
-            elif isinstance(block, TextBlock):
-                texts.append(block.text)
-            elif isinstance(block, ToolUseBlock):
-                raise InvalidRequest(f"{where}: tool_use blocks belong in assistant messages.", param=where)
-            else:
-                _refuse_block(block, where)
-        if texts:
-            out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
+        elif message.role == "assistant":
+            out.append(_assistant_message(blocks, where, signer))
+        else:
+            out.extend(_user_messages(blocks, where))
+    return out
+
+
+def _assistant_message(blocks: list[Any], where: str, signer: ThinkingSigner | None) -> dict[str, Any]:
+    """One assistant message: its text, its tool calls, and foreign thinking as ``reasoning_content``."""
+    texts: list[str] = []
+    calls = []
+    thoughts: list[str] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ThinkingBlock) or (isinstance(block, OtherBlock) and "thinking" in block.type):
+            thoughts.append(_thought(block, where, signer))
+        elif isinstance(block, ToolUseBlock):
+            arguments = orjson.dumps(block.input).decode()
+            function = {"name": block.name, "arguments": arguments}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif isinstance(block, ToolResultBlock):
+            raise InvalidRequest(f"{where}: tool_result blocks belong in user messages.", param=where)
+        else:
+            _refuse_block(block, where)
+    assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if any(thoughts):
+        assistant["reasoning_content"] = "\n\n".join(t for t in thoughts if t)
+    if calls:
+        assistant["tool_calls"] = calls
+    return assistant
+
+
+def _user_messages(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    """A user message's tool results (as ``tool`` messages, in order), then its text."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for block in blocks:
+        if isinstance(block, ToolResultBlock):
+            content = _text_of(block.content, f"{where}.tool_result")
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+        elif isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            raise InvalidRequest(f"{where}: tool_use blocks belong in assistant messages.", param=where)
+        elif isinstance(block, ThinkingBlock):
+            raise InvalidRequest(f"{where}: thinking blocks belong in assistant messages.", param=where)
+        else:
+            _refuse_block(block, where)
+    if texts:
+        out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
     return out
 
 
@@ -270,10 +321,16 @@ def _tools(body: CountTokensRequest) -> dict[str, Any]:
     return fields
 
 
-def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat completion request that ``body`` means."""
-    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body), **_tools(body)}
+def to_chat_request(
+    body: CountTokensRequest, signer: ThinkingSigner | None = None, thinking_switch: bool = False
+) -> ChatCompletionRequest:
+    """The chat completion request that ``body`` means (``thinking_switch``: the served model's
+    template reads ``enable_thinking``, so ``thinking: {"type": "disabled"}`` turns thinking off)."""
+    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body, signer), **_tools(body)}
     if isinstance(body, MessagesRequest):
+        kind = body.thinking.get("type") if body.thinking else None
+        if thinking_switch and kind in ("enabled", "disabled", "adaptive"):
+            fields["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
         fields |= {"max_tokens": body.max_tokens, "stream": body.stream}
         if body.stream:
             fields["stream_options"] = {"include_usage": True}
@@ -306,9 +363,14 @@ def _stop(finish_reason: str | None, stop_sequence: str | None) -> tuple[str | N
     return _STOP_REASONS.get(finish_reason or "", finish_reason), None
 
 
-def message_body(message: str, model: str, result: ChoiceResult, input_tokens: int) -> dict[str, Any]:
+def message_body(
+    message: str, model: str, result: ChoiceResult, input_tokens: int, signer: ThinkingSigner | None = None
+) -> dict[str, Any]:
     """A whole (non-streamed) Messages response."""
     content: list[dict[str, Any]] = []
+    thought = result.reasoning
+    if thought and signer is not None:
+        content.append({"type": "thinking", "thinking": thought, "signature": signer.sign(message, thought)})
     text = "".join(result.text_parts)
     if text:
         content.append({"type": "text", "text": text})
@@ -359,11 +421,13 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
 class MessagesEncoder:
     """Messages stream events from a chat response's updates (one choice)."""
 
-    __slots__ = ("_index", "_matched", "_message", "_model", "_open", "_stop")
+    __slots__ = ("_index", "_mac", "_matched", "_message", "_model", "_open", "_signer", "_stop")
 
-    def __init__(self, message: str, model: str) -> None:
+    def __init__(self, message: str, model: str, signer: ThinkingSigner | None = None) -> None:
         self._message = message
         self._model = model
+        self._signer = signer
+        self._mac: Any = None  # the signature's MAC while a thinking block is open
         self._index = -1  # the current block's index
         self._open: str | None = None  # "text" or "tool_use" while a block is open
         self._stop: str | None = None
@@ -385,8 +449,12 @@ class MessagesEncoder:
     def _close(self) -> bytes:
         if self._open is None:
             return b""
+        out = b""
+        if self._open == "thinking" and self._signer is not None:
+            delta = {"type": "signature_delta", "signature": self._signer.finish(self._message, self._mac)}
+            out = _event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
         self._open = None
-        return _event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        return out + _event("content_block_stop", {"type": "content_block_stop", "index": self._index})
 
     def _begin(self, block: dict[str, Any]) -> bytes:
         out = self._close()
@@ -398,6 +466,13 @@ class MessagesEncoder:
 
     def update(self, update: ChoiceUpdate) -> bytes:
         out = b""
+        if update.reasoning and self._signer is not None:
+            if self._open != "thinking":
+                out += self._begin({"type": "thinking", "thinking": "", "signature": ""})
+                self._mac = self._signer.start(self._message)
+            self._mac.update(update.reasoning.encode())
+            delta = {"type": "thinking_delta", "thinking": update.reasoning}
+            out += _event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
         if update.text:
             if self._open != "text":
                 out += self._begin({"type": "text", "text": ""})
@@ -438,12 +513,15 @@ class MessagesExchange:
     def batch(self) -> tuple[PreparedCompletion]:
         return (self.prepared,)
 
+    signer: ThinkingSigner
+
     def start_stream(self) -> StreamStart:
-        encoder = MessagesEncoder(self.message, self.prepared.model)
+        encoder = MessagesEncoder(self.message, self.prepared.model, self.signer)
         return StreamStart(encoder, encoder.start(len(self.prepared.prompt_ids)), True)
 
     def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
-        return message_body(self.message, self.prepared.model, results[0], len(self.prepared.prompt_ids))
+        prepared = self.prepared
+        return message_body(self.message, prepared.model, results[0], len(prepared.prompt_ids), self.signer)
 
 
 class MessagesEdge(EdgeBase):
@@ -458,9 +536,10 @@ class MessagesEdge(EdgeBase):
         self.side_routes = (SideRoute("/v1/messages/count_tokens", CountTokensRequest, self._count_tokens),)
 
     async def open(self, body: MessagesRequest, call: Call) -> MessagesExchange:
-        chat = to_chat_request(body)
-        prepared = await self._service.prepare(chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
-        return MessagesExchange(prepared, body.stream, message_id())
+        service = self._service
+        chat = to_chat_request(body, service.signer, service.thinking_switch)
+        prepared = await service.prepare(chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
+        return MessagesExchange(prepared, body.stream, message_id(), service.signer)
 
     async def _count_tokens(self, body: CountTokensRequest, tenant: str) -> dict[str, Any]:
         return {"input_tokens": await self._service.count_tokens(to_chat_request(body))}

@@ -1,5 +1,10 @@
 """Encoding of ``chat.completion.chunk`` SSE frames and ``chat.completion`` bodies.
 
+Thinking (a reasoning model's, see docs/reasoning.md) goes in ``delta.reasoning_content`` (the
+name DeepSeek, LiteLLM, LangChain and OpenClaw read) and the same text in ``delta.reasoning`` (the
+name vLLM and pi read), never in ``content``; whole bodies carry ``message.reasoning_content`` and
+``message.reasoning``, and usage counts ``completion_tokens_details.reasoning_tokens``.
+
 This is the per-token hot path, so frames are built as bytes: the part of every chunk that never
 changes (id, object, created, model) is encoded once per response, and each token only costs one
 ``orjson.dumps`` of a small choice dict. Frames are complete ``data: ...\\n\\n`` SSE events that
@@ -67,7 +72,7 @@ def frame_head(completion_id: str, kind: str, created: int, model: str) -> bytes
 class ChunkEncoder:
     """Builds the SSE frames of one streamed response."""
 
-    __slots__ = ("_head", "_legacy", "_logprobs", "_token_ids", "_token_text")
+    __slots__ = ("_head", "_legacy", "_logprobs", "_reasoning", "_reasoning_tokens", "_token_ids", "_token_text")
 
     def __init__(
         self,
@@ -79,8 +84,11 @@ class ChunkEncoder:
         logprobs: bool,
         token_ids: bool,
         legacy_functions: bool = False,
+        reasoning: bool = False,
     ) -> None:
         self._head = frame_head(completion_id, "chat.completion.chunk", created, model)
+        self._reasoning = reasoning  # the model thinks: usage counts its reasoning tokens
+        self._reasoning_tokens = 0
         self._token_text = token_text
         self._logprobs = logprobs
         self._token_ids = token_ids
@@ -102,7 +110,11 @@ class ChunkEncoder:
     def update(self, update: ChoiceUpdate) -> bytes:
         """A content delta, with finish reason, logprobs and token ids as configured."""
         delta: dict[str, Any] = {"content": update.text} if update.text else {}
+        if update.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = update.reasoning
         finish = update.finish_reason
+        if finish is not None:
+            self._reasoning_tokens += update.reasoning_tokens
         if self._legacy:
             call = _function_call_delta(update.tool_calls)
             if call is not None:
@@ -128,7 +140,8 @@ class ChunkEncoder:
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The usage frame, with ``choices: []``, sent after the last choice finished."""
-        return self._frame([], {"usage": usage_body(prompt_tokens, completion_tokens)})
+        reasoning = self._reasoning_tokens if self._reasoning else None
+        return self._frame([], {"usage": usage_body(prompt_tokens, completion_tokens, reasoning)})
 
     def end(self, prompt_tokens: int, completion_tokens: int, include_usage: bool) -> bytes:
         """The last write: the usage frame (if asked) and ``[DONE]``."""
@@ -166,13 +179,16 @@ def _function_call_delta(deltas: Sequence[ToolCallDelta]) -> dict[str, Any] | No
     return out
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage object."""
-    return {
+def usage_body(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object (``reasoning_tokens``: counted in ``completion_tokens_details``)."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def completion_body(
@@ -186,11 +202,14 @@ def completion_body(
     logprobs: bool,
     token_ids: bool,
     legacy_functions: bool = False,
+    reasoning: bool = False,
 ) -> dict[str, Any]:
-    """A whole non-streamed ``chat.completion`` body."""
+    """A whole non-streamed ``chat.completion`` body (``reasoning``: the model thinks)."""
     choices = []
     for result in results:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(result.text_parts), "refusal": None}
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = result.reasoning or None
         calls = result.tool_calls()
         finish = result.finish_reason
         if calls:
@@ -225,7 +244,11 @@ def completion_body(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage_body(len(prompt_token_ids), sum(len(r.token_ids) for r in results)),
+        "usage": usage_body(
+            len(prompt_token_ids),
+            sum(len(r.token_ids) for r in results),
+            sum(r.reasoning_tokens for r in results) if reasoning else None,
+        ),
     }
     if token_ids:
         body["prompt_token_ids"] = list(prompt_token_ids)
@@ -254,6 +277,7 @@ class ChatExchange:
             logprobs=prepared.logprobs,
             token_ids=prepared.return_token_ids,
             legacy_functions=prepared.legacy_functions,
+            reasoning=prepared.reasoning is not None,
         )
         first = encoder.role(prepared.n, prepared.prompt_ids if prepared.return_token_ids else None)
         return StreamStart(encoder, first, prepared.include_usage)
@@ -270,6 +294,7 @@ class ChatExchange:
             logprobs=prepared.logprobs,
             token_ids=prepared.return_token_ids,
             legacy_functions=prepared.legacy_functions,
+            reasoning=prepared.reasoning is not None,
         )
 
 

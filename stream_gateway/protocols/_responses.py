@@ -10,21 +10,30 @@ Requests (OpenAI's API reference for ``responses.create``, and the ``openai`` SD
   ``developer`` / ``assistant``; content a string or ``input_text`` / ``output_text`` parts;
   images and files: a clear 400), ``function_call`` (``call_id``, ``name``, ``arguments``),
   ``function_call_output`` (``call_id``, ``output``). An assistant message and the function
-  calls after it are one assistant turn. ``reasoning`` items are dropped (these models do not
-  produce them). ``instructions`` → a system message first.
+  calls after it are one assistant turn. ``reasoning`` items are history the chain does not need
+  (the recorded ids stand in, docs/reasoning.md): their text (``content``, else ``summary``) goes
+  with the next assistant turn as ``reasoning_content``, for a template to render a foreign one;
+  an ``encrypted_content`` from this gateway is recognised. ``instructions`` → a system message
+  first.
 * ``tools`` (``type: function``) and ``tool_choice``; hosted tools (``web_search``, ``file_search``,
   ``mcp`` ...), ``namespace`` and ``custom`` tools are not offered to the model (this gateway
   runs no tools; Codex sends several by default); ``text.format`` ``json_schema`` /
   ``json_object`` → constrained decoding; ``max_output_tokens``, ``temperature``, ``top_p``,
-  ``parallel_tool_calls``, ``metadata``, ``user``. ``reasoning``, ``include``, ``truncation``
-  and ``store`` are accepted; nothing is stored for later retrieval (``GET`` of a response is
-  not offered).
+  ``parallel_tool_calls``, ``metadata``, ``user``. ``reasoning.effort`` is accepted with no
+  effect (the served model thinks as it was trained to); ``reasoning.summary`` (any value but
+  ``none``) also streams the thinking as the item's summary; ``include:
+  ["reasoning.encrypted_content"]`` (Codex sends it) adds ``encrypted_content`` to reasoning items:
+  an opaque signature (no thinking inside) by which this gateway recognises the item when it
+  comes back. ``truncation`` and ``store`` are accepted; nothing is stored for later retrieval
+  (``GET`` of a response is not offered).
 * ``previous_response_id``: continues a response this gateway process produced for the same
   key, if it still holds it (the last :data:`_KEEP` responses); otherwise a 400 that says to
   send the whole conversation as ``input`` instead, as stateless clients (``store: false``) do.
 
 Streams: ``response.created``, ``response.in_progress``, per output item
-``response.output_item.added``, for a message ``response.content_part.added``,
+``response.output_item.added``; for a reasoning model's thinking first a ``reasoning`` item,
+``response.reasoning_text.delta`` ... ``response.reasoning_text.done`` (and the
+``response.reasoning_summary_*`` events when a summary was asked for); for a message ``response.content_part.added``,
 ``response.output_text.delta`` ..., ``response.output_text.done``, ``response.content_part.done``,
 for a function call ``response.function_call_arguments.delta`` ...,
 ``response.function_call_arguments.done``; ``response.output_item.done``; then
@@ -34,6 +43,7 @@ response. Every event has its ``sequence_number``. An error mid-stream is an ``e
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -53,6 +63,9 @@ from stream_gateway.completion import (
     PreparedCompletion,
 )
 from stream_gateway.protocols._edge import Call, EdgeBase, StreamStart
+from stream_gateway.reasoning import ThinkingSigner
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ResponseStore",
@@ -129,7 +142,21 @@ def _content_text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _reasoning_text(item: dict[str, Any], where: str, signer: ThinkingSigner | None) -> str:
+    """A reasoning input item's text: its ``content``, else its ``summary`` (``""``: none)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        raise InvalidRequest(f"{where}: a reasoning item's content and summary are lists of parts.", param=where)
+    text = "\n\n".join(str(p.get("text", "")) for p in parts)
+    sealed = item.get("encrypted_content")
+    if isinstance(sealed, str) and signer is not None and signer.check(sealed, text) == "modified":
+        log.info("%s: a reasoning item signed here but changed (or signed with another key): foreign history", where)
+    return text
+
+
+def _messages(
+    body: ResponsesRequest, history: list[dict[str, Any]], signer: ThinkingSigner | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = list(history)
     if body.instructions:  # a continued response takes this request's instructions, as OpenAI's does
         system = {"role": "system", "content": body.instructions}
@@ -138,6 +165,7 @@ def _messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dic
         else:
             out.insert(0, system)
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    thought: str | None = None  # a reasoning item's text, for the assistant turn it precedes
     for i, item in enumerate(items):
         where = f"input.{i}"
         kind = item.get("type", "message")
@@ -147,6 +175,8 @@ def _messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dic
                 raise InvalidRequest(f"{where}: unknown role {role!r}.", param=f"{where}.role")
             text = _content_text(item.get("content", ""), f"{where}.content")
             out.append({"role": role, "content": text})
+            if role == "assistant" and thought:
+                out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
             call_id, name = str(item.get("call_id", "")), str(item.get("name", ""))
             if not call_id or not name:
@@ -160,20 +190,24 @@ def _messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dic
                     last["content"] = None
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if thought:
+                    out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call_output":
             output = item.get("output", "")
             text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
         elif kind == "reasoning":
-            continue
+            thought = _reasoning_text(item, where, signer)
         else:
             raise InvalidRequest(f"{where}: unsupported input item type {kind!r}.", param=f"{where}.type")
     return out
 
 
-def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+def to_chat_request(
+    body: ResponsesRequest, history: list[dict[str, Any]] | None = None, signer: ThinkingSigner | None = None
+) -> ChatCompletionRequest:
     """The chat completion request that ``body`` means (after ``history``, a previous response's)."""
-    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body, history or [])}
+    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body, history or [], signer)}
     # Hosted tools (web_search, file_search, mcp ...), namespaces and custom (freeform) tools run
     # on OpenAI's side or need a grammar per tool: this gateway runs no tools, so they are not
     # offered to the model (Codex sends several by default).
@@ -263,12 +297,12 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
     return message
 
 
-def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+def _usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 
@@ -314,31 +348,64 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
+def _reasoning_item(item_id: str, text: str, status: str, summary: bool, sealed: str | None) -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [{"type": "summary_text", "text": text}] if summary else [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+    if sealed is not None:
+        item["encrypted_content"] = sealed
+    return item
+
+
+def _wants_summary(body: ResponsesRequest) -> bool:
+    return bool(body.reasoning and body.reasoning.get("summary") not in (None, "none"))
+
+
+def _wants_sealed(body: ResponsesRequest) -> bool:
+    return "reasoning.encrypted_content" in (body.include or ())
+
+
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}  # fmt: skip
 
 
-def _finish(shell: dict[str, Any], finish_reason: str | None, input_tokens: int, output_tokens: int) -> None:
+def _finish(
+    shell: dict[str, Any], finish_reason: str | None, input_tokens: int, output_tokens: int, reasoning_tokens: int
+) -> None:
     if finish_reason == "length":
         shell["status"] = "incomplete"
         shell["incomplete_details"] = {"reason": "max_output_tokens"}
     else:
         shell["status"] = "completed"
-    shell["usage"] = _usage(input_tokens, output_tokens)
+    shell["usage"] = _usage(input_tokens, output_tokens, reasoning_tokens)
 
 
 def response_body(
-    rid: str, created: int, model: str, body: ResponsesRequest, result: ChoiceResult, input_tokens: int
+    rid: str,
+    created: int,
+    model: str,
+    body: ResponsesRequest,
+    result: ChoiceResult,
+    input_tokens: int,
+    signer: ThinkingSigner | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streamed) response."""
     shell = _shell(rid, created, model, body, "completed")
+    thought = result.reasoning
+    if thought:
+        sealed = signer.sign(rid, thought) if signer is not None and _wants_sealed(body) else None
+        shell["output"].append(_reasoning_item(f"rs_{rid[5:]}", thought, "completed", _wants_summary(body), sealed))
     text = "".join(result.text_parts)
     if text:
         shell["output"].append(_message_item(f"msg_{rid[5:]}", text, "completed"))
     for call in result.tool_calls():
         shell["output"].append(_call_item(call.id, call.name, call.arguments, "completed"))
-    _finish(shell, result.finish_reason, input_tokens, len(result.token_ids))
+    _finish(shell, result.finish_reason, input_tokens, len(result.token_ids), result.reasoning_tokens)
     return shell
 
 
@@ -350,7 +417,22 @@ def error_event(error: GatewayError, sequence: int) -> dict[str, Any]:
 class ResponsesEncoder:
     """Responses stream events from a chat response's updates (one choice)."""
 
-    __slots__ = ("_calls", "_finish", "_id", "_input_tokens", "_on_end", "_open", "_seq", "_shell", "_text")
+    __slots__ = (
+        "_calls",
+        "_finish",
+        "_id",
+        "_input_tokens",
+        "_mac",
+        "_on_end",
+        "_open",
+        "_reasoning_tokens",
+        "_seq",
+        "_shell",
+        "_signer",
+        "_summary",
+        "_text",
+        "_thought",
+    )
 
     def __init__(
         self,
@@ -360,9 +442,15 @@ class ResponsesEncoder:
         body: ResponsesRequest,
         input_tokens: int,
         on_end: Callable[[dict[str, Any]], None] | None = None,
+        signer: ThinkingSigner | None = None,
     ) -> None:
         """``on_end`` is called with the whole response once it has ended."""
         self._id = rid
+        self._summary = _wants_summary(body)
+        self._signer = signer if _wants_sealed(body) else None
+        self._mac: Any = None
+        self._thought: list[str] | None = None  # the open reasoning item's text
+        self._reasoning_tokens = 0
         self._input_tokens = input_tokens
         self._finish: str | None = None
         self._on_end = on_end
@@ -391,7 +479,10 @@ class ResponsesEncoder:
         if index is None:
             return out
         self._open = None
-        if self._text is not None:
+        if self._thought is not None:
+            events, item = self._close_reasoning(index)
+            out += events
+        elif self._text is not None:
             text, self._text = "".join(self._text), None
             where = {"item_id": self._item_id, "output_index": index, "content_index": 0}
             out += self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
@@ -407,8 +498,44 @@ class ResponsesEncoder:
         self._shell["output"].append(item)
         return out + self._event("response.output_item.done", {"output_index": index, "item": item})
 
-    def update(self, update: ChoiceUpdate) -> bytes:
+    def _close_reasoning(self, index: int) -> tuple[bytes, dict[str, Any]]:
+        text, self._thought = "".join(self._thought or ()), None
+        item_id = f"rs_{self._id[5:]}"
+        sealed = self._signer.finish(self._id, self._mac) if self._signer is not None else None
+        where = {"item_id": item_id, "output_index": index}
+        out = self._event("response.reasoning_text.done", {**where, "content_index": 0, "text": text})
+        if self._summary:
+            part = {"type": "summary_text", "text": text}
+            out += self._event("response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text})
+            out += self._event("response.reasoning_summary_part.done", {**where, "summary_index": 0, "part": part})
+        return out, _reasoning_item(item_id, text, "completed", self._summary, sealed)
+
+    def _reason(self, text: str) -> bytes:
         out = b""
+        item_id = f"rs_{self._id[5:]}"
+        if self._thought is None:
+            out += self._close()
+            self._open, self._thought = len(self._shell["output"]), []
+            if self._signer is not None:
+                self._mac = self._signer.start(self._id)
+            item = _reasoning_item(item_id, "", "in_progress", False, None)
+            item["content"] = []
+            out += self._event("response.output_item.added", {"output_index": self._open, "item": item})
+            if self._summary:
+                part = {"type": "summary_text", "text": ""}
+                where = {"item_id": item_id, "output_index": self._open, "summary_index": 0}
+                out += self._event("response.reasoning_summary_part.added", {**where, "part": part})
+        self._thought.append(text)
+        if self._mac is not None:
+            self._mac.update(text.encode())
+        where = {"item_id": item_id, "output_index": self._open}
+        out += self._event("response.reasoning_text.delta", {**where, "content_index": 0, "delta": text})
+        if self._summary:
+            out += self._event("response.reasoning_summary_text.delta", {**where, "summary_index": 0, "delta": text})
+        return out
+
+    def update(self, update: ChoiceUpdate) -> bytes:
+        out = self._reason(update.reasoning) if update.reasoning else b""
         if update.text:
             if self._text is None:
                 out += self._close()
@@ -436,11 +563,12 @@ class ResponsesEncoder:
         if update.finish_reason is not None:
             out += self._close()
             self._finish = update.finish_reason
+            self._reasoning_tokens = update.reasoning_tokens
         return out
 
     def end(self, prompt_tokens: int, completion_tokens: int, include_usage: bool) -> bytes:
         out = self._close()
-        _finish(self._shell, self._finish, self._input_tokens, completion_tokens)
+        _finish(self._shell, self._finish, self._input_tokens, completion_tokens, self._reasoning_tokens)
         if self._on_end is not None:
             self._on_end(self._shell)
         kind = "response.incomplete" if self._shell["status"] == "incomplete" else "response.completed"
@@ -466,6 +594,7 @@ class ResponsesExchange:
     tenant: str
     conversation: list[dict[str, Any]]  # the chat messages it was served as
     held: ResponseStore
+    signer: ThinkingSigner
 
     @property
     def stream(self) -> bool:
@@ -478,14 +607,20 @@ class ResponsesExchange:
     def start_stream(self) -> StreamStart:
         prepared = self.prepared
         encoder = ResponsesEncoder(
-            self.rid, prepared.created, prepared.model, self.request, len(prepared.prompt_ids), self._remember
+            self.rid,
+            prepared.created,
+            prepared.model,
+            self.request,
+            len(prepared.prompt_ids),
+            self._remember,
+            self.signer,
         )
         return StreamStart(encoder, encoder.start(), True)
 
     def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
         prepared = self.prepared
         response = response_body(
-            self.rid, prepared.created, prepared.model, self.request, results[0], len(prepared.prompt_ids)
+            self.rid, prepared.created, prepared.model, self.request, results[0], len(prepared.prompt_ids), self.signer
         )
         self._remember(response)
         return response
@@ -509,7 +644,8 @@ class ResponsesEdge(EdgeBase):
     async def open(self, body: ResponsesRequest, call: Call) -> ResponsesExchange:
         previous = body.previous_response_id
         history = self._held.history(previous, call.tenant) if previous else None
-        chat = to_chat_request(body, history)
-        prepared = await self._service.prepare(chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
+        service = self._service
+        chat = to_chat_request(body, history, service.signer)
+        prepared = await service.prepare(chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent)
         conversation = [m.model_dump(exclude_none=True) for m in chat.messages]
-        return ResponsesExchange(prepared, body, response_id(), call.tenant, conversation, self._held)
+        return ResponsesExchange(prepared, body, response_id(), call.tenant, conversation, self._held, service.signer)

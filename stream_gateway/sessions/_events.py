@@ -64,6 +64,9 @@ def turn_to_event(
         "duration_s": turn.duration_s,
         "matches_full_render": turn.matches_full_render,
         "fallback_reason": turn.fallback_reason,
+        "predecessor_turn_id": turn.predecessor_id,
+        "reasoning_tokens": turn.reasoning_tokens,
+        "answer_start": turn.answer_start,
     }
     if turn.finish_reason is not None:
         return TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
@@ -105,4 +108,7 @@ def turn_from_event(
         duration_s=event.duration_s,
         matches_full_render=event.matches_full_render,
         fallback_reason=event.fallback_reason,
+        predecessor_id=event.predecessor_turn_id,
+        reasoning_tokens=event.reasoning_tokens,
+        answer_start=event.answer_start,
     )

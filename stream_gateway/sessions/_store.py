@@ -70,6 +70,9 @@ class Turn:
     duration_s: float
     matches_full_render: bool  # prompt ids equal a fresh tokenization of the full conversation
     fallback_reason: str | None  # why a matching parent could not be continued (a new root instead)
+    predecessor_id: str | None = None  # that parent, for a root that could not continue it
+    reasoning_tokens: int = 0  # the first output ids that are thinking, tags included (stream_gateway.reasoning)
+    answer_start: int | None = 0  # output index of the first answer token; None: ended inside thinking
 
 
 Chain = TokenChain
@@ -431,6 +434,9 @@ def session_body(session: Session) -> dict[str, Any]:
                 "duration_s": t.duration_s,
                 "matches_full_render": t.matches_full_render,
                 "fallback_reason": t.fallback_reason,
+                "predecessor_id": t.predecessor_id,
+                "reasoning_tokens": t.reasoning_tokens,
+                "answer_start": t.answer_start,
             }
             for t in session.turns.values()
         ],
