@@ -3,7 +3,9 @@
 A chain is what the last turn of the path saw plus what it sampled: the first turn's prompt,
 then for every turn its sampled ids, then the ids the next turn appended (tool results, user
 messages, template text), and so on. Alongside the ids, a loss mask (1 exactly on sampled ids)
-and logprobs (each sampled id's, 0.0 on prompt ids). The gateway shows chains in
+and logprobs (each sampled id's, 0.0 on prompt ids), and a reasoning mask (1 exactly on sampled
+ids that are a reasoning model's thinking, ``<think>``/``</think>`` included: each turn's first
+``reasoning_tokens`` output ids). The gateway shows chains in
 ``GET /sessions/{id}``; the assembler publishes them as trajectories. :func:`chain_tokens` is
 the one place that lays a chain out, so the two cannot drift apart.
 
@@ -48,6 +50,9 @@ class ChainTurn(Protocol):
     @property
     def logprobs(self) -> Sequence[float]: ...
 
+    @property
+    def reasoning_tokens(self) -> int: ...
+
 
 @dataclass(frozen=True, slots=True)
 class TokenChain:
@@ -57,6 +62,7 @@ class TokenChain:
     token_ids: tuple[int, ...]
     loss_mask: tuple[int, ...]  # 1 on sampled ids, 0 on prompt ids
     logprobs: tuple[float, ...]  # the sampled ids' logprobs, 0.0 on prompt ids
+    reasoning_mask: tuple[int, ...]  # 1 on sampled ids that are thinking, 0 elsewhere
     prompt_length: int  # the first turn's prompt: everything before its first sampled id
     output_starts: tuple[int, ...]  # per turn: the index in token_ids of its first sampled id
 
@@ -73,6 +79,7 @@ def chain_tokens(turns: Iterable[ChainTurn], *, prompts: Literal["whole", "appen
     tokens: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
+    reasoning: list[int] = []
     starts: list[int] = []
     prompt_length = 0
     for turn in turns:
@@ -80,6 +87,7 @@ def chain_tokens(turns: Iterable[ChainTurn], *, prompts: Literal["whole", "appen
         tokens.extend(new_prompt)
         mask.extend([0] * len(new_prompt))
         logprobs.extend([0.0] * len(new_prompt))
+        reasoning.extend([0] * len(new_prompt))
         if not turn_ids:
             prompt_length = len(tokens)
         turn_ids.append(turn.turn_id)
@@ -87,11 +95,15 @@ def chain_tokens(turns: Iterable[ChainTurn], *, prompts: Literal["whole", "appen
         tokens.extend(turn.output_ids)
         mask.extend([1] * len(turn.output_ids))
         logprobs.extend(turn.logprobs)
+        thinking = min(turn.reasoning_tokens, len(turn.output_ids))
+        reasoning.extend([1] * thinking)
+        reasoning.extend([0] * (len(turn.output_ids) - thinking))
     return TokenChain(
         turn_ids=tuple(turn_ids),
         token_ids=tuple(tokens),
         loss_mask=tuple(mask),
         logprobs=tuple(logprobs),
+        reasoning_mask=tuple(reasoning),
         prompt_length=prompt_length,
         output_starts=tuple(starts),
     )

@@ -441,7 +441,13 @@ def session_body(session: Session) -> dict[str, Any]:
             for t in session.turns.values()
         ],
         "chains": [
-            {"turn_ids": c.turn_ids, "token_ids": c.token_ids, "mask": c.loss_mask, "logprobs": c.logprobs}
+            {
+                "turn_ids": c.turn_ids,
+                "token_ids": c.token_ids,
+                "mask": c.loss_mask,
+                "logprobs": c.logprobs,
+                "reasoning_mask": c.reasoning_mask,
+            }
             for c in session.chains()
         ],
     }
