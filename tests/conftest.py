@@ -12,10 +12,11 @@ from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 from stream_gateway.models import build_tiny_agent_model, build_tiny_model
 
-from .nats_fixtures import nats_server
-from .servers import RunningGateway, run_gateway
+from .support.capture import capture_gateway, capture_settings
+from .support.nats_fixtures import nats_server
+from .support.servers import RunningGateway, run_gateway
 
-__all__ = ["nats_server"]  # a fixture defined elsewhere, offered to every test
+__all__ = ["capture_gateway", "capture_settings", "nats_server"]  # fixtures defined elsewhere, offered to every test
 
 
 @pytest.fixture(scope="session")

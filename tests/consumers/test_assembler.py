@@ -1,0 +1,334 @@
+"""The trajectory assembler against a real nats-server and real gateway traffic."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import httpx
+import nats
+import pytest
+from openai import OpenAI
+
+from consumers.assembler import AssemblerConfig, run_assembler
+from consumers.trajectories import SessionEvents, build_trajectories
+from consumers.trajectory import Trajectory
+from pipeline.embedded import EmbeddedNatsServer
+from pipeline.events import Event, SessionClosed, TurnCompleted
+from pipeline.publisher import EventPublisher, PublisherConfig
+from pipeline.subscriber import message_payload
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+
+from ..support.servers import RunningGateway, run_gateway
+
+KEY = "sk-assembler"
+
+
+def read_trajectories(url: str, stream: str = "SG_TRAJECTORIES") -> list[Trajectory]:
+    """Every trajectory message in the stream, in order (duplicates would show up twice)."""
+
+    async def fetch() -> list[Trajectory]:
+        nc = await nats.connect(url, max_reconnect_attempts=2, reconnect_time_wait=0.2)
+        try:
+            js = nc.jetstream()
+            try:
+                info = await js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                return []
+            out: list[Trajectory] = []
+            if not info.state.messages:
+                return out
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                msg = await js.get_msg(stream, seq)
+                out.append(Trajectory.decode(await message_payload(msg, js)))  # type: ignore[arg-type]
+            return out
+        finally:
+            await nc.close()
+
+    return anyio.run(fetch)
+
+
+def read_events(url: str) -> list[Event]:
+    from ..support.capture import read_stream
+
+    return [e for _, e in read_stream(url)]
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+@contextmanager
+def background_assembler(config: AssemblerConfig) -> Iterator[None]:
+    """An assembler on its own event loop in a thread (like the test gateway), cancelled on exit."""
+    with anyio.from_thread.start_blocking_portal() as portal:
+        future = portal.start_task_soon(run_assembler, config)
+        try:
+            yield
+        finally:
+            future.cancel()
+            with contextlib.suppress(concurrent.futures.CancelledError):
+                future.result(timeout=20)
+
+
+@pytest.fixture
+def capture_gateway(nats_server: EmbeddedNatsServer, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
+    settings = Settings(
+        model=str(tiny_model_path), served_model_name="tiny", nats_url=nats_server.url, outbox_dir=tmp_path / "outbox"
+    )
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running
+
+
+def _turn(client: OpenAI, messages: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, seed=seed)  # type: ignore[arg-type]
+    return {"role": "assistant", "content": reply.choices[0].message.content}
+
+
+def test_gateway_sessions_become_their_chains_token_for_token(
+    capture_gateway: RunningGateway, nats_server: EmbeddedNatsServer
+) -> None:
+    """A tree (a retry from an older turn) gives one trajectory per chain, equal to the gateway's."""
+    session_id = f"asm{secrets.token_hex(4)}"
+    base = f"{capture_gateway.base_url}/sessions/{session_id}"
+    client = OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
+    first = [{"role": "user", "content": "Plan a trip."}]
+    first.append(_turn(client, first, 1))
+    second = [*first, {"role": "user", "content": "Go on."}]
+    second.append(_turn(client, second, 2))
+    _turn(client, [*second, {"role": "user", "content": "And then?"}], 3)
+    _turn(client, [*first, {"role": "user", "content": "Something else."}], 4)  # a branch off turn 1
+    body = httpx.get(base, headers={"authorization": f"Bearer {KEY}"}).json()
+    turn_ids = [t["turn_id"] for t in body["turns"]]
+    headers = {"authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{base}/turns/{turn_ids[1]}/feedback", json={"score": 0.25}, headers=headers).is_success
+    assert httpx.post(f"{base}/feedback", json={"score": 1.0}, headers=headers).is_success
+    assert httpx.post(f"{base}/close", headers=headers).is_success
+
+    config = AssemblerConfig(servers=(nats_server.url,), durable=f"asm{secrets.token_hex(3)}", ack_wait_s=5)
+    with background_assembler(config):
+        mine = wait_for(lambda: [t for t in read_trajectories(nats_server.url) if t.session_id == session_id])
+    chains = {tuple(c["turn_ids"]): c for c in body["chains"]}
+    assert len(mine) == len(chains) == 2
+    for trajectory in mine:
+        chain = chains[tuple(s.turn_id for s in trajectory.turns)]
+        assert trajectory.token_ids == chain["token_ids"]
+        assert trajectory.loss_mask == chain["mask"]
+        assert trajectory.logprobs == chain["logprobs"]
+        assert trajectory.prompt_length == len(body["turns"][0]["prompt_ids"])
+        assert (trajectory.reward, trajectory.reward_source, trajectory.emitted_because) == (1.0, "feedback", "closed")
+        assert trajectory.complete and not trajectory.truncated
+        # The second turn's feedback (0.25) lands on it, in the one chain that holds it; no other turn has any.
+        rewards = {s.turn_id: s.reward for s in trajectory.turns}
+        assert (turn_ids[1] in rewards) == (trajectory.num_turns == 3)
+        assert rewards == {turn_id: 0.25 if turn_id == turn_ids[1] else None for turn_id in rewards}
+        assert trajectory.num_turns == len(trajectory.turns)
+    assert {t.num_turns for t in mine} == {3, 2}
+
+
+def _fake_session(session_id: str, turns: int, rng: random.Random, *, close: bool = True) -> list[Event]:
+    """A session's events as the gateway would publish them (no model needed)."""
+    from stream_gateway.capture._recorder import EventRecorder
+    from stream_gateway.engines import SamplingParams
+    from stream_gateway.sessions._store import Session, Turn
+
+    events: list[Event] = []
+    recorder = EventRecorder(events.append, "fake")
+    session = Session(session_id, "sk-fake", time.time(), time.time())
+    recorder.session_opened(session, 0, "test-agent", {"group": "g1"})
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=1.0, top_k=0, seed=None, top_logprobs=0)
+    parent: Turn | None = None
+    for i in range(turns):
+        appended = [rng.randrange(2000) for _ in range(rng.randint(3, 12))]
+        prompt = (*parent.prompt_ids, *parent.output_ids, *appended) if parent else tuple(appended)
+        output = tuple(rng.randrange(2000) for _ in range(rng.randint(1, 8)))
+        turn = Turn(
+            turn_id=f"turn{session_id}{i}",
+            session_id=session_id,
+            parent_id=parent.turn_id if parent else None,
+            key=None,
+            context_length=2 * i + 1,
+            prompt_ids=prompt,
+            reused_prompt_tokens=len(parent.prompt_ids) + len(parent.output_ids) if parent else 0,
+            output_ids=output,
+            logprobs=tuple(-rng.random() for _ in output),
+            finish_reason="stop",
+            content="x",
+            tool_calls=(),
+            policy_version=0,
+            policy_versions=((0, 0),),
+            created_at=time.time() + i,
+            time_to_first_token_s=0.01,
+            duration_s=0.1,
+            matches_full_render=True,
+            fallback_reason=None,
+        )
+        recorder.turn_started(
+            session, turn.turn_id, turn.parent_id, "req", 0, len(prompt), turn.reused_prompt_tokens, params, 0
+        )
+        session.turns[turn.turn_id] = turn
+        recorder.turn_finished(session, turn, "req", 0, params, None)
+        parent = turn
+    if rng.random() < 0.5:
+        recorder.feedback(session, 0, None, rng.choice([-1.0, 1.0]), None, None, "user")
+    if close:
+        recorder.session_closed(session, 0, "client")
+    return events
+
+
+def test_out_of_order_and_duplicated_events_give_identical_trajectories() -> None:
+    rng = random.Random(5)
+    events = _fake_session("ooo", 4, rng)
+    expected = build_trajectories(SessionEvents.of(events), emitted_because="closed")
+    assert len(expected) == 1 and expected[0].num_turns == 4
+    for _ in range(20):
+        shuffled = events + rng.sample(events, k=len(events) // 2)
+        rng.shuffle(shuffled)
+        assert build_trajectories(SessionEvents.of(shuffled), emitted_because="closed") == expected
+
+
+async def _publish(url: str, outbox: Path, events: list[Event]) -> None:
+    async with EventPublisher(PublisherConfig(servers=(url,), outbox_dir=outbox)) as publisher:
+        for event in events:
+            publisher.publish_nowait(event)
+        await publisher.wait_published()
+
+
+@pytest.mark.parametrize("instances", [1, 3])
+def test_replayed_shuffled_and_duplicated_events_on_the_stream(tmp_path: Path, instances: int) -> None:
+    """Events delivered out of order, and twice, through a real stream: the same trajectories.
+
+    With three instances sharing the durable consumer, one session's events are spread over
+    them; the compare-and-set state still gives each trajectory exactly once.
+    """
+    rng = random.Random(9)
+    sessions = [_fake_session(f"dup{i}", rng.randint(1, 4), rng) for i in range(6 * instances)]
+    expected = {
+        t.trajectory_id: t for s in sessions for t in build_trajectories(SessionEvents.of(s), emitted_because="closed")
+    }
+    stream_order = [e for s in sessions for e in s]
+    rng.shuffle(stream_order)
+    copies = [e.model_copy(update={"event_id": e.event_id + "copy"}) for e in rng.sample(stream_order, 10)]
+    with EmbeddedNatsServer() as server:
+        anyio.run(_publish, server.url, tmp_path / "outbox", stream_order + copies)
+        config = AssemblerConfig(servers=(server.url,), ack_wait_s=5, close_grace_s=1, fetch_batch=4)
+        with contextlib.ExitStack() as stack:
+            for _ in range(instances):
+                stack.enter_context(background_assembler(config))
+            got = wait_for(lambda: (ts := read_trajectories(server.url)) and len(ts) >= len(expected) and ts)
+            time.sleep(1)  # nothing more may come
+            got = read_trajectories(server.url)
+    assert sorted(t.trajectory_id for t in got) == sorted(expected)
+    for trajectory in got:
+        assert trajectory == expected[trajectory.trajectory_id]
+
+
+async def _async_reward(trajectory: Trajectory) -> float:
+    await anyio.lowlevel.checkpoint()
+    return float(len(trajectory.token_ids) % 7)
+
+
+def test_idle_sessions_caps_and_reward_functions(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    idle = _fake_session("idle1", 2, rng, close=False)
+    capped = _fake_session("cap1", 5, rng, close=False)
+    with EmbeddedNatsServer() as server:
+        anyio.run(_publish, server.url, tmp_path / "outbox", idle + capped)
+        config = AssemblerConfig(
+            servers=(server.url,),
+            idle_timeout_s=1.5,
+            max_turns=3,
+            reward_function=f"{__name__}:_async_reward",
+        )
+        with background_assembler(config):
+            got = wait_for(lambda: (ts := read_trajectories(server.url)) and len(ts) >= 2 and ts, timeout=30)
+    by_session = {t.session_id: t for t in got}
+    assert by_session["idle1"].emitted_because == "idle" and by_session["idle1"].num_turns == 2
+    assert (
+        by_session["cap1"].emitted_because == "cap"
+        and by_session["cap1"].truncated
+        and by_session["cap1"].num_turns == 3
+    )
+    for trajectory in got:
+        if trajectory.reward_source != "feedback":
+            assert trajectory.reward == len(trajectory.token_ids) % 7 and trajectory.reward_source.endswith(
+                "_async_reward"
+            )  # type: ignore[union-attr]
+
+
+def test_kill_9_at_random_points_yields_each_trajectory_exactly_once(tmp_path: Path) -> None:
+    """Real processes: the assembler is killed with SIGKILL while events stream in, and restarted."""
+    rng = random.Random(11)
+    sessions = [_fake_session(f"crash{i}", rng.randint(1, 3), rng) for i in range(40)]
+    expected = {
+        t.trajectory_id for s in sessions for t in build_trajectories(SessionEvents.of(s), emitted_because="closed")
+    }
+    command = [sys.executable, "-m", "stream_stack", "assemble", "--ack-wait", "2", "--close-grace", "1"]
+    with EmbeddedNatsServer() as server:
+        command += ["--nats-url", server.url]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            chunks = [sessions[i : i + 8] for i in range(0, len(sessions), 8)]
+            for n, chunk in enumerate(chunks):
+                before = _delivered(server.url)
+                anyio.run(_publish, server.url, tmp_path / f"outbox{n}", [e for s in chunk for e in s])
+                # Kill it while it works: once it has taken some of this chunk, at a random moment.
+                wait_for(lambda before=before: _delivered(server.url) > before, timeout=60)  # type: ignore[misc]
+                time.sleep(rng.uniform(0.0, 0.15))
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+                process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            got = wait_for(
+                lambda: (ts := read_trajectories(server.url)) and len(ts) >= len(expected) and ts, timeout=120
+            )
+            time.sleep(3)  # redeliveries after the last kill must not add anything
+            got = read_trajectories(server.url)
+        finally:
+            process.kill()
+            process.wait()
+    ids = [t.trajectory_id for t in got]
+    assert len(ids) == len(set(ids)), "a trajectory was published twice"
+    assert set(ids) == expected, f"missing {len(expected - set(ids))}"
+
+
+def _delivered(url: str) -> int:
+    """The last stream sequence the assembler's durable consumer has handed out (0: none yet)."""
+
+    async def fetch() -> int:
+        nc = await nats.connect(url, max_reconnect_attempts=2, reconnect_time_wait=0.2)
+        try:
+            info = await nc.jetstream().consumer_info("SG_EVENTS", "assembler")
+            return int(info.delivered.stream_seq or 0) if info.delivered else 0
+        except nats.js.errors.NotFoundError:
+            return 0
+        finally:
+            await nc.close()
+
+    return anyio.run(fetch)
+
+
+def test_policy_and_closed_events_shape() -> None:
+    events = _fake_session("shape", 2, random.Random(1))
+    assert isinstance(events[-1], SessionClosed)
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert sum(isinstance(e, TurnCompleted) for e in events) == 2

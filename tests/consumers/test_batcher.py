@@ -1,0 +1,518 @@
+"""The batcher against a real nats-server: grouping, policies, artifacts, and exactly once under kill -9.
+
+Trajectories are synthetic (random ids, masks, logprobs) and published the way the assembler
+publishes them (:func:`pipeline.durable.publish_durable`, the trajectory id as ``Nats-Msg-Id``);
+each test uses streams and buckets of its own on the session's server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import pyarrow.parquet as pq
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from consumers.batcher import Batcher, BatcherConfig
+from consumers.parquet import BatchManifest, decode_batch
+from consumers.streams import ConsumerStreams, ensure_consumer_streams
+from consumers.trajectory import Trajectory
+from consumers.verl_batch import group_uid, padded_batch, to_data_proto
+from pipeline.durable import publish_durable
+from pipeline.embedded import EmbeddedNatsServer
+from pipeline.events import PolicyUpdated, encode_event, new_event_id
+from pipeline.streams import StreamSpec, ensure_stream, event_subject
+
+from ..support.trajectories import make_trajectory
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- helpers (also used by test_verl_adapter) ------------------------------------------------
+
+
+def unique_names(**overrides: Any) -> ConsumerStreams:
+    """Streams, subjects and buckets no other test uses."""
+    tag = secrets.token_hex(4)
+    return ConsumerStreams(
+        prefix=f"t{tag}",
+        events=f"EV_{tag}",
+        trajectories=f"TR_{tag}",
+        batches=f"BA_{tag}",
+        payload_bucket=f"pl_{tag}",
+        batch_bucket=f"bb_{tag}",
+        state_bucket=f"as_{tag}",
+        **overrides,
+    )
+
+
+@asynccontextmanager
+async def jetstream(url: str, names: ConsumerStreams) -> AsyncIterator[tuple[Client, JetStreamContext]]:
+    """A connection, with the consumer streams provisioned."""
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await ensure_consumer_streams(js, names)
+        yield nc, js
+    finally:
+        await nc.close()
+
+
+async def publish(nc: Client, js: JetStreamContext, names: ConsumerStreams, *trajectories: Trajectory) -> None:
+    """As the assembler does."""
+    for t in trajectories:
+        await publish_durable(
+            nc, js, names.trajectory_subject(t), t.trajectory_id, t.encode(), bucket=names.payload_bucket
+        )
+
+
+async def read_manifests(js: JetStreamContext, names: ConsumerStreams) -> list[tuple[str, BatchManifest]]:
+    """Every manifest on the batches stream, in order, with its Nats-Msg-Id."""
+    info = await js.stream_info(names.batches)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        raw = await js.get_msg(names.batches, seq)
+        out.append(((raw.headers or {}).get("Nats-Msg-Id", ""), BatchManifest.decode(raw.data or b"")))
+    return out
+
+
+async def read_object(js: JetStreamContext, manifest: BatchManifest) -> bytes:
+    store = await js.object_store(manifest.bucket)
+    return bytes((await store.get(manifest.object)).data or b"")
+
+
+async def wait_until(predicate: Callable[[], Any]) -> None:
+    """Poll ``predicate`` (sync, or returning an awaitable) until true; bound it with ``fail_after``."""
+    while True:
+        value = predicate()
+        if hasattr(value, "__await__"):
+            value = await value
+        if value:
+            return
+        await anyio.sleep(0.05)
+
+
+def batcher_config(url: str, names: ConsumerStreams, **overrides: Any) -> BatcherConfig:
+    values: dict[str, Any] = {
+        "servers": (url,),
+        "names": names,
+        "state_bucket": f"st_{names.prefix}",
+        "prompt_length": 16,
+        "response_length": 32,
+        "ack_wait_s": 5.0,
+        "policy_poll_s": 0.1,
+    }
+    return BatcherConfig(**(values | overrides))
+
+
+# -- grouping and artifacts --------------------------------------------------------------------
+
+
+async def test_whole_groups_make_a_batch_and_incomplete_ones_wait(
+    nats_server: EmbeddedNatsServer, tmp_path: Path
+) -> None:
+    rng = random.Random(1)
+    names = unique_names()
+    g1 = [make_trajectory(rng, group="g1", version=3) for _ in range(4)]
+    g2 = [make_trajectory(rng, group="g2", version=4, min_version=2) for _ in range(4)]
+    g3 = [make_trajectory(rng, group="g3") for _ in range(4)]
+    g4 = [make_trajectory(rng, group="g4") for _ in range(4)]
+    # g3 starts first but stays incomplete; g1 completes before g2.
+    order = [g3[0], g1[0], g2[0], g1[1], g3[1], g2[1], g1[2], g2[2], g1[3], g3[2], g2[3]]
+    lines: list[str] = []
+    config = batcher_config(
+        nats_server.url, names, batch_size=8, group_size=4, output_dir=tmp_path / "out", progress_interval_s=0.2
+    )
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            batcher = Batcher(config, lines.append)
+            await tg.start(batcher.run)
+            await publish(nc, js, names, *order)
+            await wait_until(lambda: batcher.statistics().received == len(order) and batcher.statistics().batches == 1)
+            s = batcher.statistics()
+            assert (s.held, s.open_groups, s.batches) == (3, 1, 1)
+
+            [(msg_id, manifest)] = await read_manifests(js, names)
+            members = [t.trajectory_id for t in g1 + g2]
+            assert msg_id == manifest.batch_id == hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()
+            assert manifest.trajectory_ids == members
+            assert manifest.groups == ["g1", "g2"] and manifest.group_size == 4
+            assert (manifest.min_policy_version, manifest.max_policy_version) == (2, 4)
+            assert (manifest.prompt_length, manifest.response_length) == (16, 32)
+            assert manifest.object == f"{manifest.batch_id}.parquet" and manifest.bucket == names.batch_bucket
+
+            # The object, the file and the manifest agree, and the rows are the trajectories.
+            data = await read_object(js, manifest)
+            assert (len(data), hashlib.sha256(data).hexdigest()) == (manifest.size, manifest.sha256)
+            path = tmp_path / "out" / manifest.object
+            assert path.read_bytes() == data
+            assert [p.name for p in (tmp_path / "out").iterdir()] == [manifest.object]  # no temp file left
+            table = pq.read_table(path)
+            assert table.num_rows == 8 and table.schema.metadata[b"sg.batch_id"] == manifest.batch_id.encode()
+            assert table.column("uid").to_pylist() == ["g1"] * 4 + ["g2"] * 4
+            trajectories, uids = decode_batch(data)
+            assert trajectories == g1 + g2 and uids == ["g1"] * 4 + ["g2"] * 4
+
+            # verl accepts it.
+            proto = to_data_proto(
+                padded_batch(trajectories, uids, prompt_length=16, response_length=32, pad_token_id=0)
+            )
+            assert proto.batch["input_ids"].shape == (8, 48) and proto.batch["responses"].shape == (8, 32)
+            assert list(proto.non_tensor_batch["uid"]) == uids
+
+            # The record says published; the next batch starts with the group that waited.
+            kv = await js.key_value(config.state_bucket)
+            record = orjson.loads((await kv.get(f"b.{manifest.batch_id}")).value or b"")
+            assert record["state"] == "published" and record["members"] == members
+            await publish(nc, js, names, g3[3], *g4)
+            await wait_until(lambda: batcher.statistics().batches == 2)
+            second = (await read_manifests(js, names))[1][1]
+            assert second.trajectory_ids == [t.trajectory_id for t in g3 + g4] and second.groups == ["g3", "g4"]
+            await wait_until(lambda: any("2 batches" in line for line in lines))
+            assert batcher.statistics().held == 0
+            tg.cancel_scope.cancel()
+
+
+async def test_groups_by_prompt_without_metadata_and_split_oversized_groups(nats_server: EmbeddedNatsServer) -> None:
+    rng = random.Random(2)
+    names = unique_names()
+    branched = [make_trajectory(rng, group="g5") for _ in range(4)]  # one key, two groups' worth
+    prompt = [5, 6, 7, 8]
+    by_prompt = [make_trajectory(rng, group=None, prompt=prompt) for _ in range(2)]
+    g6 = [make_trajectory(rng, group="g6") for _ in range(2)]
+    config = batcher_config(nats_server.url, names, batch_size=4, group_size=2)
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            batcher = Batcher(config)
+            await tg.start(batcher.run)
+            await publish(nc, js, names, *branched, *by_prompt, *g6)
+            await wait_until(lambda: batcher.statistics().batches == 2)
+            first, second = (m for _, m in await read_manifests(js, names))
+            assert first.groups == ["g5", "g5.1"]
+            assert decode_batch(await read_object(js, first))[1] == ["g5", "g5", "g5.1", "g5.1"]
+            prompt_uid = group_uid(by_prompt[0], "prompt")
+            assert second.groups == [prompt_uid, "g6"]
+            assert second.trajectory_ids == [t.trajectory_id for t in by_prompt + g6]
+            tg.cancel_scope.cancel()
+
+
+# -- policies ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+@pytest.mark.parametrize("no_reward", ["drop", "zero"])
+async def test_staleness_length_and_reward_policies(
+    nats_server: EmbeddedNatsServer, overlong: str, no_reward: str
+) -> None:
+    rng = random.Random(3)
+    names = unique_names()
+    fresh = make_trajectory(rng, version=3, prompt_len=4, response_len=6)
+    stale = make_trajectory(rng, version=1, prompt_len=4, response_len=6)
+    overlong_one = make_trajectory(rng, version=3, prompt_len=4, response_len=12)
+    unrewarded = make_trajectory(rng, version=3, reward=None, prompt_len=4, response_len=6)
+    long_prompt = make_trajectory(rng, version=3, prompt_len=10, response_len=4)
+    config = batcher_config(
+        nats_server.url,
+        names,
+        batch_size=1,
+        group_size=1,
+        prompt_length=8,
+        response_length=8,
+        max_staleness=2,
+        overlong=overlong,
+        no_reward=no_reward,
+    )
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            # The gateway announced policy 5: only the events stream says so (no trajectory is at 5).
+            await ensure_stream(
+                js, StreamSpec(prefix=names.prefix, stream=names.events, payload_bucket=names.payload_bucket)
+            )
+            update = PolicyUpdated(
+                event_id=new_event_id(),
+                time=time.time(),
+                tenant="anonymous",
+                session_id=None,
+                seq=0,
+                model="tiny",
+                policy_version=5,
+                previous_version=4,
+            )
+            await js.publish(event_subject(names.prefix, update), encode_event(update))
+            batcher = Batcher(config)
+            await tg.start(batcher.run)
+            await wait_until(lambda: batcher.statistics().policy_version == 5)
+            await publish(nc, js, names, fresh, stale, overlong_one, unrewarded, long_prompt)
+
+            kept = (
+                [fresh]
+                + ([overlong_one] if overlong == "truncate" else [])
+                + ([unrewarded] if no_reward == "zero" else [])
+            )
+            await wait_until(lambda: batcher.statistics().received == 5 and batcher.statistics().batches == len(kept))
+            s = batcher.statistics()
+            assert s.dropped_stale == 1
+            assert s.dropped_length == 1 + (overlong == "drop")
+            assert s.dropped_no_reward == (no_reward == "drop")
+            assert s.truncated == (overlong == "truncate")
+            assert s.held == 0
+            rows: dict[str, Trajectory] = {}
+            for _, manifest in await read_manifests(js, names):
+                [row], _ = decode_batch(await read_object(js, manifest))
+                rows[row.trajectory_id] = row
+            assert set(rows) == {t.trajectory_id for t in kept}
+            assert rows[fresh.trajectory_id] == fresh
+            if overlong == "truncate":
+                cut = rows[overlong_one.trajectory_id]
+                assert cut.truncated and len(cut.token_ids) == 4 + 8
+                assert cut.token_ids == overlong_one.token_ids[:12] and cut.loss_mask == overlong_one.loss_mask[:12]
+                assert cut.logprobs == overlong_one.logprobs[:12]
+                assert all(turn.start + turn.length <= 12 for turn in cut.turns)
+            if no_reward == "zero":
+                assert rows[unrewarded.trajectory_id].reward == 0.0
+            tg.cancel_scope.cancel()
+
+
+async def test_a_group_with_a_dropped_member_or_too_old_is_dropped_whole(nats_server: EmbeddedNatsServer) -> None:
+    rng = random.Random(4)
+    names = unique_names()
+    g1 = [make_trajectory(rng, group="g1", reward=None), make_trajectory(rng, group="g1")]
+    lonely = make_trajectory(rng, group="g2")
+    g3 = [make_trajectory(rng, group="g3") for _ in range(2)]
+    config = batcher_config(nats_server.url, names, batch_size=2, group_size=2, group_timeout_s=0.5)
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            batcher = Batcher(config)
+            await tg.start(batcher.run)
+            await publish(nc, js, names, *g1, lonely, *g3)
+            await wait_until(lambda: batcher.statistics().dropped_incomplete_group == 2)
+            s = batcher.statistics()
+            assert (s.dropped_no_reward, s.batches, s.held, s.open_groups) == (1, 1, 0, 0)
+            [(_, manifest)] = await read_manifests(js, names)
+            assert manifest.trajectory_ids == [t.trajectory_id for t in g3]
+            tg.cancel_scope.cancel()
+
+
+# -- exactly once --------------------------------------------------------------------------------
+
+
+async def test_a_batch_assigned_before_a_crash_is_published_as_assigned(nats_server: EmbeddedNatsServer) -> None:
+    """A previous process's state, written by hand: each case of the module docstring's argument."""
+    from nats.js.api import KeyValueConfig, StorageType
+
+    rng = random.Random(5)
+    names = unique_names(duplicate_window_s=1.0)
+    ts = [make_trajectory(rng, group=None) for _ in range(8)]
+    ids = [t.trajectory_id for t in ts]
+    uids = [group_uid(t, "prompt") for t in ts]
+    config = batcher_config(nats_server.url, names, batch_size=2, group_size=1, group_key="prompt")
+
+    def record(members: list[int], state: str, last_seq: int = 0) -> bytes:
+        batch = [ids[i] for i in members]
+        return orjson.dumps(
+            {
+                "batch_id": hashlib.sha256("\n".join(sorted(batch)).encode()).hexdigest(),
+                "state": state,
+                "members": batch,
+                "uids": [uids[i] for i in members],
+                "group_size": 1,
+                "prompt_length": 16,
+                "response_length": 32,
+                "overlong": "truncate",
+                "no_reward": "drop",
+                "created_at": 123.0,
+                "batches_last_seq": last_seq,
+            }
+        )
+
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            kv = await js.create_key_value(
+                config=KeyValueConfig(bucket=config.state_bucket, storage=StorageType.FILE, history=1)
+            )
+
+            async def assign(members: list[int], state: str, last_seq: int = 0) -> str:
+                data = record(members, state, last_seq)
+                batch_id = orjson.loads(data)["batch_id"]
+                for i in members:
+                    await kv.put(f"t.{ids[i]}", batch_id.encode())
+                await kv.put(f"b.{batch_id}", data)
+                return str(batch_id)
+
+            x = await assign([0, 3], "assigned")  # crashed before publishing
+            await assign([4, 5], "published")  # crashed before acknowledging
+            z_id = hashlib.sha256("\n".join(sorted([ids[6], ids[7]])).encode()).hexdigest()
+            fake = BatchManifest(
+                batch_id=z_id,
+                bucket=names.batch_bucket,
+                object=f"{z_id}.parquet",
+                size=0,
+                sha256="",
+                group_size=1,
+                groups=[uids[6], uids[7]],
+                trajectory_ids=[ids[6], ids[7]],
+                min_policy_version=0,
+                max_policy_version=0,
+                prompt_length=16,
+                response_length=32,
+                created_at=123.0,
+            )
+            await js.publish(names.batch_subject, fake.encode(), headers={"Nats-Msg-Id": z_id})
+            await assign([6, 7], "assigned", last_seq=0)  # crashed after the manifest, before marking it
+            await kv.put(f"t.{ids[1]}", b"0" * 64)  # an index entry whose record was never written
+            await anyio.sleep(1.2)  # past the duplicate window: JetStream alone would take Z's manifest again
+
+            await publish(nc, js, names, *ts)
+            await js.publish(names.trajectory_subject(ts[2]), ts[2].encode(), headers={"Nats-Msg-Id": "copy"})
+            batcher = Batcher(config)
+            await tg.start(batcher.run)
+            await wait_until(lambda: batcher.statistics().received == 9 and batcher.statistics().batches == 3)
+            s = batcher.statistics()
+            assert (s.batches, s.recovered_batches, s.duplicates_skipped) == (3, 2, 3)
+
+            manifests = await read_manifests(js, names)
+            assert [msg_id for msg_id, _ in manifests].count(z_id) == 1
+            by_id = {m.batch_id: m for _, m in manifests}
+            assert set(by_id) == {z_id, x, hashlib.sha256("\n".join(sorted(ids[1:3])).encode()).hexdigest()}
+            assert by_id[x].trajectory_ids == [ids[0], ids[3]] and by_id[x].created_at == 123.0
+            for batch_id in (x, z_id):
+                assert orjson.loads((await kv.get(f"b.{batch_id}")).value or b"")["state"] == "published"
+            consumer = await js.consumer_info(names.trajectories, config.durable)
+            assert (consumer.num_ack_pending, consumer.num_pending) == (0, 0)
+            tg.cancel_scope.cancel()
+
+
+async def test_kill_9_at_every_step_and_at_random_yields_each_trajectory_exactly_once(
+    nats_server: EmbeddedNatsServer, tmp_path: Path
+) -> None:
+    rng = random.Random(6)
+    names = unique_names()
+    groups = [[make_trajectory(rng, group=f"g{i:02d}") for _ in range(4)] for i in range(16)]
+    # Groups interleave, as concurrent sessions do. First 8 whole groups and half of 4 more; then
+    # one whole group, which the first restarted batcher sees before the redeliveries (the first
+    # run has an ack_wait longer than a restart takes), so its groups pair up differently than
+    # before the crash: only the recorded assignment keeps an announced batch together; then the rest.
+    first = _shuffled(rng, [t for g in groups[:8] for t in g] + [t for g in groups[8:12] for t in g[:2]])
+    shift = groups[12]
+    rest = _shuffled(rng, [t for g in groups[8:12] for t in g[2:]] + [t for g in groups[13:] for t in g])
+    everything = first + shift + rest
+    spec: dict[str, Any] = {
+        "servers": [nats_server.url],
+        "names": {k: getattr(names, k) for k in names.__dataclass_fields__},
+        "state_bucket": f"st_{names.prefix}",
+        "batch_size": 8,
+        "group_size": 4,
+        "prompt_length": 16,
+        "response_length": 32,
+        "ack_wait_s": 1.0,
+        "step_delay_s": 0.1,
+        "output_dir": None,
+    }
+    log_path = tmp_path / "batcher.log"
+
+    def spawn(**extra: Any) -> subprocess.Popen[str]:
+        with log_path.open("a") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "tests.support.batcher_process", json.dumps(spec | extra)],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+
+    async def end(process: subprocess.Popen[str], *, kill: bool) -> None:
+        if kill:
+            process.kill()  # SIGKILL: kill -9
+        await anyio.to_thread.run_sync(process.wait)
+        assert process.stdout is not None
+        process.stdout.close()
+
+    async def wait_ready(process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        line = await anyio.to_thread.run_sync(process.stdout.readline)
+        assert line.strip() == "ready", log_path.read_text()[-3000:]
+
+    async def covered() -> set[str]:
+        return {tid for _, m in await read_manifests(js, names) for tid in m.trajectory_ids}
+
+    async with jetstream(nats_server.url, names) as (nc, js):
+        await publish(nc, js, names, *first)
+        runs = 0
+        with anyio.fail_after(150):
+            # A kill right after each step of the exactly-once argument, the next run recovering...
+            for step, then_publish, ack_wait in (
+                ("manifest", shift, 4.0),
+                ("commit", rest, 1.0),
+                ("published", [], 1.0),
+            ):
+                process = spawn(die_at=step, ack_wait_s=ack_wait)
+                runs += 1
+                await end(process, kill=False)
+                assert process.returncode == -9, log_path.read_text()[-3000:]
+                await publish(nc, js, names, *then_publish)
+            # ...then kills from outside at random moments...
+            for _ in range(2):
+                process = spawn()
+                runs += 1
+                await wait_ready(process)
+                await anyio.sleep(rng.uniform(0.5, 2.0))
+                await end(process, kill=True)
+            # ...then one that finishes.
+            process = spawn()
+            runs += 1
+            try:
+                await wait_ready(process)
+                await wait_until(lambda: _covers(covered, everything))
+
+                async def all_acked() -> bool:
+                    info = await js.consumer_info(names.trajectories, "batcher")
+                    return info.num_ack_pending == 0 and info.num_pending == 0
+
+                await wait_until(all_acked)
+            finally:
+                await end(process, kill=True)
+
+        manifests = await read_manifests(js, names)
+        msg_ids = [msg_id for msg_id, _ in manifests]
+        assert len(msg_ids) == len(set(msg_ids)) == 8  # no batch announced twice
+        seen = [tid for _, m in manifests for tid in m.trajectory_ids]
+        assert sorted(seen) == sorted(t.trajectory_id for t in everything)  # each exactly once
+        group_of = {t.trajectory_id: t.metadata["group"] for t in everything}
+        for _, manifest in manifests:
+            members = manifest.trajectory_ids
+            for i in range(0, 8, 4):  # whole groups, one after another
+                assert {group_of[tid] for tid in members[i : i + 4]} == {manifest.groups[i // 4]}
+            trajectories, _ = decode_batch(await read_object(js, manifest))
+            assert [t.trajectory_id for t in trajectories] == members
+        kv = await js.key_value(spec["state_bucket"])
+        for _, manifest in manifests:
+            assert orjson.loads((await kv.get(f"b.{manifest.batch_id}")).value or b"")["state"] == "published"
+        assert runs == 6
+        log_text = log_path.read_text()
+        assert "assigned before a restart" in log_text and "announced before a restart" in log_text
+
+
+def _shuffled(rng: random.Random, items: list[Trajectory]) -> list[Trajectory]:
+    rng.shuffle(items)
+    return items
+
+
+async def _covers(covered: Callable[[], Any], everything: list[Trajectory]) -> bool:
+    return len(await covered()) == len(everything)

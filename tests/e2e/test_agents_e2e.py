@@ -1,0 +1,121 @@
+"""Real agents from npm run a tool loop through the gateway; the recorded chains are token-exact.
+
+The model is ``tiny-agent`` (the tiny model fine-tuned at build time to call ``read`` on
+``README.md`` after a user message and to answer "Done: I read the file." after a tool result), so
+the agents really execute a tool the model really called. Each agent runs non-interactively on
+127.0.0.1 with a session-scoped base URL, then the test reads the session back and checks every
+chain: assistant spans are the sampled ids, and a forward pass of the same model over the chain's
+tokens reproduces the recorded logprobs.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..support.agents import ensure_agents_installed, openclaw_workspace, run_openclaw, run_pi
+from ..support.fidelity import assert_chain_logprobs
+from ..support.servers import RunningGateway
+
+pytestmark = pytest.mark.timeout(900)  # the first test may install the agents (about a minute)
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[Path]:
+    yield ensure_agents_installed()
+
+
+@pytest.fixture(scope="module")
+def reference(agent_model_path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
+
+
+def _session(gateway: RunningGateway, session_id: str) -> dict[str, Any]:
+    r = httpx.get(f"{gateway.base_url}/sessions/{session_id}", headers={"authorization": "Bearer sk-local"}, timeout=30)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def _assert_token_exact(body: dict[str, Any], reference: Any) -> None:
+    turns = {t["turn_id"]: t for t in body["turns"]}
+    for chain in body["chains"]:
+        for turn_id in chain["turn_ids"]:  # T1
+            turn = turns[turn_id]
+            start = len(turn["prompt_ids"])
+            end = start + len(turn["output_ids"])
+            assert chain["token_ids"][start:end] == turn["output_ids"]
+            assert chain["logprobs"][start:end] == turn["logprobs"]
+            assert set(chain["mask"][start:end]) <= {1}
+        assert_chain_logprobs(reference, chain["token_ids"], chain["mask"], chain["logprobs"], atol=5e-4)
+
+
+def test_pi_tool_loop_and_follow_up_form_one_token_exact_chain(
+    agents: Path, agent_gateway: RunningGateway, agent_model_path: Path, reference: Any, tmp_path: Path
+) -> None:
+    session = f"pi{secrets.token_hex(4)}"
+    base = f"{agent_gateway.base_url}/sessions/{session}"
+    (tmp_path / "README.md").write_text("The secret word is lighthouse.\n")
+    history = tmp_path / "pi-session"
+    first = run_pi(base, "tiny-agent", "What does the README say?", tmp_path, continue_session_dir=history)
+    assert first.returncode == 0, first.describe()
+    assert "read" in first.tools_used, first.describe()
+    second = run_pi(base, "tiny-agent", "Read it once more.", tmp_path, continue_session_dir=history)
+    assert second.returncode == 0, second.describe()
+    assert "read" in second.tools_used, second.describe()
+
+    body = _session(agent_gateway, session)
+    finishes = [t["finish_reason"] for t in body["turns"]]
+    assert finishes == ["tool_calls", "stop", "tool_calls", "stop"], finishes
+    # pi echoes its history byte for byte: both runs, all four turns, are one chain.
+    assert [c["turn_ids"] for c in body["chains"]] == [[t["turn_id"] for t in body["turns"]]]
+    assert all(t["reused_prompt_tokens"] > 0 for t in body["turns"][1:])
+    _assert_token_exact(body, reference)
+    tokenizer = AutoTokenizer.from_pretrained(agent_model_path)
+    assert tokenizer.decode(body["turns"][1]["output_ids"], skip_special_tokens=True) == "Done: I read the file."
+
+
+def test_openclaw_tool_loop_is_recorded_token_exactly(
+    agents: Path, agent_gateway: RunningGateway, agent_model_path: Path, reference: Any, tmp_path: Path
+) -> None:
+    """OpenClaw executes the model's ``read`` call and sends the result back; every turn is exact.
+
+    tiny-agent answers "Done" when the conversation ends with a tool result. OpenClaw moves its
+    internal-context user message behind the tool result, so the model sees a user message last
+    and calls ``read`` again: the run goes on until OpenClaw's own time limit (kept short here).
+    That is the tiny model's limit, not the gateway's: every follow-up turn carries the tool
+    output OpenClaw produced, and every turn is recorded token-exactly.
+    """
+    session = f"claw{secrets.token_hex(4)}"
+    base = f"{agent_gateway.base_url}/sessions/{session}"
+    workspace = openclaw_workspace(tmp_path)
+    workspace.mkdir(parents=True, exist_ok=True)
+    (workspace / "README.md").write_text("The secret word is lighthouse.\n")
+    run = run_openclaw(base, "tiny-agent", "What does the README say?", tmp_path, agent_timeout=30, timeout=180)
+    assert "read" in run.tools_used, run.describe()  # OpenClaw really executed the model's call
+    assert run.returncode == 0 or "timed out" in run.stdout, run.describe()
+
+    body = _session(agent_gateway, session)
+    turns = body["turns"]
+    assert len(turns) >= 2, run.describe()
+    assert turns[0]["finish_reason"] == "tool_calls"
+    assert turns[0]["message"]["tool_calls"][0]["function"]["name"] == "read"
+    tokenizer = AutoTokenizer.from_pretrained(agent_model_path)
+    # The README's text reached the model only through the tool result OpenClaw sent back.
+    assert "lighthouse" not in tokenizer.decode(turns[0]["prompt_ids"])
+    follow_up = tokenizer.decode(turns[1]["prompt_ids"])
+    responses = re.findall(r"<tool_response>(.*?)</tool_response>", follow_up, flags=re.DOTALL)
+    assert any("lighthouse" in r for r in responses), follow_up[-2000:]
+    # OpenClaw moves its internal-context message to the end of every request, so no request's
+    # messages start with an earlier turn's conversation: every turn is a root of its own chain.
+    assert len(body["chains"]) == len(turns)
+    assert all(t["parent_id"] is None for t in turns)
+    _assert_token_exact(body, reference)

@@ -1,0 +1,155 @@
+"""The whole path, with real parts only: agent traffic → gateway → NATS → assembler → batcher → verl.
+
+Real multi-turn tool sessions (tiny-agent calling ``read`` and answering after the result) and
+chats on the untrained tiny model go through gateways that capture into a real nats-server. The
+assembler and the batcher run as they do under ``stream-gateway up``. The batch they write is
+loaded as the verl adapter loads it, turned into verl's ``DataProto``, run through verl's GRPO
+advantage, and checked by a forward pass of the same models: the logprob of every response token
+the batch marks as sampled equals the one the gateway recorded while streaming it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+from consumers.assembler import AssemblerConfig, run_assembler
+from consumers.batcher import BatcherConfig, run_batcher
+from consumers.parquet import decode_batch
+from consumers.verl_batch import padded_batch, to_data_proto
+from pipeline.embedded import EmbeddedNatsServer
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+
+from ..support.agent_loop import READ_TOOL, drive_session
+from ..support.servers import RunningGateway, run_gateway
+
+ATOL = 2e-4
+KEY = "sk-e2e"
+
+
+@contextlib.contextmanager
+def consumers(server: EmbeddedNatsServer, batch_dir: Path) -> Iterator[None]:
+    """The assembler and the batcher on their own event loop, as ``up`` runs them."""
+    assembler = AssemblerConfig(servers=(server.url,), ack_wait_s=10)
+    batcher = BatcherConfig(
+        servers=(server.url,), batch_size=4, group_size=2, prompt_length=512, response_length=512, output_dir=batch_dir
+    )
+    with anyio.from_thread.start_blocking_portal() as portal:
+        futures = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_batcher, batcher)]
+        try:
+            yield
+        finally:
+            for future in futures:
+                future.cancel()
+            for future in futures:
+                with contextlib.suppress(concurrent.futures.CancelledError):
+                    future.result(timeout=30)
+
+
+def _run_session(gateway: RunningGateway, model: str, group: str, seed: int, reward: float, workdir: Path) -> str:
+    """One streamed session to its end, rated and closed; its id."""
+    session = f"e2e{secrets.token_hex(4)}"
+    base = f"{gateway.base_url}/sessions/{session}"
+    if group == "readme":
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "What does the README say?"}]
+        follow_ups: list[str] = []
+    else:
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        follow_ups = ["More."]
+    with OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=120, max_retries=0) as client:
+        drive_session(
+            client,
+            model,
+            messages,
+            follow_ups=follow_ups,
+            workdir=workdir,
+            tools=[READ_TOOL] if group == "readme" else None,
+            max_rounds=4,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=64 if model == "tiny-agent" else 16,
+            metadata={"group": group},
+        )
+    headers = {"authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{base}/feedback", json={"score": reward}, headers=headers).is_success
+    assert httpx.post(f"{base}/close", headers=headers).is_success
+    return session
+
+
+def test_agent_traffic_becomes_a_verl_batch_whose_logprobs_a_forward_pass_reproduces(
+    agent_model_path: Path, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "README.md").write_text("The secret word is lighthouse.\n")
+    batch_dir = tmp_path / "batches"
+    models = {"tiny-agent": agent_model_path, "tiny": tiny_model_path}
+    with EmbeddedNatsServer() as server, consumers(server, batch_dir):
+        sessions = []
+        for name, path in models.items():
+            settings = Settings(
+                model=str(path), served_model_name=name, nats_url=server.url, outbox_dir=tmp_path / f"outbox-{name}"
+            )
+            group = "readme" if name == "tiny-agent" else "chat"
+            with run_gateway(build_engine(settings), settings) as gateway:
+                for seed, reward in ((11, 1.0), (12, -1.0)):
+                    sessions.append(_run_session(gateway, name, group, seed, reward, workdir))
+        deadline = time.monotonic() + 120
+        while not list(batch_dir.glob("*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    [batch_file] = list(batch_dir.glob("*.parquet"))
+    trajectories, uids = decode_batch(batch_file.read_bytes())
+    assert sorted(t.session_id for t in trajectories) == sorted(sessions)
+    assert sorted(uids) == ["chat", "chat", "readme", "readme"]
+    by_model = {t.model for t in trajectories}
+    assert by_model == {"tiny-agent", "tiny"}
+    for trajectory in trajectories:
+        assert trajectory.reward in (1.0, -1.0) and trajectory.reward_source == "feedback"
+        assert trajectory.num_turns == 2  # a tool loop (call, answer) or a chat and its follow-up
+        assert 0 in trajectory.loss_mask[trajectory.prompt_length :]  # tool result / user text between turns
+
+    batch = padded_batch(trajectories, uids, prompt_length=512, response_length=512, pad_token_id=0)
+    proto = to_data_proto(batch)
+    proto.check_consistency()
+    tensors = proto.batch
+    scores = tensors["rm_scores"].sum(-1)
+    advantages, _ = compute_grpo_outcome_advantage(
+        token_level_rewards=tensors["rm_scores"],
+        response_mask=tensors["response_mask"],
+        index=proto.non_tensor_batch["uid"],
+    )
+    for uid in set(uids):
+        rows = torch.tensor([u == uid for u in uids])
+        assert sorted(scores[rows].tolist()) == [-1.0, 1.0]
+        # Two samples scored -1 and +1: GRPO gives them -1/sqrt(2) and +1/sqrt(2) on every token.
+        per_row = advantages[rows].sum(-1) / tensors["response_mask"][rows].sum(-1)
+        torch.testing.assert_close(per_row.sort().values, torch.tensor([-0.70710678, 0.70710678]), atol=1e-3, rtol=0)
+
+    p, r = tensors["prompts"].shape[1], tensors["responses"].shape[1]
+    mask = tensors["response_mask"].bool()
+    for name, path in models.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(
+                input_ids=tensors["input_ids"],
+                attention_mask=tensors["attention_mask"],
+                position_ids=tensors["position_ids"],
+            ).logits[:, p - 1 : p + r - 1]
+        log_prob = torch.log_softmax(logits, dim=-1).gather(2, tensors["responses"].unsqueeze(2)).squeeze(2)
+        rows = torch.tensor([t.model == name for t in trajectories])
+        checked = mask & rows[:, None]
+        assert checked.sum() > 10, name
+        torch.testing.assert_close(log_prob[checked], tensors["rollout_log_probs"][checked], atol=ATOL, rtol=0)

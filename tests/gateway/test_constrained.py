@@ -1,0 +1,261 @@
+"""Constrained decoding on the tiny models: structured outputs and forced tool calls.
+
+``tiny-agent`` was trained to call ``read`` after a user message; it never saw JSON answers or
+the ``bash`` tool used. Constrained, it must still produce what the request demands, and what
+the gateway records must reproduce under the trainer's recompute with the grammar's masks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from langchain_openai import ChatOpenAI
+from openai import OpenAI
+from pydantic import BaseModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stream_gateway.completion._request import ChatCompletionRequest
+from stream_gateway.constraints import replay_masks, response_format_constraint, tool_choice_constraint
+from stream_gateway.engines.transformers import end_of_turn_ids
+
+from ..support.agent_loop import READ_TOOL
+from ..support.servers import RunningGateway
+from .test_conformance import check, streamed_chunks
+
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a command",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    },
+}
+TOOLS = [READ_TOOL, BASH_TOOL]
+
+
+class City(BaseModel):
+    city: str
+    population: int
+
+
+CITY_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True},
+}
+
+
+@pytest.fixture
+def client(agent_gateway: RunningGateway) -> Any:
+    with OpenAI(base_url=agent_gateway.base_url + "/v1", api_key="x", timeout=120, max_retries=0) as client:
+        yield client
+
+
+def _session_turns(gateway: RunningGateway, session_id: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{gateway.base_url}/sessions/{session_id}", timeout=30)
+    turns: list[dict[str, Any]] = response.json()["turns"]
+    return turns
+
+
+def test_parse_with_a_pydantic_response_format(client: OpenAI) -> None:
+    for seed in range(3):
+        reply = client.chat.completions.parse(
+            model="tiny-agent",
+            messages=[{"role": "user", "content": "a city and its population"}],
+            response_format=City,
+            max_tokens=48,
+            seed=seed,
+        )
+        choice = reply.choices[0]
+        if choice.finish_reason == "length":
+            continue  # a string the model never closes; the JSON so far still follows the schema
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, City)
+        return
+    raise AssertionError("no seed produced a finished answer")
+
+
+# City with bounds the grammar enforces: every document of it ends within a few tokens.
+BOUNDED_CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999},
+    },
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+def _closed(prefix: str) -> Any:
+    """``prefix`` (JSON cut off inside a value) completed by closing its open string and containers."""
+    closers, in_string, escaped = [], False, False
+    for char in prefix:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            closers.append("}" if char == "{" else "]")
+        elif char in "}]":
+            closers.pop()
+    return json.loads(prefix + ('"' if in_string else "") + "".join(reversed(closers)))
+
+
+@pytest.mark.parametrize(
+    ("response_format", "schema", "finish"),
+    [
+        # Greedy, this model repeats a digit of "population" for hundreds of tokens: cut off.
+        (CITY_FORMAT, City.model_json_schema(), "length"),
+        # Bounded, the grammar closes the object and then allows only the end of the turn.
+        (
+            {"type": "json_schema", "json_schema": {"name": "City", "schema": BOUNDED_CITY, "strict": True}},
+            BOUNDED_CITY,
+            "stop",
+        ),
+        # Greedy, the model writes its tool call's JSON and repeats a letter of the path: cut off.
+        ({"type": "json_object"}, {"type": "object"}, "length"),
+    ],
+    ids=["json_schema-cut", "json_schema-bounded", "json_object-cut"],
+)
+def test_streamed_json_schema_and_json_object(
+    agent_gateway: RunningGateway, response_format: dict[str, Any], schema: dict[str, Any], finish: str
+) -> None:
+    max_tokens = 64
+    body = {
+        "model": "tiny-agent",
+        "messages": [{"role": "user", "content": "json please"}],
+        "response_format": response_format,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    chunks = streamed_chunks(agent_gateway, body)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    tokens = chunks[-1]["usage"]["completion_tokens"]
+    # Unconstrained, this model answers with a tool call: it now writes JSON of the schema.
+    assert text.startswith("{") and "<tool_call>" not in text, text
+    assert finishes[-1] == finish, (finishes[-1], tokens, text)
+    if finish == "stop":
+        # The whole document, and it ended before the budget did.
+        assert tokens < max_tokens, (tokens, text)
+        document = json.loads(text)
+    else:
+        # Cut off inside a value: what was written is the start of a document of the schema.
+        assert tokens == max_tokens, (tokens, text)
+        document = _closed(text)
+    jsonschema.validate(document, schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_and_named(agent_gateway: RunningGateway, client: OpenAI, stream: bool) -> None:
+    # "hello" alone makes this model answer in text; "required" makes it call a tool.
+    messages = [{"role": "user", "content": "hello there"}]
+    free = client.chat.completions.create(model="tiny-agent", messages=messages, tools=TOOLS, max_tokens=40)  # type: ignore[arg-type]
+    for tool_choice, names in (
+        ("required", {"read", "bash"}),
+        ({"type": "function", "function": {"name": "bash"}}, {"bash"}),
+    ):
+        body = {
+            "model": "tiny-agent",
+            "messages": messages,
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "max_tokens": 80,
+            "stream": stream,
+        }
+        if stream:
+            chunks = streamed_chunks(agent_gateway, body)
+            deltas = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls") or []]
+            finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+            calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas if d.get("id")]
+        else:
+            answer = httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=120).json()
+            check(answer, "CreateChatCompletionResponse")
+            finish = answer["choices"][0]["finish_reason"]
+            calls = [
+                (c["function"]["name"], c["function"]["arguments"])
+                for c in answer["choices"][0]["message"]["tool_calls"]
+            ]
+        assert finish == "tool_calls", (tool_choice, free.choices[0].message)
+        assert calls and {name for name, _ in calls} <= names
+        for name, arguments in calls:
+            parameters = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+            jsonschema.validate(json.loads(arguments), parameters)
+
+
+def test_langchain_structured_output(agent_gateway: RunningGateway) -> None:
+    model = ChatOpenAI(
+        model="tiny-agent", base_url=agent_gateway.base_url + "/v1", api_key="x", max_retries=0, timeout=120
+    )
+    # by function calling: a named tool_choice; by json_schema: response_format
+    for method in ("function_calling", "json_schema"):
+        structured = model.bind(max_tokens=48, temperature=0).with_structured_output(City, method=method)
+        result = structured.invoke("a city")
+        assert isinstance(result, City), (method, result)
+
+
+def test_constrained_requests_are_checked(agent_gateway: RunningGateway) -> None:
+    def post(extra: dict[str, Any]) -> httpx.Response:
+        body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **extra}
+        return httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=60)
+
+    cases = [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": CITY_FORMAT, "tools": TOOLS, "tool_choice": "required"}, "response_format"),
+    ]
+    for extra, param in cases:
+        response = post(extra)
+        assert response.status_code == 400, (extra, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param, (extra, error)
+        check(response.json(), "ErrorResponse")
+
+
+def test_constrained_logprobs_reproduce_with_the_grammar(agent_gateway: RunningGateway, agent_model_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(agent_model_path)
+    model = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
+    eos = end_of_turn_ids(model, tokenizer)
+    vocab = model.config.vocab_size
+    requests = [
+        ({"response_format": CITY_FORMAT}, response_format_constraint(CITY_FORMAT)),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "bash"}}},
+            None,  # built below: it needs the request's tools as the gateway parsed them
+        ),
+    ]
+    masked_somewhere = False
+    for extra, constraint in requests:
+        body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "go"}], "max_tokens": 40, **extra}
+        response = httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        [turn] = _session_turns(agent_gateway, response.headers["x-session-id"])
+        if constraint is None:
+            parsed = ChatCompletionRequest.model_validate(body)
+            constraint = tool_choice_constraint(parsed.tool_choice, parsed.tools, tokenizer, "hermes")
+        assert constraint is not None
+        prompt, output, recorded = turn["prompt_ids"], turn["output_ids"], turn["logprobs"]
+        masks = replay_masks(constraint.grammar, tokenizer, output, eos, vocab)
+        ids = torch.tensor([prompt + output])
+        with torch.inference_mode():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        plain = torch.log_softmax(logits, -1).gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
+        logits = logits.clone()
+        logits[~torch.from_numpy(np.stack(masks))] = float("-inf")
+        constrained = torch.log_softmax(logits, -1).gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
+        # What was recorded is the masked distribution the tokens were drawn from...
+        torch.testing.assert_close(constrained, torch.tensor(recorded), atol=2e-4, rtol=0)
+        # ...which a plain forward pass does not give wherever the grammar ruled something out.
+        masked_somewhere |= bool((plain - constrained).abs().max() > 1e-3)
+    assert masked_somewhere

@@ -1,0 +1,437 @@
+"""The ``vllm-http`` engine in front of real servers: two gateway processes serving ``tiny-agent``
+through vLLM's token-in API (``/v1/completions``), all over sockets.
+
+The front gateway (``--engine vllm-http``) renders chat, parses tool calls and records sessions;
+the upstream processes only sample token ids. What the front records must be as token-exact as
+with an in-process engine: every sampled logprob equals a forward pass of the model over the
+chain. Then the pool: affinity, a server killed mid-stream, servers added and removed at run time
+(admin route and NATS KV bucket), and a client disconnect reaching the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import nats
+import openai
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM
+
+from pipeline.embedded import EmbeddedNatsServer
+from pipeline.events import TurnRecord
+from pipeline.policies import announce_policy
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+from stream_gateway.engines.remote import RemoteEngine
+from stream_gateway.engines.transformers import TransformersEngine
+
+from ..support.agent_loop import READ_TOOL, drive_session
+from ..support.capture import of_session, wait_for
+from ..support.fidelity import assert_chain_logprobs
+from ..support.servers import RunningGateway, free_port, run_gateway, serve_app, wait_healthy
+from ..support.sglang_server import create_sglang_app
+
+ADMIN = "admin-key"
+BUCKET = "SG_TEST_UPSTREAMS"
+
+
+class Upstream:
+    """One ``stream-gateway serve --engine transformers`` process on a fixed port."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"upstream-{self.port}.log"
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--model", str(self.model),
+                   "--served-model-name", "tiny-agent", "--port", str(self.port), "--log-level", "warning"]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
+        with self.log.open("a") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+        wait_healthy(self.process, self.port, log=self.log)
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=60)
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = httpx.get(self.url + "/health", timeout=10).json()
+        return result
+
+
+@pytest.fixture(scope="module")
+def upstreams(agent_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Upstream]]:
+    log_dir = tmp_path_factory.mktemp("upstreams")
+    servers = [Upstream(agent_model_path, log_dir) for _ in range(2)]
+    try:
+        for server in servers:
+            server.start()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def front(
+    upstreams: list[Upstream],
+    agent_model_path: Path,
+    nats_server: EmbeddedNatsServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RunningGateway]:
+    settings = Settings(
+        model=str(agent_model_path),
+        engine="vllm-http",
+        served_model_name="tiny-agent",
+        upstreams=tuple(u.url for u in upstreams),
+        upstream_health_interval_seconds=0.3,
+        upstream_health_timeout_seconds=1.0,
+        admin_api_keys=(ADMIN,),
+        nats_url=nats_server.url,
+        outbox_dir=tmp_path_factory.mktemp("outbox"),
+        upstreams_bucket=BUCKET,
+    )
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference_model(agent_model_path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
+
+
+def _client(front: RunningGateway, session_id: str | None = None) -> OpenAI:
+    base = f"{front.base_url}/sessions/{session_id}/v1" if session_id else f"{front.base_url}/v1"
+    return OpenAI(base_url=base, api_key=ADMIN, max_retries=0, timeout=60)
+
+
+def _served(upstreams: list[Upstream]) -> list[int]:
+    return [int(u.health()["total_requests"]) for u in upstreams]
+
+
+def _admin(front: RunningGateway, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {ADMIN}"}
+    if body is None:
+        response = httpx.get(front.base_url + "/admin/upstreams", headers=headers, timeout=30)
+    else:
+        response = httpx.post(front.base_url + "/admin/upstreams", json=body, headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def _pool(front: RunningGateway) -> RemoteEngine:
+    assert isinstance(front.engine, RemoteEngine)
+    return front.engine
+
+
+def _wait_healthy_in_pool(front: RunningGateway, url: str, healthy: bool = True, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = next((u for u in _admin(front)["data"] if u["url"] == url), None)
+        if entry is not None and entry["healthy"] == healthy:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never became {'healthy' if healthy else 'unhealthy'}: {_admin(front)}")
+
+
+def test_a_tool_loop_through_vllm_http_is_token_exact_and_sticks_to_one_server(
+    front: RunningGateway, upstreams: list[Upstream], reference_model: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "README.md").write_text("The project streams tokens.\n")
+    session_id = f"remote{secrets.token_hex(4)}"
+    before = _served(upstreams)
+    messages = drive_session(
+        _client(front, session_id),
+        "tiny-agent",
+        [{"role": "user", "content": "What does the README say?"}],
+        follow_ups=["Thanks. And again?"],
+        workdir=tmp_path,
+        tools=[READ_TOOL],
+        temperature=1.0,
+        seed=7,
+        max_tokens=64,
+    )
+    assert any(m.get("tool_calls") for m in messages if m["role"] == "assistant"), messages
+    session = httpx.get(f"{front.base_url}/sessions/{session_id}", headers={"authorization": f"Bearer {ADMIN}"}).json()
+    turns = session["turns"]
+    assert len(turns) >= 3
+    assert all(t["finish_reason"] in ("stop", "tool_calls") for t in turns)
+    # One chain: every later turn continues the previous one, reusing its sampled ids (T2).
+    assert [t["parent_id"] for t in turns[1:]] == [t["turn_id"] for t in turns[:-1]]
+    assert all(t["reused_prompt_tokens"] == len(p["prompt_ids"]) + len(p["output_ids"])
+               for p, t in itertools.pairwise(turns))  # fmt: skip
+    (chain,) = session["chains"]
+    assert_chain_logprobs(reference_model, chain["token_ids"], chain["mask"], chain["logprobs"])
+    # Affinity: every turn of the session went to one server.
+    delta = [after - b for after, b in zip(_served(upstreams), before, strict=True)]
+    assert sorted(delta) == [0, len(turns)], delta
+
+
+def test_token_ids_and_logprobs_stream_through_unchanged(front: RunningGateway, upstreams: list[Upstream]) -> None:
+    """The same seeded request straight to an upstream and through the front: identical ids and logprobs."""
+    body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "temperature": 1.0, "seed": 11, "logprobs": True, "top_logprobs": 3, "return_token_ids": True,
+            "extra_body": None}  # fmt: skip
+    body.pop("extra_body")
+    direct = httpx.post(upstreams[0].url + "/v1/chat/completions", json=body, timeout=60).json()
+    via = httpx.post(front.base_url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert via["prompt_token_ids"] == direct["prompt_token_ids"]
+    assert via["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
+    assert via["choices"][0]["message"] == direct["choices"][0]["message"]
+    assert via["choices"][0]["logprobs"] == direct["choices"][0]["logprobs"]  # top alternatives included
+
+
+def test_a_server_killed_mid_stream_ends_the_stream_with_an_error_and_the_next_request_succeeds(
+    front: RunningGateway, upstreams: list[Upstream], nats_server: EmbeddedNatsServer
+) -> None:
+    session_id = f"kill{secrets.token_hex(4)}"
+    client = _client(front, session_id)
+    client.chat.completions.create(model="tiny-agent", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    # The server that served the first turn serves the session's next one too (affinity).
+    before = _served(upstreams)
+    victim: Upstream | None = None
+    stream = client.chat.completions.create(
+        model="tiny-agent", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                                      {"role": "user", "content": "go on"}],
+        stream=True, max_tokens=3000, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    received = 0
+    with pytest.raises(openai.APIError) as failure:
+        for _chunk in stream:
+            received += 1
+            if received == 5:
+                after = _served(upstreams)
+                victim = upstreams[0] if after[0] > before[0] else upstreams[1]
+                victim.kill()
+    assert victim is not None
+    assert "failed while streaming" in str(failure.value.message), failure.value
+    events = of_session(
+        wait_for(nats_server.url, lambda es: any(e.kind == "turn.aborted" for e in of_session(es, session_id))),
+        session_id,
+    )
+    aborted = next(e for e in events if e.kind == "turn.aborted")
+    assert isinstance(aborted, TurnRecord)
+    assert aborted.reason == "engine_error" and victim.url in (aborted.detail or "")  # type: ignore[attr-defined]
+    assert 0 < len(aborted.output_ids) < 3000
+    # The same session's next request goes to the surviving server and succeeds.
+    reply = client.chat.completions.create(
+        model="tiny-agent", messages=[{"role": "user", "content": "hello again"}], max_tokens=4
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    # The killed server comes back at its address and the health checks take it back.
+    victim.start()
+    _wait_healthy_in_pool(front, victim.url)
+
+
+def test_a_client_disconnect_aborts_the_request_on_the_server(front: RunningGateway, upstreams: list[Upstream]) -> None:
+    client = _client(front)
+    stream = client.chat.completions.create(
+        model="tiny-agent", messages=[{"role": "user", "content": f"talk {secrets.token_hex(3)}"}],
+        stream=True, max_tokens=3000, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while any(u.health()["active_requests"] for u in upstreams):
+        assert time.monotonic() < deadline, [u.health() for u in upstreams]
+        time.sleep(0.1)
+    generated = sum(int(u.health()["total_generated_tokens"]) for u in upstreams)
+    time.sleep(0.5)
+    assert sum(int(u.health()["total_generated_tokens"]) for u in upstreams) == generated  # nothing still decoding
+    assert _pool(front).statistics().active_requests == 0
+
+
+def test_a_server_added_at_run_time_takes_traffic_and_a_removed_one_none(
+    front: RunningGateway, upstreams: list[Upstream], agent_model_path: Path, tmp_path: Path
+) -> None:
+    extra = Upstream(agent_model_path, tmp_path)
+    extra.start()
+    try:
+        added = _admin(front, {"add": [extra.url]})
+        assert added["added"] == [extra.url]
+        _wait_healthy_in_pool(front, extra.url)
+
+        async def burst() -> None:
+            client = openai.AsyncOpenAI(base_url=front.base_url + "/v1", api_key=ADMIN, max_retries=0)
+            async with client, anyio.create_task_group() as tg:
+                for i in range(6):
+                    tg.start_soon(lambda i=i: client.chat.completions.create(
+                            model="tiny-agent", messages=[{"role": "user", "content": f"burst {i}"}],
+                            max_tokens=24, extra_body={"ignore_eos": True}))  # fmt: skip
+
+        anyio.run(burst)
+        assert extra.health()["total_requests"] >= 1  # least-outstanding routing used the new server
+        removed = _admin(front, {"remove": [extra.url]})
+        assert removed["removed"] == [extra.url] and extra.url not in [u["url"] for u in removed["data"]]
+        served = extra.health()["total_requests"]
+        anyio.run(burst)
+        assert extra.health()["total_requests"] == served
+    finally:
+        extra.stop()
+
+
+def test_servers_follow_a_nats_kv_bucket(
+    front: RunningGateway, agent_model_path: Path, nats_server: EmbeddedNatsServer, tmp_path: Path
+) -> None:
+    extra = Upstream(agent_model_path, tmp_path)
+    extra.start()
+
+    async def put(value: str | None) -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            kv = await nc.jetstream().create_key_value(bucket=BUCKET)
+            if value is None:
+                await kv.delete("rollout-0")
+            else:
+                await kv.put("rollout-0", value.encode())
+        finally:
+            await nc.close()
+
+    try:
+        anyio.run(put, extra.url)
+        _wait_healthy_in_pool(front, extra.url)
+        anyio.run(put, None)
+        deadline = time.monotonic() + 20
+        while extra.url in [u["url"] for u in _admin(front)["data"]]:
+            assert time.monotonic() < deadline, "the deleted key's server stayed in the pool"
+            time.sleep(0.1)
+    finally:
+        extra.stop()
+
+
+def test_admin_routes_need_an_admin_key_and_valid_addresses(front: RunningGateway) -> None:
+    response = httpx.post(front.base_url + "/admin/upstreams", json={"add": ["http://127.0.0.1:1"]},
+                          headers={"authorization": "Bearer someone"})  # fmt: skip
+    assert response.status_code == 403 and response.json()["error"]["code"] == "permission_denied"
+    response = httpx.post(front.base_url + "/admin/upstreams", json={"add": ["ftp://x"]},
+                          headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
+    assert response.status_code == 400 and "not an http(s) server address" in response.json()["error"]["message"]
+    response = httpx.post(front.base_url + "/admin/upstreams", json={"add": "http://x"},
+                          headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
+    assert response.status_code == 400
+
+
+def test_no_healthy_server_is_a_503_not_a_hang(agent_model_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    settings = Settings(model=str(agent_model_path), engine="vllm-http", served_model_name="tiny-agent",
+                        upstreams=(f"http://127.0.0.1:{port}",), upstream_health_interval_seconds=0.2)  # fmt: skip
+    with run_gateway(build_engine(settings), settings) as running:
+        health = httpx.get(running.base_url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["upstreams"][0]["healthy"] is False
+        body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "hi"}]}
+        response = httpx.post(running.base_url + "/v1/chat/completions", timeout=30, json=body)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "engine_unavailable"
+        assert "No healthy inference server" in response.json()["error"]["message"]
+
+
+# -- sglang-http, against a server speaking SGLang's /generate protocol (tests/support/sglang_server.py)
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative-frames", "incremental-frames"])
+def test_sglang_http_streams_token_exact_turns(agent_model_path: Path, reference_model: Any, incremental: bool) -> None:
+    upstream_engine = TransformersEngine(agent_model_path, served_model_name="tiny-agent")
+    with serve_app(create_sglang_app(upstream_engine, incremental=incremental)) as url:
+        settings = Settings(model=str(agent_model_path), engine="sglang-http", served_model_name="tiny-agent",
+                            upstreams=(url,))  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as running:
+            session_id = f"sgl{secrets.token_hex(4)}"
+            client = _client(running, session_id)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "What does the README say?"}]
+            stream = client.chat.completions.create(model="tiny-agent", messages=messages, tools=[READ_TOOL],  # type: ignore[list-item]
+                                                    stream=True, max_tokens=48, temperature=1.0, seed=5,
+                                                    logprobs=True, top_logprobs=2)  # fmt: skip
+            chunks = list(stream)
+            calls = [d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []]
+            assert calls and calls[0].function is not None and calls[0].function.name == "read"
+            tops = [
+                e.top_logprobs
+                for c in chunks
+                for ch in c.choices
+                for e in (ch.logprobs.content if ch.logprobs else None) or []
+            ]
+            assert tops and all(len(t) == 2 for t in tops)
+            auth = {"authorization": f"Bearer {ADMIN}"}
+            session = httpx.get(f"{running.base_url}/sessions/{session_id}", headers=auth).json()
+            (turn,) = session["turns"]
+            assert turn["finish_reason"] == "tool_calls"
+            (chain,) = session["chains"]
+            assert_chain_logprobs(reference_model, chain["token_ids"], chain["mask"], chain["logprobs"])
+            assert turn["policy_version"] == 0  # "default" is no number: the pool's version
+            # A numeric weight_version (set with the weights) labels the tokens from then on.
+            httpx.post(url + "/update_weights_from_disk", json={"model_path": "x", "weight_version": "7"})
+            client.chat.completions.create(
+                model="tiny-agent", messages=[{"role": "user", "content": "yo"}], max_tokens=3
+            )
+            turns = httpx.get(f"{running.base_url}/sessions/{session_id}", headers=auth).json()["turns"]
+            assert turns[-1]["policy_version"] == 7 and turns[-1]["policy_versions"] == [[7, 0]]
+
+
+def test_sglang_http_reports_an_aborted_request_as_an_error(agent_model_path: Path) -> None:
+    upstream_engine = TransformersEngine(agent_model_path, served_model_name="tiny-agent")
+    with serve_app(create_sglang_app(upstream_engine, abort_after=3)) as url:
+        settings = Settings(model=str(agent_model_path), engine="sglang-http", served_model_name="tiny-agent",
+                            upstreams=(url,))  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as running:
+            stream = _client(running).chat.completions.create(
+                model="tiny-agent", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=50,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            with pytest.raises(openai.APIError, match="aborted the request"):
+                list(stream)
+
+
+def test_a_remote_pool_follows_announced_versions_and_reported_ones(
+    upstreams: list[Upstream], agent_model_path: Path, tmp_path: Path
+) -> None:
+    """``announce_policy`` moves a vllm-http gateway's version without any weights; a server that
+    reports versions per chunk (a stream-gateway upstream) still labels its own tokens."""
+    with EmbeddedNatsServer() as server:
+        settings = Settings(model=str(agent_model_path), engine="vllm-http", served_model_name="tiny-agent",
+                            upstreams=(upstreams[0].url,), nats_url=server.url, outbox_dir=tmp_path)  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as running:
+
+            async def announce() -> None:
+                nc = await nats.connect(server.url)
+                try:
+                    await announce_policy(nc, 41, weights="verl step 41")
+                finally:
+                    await nc.close()
+
+            anyio.run(announce)
+            deadline = time.monotonic() + 30
+            while running.health()["policy_version"] != 41:
+                assert time.monotonic() < deadline, running.health()
+                time.sleep(0.1)
+            session_id = f"ver{secrets.token_hex(4)}"
+            _client(running, session_id).chat.completions.create(
+                model="tiny-agent", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+            auth = {"authorization": f"Bearer {ADMIN}"}
+            (turn,) = httpx.get(f"{running.base_url}/sessions/{session_id}", headers=auth).json()["turns"]
+            assert turn["policy_version"] == 0 and turn["policy_versions"] == [[0, 0]]  # the upstream's weight_versions

@@ -1,0 +1,213 @@
+"""vLLM's token-in API on the gateway: ``POST /v1/completions`` with token-id prompts.
+
+Driven with the official ``openai`` client (its ``completions`` resource, an unmodified
+third-party token-in client; vLLM's extensions go in ``extra_body`` and come back as extra
+fields) and raw httpx for the wire shapes. The expected field sets are vLLM's own response
+models (see ``VLLM_*`` below and ``docs/http-api.md``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM
+
+from ..support.fidelity import assert_chain_logprobs
+from ..support.servers import RunningGateway
+
+# vLLM's response models and how it writes them, field by field: vLLM 0.33.0 (the PyPI wheel,
+# commit g4ba787ec9), vllm/entrypoints/openai/completion/{protocol,serving}.py. Streamed chunks are
+# ``model_dump_json(exclude_unset=True)`` of models built with these keys set (null when not asked
+# for); the usage chunk drops nulls; non-streamed bodies are ``model_dump()``: every field, nulls
+# included. The same sets are asserted exactly here.
+VLLM_STREAM_RESPONSE = {"id", "object", "created", "model", "choices", "kv_transfer_params"}
+VLLM_STREAM_CHOICE = {
+    "index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids", "weight_versions",
+}  # fmt: skip
+VLLM_USAGE_CHUNK = {"id", "object", "created", "model", "choices", "usage"}
+VLLM_RESPONSE = {
+    "id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+    "kv_transfer_params", "ec_transfer_params", "metrics",
+}  # fmt: skip
+VLLM_CHOICE = {
+    "index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_logprobs", "prompt_token_ids",
+    "routed_experts", "weight_versions",
+}  # fmt: skip
+VLLM_LOGPROBS = {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def _post(gateway: RunningGateway, body: dict[str, Any], path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(gateway.base_url + path, json=body, timeout=60)
+
+
+def _frames(response: httpx.Response) -> list[dict[str, Any]]:
+    frames = []
+    for line in response.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            frames.append(orjson.loads(line[6:]))
+    assert response.text.rstrip().endswith("data: [DONE]")
+    return frames
+
+
+def test_the_openai_client_completes_a_token_prompt_with_ids_and_logprobs(client: OpenAI, reference_model: Any) -> None:
+    prompt = [1, 85, 741, 201, 1462, 941]
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=3, logprobs=2,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    extra = choice.model_extra or {}
+    assert extra["prompt_token_ids"] == prompt
+    ids = extra["token_ids"]
+    assert len(ids) == reply.usage.completion_tokens == 8 and reply.usage.prompt_tokens == len(prompt)  # type: ignore[union-attr]
+    assert choice.logprobs is not None and len(choice.logprobs.token_logprobs or []) == 8
+    assert all(len(top) == 3 or len(top) == 2 for top in choice.logprobs.top_logprobs or [])
+    # The recorded logprobs are those of a forward pass (temperature 1: the model's own distribution).
+    mask = [0] * len(prompt) + [1] * len(ids)
+    assert_chain_logprobs(
+        reference_model, prompt + ids, mask, [0.0] * len(prompt) + list(choice.logprobs.token_logprobs or [])
+    )
+    assert (
+        choice.text
+        == client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=3).choices[0].text
+    )  # seeded: the same text, with or without the extras
+
+
+def test_streamed_chunks_have_vllms_fields_and_add_up_to_the_whole(gateway: RunningGateway) -> None:
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 10, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    frames = _frames(_post(gateway, body))
+    *chunks, usage = frames
+    assert set(usage) == VLLM_USAGE_CHUNK
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    for chunk in chunks:
+        assert set(chunk) == VLLM_STREAM_RESPONSE
+        assert chunk["object"] == "text_completion"
+        (choice,) = chunk["choices"]
+        assert set(choice) == VLLM_STREAM_CHOICE, set(choice) ^ VLLM_STREAM_CHOICE
+        assert set(choice["logprobs"]) == VLLM_LOGPROBS
+        assert (
+            len(choice["token_ids"]) == len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["token_logprobs"])
+        )
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
+    streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    whole = _post(gateway, {**body, "stream": False, "stream_options": None}).json()
+    assert set(whole) == VLLM_RESPONSE
+    assert set(whole["choices"][0]) == VLLM_CHOICE
+    assert whole["choices"][0]["token_ids"] == streamed  # greedy: the same ids either way
+    assert whole["choices"][0]["text"] == "".join(c["choices"][0]["text"] for c in chunks)
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # vLLM's running sum
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["weight_versions"] is None for c in chunks)  # not asked for
+    assert whole["usage"]["prompt_tokens_details"] is None and whole["choices"][0]["routed_experts"] is None
+    plain = _frames(_post(gateway, {**body, "return_token_ids": False, "logprobs": None}))[:-1]
+    assert all(c["choices"][0]["token_ids"] is None and c["choices"][0]["logprobs"] is None for c in plain)
+
+
+def test_weight_versions_say_which_weights_sampled_which_tokens(gateway: RunningGateway) -> None:
+    """vLLM's ``return_weight_versions``: spans on each choice's last chunk, and on whole choices."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "n": 2, "return_weight_versions": True,
+            "stream": True}  # fmt: skip
+    chunks = _frames(_post(gateway, body))
+    version = str(gateway.health()["policy_version"])
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert all(c["weight_versions"] is None for c in mine[:-1])
+        assert mine[-1]["weight_versions"] == [{"version": version, "start": 0, "end": 6}]
+    whole = _post(gateway, {**body, "stream": False}).json()
+    assert [c["weight_versions"] for c in whole["choices"]] == [[{"version": version, "start": 0, "end": 6}]] * 2
+
+
+def test_tokens_as_token_ids_and_string_and_batched_prompts(gateway: RunningGateway) -> None:
+    body = {"model": "tiny", "prompt": [[9, 10, 11], [12, 13]], "n": 2, "max_tokens": 3, "logprobs": 2,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    reply = _post(gateway, body).json()
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]  # prompt i's choices are i*n .. i*n+n-1
+    assert [c["prompt_token_ids"] for c in reply["choices"]] == [[9, 10, 11]] * 2 + [[12, 13]] * 2
+    assert reply["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 12,
+        "total_tokens": 17,
+        "prompt_tokens_details": None,
+    }
+    for choice in reply["choices"]:
+        tokens = choice["logprobs"]["tokens"]
+        assert tokens == [f"token_id:{t}" for t in choice["token_ids"]]
+        for sampled, top in zip(tokens, choice["logprobs"]["top_logprobs"], strict=True):
+            assert sampled in top and all(k.startswith("token_id:") for k in top)
+        # Offsets count the ``token_id:N`` strings, as vLLM's do.
+        assert choice["logprobs"]["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    tokenizer = gateway.engine.tokenizer
+    texts = _post(gateway, {"model": "tiny", "prompt": ["hello there", "bye"], "max_tokens": 2,
+                            "return_token_ids": True}).json()  # fmt: skip
+    assert [c["prompt_token_ids"] for c in texts["choices"]] == [
+        tokenizer.encode("hello there"),
+        tokenizer.encode("bye"),
+    ]
+    mixed = _post(gateway, {"model": "tiny", "prompt": ["hello", [1, 2]]})
+    assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
+
+
+def test_a_prompt_extending_a_turn_continues_its_session(gateway: RunningGateway) -> None:
+    """Token-in turns chain by exact id prefix, within a named session or found automatically."""
+    prompt = [3, 1, 4, 1, 5, secrets.randbelow(1000) + 20, 9, 2, 6]
+    first = _post(gateway, {"model": "tiny", "prompt": prompt, "max_tokens": 4, "return_token_ids": True})
+    session_id = first.headers["x-session-id"]
+    output = first.json()["choices"][0]["token_ids"]
+    follow = prompt + output + [7, 7, 7]
+    second = _post(gateway, {"model": "tiny", "prompt": follow, "max_tokens": 4, "return_token_ids": True})
+    assert second.headers["x-session-id"] == session_id  # found by prefix, no session id given
+    unrelated = _post(gateway, {"model": "tiny", "prompt": [*prompt[:-1], 8, 8], "max_tokens": 2})
+    assert unrelated.headers["x-session-id"] != session_id
+    turns = httpx.get(f"{gateway.base_url}/sessions/{session_id}").json()["turns"]
+    assert [t["parent_id"] for t in turns] == [None, turns[0]["turn_id"]]
+    assert turns[1]["reused_prompt_tokens"] == len(prompt) + len(output)
+    assert turns[1]["prompt_ids"] == follow
+    # Within a named session, the same rule.
+    named = f"tok{secrets.token_hex(4)}"
+    path = f"/sessions/{named}/v1/completions"
+    a = _post(gateway, {"model": "tiny", "prompt": prompt, "max_tokens": 3, "return_token_ids": True}, path).json()
+    # vLLM's own request field ``session_id`` names the session too.
+    follow_up = {"model": "tiny", "prompt": prompt + a["choices"][0]["token_ids"] + [1], "max_tokens": 2}
+    assert _post(gateway, {**follow_up, "session_id": named}).headers["x-session-id"] == named
+    named_turns = httpx.get(f"{gateway.base_url}/sessions/{named}").json()["turns"]
+    assert named_turns[1]["parent_id"] == named_turns[0]["turn_id"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        ({"prompt": [1, 2], "echo": True}, 400, "echo", "unsupported_parameter"),
+        ({"prompt": [1, 10**9]}, 400, "prompt", None),
+        ({"prompt": []}, 400, "prompt", None),
+        ({"prompt": [1, 2], "max_tokens": 10**6}, 400, "max_tokens", "context_length_exceeded"),
+        ({"prompt": [1, 2], "logprobs": 21}, 400, "logprobs", None),
+        ({"prompt": [1, 2], "model": "other"}, 404, "model", "model_not_found"),
+        ({"prompt": [1, 2], "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
+        ({"prompt": [1, 2], "bogus": 1}, 400, "bogus", None),
+        ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ],
+)
+def test_bad_token_in_requests_get_openai_errors(
+    gateway: RunningGateway, body: dict[str, Any], status: int, param: str, code: str | None
+) -> None:
+    response = _post(gateway, {"model": "tiny", **body})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == code, error

@@ -1,0 +1,90 @@
+"""A gateway capturing into a real nats-server, and reading back what reached JetStream.
+
+``capture_settings`` and ``capture_gateway`` are fixtures, offered to every test by ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from pipeline.connection import NatsAuth, connect
+from pipeline.embedded import EmbeddedNatsServer
+from pipeline.events import Event
+from pipeline.subscriber import decode_message
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+
+from .servers import RunningGateway, run_gateway
+
+KEY = "sk-capture"
+
+
+def read_stream(url: str, stream: str = "SG_EVENTS", auth: NatsAuth | None = None) -> list[tuple[str, Event]]:
+    """Every message of the events stream, in stream order, as (subject, decoded event)."""
+
+    async def fetch() -> list[tuple[str, Event]]:
+        nc = await connect(url, auth, max_reconnect_attempts=2, reconnect_time_wait=0.2)
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(stream)
+            out: list[tuple[str, Event]] = []
+            if not info.state.messages:
+                return out
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                msg = await js.get_msg(stream, seq)
+                out.append((msg.subject, await decode_message(msg, js)))  # type: ignore[arg-type]
+            return out
+        finally:
+            await nc.close()
+
+    return anyio.run(fetch)
+
+
+def wait_for(url: str, done: Callable[[list[Event]], bool], timeout: float = 60.0) -> list[Event]:
+    """Poll the stream until ``done(events)``; fail with what arrived if it never is."""
+    deadline = time.monotonic() + timeout
+    events: list[Event] = []
+    while time.monotonic() < deadline:
+        try:
+            events = [e for _, e in read_stream(url)]
+        except Exception:  # the stream may not exist yet
+            events = []
+        if done(events):
+            return events
+        time.sleep(0.2)
+    raise AssertionError(f"stream never complete: {Counter(e.kind for e in events)}")
+
+
+def of_session(events: list[Event], session_id: str) -> list[Event]:
+    return [e for e in events if e.session_id == session_id]
+
+
+@pytest.fixture
+def capture_settings(tiny_model_path: Path, tmp_path: Path) -> Callable[..., Settings]:
+    def make(url: str, **overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "model": str(tiny_model_path),
+            "served_model_name": "tiny",
+            "nats_url": url,
+            "outbox_dir": tmp_path / "outbox",
+            **overrides,
+        }
+        return Settings(**values)
+
+    return make
+
+
+@pytest.fixture
+def capture_gateway(
+    nats_server: EmbeddedNatsServer, capture_settings: Callable[..., Settings]
+) -> Iterator[RunningGateway]:
+    settings = capture_settings(nats_server.url, delta_tokens=8, delta_interval_ms=60_000)
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running

@@ -1,0 +1,259 @@
+"""The event models: wire round trips, validation, prompts by reference, tenants and subject tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from pipeline import events
+from pipeline.events import (
+    DURABLE_KINDS,
+    EVENT_TYPES,
+    Event,
+    FeedbackRecorded,
+    TurnAborted,
+    TurnCompleted,
+    TurnRecord,
+    decode_event,
+    encode_event,
+    event_json_schemas,
+    full_prompt_ids,
+    new_event_id,
+    subject_token,
+    tenant_id,
+)
+
+from ..support.events import SAMPLING, one_of_each, turn_completed
+
+_SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def test_public_names() -> None:
+    assert set(events.__all__) == {
+        "DURABLE_KINDS",
+        "EVENT_TYPES",
+        "SCHEMA_VERSION",
+        "AnyEvent",
+        "Event",
+        "FeedbackRecorded",
+        "PolicyApplied",
+        "PolicyObject",
+        "PolicyRejected",
+        "PolicyUpdated",
+        "SamplingRecord",
+        "SessionClosed",
+        "SessionOpened",
+        "ToolCallRecord",
+        "TurnAborted",
+        "TurnCompleted",
+        "TurnDelta",
+        "TurnRecord",
+        "TurnStarted",
+        "Usage",
+        "decode_event",
+        "encode_event",
+        "event_json_schemas",
+        "full_prompt_ids",
+        "new_event_id",
+        "subject_token",
+        "tenant_id",
+    }
+
+
+def test_samples_cover_every_kind() -> None:
+    kinds = [e.kind for e in one_of_each()]
+    assert sorted(kinds) == sorted(t.model_fields["kind"].default for t in EVENT_TYPES)
+    assert set(event_json_schemas()) == set(kinds)
+
+
+@pytest.mark.parametrize("event", one_of_each(), ids=lambda e: e.kind)
+def test_every_kind_round_trips(event: Event) -> None:
+    data = encode_event(event)
+    assert isinstance(data, bytes)
+    decoded = decode_event(data)
+    assert type(decoded) is type(event)
+    assert decoded == event
+    assert decode_event(data.decode()) == event
+    # The wire form is plain JSON: any JSON library reads it.
+    assert json.loads(data)["kind"] == event.kind
+    assert json.loads(data)["schema_version"] == 3
+
+
+@pytest.mark.parametrize("event", one_of_each(), ids=lambda e: e.kind)
+def test_model_construct_encodes_like_a_validated_event(event: Event) -> None:
+    """The gateway builds events without validation; the bytes must not differ."""
+    fields = {name: getattr(event, name) for name in type(event).model_fields}
+    assert encode_event(type(event).model_construct(**fields)) == encode_event(event)
+
+
+def test_events_are_frozen() -> None:
+    event = one_of_each()[0]
+    with pytest.raises(ValidationError):
+        event.seq = 9
+
+
+_DROP = object()
+
+
+def _wire(event: Event, **changes: Any) -> bytes:
+    data = orjson.loads(encode_event(event))
+    data.update(changes)
+    return orjson.dumps({k: v for k, v in data.items() if v is not _DROP})
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"kind": "turn.exploded"}, "kind"),
+        ({"schema_version": 4}, "schema_version"),
+        ({"seq": -1}, "seq"),
+        ({"policy_version": "latest"}, "policy_version"),
+        ({"event_id": _DROP}, "event_id"),
+        ({"surprise": 1}, "surprise"),
+        ({"finish_reason": "error"}, "finish_reason"),
+        ({"output_ids": ["a"]}, "output_ids"),
+        ({"usage": {"prompt_tokens": 1}}, "completion_tokens"),
+        ({"tool_calls": [{"id": "c", "name": "read"}]}, "arguments"),
+        ({"sampling": {**SAMPLING.model_dump(), "typical_p": 0.5}}, "typical_p"),
+        ({"policy_versions": [[3, 1]]}, "policy_versions"),  # does not start at the first output id
+        ({"policy_versions": [[3, 0], [4, 3]]}, "policy_versions"),  # past the 3 output ids
+        ({"policy_versions": [[4, 0], [3, 1]]}, "policy_versions"),  # versions go down
+        ({"policy_versions": _DROP}, "policy_versions"),  # schema 2 must carry them
+    ],
+)
+def test_bad_payloads_raise_validation_error(changes: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValidationError, match=problem):
+        decode_event(_wire(turn_completed(), **changes))
+
+
+def test_per_token_policy_versions_expand_from_spans() -> None:
+    turn = turn_completed(output_ids=[7, 8, 9, 10])
+    assert turn.policy_versions == [(3, 0), (4, 1)]
+    assert turn.token_policy_versions() == [3, 4, 4, 4]
+
+
+def test_a_schema_1_turn_decodes_with_one_span() -> None:
+    """Events written before per-token versions read as sampled wholly by their policy_version."""
+    old = _wire(turn_completed(), schema_version=1, policy_versions=_DROP)
+    decoded = decode_event(old)
+    assert isinstance(decoded, TurnCompleted)
+    assert decoded.policy_versions == [(3, 0)]
+    assert decoded.token_policy_versions() == [3, 3, 3]
+
+
+@pytest.mark.parametrize("data", [b"", b"not json", b"[]", b'{"kind": "session.opened"}', b"null"])
+def test_garbage_raises_validation_error(data: bytes) -> None:
+    with pytest.raises(ValidationError):
+        decode_event(data)
+
+
+def test_feedback_score_must_be_finite() -> None:
+    base = one_of_each()[-2]
+    assert isinstance(base, FeedbackRecorded)
+    for score in (float("nan"), float("inf")):
+        with pytest.raises(ValidationError, match="score"):
+            FeedbackRecorded.model_validate({**base.model_dump(), "score": score})
+
+
+def test_durable_kinds_are_everything_but_deltas() -> None:
+    all_kinds = {t.model_fields["kind"].default for t in EVENT_TYPES}
+    assert all_kinds - DURABLE_KINDS == {"turn.delta"}
+    assert len(all_kinds) == 10
+    durable = {"session.opened", "session.closed", "turn.started", "turn.completed", "turn.aborted"}
+    policy = {"policy.updated", "policy.applied", "policy.rejected"}
+    assert durable | {"feedback.recorded"} | policy == DURABLE_KINDS
+    for event in one_of_each():
+        assert event.durable == (event.kind != "turn.delta")
+
+
+# -- prompts by reference ----------------------------------------------------------------------
+
+
+def test_full_prompt_ids_of_a_root_is_its_prompt() -> None:
+    root = turn_completed(prompt_ids=[5, 6, 7])
+    assert full_prompt_ids(root, None) == [5, 6, 7]
+    assert full_prompt_ids(root, [1, 2]) == [5, 6, 7]  # a root needs nothing from a parent
+
+
+def test_full_prompt_ids_resolves_a_chain_of_turns() -> None:
+    """Each turn's prompt is its parent's prompt + output, then what it appends."""
+    root = turn_completed(turn_id="t1", prompt_ids=[1, 2, 3], output_ids=[10, 11])
+    child = turn_completed(turn_id="t2", parent_turn_id="t1", reused=5, prompt_ids=[4], output_ids=[12])
+    grandchild = turn_completed(turn_id="t3", parent_turn_id="t2", reused=7, prompt_ids=[5, 6], output_ids=[13])
+
+    full: dict[str, list[int]] = {}  # turn id -> its prompt + output, what a child reuses
+    for turn in (root, child, grandchild):
+        parent = None if turn.parent_turn_id is None else full[turn.parent_turn_id]
+        prompt = full_prompt_ids(turn, parent)
+        full[turn.turn_id] = [*prompt, *turn.output_ids]
+
+    assert full_prompt_ids(child, full["t1"]) == [1, 2, 3, 10, 11, 4]
+    assert full_prompt_ids(grandchild, full["t2"]) == [1, 2, 3, 10, 11, 4, 12, 5, 6]
+
+
+@pytest.mark.parametrize("parent", [None, [1, 2, 3, 10], [1, 2, 3, 10, 11, 99]])
+def test_full_prompt_ids_rejects_a_missing_or_mismatched_parent(parent: list[int] | None) -> None:
+    child = turn_completed(turn_id="t2", parent_turn_id="t1", reused=5, prompt_ids=[4])
+    with pytest.raises(ValueError, match="t2 reuses 5 ids of t1"):
+        full_prompt_ids(child, parent)
+
+
+def test_turn_records_share_their_fields() -> None:
+    assert issubclass(TurnCompleted, TurnRecord)
+    assert issubclass(TurnAborted, TurnRecord)
+    assert set(TurnCompleted.model_fields) - set(TurnAborted.model_fields) == {"finish_reason"}
+    assert set(TurnAborted.model_fields) - set(TurnCompleted.model_fields) == {"reason", "detail"}
+
+
+# -- tenants, subject tokens, ids --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["sk-test", "sk-" + "x" * 60, "key with spaces", "ключ", "sk.a.b>*"])
+def test_tenant_never_contains_the_key(key: str) -> None:
+    tenant = tenant_id(key)
+    assert key not in tenant
+    assert re.fullmatch(r"t[0-9a-f]{16}", tenant)
+    assert tenant_id(key) == tenant  # stable across calls and processes
+    assert subject_token(tenant) == tenant  # usable in a subject as is
+    session = one_of_each(tenant=tenant)[0]
+    assert key.encode() not in encode_event(session)
+
+
+def test_tenants_of_different_keys_differ_and_no_key_is_anonymous() -> None:
+    assert tenant_id("sk-a") != tenant_id("sk-b")
+    assert tenant_id(None) == tenant_id("") == tenant_id("anonymous") == "anonymous"
+
+
+@pytest.mark.parametrize("value", ["sess-1", "abc_DEF-123", "x" * 64, "42"])
+def test_safe_session_ids_are_their_own_subject_token(value: str) -> None:
+    assert subject_token(value) == value
+
+
+@pytest.mark.parametrize(
+    "value", ["", "a.b", "a b", "*", ">", "sess>", "x" * 65, "user@example.com", "séance", "a\tb", "a/b"]
+)
+def test_unsafe_session_ids_become_a_stable_digest(value: str) -> None:
+    token = subject_token(value)
+    assert re.fullmatch(r"h[0-9a-f]{24}", token)
+    assert _SAFE_TOKEN.fullmatch(token)
+    assert subject_token(value) == token
+    assert subject_token(value + "!") != token
+
+
+def test_event_ids_are_unique_and_subject_safe() -> None:
+    ids = {new_event_id() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    assert all(re.fullmatch(r"ev[0-9a-f]{24}", i) for i in ids)
+
+
+def test_json_schemas_are_keyed_by_kind_and_pin_it() -> None:
+    schemas = event_json_schemas()
+    for kind, schema in schemas.items():
+        assert schema["properties"]["kind"]["const"] == kind
+        assert schema["additionalProperties"] is False
+        assert {"event_id", "kind", "schema_version", "tenant", "session_id", "seq"} <= set(schema["required"])

@@ -1,0 +1,138 @@
+"""The packages export what we mean them to, and the dependency direction holds."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import consumers
+import pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pipeline_exports() -> None:
+    assert pipeline.__all__ == sorted(pipeline.__all__)
+    assert {"EventPublisher", "EmbeddedNatsServer", "TurnCompleted", "decode_event", "encode_event"} <= set(
+        pipeline.__all__
+    )
+    assert all(hasattr(pipeline, name) for name in pipeline.__all__)
+
+
+def test_consumers_exports() -> None:
+    assert consumers.__all__ == sorted(consumers.__all__)
+    assert {"Trajectory", "AssemblerConfig", "BatcherConfig", "run_assembler", "run_batcher"} <= set(consumers.__all__)
+    with warnings.catch_warnings():  # StreamCheckpointManager imports verl, which imports ray's deprecated API
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert all(hasattr(consumers, name) for name in consumers.__all__)
+
+
+def test_importing_consumers_does_not_import_verl() -> None:
+    """``StreamCheckpointManager`` is exported lazily: verl and ray take seconds to import."""
+    code = "import sys, consumers; print(sorted(m for m in ('ray', 'torch', 'verl') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "[]"
+
+
+def _imports(package: str) -> set[str]:
+    found = set()
+    for path in (ROOT / package).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
+
+
+def test_dependency_direction() -> None:
+    """``stream_gateway -> pipeline <- consumers`` (docs/architecture.md); only the CLI composes them all."""
+    assert not {"stream_gateway", "consumers"} & _imports("pipeline")
+    assert "stream_gateway" not in _imports("consumers")
+    gateway_modules = [p for p in (ROOT / "stream_gateway").rglob("*.py") if p.name != "cli.py"]
+    for path in gateway_modules:
+        tree = ast.parse(path.read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+        assert not any(m.startswith("consumers") for m in modules), path
+
+
+# -- stream_gateway's surface, the underscore rule and the import graph ------------------------------
+
+GATEWAY_PACKAGES = [
+    "stream_gateway",
+    "stream_gateway.capture",
+    "stream_gateway.completion",
+    "stream_gateway.control",
+    "stream_gateway.engines",
+    "stream_gateway.http",
+    "stream_gateway.models",
+    "stream_gateway.protocols",
+    "stream_gateway.sessions",
+]
+
+
+def test_every_package_init_is_its_whole_public_surface() -> None:
+    """Each ``__init__``'s ``__all__`` is sorted, names what exists, and leaves out nothing it binds."""
+    import importlib
+    import types
+
+    for name in GATEWAY_PACKAGES + ["pipeline", "consumers"]:
+        package = importlib.import_module(name)
+        exported = package.__all__
+        assert exported == sorted(exported), name
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            assert all(hasattr(package, n) for n in exported), name
+        tree = ast.parse(Path(package.__file__).read_text())
+        bound = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module not in ("__future__", "typing"):
+                bound.update(alias.asname or alias.name for alias in node.names)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                bound.add(node.name)
+        public = {
+            n for n in bound if not n.startswith("_") and not isinstance(getattr(package, n, None), types.ModuleType)
+        }
+        assert public <= set(exported), (name, sorted(public - set(exported)))
+
+
+def _private_owner(module: str) -> str | None:
+    """The package a private module belongs to (``a.b._c.d`` -> ``a.b``), ``None`` if it is public."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def test_private_modules_are_imported_only_inside_their_package() -> None:
+    """httpx's rule: ``pkg._mod`` is imported only from inside ``pkg`` (tests, white-box, may)."""
+    offenders = []
+    for top in ("stream_gateway", "pipeline", "consumers", "stream_stack", "benchmarks", "examples", "scripts"):
+        for path in (ROOT / top).rglob("*.py"):
+            here = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets: list[str] = []
+                if isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+                for target in targets:
+                    if target.split(".")[0] not in ("stream_gateway", "pipeline", "consumers", "stream_stack"):
+                        continue  # a script's own helpers (benchmarks/_procs.py and the like)
+                    owner = _private_owner(target)
+                    if owner is not None and owner and not (here + ".").startswith(owner + "."):
+                        offenders.append(f"{here} imports {target}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_stream_gateway_has_no_import_circle() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import import_graph
+    finally:
+        sys.path.pop(0)
+    assert import_graph.circles(import_graph.import_graph("stream_gateway")) == []
