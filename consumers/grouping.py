@@ -11,12 +11,12 @@ Policies, checked in this order except that a too-long *response* is judged afte
 * **staleness**: dropped when ``min_policy_version < current - max_staleness``, ``current`` being
   the highest of the latest ``policy.updated`` event (:meth:`GroupPlanner.note_policy`) and the
   highest ``max_policy_version`` seen in a trajectory (:meth:`GroupPlanner.note_trajectory`);
-* **malformed**: ids, mask and logprobs of different lengths, a mask value other than 0/1, or a
-  sampled id inside the first prompt (which verl's layout would lose): dropped, so that a batch
-  never fails to build in the trainer;
+* **malformed**: ids, mask, logprobs and reasoning mask of different lengths, a mask value other
+  than 0/1, a sampled id inside the first prompt (which verl's layout would lose), or thinking
+  marked on an id that was not sampled: dropped, so that a batch never fails to build in the trainer;
 * **length**: a prompt over ``prompt_length`` is dropped; a response over ``response_length`` is
-  cut there (``overlong="truncate"``: ids, mask and logprobs cut, turns clipped, marked
-  ``truncated``) or dropped (``"drop"``); an empty prompt or response is dropped (verl needs both);
+  cut there (``overlong="truncate"``: ids, masks and logprobs cut, turns clipped (their thinking
+  too), marked ``truncated``) or dropped (``"drop"``); an empty prompt or response is dropped (verl needs both);
 * **reward**: a trajectory without one is dropped (``no_reward="drop"``) or gets 0.0 (``"zero"``).
 
 Groups: a trajectory's group is its :func:`~consumers.verl_batch.group_uid` by ``group_key``; a
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .trajectory import Trajectory
+from .trajectory import Trajectory, TurnSummary
 
 __all__ = [
     "Admission",
@@ -98,13 +98,7 @@ def prepare_trajectory(
 
     Staleness is not decided here: it depends on the planner's view of the current policy.
     """
-    ids, mask = trajectory.token_ids, trajectory.loss_mask
-    if (
-        len(ids) != len(mask)
-        or len(ids) != len(trajectory.logprobs)
-        or any(m not in (0, 1) for m in mask)
-        or any(mask[: trajectory.prompt_length])
-    ):
+    if _malformed(trajectory):
         return "malformed"
     if not 0 < trajectory.prompt_length <= prompt_length or trajectory.response_length <= 0:
         return "length"
@@ -116,22 +110,39 @@ def prepare_trajectory(
         if overlong == "drop":
             return "length"
         cut = trajectory.prompt_length + response_length
-        turns = [
-            turn.model_copy(update={"length": min(turn.length, cut - turn.start)})
-            for turn in trajectory.turns
-            if turn.start < cut
-        ]
+        turns = [_clip_turn(turn, cut - turn.start) for turn in trajectory.turns if turn.start < cut]
         trajectory = trajectory.model_copy(
             update={
                 "token_ids": trajectory.token_ids[:cut],
                 "loss_mask": trajectory.loss_mask[:cut],
                 "logprobs": trajectory.logprobs[:cut],
+                "reasoning_mask": trajectory.reasoning_mask[:cut],
                 "turns": turns,
                 "num_turns": max(1, len(turns)) if trajectory.turns else trajectory.num_turns,
                 "truncated": True,
             }
         )
     return trajectory
+
+
+def _malformed(trajectory: Trajectory) -> bool:
+    """Whether the trajectory's per-token fields disagree (the ``malformed`` drop; see the module docstring)."""
+    ids, mask, reasoning = trajectory.token_ids, trajectory.loss_mask, trajectory.reasoning_mask
+    return (
+        not len(ids) == len(mask) == len(trajectory.logprobs) == len(reasoning)
+        or any(m not in (0, 1) for m in mask)
+        or any(mask[: trajectory.prompt_length])
+        or any(r not in (0, 1) or (r and not m) for r, m in zip(reasoning, mask, strict=True))
+    )
+
+
+def _clip_turn(turn: TurnSummary, kept: int) -> TurnSummary:
+    """``turn`` with only its first ``kept`` sampled ids: a turn cut inside its thinking has no answer."""
+    if kept >= turn.length:
+        return turn
+    thinking = min(turn.reasoning_tokens, kept)
+    answer_start = None if thinking == kept else turn.answer_start
+    return turn.model_copy(update={"length": kept, "reasoning_tokens": thinking, "answer_start": answer_start})
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     token_ids        list<int32>   prompt + response ids
     loss_mask        list<int8>    1 on sampled ids
     logprobs         list<double>  the sampling logprobs (0.0 where not sampled), exact
+    reasoning_mask   list<int8>    1 on sampled ids that are thinking (in loss_mask too), 0 elsewhere
     token_policy_versions  list<int32>  the policy version that sampled each id (-1 where not sampled),
                    derived from ``turns`` (whose spans are the record) for readers of the parquet alone
     prompt_length, num_turns, min_policy_version, max_policy_version   int64
@@ -25,7 +26,9 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
 
 The file's key-value metadata carries ``sg.batch_id``, ``sg.prompt_length`` and
 ``sg.response_length``. Logprobs stay float64 (not verl's float32) so a row equals the
-trajectory it came from; the padded tensors are cast when the batch is built.
+trajectory it came from; the padded tensors are cast when the batch is built. A file written
+before ``reasoning_mask`` (trajectory schema 2) still reads, with no thinking (all 0); the
+manifest did not change.
 
 pyarrow is imported lazily: it comes with the ``verl`` extra.
 """
@@ -104,6 +107,7 @@ def _schema() -> pa.Schema:
             ("token_ids", pa.list_(pa.int32())),
             ("loss_mask", pa.list_(pa.int8())),
             ("logprobs", pa.list_(pa.float64())),
+            ("reasoning_mask", pa.list_(pa.int8())),
             ("token_policy_versions", pa.list_(pa.int32())),
             ("prompt_length", pa.int64()),
             ("num_turns", pa.int64()),

@@ -3,7 +3,7 @@
 :func:`build_trajectories` takes whatever events of a session arrived (any order, any number
 of copies) and returns the same trajectories for the same set of events: events are keyed by
 ``seq``, turns by id, and output is sorted. Each trajectory is a root-to-leaf chain of the turn
-tree the events describe, its ids, loss mask and logprobs laid out by
+tree the events describe, its ids, loss mask, logprobs and reasoning mask laid out by
 :func:`pipeline.chains.chain_tokens` (in its ``appended`` form: turn events carry only what each
 turn appended to its parent's ids). A turn whose parent is missing (a session emitted
 incomplete), or whose reference to its parent's ids does not add up, cannot be rebuilt exactly:
@@ -115,6 +115,7 @@ def _trajectory(
     root = chain[0]
     laid_out = chain_tokens(chain, prompts="appended")  # events carry what each turn appended
     tokens, mask, logprobs = list(laid_out.token_ids), list(laid_out.loss_mask), list(laid_out.logprobs)
+    reasoning = list(laid_out.reasoning_mask)
     prompt_length = laid_out.prompt_length
     summaries = [
         TurnSummary(
@@ -124,6 +125,8 @@ def _trajectory(
             finish_reason=getattr(turn, "finish_reason", None),
             policy_version=turn.policy_version,
             policy_versions=list(turn.policy_versions),
+            reasoning_tokens=turn.reasoning_tokens,
+            answer_start=turn.answer_start,
             reward=turn_rewards.get(turn.turn_id),
             time_to_first_token_s=turn.time_to_first_token_s,
             duration_s=turn.duration_s,
@@ -133,6 +136,7 @@ def _trajectory(
     truncated = capped
     if max_tokens is not None and len(tokens) > max_tokens:
         tokens, mask, logprobs = tokens[:max_tokens], mask[:max_tokens], logprobs[:max_tokens]
+        reasoning = reasoning[:max_tokens]
         summaries = [s for s in summaries if s.start < max_tokens]
         truncated = True
     # Every kept token's version counts: a turn that spans a weight update holds several.
@@ -147,6 +151,7 @@ def _trajectory(
         token_ids=tokens,
         loss_mask=mask,
         logprobs=logprobs,
+        reasoning_mask=reasoning,
         prompt_length=prompt_length,
         turns=summaries,
         num_turns=len(summaries),

@@ -14,6 +14,13 @@ A trajectory is one chain of turns of a session (root to leaf of its turn tree),
   ``policy_versions`` spans (``[version, first index in the turn's output]``), expanded by
   :meth:`Trajectory.token_policy_versions`; ``min_policy_version`` is the oldest token's version
   (what staleness is judged by), ``max_policy_version`` the newest.
+* a reasoning model's thinking is marked: ``reasoning_mask`` is 1 exactly on sampled ids that are
+  thinking (``<think>``/``</think>`` included), 0 elsewhere, laid out with the ids by
+  :func:`pipeline.chains.chain_tokens`; each turn's ``reasoning_tokens`` (its first output ids
+  that are thinking) and ``answer_start`` (its first answer id; null when it ended inside
+  thinking) say the same per turn. Thinking stays in ``loss_mask``: a trainer that wants to
+  exclude or weight it does so with ``reasoning_mask``. Schema 1/2 trajectories (written before)
+  decode with no thinking: zeros, and ``0``/``0`` per turn.
 
 A turn that did not extend its parent (a new root) starts a trajectory of its own; the gateway
 never splices, so neither does the assembler. The trajectory id is a digest of the session id
@@ -24,14 +31,15 @@ and the chain's turn ids, so the same chain always gets the same id, and publish
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["TRAJECTORY_SCHEMA_VERSION", "Trajectory", "TurnSummary", "token_policy_versions", "trajectory_id"]
 
-TRAJECTORY_SCHEMA_VERSION: Literal[2] = 2  # 2: per-token policy versions (turns' policy_versions)
+# 2: per-token policy versions (turns' policy_versions); 3: thinking (reasoning_mask, turns' reasoning_tokens)
+TRAJECTORY_SCHEMA_VERSION: Literal[3] = 3
 
 
 def trajectory_id(session_id: str, turn_ids: list[str]) -> str:
@@ -66,6 +74,14 @@ class TurnSummary(BaseModel):
         default_factory=list,
         description="[version, first index in the turn's output] spans; empty (schema 1): all policy_version",
     )
+    reasoning_tokens: int = Field(
+        0, ge=0, description="the first output ids that are thinking, <think> and </think> included (0: none)"
+    )
+    answer_start: int | None = Field(
+        0,
+        ge=0,
+        description="index in the turn's output of its first answer id; null: it ended while thinking",
+    )
     reward: float | None = Field(None, description="turn-level feedback (the latest), if any")
     time_to_first_token_s: float | None = None
     duration_s: float = 0.0
@@ -76,7 +92,7 @@ class Trajectory(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1, 2] = TRAJECTORY_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = TRAJECTORY_SCHEMA_VERSION
     trajectory_id: str
     session_id: str
     tenant: str
@@ -86,6 +102,10 @@ class Trajectory(BaseModel):
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
+    reasoning_mask: list[int] = Field(
+        default_factory=list,  # filled with zeros when absent (see _no_thinking_before_schema_3)
+        description="1 on sampled ids that are thinking, 0 elsewhere; absent (schema 1/2, or no thinking): all 0",
+    )
     prompt_length: int = Field(ge=0)
     turns: list[TurnSummary]
     num_turns: int = Field(ge=1)
@@ -99,6 +119,13 @@ class Trajectory(BaseModel):
     emitted_because: Literal["closed", "idle", "cap"]
     started_at: float
     ended_at: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_thinking_before_schema_3(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reasoning_mask" not in data and isinstance(data.get("token_ids"), list | tuple):
+            return {**data, "reasoning_mask": [0] * len(data["token_ids"])}
+        return data
 
     def token_policy_versions(self) -> list[int]:
         """The policy version of every position of ``token_ids``: -1 where nothing was sampled."""

@@ -9,7 +9,8 @@ Both layouts follow verl 0.9.1's own code, not a reading of its docs:
   ``verl.utils.model.compute_position_id_with_mask(attention_mask)`` (cumsum - 1, clipped at 0),
   ``response_mask`` = mask x response attention mask (int64), ``rollout_log_probs`` float32
   zero-padded, ``rm_scores`` float32 with the reward at ``attention_mask[:, P:].sum(1) - 1``.
-  The tests run those two verl methods on the same rows and get the same tensors, bit for bit.
+  The tests run those two verl methods on the same rows and get the same tensors, bit for bit;
+  to them we add ``reasoning_mask`` (below).
 * **Jagged** (:func:`to_jagged_tensordict`): what verl's v1 trainers keep per sample
   (``verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ._agent_loop_postprocess``, which stores
   ``AgentLoopOutput.as_dict()`` plus ``loss_mask``/``input_ids``/``position_ids``, stacked by
@@ -31,6 +32,13 @@ Where this module deliberately differs from verl's agent loop, and why:
   asserts ``prompt_len > 0``, and ``AgentLoopOutput.as_dict`` cannot place the reward of an
   empty response (``rm_scores[-1]`` of an empty tensor). Dropping such rows is the batcher's job.
 * No ``raw_prompt`` (we have token ids, not the dataset's messages) and no ``metrics`` per row.
+* ``reasoning_mask`` (int64, laid out exactly as ``response_mask``: 1 on response ids that are a
+  reasoning model's thinking, 0 elsewhere and on padding) is ours: verl has no notion of it. The
+  thinking ids stay in ``response_mask``, so verl trains on them as on any sampled id; a trainer
+  that wants them out or weighted uses ``response_mask * (1 - reasoning_mask)`` or
+  ``response_mask * (1 - (1 - w) * reasoning_mask)``. verl reads only the keys it names, so the
+  extra one changes nothing there, and its batch operations (concat, repeat, chunk, union) carry
+  it along.
 
 verl and tensordict are optional (the ``verl`` extra): they are imported inside the functions
 that need them. ``import verl`` pulls in ray, sets up the root logger
@@ -72,8 +80,9 @@ class PaddedBatch:
     """A batch in verl's padded layout: the three parts of a ``DataProto``.
 
     ``tensors`` (B rows, P = ``prompt_length``, R = ``response_length``): ``prompts`` [B,P] and
-    ``responses`` [B,R] int64; ``response_mask`` [B,R] int64; ``input_ids``, ``attention_mask``,
-    ``position_ids`` [B,P+R] int64; ``rollout_log_probs`` and ``rm_scores`` [B,R] float32.
+    ``responses`` [B,R] int64; ``response_mask`` and ``reasoning_mask`` (1 on thinking ids, a
+    subset of ``response_mask``) [B,R] int64; ``input_ids``, ``attention_mask``, ``position_ids``
+    [B,P+R] int64; ``rollout_log_probs`` and ``rm_scores`` [B,R] float32.
 
     ``non_tensors``: one-dimensional arrays of length B: ``uid``, ``trajectory_id``,
     ``session_id`` (str, dtype object); ``__num_turns__`` (int32, as verl); ``multi_modal_inputs``
@@ -103,6 +112,7 @@ class _Row:
     response: list[int]
     mask: list[int]
     logprobs: list[float]
+    reasoning: list[int]
 
 
 def group_uid(trajectory: Trajectory, key: str) -> str:
@@ -151,6 +161,7 @@ def padded_batch(
     prompt_attention = torch.zeros((size, prompt_length), dtype=torch.int64)
     response_attention = torch.zeros((size, response_length), dtype=torch.int64)
     response_mask = torch.zeros((size, response_length), dtype=torch.int64)
+    reasoning_mask = torch.zeros((size, response_length), dtype=torch.int64)
     rollout_log_probs = torch.zeros((size, response_length), dtype=torch.float32)
     for i, (trajectory, row) in enumerate(zip(trajectories, rows, strict=True)):
         if len(row.prompt) > prompt_length:
@@ -170,6 +181,7 @@ def padded_batch(
         response_attention[i, :r] = 1
         mask = torch.tensor(row.mask, dtype=torch.int64)
         response_mask[i, :r] = mask
+        reasoning_mask[i, :r] = torch.tensor(row.reasoning, dtype=torch.int64)
         # Non-sampled positions carry 0.0 (contract T1); enforced here rather than trusted.
         logprobs = torch.tensor(row.logprobs, dtype=torch.float32)
         rollout_log_probs[i, :r] = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
@@ -185,6 +197,7 @@ def padded_batch(
         "prompts": prompts,
         "responses": responses,
         "response_mask": response_mask,
+        "reasoning_mask": reasoning_mask,
         "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": attention_mask,
         "position_ids": position_ids,
@@ -223,6 +236,7 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
 
     Nested (``torch.jagged``) tensors, one component per row at its real length: ``prompts``,
     ``responses``, ``response_mask`` and ``loss_mask`` (the same values, as verl v1 keeps both),
+    ``reasoning_mask`` (1 on response ids that are thinking, a subset of ``response_mask``),
     ``input_ids`` (prompt + response), ``position_ids`` (``0..len-1``), all int64;
     ``rollout_log_probs`` and ``rm_scores`` (the reward on the last response token) float32.
     Per-row non-tensor data (``NonTensorStack``): ``uid``, ``num_turns`` (counted as verl does, see
@@ -249,6 +263,7 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
         "responses": nested([row.response for row in rows], torch.int64),
         "response_mask": nested(masks, torch.int64),
         "loss_mask": nested(masks, torch.int64),
+        "reasoning_mask": nested([row.reasoning for row in rows], torch.int64),
         "input_ids": nested([row.prompt + row.response for row in rows], torch.int64),
         "position_ids": nested([list(range(len(row.prompt) + len(row.response))) for row in rows], torch.int64),
         "rollout_log_probs": nested(
@@ -295,7 +310,12 @@ def _row(trajectory: Trajectory) -> _Row:
         )
     if any(mask[:p]):
         raise ValueError(f"{where}: sampled (mask 1) tokens inside the first prompt would be lost")
-    return _Row(list(ids[:p]), list(ids[p:]), list(mask[p:]), list(logprobs[p:]))
+    reasoning = trajectory.reasoning_mask
+    if len(reasoning) != len(ids):
+        raise ValueError(f"{where}: {len(ids)} token ids and {len(reasoning)} reasoning_mask values")
+    if any(r not in (0, 1) or (r and not m) for r, m in zip(reasoning, mask, strict=True)):
+        raise ValueError(f"{where}: reasoning_mask must be 0 or 1, and 1 only on sampled ids")
+    return _Row(list(ids[:p]), list(ids[p:]), list(mask[p:]), list(logprobs[p:]), list(reasoning[p:]))
 
 
 def _reward(trajectory: Trajectory) -> float:

@@ -20,14 +20,15 @@ import anyio
 import anyio.lowlevel
 import httpx
 import nats
+import orjson
 import pytest
 from openai import OpenAI
 
 from consumers.assembler import AssemblerConfig, run_assembler
 from consumers.trajectories import SessionEvents, build_trajectories
-from consumers.trajectory import Trajectory
+from consumers.trajectory import TRAJECTORY_SCHEMA_VERSION, Trajectory
 from pipeline.embedded import EmbeddedNatsServer
-from pipeline.events import Event, SessionClosed, TurnCompleted
+from pipeline.events import Event, SessionClosed, TurnCompleted, decode_event, encode_event
 from pipeline.publisher import EventPublisher, PublisherConfig
 from pipeline.subscriber import message_payload
 from stream_gateway import Settings
@@ -204,6 +205,68 @@ def test_out_of_order_and_duplicated_events_give_identical_trajectories() -> Non
         shuffled = events + rng.sample(events, k=len(events) // 2)
         rng.shuffle(shuffled)
         assert build_trajectories(SessionEvents.of(shuffled), emitted_because="closed") == expected
+
+
+def _thinking_turn(
+    turn: TurnCompleted, reasoning_tokens: int, answer_start: int | None, **changes: Any
+) -> TurnCompleted:
+    """``turn`` as a reasoning model's (validated, as a consumer decodes it)."""
+    fields = turn.model_dump() | {"reasoning_tokens": reasoning_tokens, "answer_start": answer_start} | changes
+    return TurnCompleted.model_validate(fields)
+
+
+def _thinking_session() -> list[Event]:
+    """A root that thinks 3 of its 4 ids then answers, and a child cut off (length) while thinking."""
+    from ..support.events import turn_completed
+
+    root = _thinking_turn(turn_completed(seq=1, turn_id="a", prompt_ids=[1, 2, 3, 4], output_ids=[7, 8, 9, 10]), 3, 3)
+    child = turn_completed(
+        seq=2, turn_id="b", parent_turn_id="a", reused=8, prompt_ids=[11, 12], output_ids=[13, 14, 15]
+    )
+    child = _thinking_turn(child, 3, None, started_at=root.started_at + 1, finish_reason="length")
+    return [root, child]
+
+
+def test_thinking_turns_mark_the_trajectorys_reasoning_mask() -> None:
+    """Each turn's first ``reasoning_tokens`` sampled ids are 1 in ``reasoning_mask``; they stay in the loss mask."""
+    [trajectory] = build_trajectories(SessionEvents.of(_thinking_session()), emitted_because="closed")
+    assert trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION == 3
+    assert trajectory.token_ids == [1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert trajectory.loss_mask == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]
+    assert trajectory.reasoning_mask == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+    assert [(t.start, t.length, t.reasoning_tokens, t.answer_start) for t in trajectory.turns] == [
+        (4, 4, 3, 3),
+        (10, 3, 3, None),
+    ]
+    assert Trajectory.decode(trajectory.encode()) == trajectory
+    # A token cap cuts the mask with the ids.
+    [cut] = build_trajectories(SessionEvents.of(_thinking_session()), emitted_because="closed", max_tokens=11)
+    assert cut.truncated and cut.reasoning_mask == trajectory.reasoning_mask[:11]
+
+
+def test_schema_2_events_and_trajectories_decode_with_no_thinking() -> None:
+    """What was written before thinking spans reads with zeros: events (0, 0) and trajectories (mask all 0)."""
+    old_events = []
+    for event in _thinking_session():
+        wire = orjson.loads(encode_event(event))
+        for field in ("reasoning_tokens", "answer_start", "predecessor_turn_id"):
+            del wire[field]
+        decoded = decode_event(orjson.dumps(wire | {"schema_version": 2}))
+        assert isinstance(decoded, TurnCompleted) and (decoded.reasoning_tokens, decoded.answer_start) == (0, 0)
+        old_events.append(decoded)
+    [from_old] = build_trajectories(SessionEvents.of(old_events), emitted_because="closed")
+    assert from_old.reasoning_mask == [0] * len(from_old.token_ids) and 1 in from_old.loss_mask
+    assert [(t.reasoning_tokens, t.answer_start) for t in from_old.turns] == [(0, 0), (0, 0)]
+
+    [trajectory] = build_trajectories(SessionEvents.of(_thinking_session()), emitted_because="closed")
+    wire = orjson.loads(trajectory.encode())
+    del wire["reasoning_mask"]
+    for turn in wire["turns"]:
+        del turn["reasoning_tokens"], turn["answer_start"]
+    old = Trajectory.decode(orjson.dumps(wire | {"schema_version": 2}))
+    assert old.schema_version == 2 and old.reasoning_mask == [0] * len(old.token_ids)
+    assert [(t.reasoning_tokens, t.answer_start) for t in old.turns] == [(0, 0), (0, 0)]
+    assert old.model_copy(update={"schema_version": 3}) == from_old  # all else as written
 
 
 async def _publish(url: str, outbox: Path, events: list[Event]) -> None:

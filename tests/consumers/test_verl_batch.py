@@ -198,6 +198,7 @@ def test_padded_batch_is_accepted_by_data_proto(traffic: Traffic) -> None:
         "prompts": ((size, p), torch.int64),
         "responses": ((size, r), torch.int64),
         "response_mask": ((size, r), torch.int64),
+        "reasoning_mask": ((size, r), torch.int64),
         "input_ids": ((size, p + r), torch.int64),
         "attention_mask": ((size, p + r), torch.int64),
         "position_ids": ((size, p + r), torch.int64),
@@ -221,6 +222,8 @@ def test_padded_batch_is_accepted_by_data_proto(traffic: Traffic) -> None:
         assert not tensors["response_mask"][i, n:].any() and not tensors["rollout_log_probs"][i, n:].any()
         assert tensors["rm_scores"][i].nonzero().flatten().tolist() == [n - 1]
         assert tensors["rm_scores"][i, n - 1].item() == t.reward
+        assert tensors["reasoning_mask"][i, :n].tolist() == t.reasoning_mask[t.prompt_length :]
+    assert not tensors["reasoning_mask"].any()  # tiny models do not think
     assert torch.equal(tensors["position_ids"], compute_position_id_with_mask(tensors["attention_mask"]))
     # Each response token's policy version, -1 where nothing was sampled (prompts, tool results, padding).
     versions = np.stack(list(proto.non_tensor_batch["policy_versions"]))
@@ -231,6 +234,7 @@ def test_padded_batch_is_accepted_by_data_proto(traffic: Traffic) -> None:
 
     # What the trainer does to a batch: concat, repeat, select, chunk, pickle (Ray), TensorDict.
     assert len(DataProto.concat([proto, proto])) == 2 * size
+    assert DataProto.concat([proto, proto]).batch["reasoning_mask"].shape == (2 * size, r)
     assert len(proto.repeat(repeat_times=2, interleave=True)) == 2 * size
     assert list(proto.select_idxs([0, 3]).non_tensor_batch["uid"]) == ["readme", "hello"]
     assert [len(c) for c in proto.chunk(4)] == [2] * 4
@@ -268,6 +272,79 @@ def test_per_token_policy_versions_reach_both_layouts_and_the_parquet() -> None:
 
     column = pq.read_table(__import__("io").BytesIO(data)).column("token_policy_versions").to_pylist()
     assert column == [[-1, -1, -1, *expected]]
+
+
+def _thinking_trajectory() -> Trajectory:
+    """Two turns of a reasoning model: a, thinking 3 of 4 ids then answering; b, cut off while thinking."""
+    turns = [
+        TurnSummary(turn_id="a", start=3, length=4, finish_reason="tool_calls", policy_version=3, reasoning_tokens=3,
+                    answer_start=3),
+        TurnSummary(turn_id="b", start=9, length=3, finish_reason="length", policy_version=3, reasoning_tokens=3,
+                    answer_start=None),
+    ]  # fmt: skip
+    mask = [0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]
+    return Trajectory(
+        trajectory_id="trthink", session_id="s", tenant="t", model="m", token_ids=list(range(10, 22)), loss_mask=mask,
+        logprobs=[-0.5 * m for m in mask], reasoning_mask=[0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1], prompt_length=3,
+        turns=turns, num_turns=2, min_policy_version=3, max_policy_version=3, reward=1.0, emitted_because="closed",
+        started_at=0.0, ended_at=1.0,
+    )  # fmt: skip
+
+
+def test_thinking_reaches_both_layouts_and_the_parquet() -> None:
+    """``reasoning_mask`` over the response, aligned with ``response_mask``; thinking stays in the loss mask."""
+    import io
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from consumers.parquet import decode_batch, encode_batch
+
+    trajectory, plain = _thinking_trajectory(), _trajectory([5, 6], [8, 9, 10], [1, 0, 1])
+    expected = [1, 1, 1, 0, 0, 0, 1, 1, 1]  # the response: everything after the first prompt
+    batch = padded_batch([trajectory, plain], ["u", "v"], prompt_length=4, response_length=11, pad_token_id=0)
+    proto = to_data_proto(batch)
+    reasoning, response_mask = proto.batch["reasoning_mask"], proto.batch["response_mask"]
+    assert reasoning.dtype == torch.int64 and reasoning.shape == response_mask.shape == (2, 11)
+    assert reasoning.tolist() == [[*expected, 0, 0], [0] * 11]
+    assert response_mask.tolist() == [[1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0], [1, 0, 1, *[0] * 8]]
+    # Excluding thinking, as a trainer would: only the answer id of row 0 is left, row 1 is untouched.
+    answer_only = response_mask * (1 - reasoning)
+    assert answer_only.tolist() == [[0, 0, 0, 1, *[0] * 7], response_mask[1].tolist()]
+    assert proto.select_idxs([1, 0]).batch["reasoning_mask"][1].tolist() == reasoning[0].tolist()
+    assert proto.chunk(2)[0].batch["reasoning_mask"].tolist() == [reasoning[0].tolist()]
+
+    jagged = to_jagged_tensordict([trajectory, plain], ["u", "v"])
+    assert jagged["reasoning_mask"].is_nested and jagged["reasoning_mask"].dtype == torch.int64
+    assert [row.tolist() for row in jagged["reasoning_mask"].unbind()] == [expected, [0, 0, 0]]
+    assert [row.tolist() for row in jagged["response_mask"].unbind()] == [[1, 1, 1, 1, 0, 0, 1, 1, 1], [1, 0, 1]]
+
+    data = encode_batch([trajectory, plain], ["u", "v"], batch_id="b", prompt_length=4, response_length=11)
+    assert decode_batch(data) == ([trajectory, plain], ["u", "v"])
+    table = pq.read_table(io.BytesIO(data))
+    assert table.schema.field("reasoning_mask").type == pa.list_(pa.int8())
+    assert table.column("reasoning_mask").to_pylist() == [[0, 0, 0, *expected], [0] * 5]
+    turns = [json.loads(row) for row in table.column("turns").to_pylist()]
+    assert [(t["reasoning_tokens"], t["answer_start"]) for t in turns[0]] == [(3, 3), (3, None)]
+
+    # A batch written before thinking (no column, schema 2, turns without the fields) reads as no thinking.
+    old_turns = [
+        json.dumps([{k: v for k, v in t.items() if k not in ("reasoning_tokens", "answer_start")} for t in row])
+        for row in turns
+    ]
+    old = table.drop_columns(["reasoning_mask"])
+    old = old.set_column(old.schema.get_field_index("turns"), "turns", pa.array(old_turns))
+    old = old.set_column(old.schema.get_field_index("schema_version"), "schema_version", pa.array([2, 2], pa.int8()))
+    sink = io.BytesIO()
+    pq.write_table(old, sink)
+    [old_thinking, old_plain], uids = decode_batch(sink.getvalue())
+    assert uids == ["u", "v"] and old_thinking.schema_version == 2 and old_thinking.reasoning_mask == [0] * 12
+    assert [(t.reasoning_tokens, t.answer_start) for t in old_thinking.turns] == [(0, 0), (0, 0)]
+    assert old_thinking.loss_mask == trajectory.loss_mask and old_plain.reasoning_mask == plain.reasoning_mask
+    old_batch = padded_batch([old_thinking], ["u"], prompt_length=4, response_length=11, pad_token_id=0)
+    assert not old_batch.tensors["reasoning_mask"].any()
+    assert torch.equal(old_batch.tensors["response_mask"], response_mask[:1])
 
 
 @pytest.mark.filterwarnings(RAY_STATE_API_WARNING)
@@ -309,7 +386,7 @@ def test_padded_batch_equals_verls_own_agent_loop_postprocessing(traffic: Traffi
 
     verls = asyncio.run(postprocess())
     ours = to_data_proto(batch)
-    assert set(verls.batch.keys()) == set(ours.batch.keys())
+    assert set(verls.batch.keys()) == set(ours.batch.keys()) - {"reasoning_mask"}  # ours alone
     for key in sorted(verls.batch.keys()):
         assert verls.batch[key].dtype == ours.batch[key].dtype, key
         assert torch.equal(verls.batch[key], ours.batch[key]), key
@@ -464,7 +541,7 @@ def test_jagged_tensordict_equals_verls_conversion_of_the_padded_batch(traffic: 
     p = theirs["prompts"].shape[1]
     for i, row in enumerate(ours["prompts"].unbind()):
         assert torch.equal(row, theirs["prompts"][i][attention[i, :p].bool()])
-    for key in ("responses", "response_mask", "loss_mask", "rollout_log_probs", "rm_scores"):
+    for key in ("responses", "response_mask", "loss_mask", "reasoning_mask", "rollout_log_probs", "rm_scores"):
         for i, row in enumerate(ours[key].unbind()):
             assert row.dtype == theirs[key].dtype, key
             assert torch.equal(row, theirs[key][i, : len(row)]), key
@@ -617,6 +694,9 @@ def test_too_long_rows_are_refused(prompt_length: int, response_length: int, mes
         ({"loss_mask": [1, 0, 1, 1]}, "inside the first prompt"),
         ({"prompt_length": 4}, "empty prompt or response"),
         ({"prompt_length": 0}, "empty prompt or response"),
+        ({"reasoning_mask": [0, 0, 1]}, "4 token ids and 3 reasoning_mask values"),
+        ({"reasoning_mask": [0, 0, 2, 0]}, "reasoning_mask must be 0 or 1"),
+        ({"reasoning_mask": [1, 0, 0, 0]}, "1 only on sampled ids"),
     ],
 )
 def test_inconsistent_trajectories_are_refused(change: dict[str, Any], message: str) -> None:

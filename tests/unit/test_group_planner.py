@@ -121,6 +121,25 @@ def test_policies_cut_or_drop_long_responses_and_default_rewards() -> None:
     assert prepare_trajectory(bad, **policies) == "malformed"  # type: ignore[arg-type]
 
 
+def test_a_cut_keeps_thinking_aligned_and_a_bad_reasoning_mask_is_malformed() -> None:
+    """The cut takes ``reasoning_mask`` with the ids; a turn cut inside its thinking has no answer left."""
+    long = make_trajectory(random.Random(9), prompt_len=4, response_len=12)  # turns at 4 (6 ids) and 13 (3 ids)
+    first = long.turns[0].model_copy(update={"reasoning_tokens": 5, "answer_start": 5})
+    thinking = long.model_copy(
+        update={"turns": [first, *long.turns[1:]], "reasoning_mask": [0] * 4 + [1] * 5 + [0] * 7}
+    )
+    policies = {"prompt_length": 8, "overlong": "truncate", "no_reward": "drop"}
+    inside = prepare_trajectory(thinking, response_length=4, **policies)  # type: ignore[arg-type]
+    assert isinstance(inside, Trajectory) and inside.reasoning_mask == [0] * 4 + [1] * 4
+    assert [(t.length, t.reasoning_tokens, t.answer_start) for t in inside.turns] == [(4, 4, None)]
+    after = prepare_trajectory(thinking, response_length=7, **policies)  # type: ignore[arg-type]
+    assert isinstance(after, Trajectory) and after.reasoning_mask == thinking.reasoning_mask[:11]
+    assert [(t.length, t.reasoning_tokens, t.answer_start) for t in after.turns] == [(6, 5, 5)]
+    for bad in ([0] * 15, [1] + [0] * 15, [0] * 4 + [2] + [0] * 11, [0] * 10 + [1] + [0] * 5):  # short, prompt, 2, tool
+        changed = thinking.model_copy(update={"reasoning_mask": bad})
+        assert prepare_trajectory(changed, response_length=16, **policies) == "malformed"  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
