@@ -28,14 +28,15 @@ class _Turn:
     prompt_ids: tuple[int, ...]
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
+    reasoning_tokens: int = 0
 
 
 def test_prompt_ids_are_masked_and_sampled_ids_carry_their_logprobs() -> None:
     chain = chain_tokens(
         [
-            _Turn("a", (1, 2, 3), (4, 5), (-0.5, -0.25)),
+            _Turn("a", (1, 2, 3), (4, 5), (-0.5, -0.25), reasoning_tokens=1),
             _Turn("b", (1, 2, 3, 4, 5, 6, 7), (8,), (-1.0,)),
-            _Turn("c", (1, 2, 3, 4, 5, 6, 7, 8, 9), (10, 11), (-0.125, -2.0)),
+            _Turn("c", (1, 2, 3, 4, 5, 6, 7, 8, 9), (10, 11), (-0.125, -2.0), reasoning_tokens=2),
         ]
     )
     assert chain == TokenChain(
@@ -43,6 +44,7 @@ def test_prompt_ids_are_masked_and_sampled_ids_carry_their_logprobs() -> None:
         token_ids=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
         loss_mask=(0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1),
         logprobs=(0.0, 0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0, 0.0, -0.125, -2.0),
+        reasoning_mask=(0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1),  # each turn's first reasoning_tokens sampled ids
         prompt_length=3,
         output_starts=(3, 7, 9),
     )
@@ -72,7 +74,7 @@ def test_a_whole_prompt_is_trusted_to_extend_the_chain() -> None:
 
 def test_no_turns_is_an_empty_chain_and_a_chain_is_immutable() -> None:
     empty = chain_tokens([])
-    assert empty == TokenChain((), (), (), (), 0, ())
+    assert empty == TokenChain((), (), (), (), (), 0, ())
     with pytest.raises(FrozenInstanceError):
         empty.prompt_length = 1  # type: ignore[misc]
 
