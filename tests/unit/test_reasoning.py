@@ -1,0 +1,282 @@
+"""The reasoning component without a server: the token-aligned split, streamed thinking text,
+signatures, the automatic choice of format, and the split's stream equalling the whole-output one."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from stream_gateway.completion._thinking import ThinkingStream
+from stream_gateway.reasoning import (
+    ReasoningFormat,
+    ThinkingSigner,
+    ThoughtText,
+    resolve_reasoning_format,
+    split_thinking,
+)
+
+START, END = 9001, 9002
+QWEN3 = ReasoningFormat("qwen3", START, END)
+R1 = ReasoningFormat("deepseek_r1", START, END)
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(tiny_model_path: Path) -> PreTrainedTokenizerBase:
+    """tiny's tokenizer with <think> and </think> added as single tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    ("fmt", "prompt", "output", "expected"),
+    [
+        (QWEN3, [1, 2], [START, 5, 6, END, 7, 8], (4, 4)),  # opens and closes its block
+        (QWEN3, [1, 2], [7, 8], (0, 0)),  # never thinks: all answer
+        (QWEN3, [1, START], [5, 6, END, 7], (3, 3)),  # the template opened the block
+        (QWEN3, [1, START, 3, END], [7, 8], (0, 0)),  # enable_thinking=false: closed in the prompt
+        (QWEN3, [1, 2], [START, 5, 6], (3, None)),  # cut by max_tokens inside thinking
+        (QWEN3, [START, 4, END, 1], [START, END, 7], (2, 2)),  # earlier turns' thinking in the prompt
+        (R1, [1, 2], [5, 6, END, 7], (3, 3)),  # R1 thinks from the first token
+        (R1, [1, START, 3, END], [7, 8], (0, 0)),
+        (QWEN3, [1, 2], [], (0, None)),  # nothing sampled yet: pending, no answer token
+    ],
+)
+def test_split_is_token_aligned(
+    fmt: ReasoningFormat, prompt: list[int], output: list[int], expected: tuple[int, int | None]
+) -> None:
+    assert split_thinking(fmt, prompt, output) == expected
+
+
+def test_split_is_the_same_however_the_output_is_chunked() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        output = [rng.choice([START, END, 3, 4, 5]) for _ in range(rng.randint(0, 12))]
+        prompt = [rng.choice([START, END, 1]) for _ in range(rng.randint(0, 3))]
+        whole = split_thinking(QWEN3, prompt, output)
+        tracker = QWEN3.tracker(prompt)
+        taken = 0
+        while taken < len(output):
+            step = output[taken : taken + rng.randint(1, 4)]
+            cut = tracker.feed(step)
+            assert 0 <= cut <= len(step)
+            taken += len(step)
+        assert (tracker.reasoning_tokens, tracker.answer_start) == whole
+
+
+def test_thought_text_drops_the_template_newlines_only() -> None:
+    text = ThoughtText()
+    pieces = [text.feed(p) for p in ["\n", "I will", " read it.\n", "\nThen", " answer.\n"]]
+    assert "".join(pieces) == "I will read it.\n\nThen answer."  # inner newlines kept, outer ones dropped
+
+
+def test_thinking_stream_splits_text_by_token(thinking_tokenizer: PreTrainedTokenizerBase) -> None:
+    tok = thinking_tokenizer
+    fmt = resolve_reasoning_format("qwen3", tok)
+    assert fmt is not None
+    sampled = "<think>\nThe user wants a file.\n</think>\n\nDone: I read it.<|im_end|>"
+    ids = tok.encode(sampled, add_special_tokens=False)
+    stream = ThinkingStream(
+        fmt, tok.encode("<|im_start|>assistant\n", add_special_tokens=False), tok.backend_tokenizer, True
+    )
+    from stream_gateway.completion._text import TextAssembler
+
+    answer = TextAssembler(tok.backend_tokenizer)
+    thought, text = [], []
+    for i in range(0, len(ids), 2):  # two ids a step: a step may straddle </think>
+        piece, rest = stream.feed(ids[i : i + 2]) if stream.active else ("", ids[i : i + 2])
+        thought.append(piece)
+        text.append(stream.answer(answer.feed(rest).text))
+    assert "".join(thought) == "The user wants a file."
+    assert "".join(text) == "Done: I read it."
+    end = ids.index(tok.convert_tokens_to_ids("</think>"))
+    assert ThinkingStream.span_of(stream) == (end + 1, end + 1)
+
+
+def test_signatures_recognise_our_own_thinking() -> None:
+    signer = ThinkingSigner(b"k" * 32)
+    signature = signer.sign("msg_1", "a thought")
+    assert signer.check(signature, "a thought") == "ours"
+    assert signer.check(signature, "another thought") == "modified"
+    assert ThinkingSigner(b"x" * 32).check(signature, "a thought") == "modified"  # another deployment's key
+    assert signer.check("EqQBCkYIARgCKkBAnthropicsOwn", "a thought") == "foreign"
+    mac = signer.start("msg_1")
+    for part in ("a ", "thought"):
+        mac.update(part.encode())
+    assert ThinkingSigner.finish("msg_1", mac) == signature  # streamed == whole
+    with pytest.raises(ValueError, match="16 bytes"):
+        ThinkingSigner(b"short")
+
+
+def test_auto_choice_needs_single_tokens_and_a_template_that_thinks(
+    thinking_tokenizer: PreTrainedTokenizerBase, tiny_model_path: Path
+) -> None:
+    plain = AutoTokenizer.from_pretrained(tiny_model_path)
+    assert resolve_reasoning_format("auto", plain) is None  # tiny has no think tokens
+    with pytest.raises(ValueError, match="single tokens"):
+        resolve_reasoning_format("qwen3", plain)
+    assert resolve_reasoning_format("none", thinking_tokenizer) is None
+    # Tokens but a template that never mentions </think>: ambiguous, so none.
+    assert resolve_reasoning_format("auto", thinking_tokenizer) is None
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ '</think>' if false }}"
+    chosen = resolve_reasoning_format("auto", tok)
+    assert chosen is not None and chosen.name == "qwen3"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<think>\n{% endif %}{# </think> #}"
+    )
+    chosen = resolve_reasoning_format("auto", tok)
+    assert chosen is not None and chosen.name == "deepseek_r1"
+
+
+# -- the history policy, on a Qwen3-style template, without a model ------------------------------
+
+# tiny's template made Qwen3-style: an assistant turn after the last user query keeps its thinking
+# (from reasoning_content, or split out of the content) when it has some or is the last message;
+# earlier turns are rendered without it; enable_thinking=false closes an empty block in the
+# generation prompt.
+QWEN3_STYLE_TEMPLATE = """\
+{%- macro text(content) -%}
+{%- if content is none -%}{%- elif content is string -%}{{- content -}}
+{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}\
+{%- endfor -%}{%- endif -%}
+{%- endmacro -%}
+{%- set first_is_system = messages and messages[0].role in ['system', 'developer'] -%}
+{%- set system = text(messages[0].content) if first_is_system else 'You are a helpful assistant.' -%}
+{{- '<|im_start|>system\\n' + system -}}
+{%- if tools -%}
+{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' -}}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}
+{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' -}}
+{{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' -}}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -}}
+{%- endif -%}
+{{- '<|im_end|>\\n' -}}
+{%- set ns = namespace(last_query_index=-1) -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' and not (text(message.content) | string).startswith('<tool_response>') -%}
+{%- set ns.last_query_index = loop.index0 -%}
+{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+{%- if loop.first and first_is_system -%}
+{%- elif message.role in ['system', 'developer'] -%}
+{{- '<|im_start|>system\\n' + text(message.content) + '<|im_end|>\\n' -}}
+{%- elif message.role == 'user' -%}
+{{- '<|im_start|>user\\n' + text(message.content) + '<|im_end|>\\n' -}}
+{%- elif message.role == 'assistant' -%}
+{%- set content = text(message.content) | string -%}
+{%- set reasoning = '' -%}
+{%- if message.reasoning_content is defined and message.reasoning_content is not none -%}
+{%- set reasoning = text(message.reasoning_content) | string -%}
+{%- elif '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
+{%- endif -%}
+{%- set thinking = loop.index0 > ns.last_query_index and (loop.last or reasoning) -%}
+{{- '<|im_start|>assistant' -}}
+{%- if thinking -%}
+{%- set content = content.lstrip('\\n') -%}
+{{- '\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content -}}
+{%- elif content -%}{{- '\\n' + content -}}
+{%- endif -%}
+{%- for call in message.tool_calls or [] -%}
+{%- set call = call.function if call.function is defined else call -%}
+{%- if not (loop.first and thinking and not content) -%}{{- '\\n' -}}{%- endif -%}
+{{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' -}}
+{%- if call.arguments is string -%}{{- call.arguments -}}{%- else -%}{{- call.arguments | tojson -}}\
+{%- endif -%}
+{{- '}\\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}
+{%- endif -%}
+"""
+
+
+def _builder_and_turns(tokenizer: PreTrainedTokenizerBase, history: str) -> tuple[Any, list[Any]]:
+    from stream_gateway.completion._context import ContextBuilder
+
+    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
+    fmt = resolve_reasoning_format("auto", tokenizer)
+    assert fmt is not None and fmt.name == "qwen3"
+    return ContextBuilder(tokenizer, fmt, history), [fmt]
+
+
+def _turn(turn_id: str, parent: Any, prompt: list[int], output: list[int], context_length: int, fmt: Any) -> Any:
+    from stream_gateway.sessions import Turn
+
+    thinking, answer = split_thinking(fmt, prompt, output)
+    return Turn(
+        turn_id=turn_id, session_id="s", parent_id=parent.turn_id if parent else None, key=None,
+        context_length=context_length, prompt_ids=tuple(prompt), reused_prompt_tokens=0,
+        output_ids=tuple(output), logprobs=tuple([0.0] * len(output)), finish_reason="stop", content="",
+        tool_calls=(), policy_version=0, policy_versions=((0, 0),), created_at=0.0,
+        time_to_first_token_s=None, duration_s=0.0, matches_full_render=True, fallback_reason=None,
+        reasoning_tokens=thinking, answer_start=answer,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("history", ["keep", "template"])
+@pytest.mark.parametrize("echo", ["dropped", "echoed", "summarised"])
+def test_history_policy_decides_the_roots(tiny_model_path: Path, history: str, echo: str) -> None:
+    from stream_gateway.completion._request import Message, Tool
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok.add_tokens(["<think>", "</think>"])
+    builder, [fmt] = _builder_and_turns(tok, history)
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "read", "parameters": {}}})]
+    call = '<tool_call>\n{"name": "read", "arguments": {"path": "README.md"}}\n</tool_call>'
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+
+    def assistant(thought: str, content: str | None, calls: bool) -> Message:
+        fields: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            fields["tool_calls"] = [{"id": "c1", "function": {"name": "read", "arguments": '{"path":"README.md"}'}}]
+        if echo == "echoed":
+            fields["reasoning_content"] = thought
+        elif echo == "summarised":
+            fields["reasoning_content"] = "(a summary)"
+        return Message.model_validate(fields)
+
+    messages = [Message(role="user", content="What is in this repo?")]
+    first = builder.build(messages, tools, None)
+    turn1 = _turn(
+        "t1", None, first.prompt_ids, encode(f"<think>\nI should read it.\n</think>\n\n{call}<|im_end|>"), 1, fmt
+    )
+    messages += [assistant("I should read it.", None, True), Message(role="tool", tool_call_id="c1", content="hi")]
+    second = builder.build(messages, tools, turn1, {1: turn1})
+    # Within the tool loop both policies continue, and the template agrees with what was sampled.
+    assert second.parent is turn1 and second.fallback_reason is None
+    assert second.prompt_ids[: second.reused_prompt_tokens] == [*turn1.prompt_ids, *turn1.output_ids]
+    assert second.matches_full_render
+    turn2 = _turn("t2", turn1, second.prompt_ids, encode("<think>\nI have it.\n</think>\n\nDone.<|im_end|>"), 3, fmt)
+    messages += [assistant("I have it.", "Done.", False), Message(role="user", content="And now?")]
+    third = builder.build(messages, tools, turn2, {1: turn1, 3: turn2})
+    if history == "keep":
+        assert third.parent is turn2 and third.fallback_reason is None
+        assert third.prompt_ids[: third.reused_prompt_tokens] == [*turn2.prompt_ids, *turn2.output_ids]
+        assert third.prompt_ids[third.reused_prompt_tokens :] == encode(
+            "\n<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert not third.matches_full_render  # the template would have dropped the earlier thinking
+    else:
+        assert third.parent is None and third.predecessor is turn2
+        assert third.fallback_reason is not None and third.fallback_reason.startswith("reasoning_history=template")
+        assert third.matches_full_render
+        assert "<think>" not in tok.decode(third.prompt_ids)  # earlier thinking stripped, as rendered
