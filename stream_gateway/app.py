@@ -170,7 +170,14 @@ async def _lifespan(state: GatewayState, _: FastAPI) -> AsyncIterator[None]:
     engine, settings = state.engine, state.settings
     async with engine, anyio.create_task_group() as tg:
         log.info("engine %s ready: model %s", engine.name, engine.model_id)
-        state.service.preparer.reasoning  # noqa: B018 (chosen and logged now; a bad --reasoning-parser fails the start)
+        # Chosen and logged now: a bad --reasoning-parser fails the start.
+        thinks = state.service.preparer.reasoning is not None
+        if thinks and settings.reasoning_key_file is None and (_sharing(settings) is not None or settings.workers > 1):
+            log.warning(
+                "the model thinks and sessions are shared, but --reasoning-key-file is unset: each process "
+                "signs thinking with its own random key, so a block echoed to another replica is not "
+                "recognised as ours (the chain does not depend on it; see docs/reasoning.md)"
+            )
         # Everything alive now (modules, the tokenizer, the model's Python objects) lives as long
         # as the process: out of the collector's reach, a full collection under load walks only
         # what requests create (it walked the whole transformers import before: pauses of
