@@ -104,8 +104,13 @@ class ContextBuilder:
         rendered = [template_message(m) for m in messages]
         if self._reasoning is not None and lineage:
             for position, turn in lineage.items():
-                if position < len(rendered) and rendered[position]["role"] == "assistant":
-                    rendered[position]["reasoning_content"] = self.thought(turn)
+                message = rendered[position] if position < len(rendered) else None
+                if message is not None and message["role"] == "assistant":
+                    message["reasoning_content"] = self.thought(turn)
+                    content = message["content"]
+                    if isinstance(content, str) and self._reasoning.end_tag in content:
+                        # thinking echoed inline: the recorded thinking replaces it, not joins it
+                        message["content"] = content.rpartition(self._reasoning.end_tag)[2].lstrip("\n")
         kwargs = dict(template_kwargs or {})
         full = self._render(rendered, specs, generation=True, **kwargs)
         full_ids = self._encode(full)
