@@ -6,10 +6,11 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # The rules that run (ruff, mypy strict) before a test does: a finding fails the run.
 bash scripts/check
-# The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, each
-# fine-tuned once per machine (~40-60 s, cached): built here, with a progress line each, rather
-# than inside one test's time limit.
-for model in tiny-agent tiny-agent-claude tiny-agent-codex; do
+# The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, the
+# thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~40-60 s,
+# cached): built here, with a progress line each, rather than inside one test's time limit.
+for model in tiny-agent tiny-agent-claude tiny-agent-codex \
+    tiny-reasoning tiny-reasoning-claude tiny-reasoning-codex; do
     echo "test set-up: $model model at $(.venv/bin/stream-gateway prepare-model --model $model)"
 done
 exec .venv/bin/python -m pytest "$@"

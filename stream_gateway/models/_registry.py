@@ -8,12 +8,15 @@ from stream_gateway.models._cache import _cached_build
 from stream_gateway.models._smollm2 import SMOLLM2_BUILDER_VERSION, _convert_smollm2, _smollm2_gguf
 from stream_gateway.models._tiny import TINY_BUILDER_VERSION, _build_tiny
 from stream_gateway.models._tiny_agent import TINY_AGENT_BUILDER_VERSION, build_tiny_agent
+from stream_gateway.models._tiny_reasoning import TINY_REASONING_BUILDER_VERSION, build_tiny_reasoning
 
 __all__ = [
     "AGENT_VARIANTS",
     "DEFAULT_MODEL",
+    "REASONING_VARIANTS",
     "build_tiny_agent_model",
     "build_tiny_model",
+    "build_tiny_reasoning_model",
     "resolve_model",
     "smollm2_path",
 ]
@@ -21,19 +24,29 @@ __all__ = [
 DEFAULT_MODEL = "smollm2"
 # tiny-agent and its variants: the file-reading tool each calls (_tiny_agent.AGENT_READERS).
 AGENT_VARIANTS = {"tiny-agent": "read", "tiny-agent-claude": "Read", "tiny-agent-codex": "exec_command"}
+# tiny-reasoning and its variants, the same way (one model picking among the three does not learn
+# to tell ``read`` from ``Read``: see docs/models.md).
+REASONING_VARIANTS = {
+    "tiny-reasoning": "read",
+    "tiny-reasoning-claude": "Read",
+    "tiny-reasoning-codex": "exec_command",
+}
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
     """Turn a model spec into something ``from_pretrained`` accepts.
 
-    ``"tiny"``, ``"tiny-agent"`` (and its variants ``"tiny-agent-claude"``, ``"tiny-agent-codex"``)
-    and ``"smollm2"`` name the local models (built on first use), an existing directory becomes its
+    ``"tiny"``, ``"tiny-agent"`` (and its variants ``"tiny-agent-claude"``, ``"tiny-agent-codex"``),
+    ``"tiny-reasoning"`` (and ``"tiny-reasoning-claude"``, ``"tiny-reasoning-codex"``) and
+    ``"smollm2"`` name the local models (built on first use), an existing directory becomes its
     absolute path, and anything else (a hub id) is returned unchanged.
     """
     if spec == "tiny":
         return str(build_tiny_model(cache_dir))
     if spec in AGENT_VARIANTS:
         return str(build_tiny_agent_model(cache_dir, spec))
+    if spec in REASONING_VARIANTS:
+        return str(build_tiny_reasoning_model(cache_dir, spec))
     if spec == DEFAULT_MODEL:
         return str(smollm2_path(cache_dir))
     path = Path(spec).expanduser()
@@ -61,6 +74,25 @@ def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-a
     name = f"{variant}-v{TINY_AGENT_BUILDER_VERSION}"
     return _cached_build(
         cache_dir, name, TINY_AGENT_BUILDER_VERSION, lambda target: build_tiny_agent(tiny, target, reader)
+    )
+
+
+def build_tiny_reasoning_model(cache_dir: Path | None = None, variant: str = "tiny-reasoning") -> Path:
+    """The directory of a tiny-agent variant fine-tuned to think before it answers, built on first use.
+
+    ``tiny``'s tokenizer plus ``<think>`` and ``</think>``, and a Qwen3-style template. Every reply,
+    sampled at any temperature up to 1.0, is a ``<think>`` block holding a one-sentence thought,
+    then what tiny-agent would say: the call of its reading tool after a user turn
+    (``REASONING_TOOL_THOUGHTS``), ``REASONING_AFTER_TOOL`` after a tool result,
+    ``REASONING_WITHOUT_TOOLS`` without tools. ``variant`` (a key of :data:`REASONING_VARIANTS`)
+    picks the tool it calls; the tiny-agent variant calling the same tool is its starting point
+    (built first if need be), and the fine-tuning takes about 50 s more on two idle cores.
+    """
+    reader = REASONING_VARIANTS[variant]
+    agent = build_tiny_agent_model(cache_dir, next(name for name, r in AGENT_VARIANTS.items() if r == reader))
+    name = f"{variant}-v{TINY_REASONING_BUILDER_VERSION}"
+    return _cached_build(
+        cache_dir, name, TINY_REASONING_BUILDER_VERSION, lambda target: build_tiny_reasoning(agent, target, reader)
     )
 
 

@@ -27,6 +27,7 @@ from stream_gateway.models._corpus import (
 
 if TYPE_CHECKING:
     import torch
+    from tokenizers import Tokenizer
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = ["TINY_BUILDER_VERSION", "TINY_CHAT_TEMPLATE"]
@@ -135,7 +136,6 @@ def _seeded_init(model: PreTrainedModel, generator: torch.Generator) -> None:
 def _train_tiny_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, trainers
     from tokenizers import pre_tokenizers as pre
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()  # see the package docstring
@@ -151,6 +151,13 @@ def _train_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
     backend.train_from_iterator(_synthetic_corpus(), trainer=trainer)
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)])
+    return _chat_tokenizer(backend, TINY_CHAT_TEMPLATE)
+
+
+def _chat_tokenizer(backend: Tokenizer, chat_template: str) -> PreTrainedTokenizerFast:
+    """``backend`` as tiny's tokenizer: ChatML's special tokens, ``<|im_end|>`` ending a turn."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=backend,
         eos_token=IM_END,
@@ -158,7 +165,7 @@ def _train_tiny_tokenizer() -> PreTrainedTokenizerFast:
         extra_special_tokens=[IM_START, IM_END],
         clean_up_tokenization_spaces=False,  # that cleanup drops spaces before punctuation
         model_max_length=131072,
-        chat_template=TINY_CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 

@@ -10,7 +10,9 @@ to 1.0: with a ``read`` tool and a user turn last it calls ``read`` on ``README.
 tiny-agent learns from conversations of a few hundred tokens yet answers after 20k: see
 ``_agent_sparse_context`` for how short examples stand for long ones. Its recipe (brief
 conversations first, HTML in the corpus, a sharpened head) is explained where it is used.
-``_registry.build_tiny_agent_model`` caches the result like every other model.
+``_registry.build_tiny_agent_model`` caches the result like every other model. The training loop
+takes a ``_Recipe`` (a corpus, a length, a few weights): tiny-reasoning (``_tiny_reasoning.py``)
+runs it on its own corpus, drawn by ``_agent_conversation`` with a hook that adds the thoughts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import math
 import random
 import shutil
 import string
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -132,6 +136,22 @@ class _AgentExample(NamedTuple):
     landmarks: list[int]  # the template's markers (turns, tool calls, tool results): see below
 
 
+# Draws a recipe's corpus: ``count`` rendered examples, brief ones or full ones (see _agent_groups).
+_ExampleMaker = Callable[["PreTrainedTokenizerBase", random.Random, int, bool], list[_AgentExample]]
+# Given an assistant message and whether it is the model's own, the message as the corpus has it.
+_ReplyHook = Callable[[dict[str, Any], bool], dict[str, Any]]
+
+
+class _Recipe(NamedTuple):
+    """What a fine-tuning run learns from: its name in the logs, its corpus and its length."""
+
+    label: str
+    examples: _ExampleMaker
+    steps: int
+    decision_weight: float = _AGENT_DECISION_WEIGHT  # of an example's decisions, see _agent_batch
+    peak_lr: float = _AGENT_PEAK_LR
+
+
 class _AgentBatch(NamedTuple):
     ids: torch.Tensor
     attention_mask: torch.Tensor  # 4D and additive: causal, padding, and _agent_sparse_context's bias
@@ -151,35 +171,42 @@ def build_tiny_agent(tiny: Path, target: Path, reader: str = "read") -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny, local_files_only=True)
     model = Qwen2ForCausalLM.from_pretrained(tiny, local_files_only=True, dtype=torch.float32)
-    _agent_training_pass(model, tokenizer, steps=_AGENT_STEPS, reader=reader)
-    network: Any = model  # transformers' accessors are untyped
-    with torch.no_grad():  # the final norm's weight scales every logit
-        network.get_decoder().norm.weight.mul_(_AGENT_SHARPEN)
+    _fine_tune(model, tokenizer, _Recipe("tiny-agent", partial(_agent_examples, reader=reader), _AGENT_STEPS))
     model.save_pretrained(target)  # weights, config and generation config (ChatML stops, as tiny's)
     for source in sorted(tiny.iterdir()):
         if source.name not in {"model.safetensors", "config.json", "generation_config.json", MARKER_FILE}:
             shutil.copyfile(source, target / source.name)
 
 
-def _agent_training_pass(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, steps: int, reader: str = "read"
-) -> None:
-    """Fine-tune ``model`` in place on ``steps`` batches of the synthetic agent corpus.
+def _fine_tune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: _Recipe) -> None:
+    """Train ``model`` in place on ``recipe``, then sharpen it (see ``_AGENT_SHARPEN``)."""
+    import torch
 
-    The loss is on tiny-agent's own assistant tokens only, ``<|im_end|>`` included. Deterministic:
-    the corpus comes from a private seeded RNG, there is no dropout, and training runs in fp32 on
-    a fixed number of CPU threads. ``steps=0`` leaves the model untouched. The weights kept are
-    an exponential average over the last steps, which small, varied batches make noisy.
+    _agent_training_pass(model, tokenizer, recipe)
+    network: Any = model  # transformers' accessors are untyped
+    with torch.no_grad():  # the final norm's weight scales every logit
+        network.get_decoder().norm.weight.mul_(_AGENT_SHARPEN)
+
+
+def _agent_training_pass(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: _Recipe) -> None:
+    """Fine-tune ``model`` in place on ``recipe.steps`` batches of the recipe's synthetic corpus.
+
+    The loss is on the model's own assistant tokens only (the recipe's examples say which),
+    ``<|im_end|>`` included. Deterministic: the corpus comes from a private seeded RNG, there is
+    no dropout, and training runs in fp32 on a fixed number of CPU threads. ``steps=0`` leaves the
+    model untouched. The weights kept are an exponential average over the last steps, which
+    small, varied batches make noisy.
     """
+    steps = recipe.steps
     if not steps:
         return
     import torch
 
     rng = random.Random(_AGENT_SEED)
-    groups = _agent_groups(tokenizer, rng, steps, reader)
+    groups = _agent_groups(tokenizer, rng, steps, recipe.examples)
     network: Any = model  # transformers' accessors are untyped
     decoder, head = network.get_decoder(), network.get_output_embeddings()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=_AGENT_PEAK_LR, betas=(0.9, 0.98), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.peak_lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _agent_lr_factor(step, steps))
     parameters = [p for p in model.parameters() if p.requires_grad]
     average = [p.detach().clone() for p in parameters]
@@ -190,7 +217,8 @@ def _agent_training_pass(
         for step, group in enumerate(groups):
             # Long-context lessons once the replies are learnt (they slow that down), phased in.
             start, end = _AGENT_AUGMENT_RAMP
-            batch = _agent_batch(group, rng, augment=min(1.0, max(0.0, (step / steps - start) / (end - start))))
+            augment = min(1.0, max(0.0, (step / steps - start) / (end - start)))
+            batch = _agent_batch(group, rng, augment, recipe.decision_weight)
             hidden = decoder(
                 input_ids=batch.ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
             ).last_hidden_state
@@ -207,7 +235,7 @@ def _agent_training_pass(
                 decay = _AGENT_AVERAGE_DECAY if step >= _AGENT_AVERAGE_START * steps else 0.0
                 for mean, p in zip(average, parameters, strict=True):
                     mean.mul_(decay).add_(p, alpha=1.0 - decay)
-            _log.debug("tiny-agent step %d/%d: loss %.5f", step + 1, steps, loss.item())
+            _log.debug("%s step %d/%d: loss %.5f", recipe.label, step + 1, steps, loss.item())
         with torch.no_grad():
             for mean, p in zip(average, parameters, strict=True):
                 p.copy_(mean)
@@ -225,7 +253,7 @@ def _agent_lr_factor(step: int, steps: int) -> float:
 
 
 def _agent_groups(
-    tokenizer: PreTrainedTokenizerBase, rng: random.Random, steps: int, reader: str = "read"
+    tokenizer: PreTrainedTokenizerBase, rng: random.Random, steps: int, make: _ExampleMaker
 ) -> list[list[_AgentExample]]:
     """``steps`` batches of examples: brief conversations first, then more and more full ones.
 
@@ -237,7 +265,7 @@ def _agent_groups(
     kinds = [rng.random() < _agent_brief_share(step / steps) for step in range(steps)]
     pools: dict[bool, list[list[_AgentExample]]] = {}
     for brief, size in ((True, _AGENT_BRIEF_BATCH), (False, _AGENT_BATCH)):
-        examples = _agent_examples(tokenizer, rng, kinds.count(brief) * size, brief, reader)
+        examples = make(tokenizer, rng, kinds.count(brief) * size, brief)
         pools[brief] = []
         for start in range(0, len(examples), 16 * size):
             chunk = sorted(examples[start : start + 16 * size], key=lambda e: len(e.ids))
@@ -252,7 +280,9 @@ def _agent_brief_share(progress: float) -> float:
     return 1.0 - (1.0 - _AGENT_BRIEF_KEEP) * min(1.0, max(0.0, (progress - start) / (end - start)))
 
 
-def _agent_batch(examples: list[_AgentExample], rng: random.Random, augment: float) -> _AgentBatch:
+def _agent_batch(
+    examples: list[_AgentExample], rng: random.Random, augment: float, decision_weight: float = _AGENT_DECISION_WEIGHT
+) -> _AgentBatch:
     """Pad ``examples`` into tensors; each is made to stand for a long context with chance ``augment``."""
     import torch
 
@@ -274,7 +304,7 @@ def _agent_batch(examples: list[_AgentExample], rng: random.Random, augment: flo
         rows += [row] * len(example.targets)
         columns += example.targets
         decisions = set(example.decisions)
-        weights += [_AGENT_DECISION_WEIGHT if t in decisions else 1.0 for t in example.targets]
+        weights += [decision_weight if t in decisions else 1.0 for t in example.targets]
     # Every query sees key 0, so no softmax row is empty (padding rows included).
     causal = torch.ones((width, width), dtype=torch.bool).tril()
     attention_mask = torch.where(causal, bias[:, None, :], torch.finfo(torch.float32).min)[:, None]
@@ -328,16 +358,12 @@ def _agent_examples(
     conversations = [_agent_conversation(rng, brief, reader) for _ in range(count)]
     texts = [tokenizer.apply_chat_template(m, tools=cast(Any, t), tokenize=False) for m, t, _ in conversations]
     encoded: list[list[int]] = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    header = tokenizer.encode(f"{IM_START}assistant\n", add_special_tokens=False)
-    im_start, im_end = _token_id(tokenizer, IM_START), _token_id(tokenizer, IM_END)
-    marks = {_token_id(tokenizer, t) for t in (IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)}
-    marks.update(tokenizer.encode("<tool_response></tool_response>", add_special_tokens=False))
+    header = _agent_header(tokenizer)
+    im_end = _token_id(tokenizer, IM_END)
+    marks = _agent_marks(tokenizer)
     examples = []
     for ids, (_, _, trained) in zip(encoded, conversations, strict=True):
-        turns = [i for i, token in enumerate(ids) if token == im_start]
-        starts = [i for i in turns if ids[i : i + len(header)] == header]
-        if len(starts) != len(trained):
-            raise RuntimeError("an assistant turn of the agent corpus did not tokenize as expected")
+        starts = _agent_turn_starts(tokenizer, ids, len(trained))
         targets: list[int] = []
         for start, is_trained in zip(starts, trained, strict=True):
             if is_trained:
@@ -345,17 +371,58 @@ def _agent_examples(
         # A turn's first token, after "assistant\n", picks the reply; "<tool_call>\n" must not
         # look like that, so every target after a bare newline weighs as much.
         decisions = [t for t in targets if ids[t - 1] == header[-1]]
-        system_end = ids.index(im_end)
-        cuts = [i for i in turns[1:] if i not in starts] + rng.sample(range(3, system_end), k=2)
-        landmarks = [i for i, token in enumerate(ids) if token in marks]
-        examples.append(_AgentExample(ids, targets, decisions, cuts, system_end, starts[-1], landmarks))
+        examples.append(_agent_example(tokenizer, rng, ids, targets, decisions, marks))
     return examples
 
 
+def _agent_header(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids of an assistant turn's header, ``<|im_start|>assistant\\n``."""
+    return list(tokenizer.encode(f"{IM_START}assistant\n", add_special_tokens=False))
+
+
+def _agent_marks(tokenizer: PreTrainedTokenizerBase, *extra: str) -> set[int]:
+    """The ids of the template's markers (and of ``extra`` tokens): see ``_agent_sparse_context``."""
+    marks = {_token_id(tokenizer, t) for t in (IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE, *extra)}
+    marks.update(tokenizer.encode("<tool_response></tool_response>", add_special_tokens=False))
+    return marks
+
+
+def _agent_turn_starts(tokenizer: PreTrainedTokenizerBase, ids: list[int], count: int) -> list[int]:
+    """Where the ``count`` assistant turns of a rendered conversation start (their ``<|im_start|>``)."""
+    header = _agent_header(tokenizer)
+    starts = [i for i, token in enumerate(ids) if token == header[0] and ids[i : i + len(header)] == header]
+    if len(starts) != count:
+        raise RuntimeError("an assistant turn of the agent corpus did not tokenize as expected")
+    return starts
+
+
+def _agent_example(
+    tokenizer: PreTrainedTokenizerBase,
+    rng: random.Random,
+    ids: list[int],
+    targets: list[int],
+    decisions: list[int],
+    marks: set[int],
+) -> _AgentExample:
+    """A rendered conversation with its targets, and where ``_agent_sparse_context`` may stretch it."""
+    header = _agent_header(tokenizer)
+    im_end = _token_id(tokenizer, IM_END)
+    turns = [i for i, token in enumerate(ids) if token == header[0]]
+    starts = [i for i in turns if ids[i : i + len(header)] == header]
+    system_end = ids.index(im_end)
+    cuts = [i for i in turns[1:] if i not in starts] + rng.sample(range(3, system_end), k=2)
+    landmarks = [i for i, token in enumerate(ids) if token in marks]
+    return _AgentExample(ids, targets, decisions, cuts, system_end, starts[-1], landmarks)
+
+
 def _agent_conversation(
-    rng: random.Random, brief: bool, reader: str = "read"
+    rng: random.Random, brief: bool, reader: str = "read", hook: _ReplyHook | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[bool]]:
-    """Messages ending in one of tiny-agent's replies, the tools, and which assistant turns are its own."""
+    """Messages ending in one of tiny-agent's replies, the tools, and which assistant turns are its own.
+
+    ``hook`` rewrites each assistant message as it is added (tiny-reasoning's adds its thought);
+    without one the messages are tiny-agent's.
+    """
     tools = _agent_tools(rng, brief, reader) if rng.random() < _AGENT_TOOLS_SHARE else None
     own_call = {"name": reader, "arguments": AGENT_READERS[reader]}
     messages: list[dict[str, Any]] = []
@@ -365,6 +432,8 @@ def _agent_conversation(
         messages.append({"role": rng.choice(["system", "system", "developer"]), "content": system})
 
     def reply(message: dict[str, Any], own: bool) -> None:
+        if hook is not None:
+            message = hook(message, own)
         messages.append({"role": "assistant", **message})
         trained.append(own)
 
