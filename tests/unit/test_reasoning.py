@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_gateway.completion._thinking import ThinkingStream
+from stream_gateway.models._tiny_reasoning import TINY_REASONING_CHAT_TEMPLATE
 from stream_gateway.reasoning import (
     ReasoningFormat,
     ThinkingSigner,
@@ -137,76 +138,9 @@ def test_auto_choice_needs_single_tokens_and_a_template_that_thinks(
 
 # -- the history policy, on a Qwen3-style template, without a model ------------------------------
 
-# tiny's template made Qwen3-style: an assistant turn after the last user query keeps its thinking
-# (from reasoning_content, or split out of the content) when it has some or is the last message;
-# earlier turns are rendered without it; enable_thinking=false closes an empty block in the
-# generation prompt.
-QWEN3_STYLE_TEMPLATE = """\
-{%- macro text(content) -%}
-{%- if content is none -%}{%- elif content is string -%}{{- content -}}
-{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}\
-{%- endfor -%}{%- endif -%}
-{%- endmacro -%}
-{%- set first_is_system = messages and messages[0].role in ['system', 'developer'] -%}
-{%- set system = text(messages[0].content) if first_is_system else 'You are a helpful assistant.' -%}
-{{- '<|im_start|>system\\n' + system -}}
-{%- if tools -%}
-{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' -}}
-{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}
-{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
-{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' -}}
-{{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' -}}
-{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -}}
-{%- endif -%}
-{{- '<|im_end|>\\n' -}}
-{%- set ns = namespace(last_query_index=-1) -%}
-{%- for message in messages -%}
-{%- if message.role == 'user' and not (text(message.content) | string).startswith('<tool_response>') -%}
-{%- set ns.last_query_index = loop.index0 -%}
-{%- endif -%}
-{%- endfor -%}
-{%- for message in messages -%}
-{%- if loop.first and first_is_system -%}
-{%- elif message.role in ['system', 'developer'] -%}
-{{- '<|im_start|>system\\n' + text(message.content) + '<|im_end|>\\n' -}}
-{%- elif message.role == 'user' -%}
-{{- '<|im_start|>user\\n' + text(message.content) + '<|im_end|>\\n' -}}
-{%- elif message.role == 'assistant' -%}
-{%- set content = text(message.content) | string -%}
-{%- set reasoning = '' -%}
-{%- if message.reasoning_content is defined and message.reasoning_content is not none -%}
-{%- set reasoning = text(message.reasoning_content) | string -%}
-{%- elif '</think>' in content -%}
-{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
-{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
-{%- endif -%}
-{%- set thinking = loop.index0 > ns.last_query_index and (loop.last or reasoning) -%}
-{{- '<|im_start|>assistant' -}}
-{%- if thinking -%}
-{%- set content = content.lstrip('\\n') -%}
-{{- '\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content -}}
-{%- elif content -%}{{- '\\n' + content -}}
-{%- endif -%}
-{%- for call in message.tool_calls or [] -%}
-{%- set call = call.function if call.function is defined else call -%}
-{%- if not (loop.first and thinking and not content) -%}{{- '\\n' -}}{%- endif -%}
-{{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' -}}
-{%- if call.arguments is string -%}{{- call.arguments -}}{%- else -%}{{- call.arguments | tojson -}}\
-{%- endif -%}
-{{- '}\\n</tool_call>' -}}
-{%- endfor -%}
-{{- '<|im_end|>\\n' -}}
-{%- elif message.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
-{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' -}}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-{{- '<|im_start|>assistant\\n' -}}
-{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}
-{%- endif -%}
-"""
+# tiny-reasoning's chat template (Qwen3's rules): an assistant turn after the last user query keeps
+# its thinking when it has some or is the last message; earlier turns are rendered without it.
+QWEN3_STYLE_TEMPLATE = TINY_REASONING_CHAT_TEMPLATE
 
 
 def _builder_and_turns(tokenizer: PreTrainedTokenizerBase, history: str) -> tuple[Any, list[Any]]:

@@ -1,0 +1,116 @@
+"""Real agents against a thinking model: rollouts -> trajectories equals the history policy's number.
+
+THUDM/slime#2288 saw 8 Claude Code rollouts become 64 training samples because each echo of the
+thinking forked the prompt. Here each agent runs twice (a run, then a resumed one: two user
+messages) against ``tiny-reasoning`` (or its per-agent variant); under ``--reasoning-history keep``
+the session is one chain, under ``template`` one root per user message, whatever the agent did
+with the thinking it was streamed. The chains are token-exact (a forward pass reproduces them).
+OpenClaw is not here: it moves its internal-context message to the end of every request, so each
+of its turns is a root with or without thinking (``test_agents_e2e.py`` covers that).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+from stream_gateway.models import resolve_model
+
+from ..support.agents import ensure_agents_installed, run_claude, run_codex, run_pi
+from ..support.fidelity import assert_chain_logprobs
+from ..support.servers import RunningGateway, run_gateway
+
+pytestmark = pytest.mark.timeout(900)  # the first test may install the agents
+
+README = "The secret word is lighthouse.\n"
+MODELS = {"pi": "tiny-reasoning", "claude": "tiny-reasoning-claude", "codex": "tiny-reasoning-codex"}
+
+
+@pytest.fixture(scope="module")
+def agents() -> Path:
+    return ensure_agents_installed()
+
+
+@pytest.fixture(scope="module", params=["keep", "template"])
+def history(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _gateway(name: str, history: str) -> Iterator[tuple[RunningGateway, Path]]:
+    path = Path(resolve_model(name))
+    settings = Settings(model=str(path), served_model_name=name, default_temperature=0.0, reasoning_history=history)
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running, path
+
+
+def _check(gateway: RunningGateway, session: str, key: str, history: str, model: Path) -> dict[str, Any]:
+    response = httpx.get(f"{gateway.base_url}/sessions/{session}", headers={"x-api-key": key}, timeout=30)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    turns = body["turns"]
+    assert all(t["reasoning_tokens"] > 0 for t in turns), [t["reasoning_tokens"] for t in turns]
+    roots = [t for t in turns if t["parent_id"] is None]
+    # Two rollouts (user messages): one trajectory under keep, one per user message under template.
+    assert len(body["chains"]) == len(roots) == (1 if history == "keep" else 2), [
+        (t["parent_id"], t["fallback_reason"]) for t in turns
+    ]
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    for chain in body["chains"]:
+        assert_chain_logprobs(reference, chain["token_ids"], chain["mask"], chain["logprobs"], atol=5e-4)
+    return body
+
+
+def test_pi_two_rollouts_follow_the_policy(agents: Path, history: str, tmp_path: Path) -> None:
+    for gateway, model in _gateway(MODELS["pi"], history):
+        session = f"pi{secrets.token_hex(4)}"
+        base = f"{gateway.base_url}/sessions/{session}"
+        (tmp_path / "README.md").write_text(README)
+        saved = tmp_path / "pi-session"
+        first = run_pi(base, MODELS["pi"], "What does the README say?", tmp_path, continue_session_dir=saved)
+        assert first.returncode == 0 and "read" in first.tools_used, first.describe()
+        second = run_pi(base, MODELS["pi"], "Read it once more.", tmp_path, continue_session_dir=saved)
+        assert second.returncode == 0, second.describe()
+        _check(gateway, session, "sk-local", history, model)
+
+
+def test_codex_two_rollouts_follow_the_policy(agents: Path, history: str, tmp_path: Path) -> None:
+    for gateway, model in _gateway(MODELS["codex"], history):
+        workdir, home = tmp_path / "project", tmp_path / "home"
+        workdir.mkdir()
+        home.mkdir()
+        (workdir / "README.md").write_text(README)
+        session = f"codex{secrets.token_hex(4)}"
+        base = f"{gateway.base_url}/sessions/{session}"
+        first = run_codex(base, MODELS["codex"], "What does the README say?", workdir, home=home)
+        assert first.returncode == 0, first.describe()
+        [thread] = [e["thread_id"] for e in first.parsed if e.get("type") == "thread.started"]
+        second = run_codex(base, MODELS["codex"], "Read it again.", workdir, home=home, resume=thread)
+        assert second.returncode == 0, second.describe()
+        _check(gateway, session, "sk-codex-local", history, model)
+
+
+def test_claude_code_two_rollouts_follow_the_policy(agents: Path, history: str, tmp_path: Path) -> None:
+    for gateway, model in _gateway(MODELS["claude"], history):
+        workdir, home = tmp_path / "project", tmp_path / "home"
+        workdir.mkdir()
+        home.mkdir()
+        (workdir / "README.md").write_text(README)
+        session = f"claude{secrets.token_hex(4)}"
+        base = f"{gateway.base_url}/sessions/{session}"
+        first = run_claude(base, MODELS["claude"], "What does the README say?", workdir, home=home)
+        assert first.returncode == 0, first.describe()
+        result = first.parsed
+        assert isinstance(result, dict) and result["num_turns"] == 2, first.describe()  # Read, then the answer
+        second = run_claude(base, MODELS["claude"], "Read it again.", workdir, home=home, resume=result["session_id"])
+        assert second.returncode == 0, second.describe()
+        body = _check(gateway, session, "sk-ant-local", history, model)
+        assert [t["finish_reason"] for t in body["turns"]] == ["tool_calls", "stop", "tool_calls", "stop"]
