@@ -1,11 +1,13 @@
 """The whole path, with real parts only: agent traffic → gateway → NATS → assembler → batcher → verl.
 
-Real multi-turn tool sessions (tiny-agent calling ``read`` and answering after the result) and
-chats on the untrained tiny model go through gateways that capture into a real nats-server. The
-assembler and the batcher run as they do under ``stream-gateway up``. The batch they write is
-loaded as the verl adapter loads it, turned into verl's ``DataProto``, run through verl's GRPO
-advantage, and checked by a forward pass of the same models: the logprob of every response token
-the batch marks as sampled equals the one the gateway recorded while streaming it.
+Real multi-turn tool sessions (tiny-agent calling ``read`` and answering after the result; or
+tiny-reasoning, which thinks before each call and answer) and chats on the untrained tiny model go
+through gateways that capture into a real nats-server. The assembler and the batcher run as they
+do under ``stream-gateway up``. The batch they write is loaded as the verl adapter loads it,
+turned into verl's ``DataProto``, run through verl's GRPO advantage, and checked by a forward pass
+of the same models: the logprob of every response token the batch marks as sampled equals the
+one the gateway recorded while streaming it, thinking tokens included (they stay in the loss
+mask; ``reasoning_mask`` marks them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
@@ -32,6 +35,7 @@ from consumers.verl_batch import padded_batch, to_data_proto
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
+from stream_gateway.models import resolve_model
 
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.servers import RunningGateway, run_gateway
@@ -80,7 +84,7 @@ def _run_session(gateway: RunningGateway, model: str, group: str, seed: int, rew
             max_rounds=4,
             temperature=1.0,
             seed=seed,
-            max_tokens=64 if model == "tiny-agent" else 16,
+            max_tokens={"tiny-agent": 64, "tiny-reasoning": 128}.get(model, 16),
             metadata={"group": group},
         )
     headers = {"authorization": f"Bearer {KEY}"}
@@ -89,21 +93,22 @@ def _run_session(gateway: RunningGateway, model: str, group: str, seed: int, rew
     return session
 
 
+@pytest.mark.parametrize("agent", ["tiny-agent", "tiny-reasoning"])
 def test_agent_traffic_becomes_a_verl_batch_whose_logprobs_a_forward_pass_reproduces(
-    agent_model_path: Path, tiny_model_path: Path, tmp_path: Path
+    agent: str, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     workdir = tmp_path / "work"
     workdir.mkdir()
     (workdir / "README.md").write_text("The secret word is lighthouse.\n")
     batch_dir = tmp_path / "batches"
-    models = {"tiny-agent": agent_model_path, "tiny": tiny_model_path}
+    models = {agent: Path(resolve_model(agent)), "tiny": tiny_model_path}
     with EmbeddedNatsServer() as server, consumers(server, batch_dir):
         sessions = []
         for name, path in models.items():
             settings = Settings(
                 model=str(path), served_model_name=name, nats_url=server.url, outbox_dir=tmp_path / f"outbox-{name}"
             )
-            group = "readme" if name == "tiny-agent" else "chat"
+            group = "readme" if name == agent else "chat"
             with run_gateway(build_engine(settings), settings) as gateway:
                 for seed, reward in ((11, 1.0), (12, -1.0)):
                     sessions.append(_run_session(gateway, name, group, seed, reward, workdir))
@@ -115,7 +120,7 @@ def test_agent_traffic_becomes_a_verl_batch_whose_logprobs_a_forward_pass_reprod
     assert sorted(t.session_id for t in trajectories) == sorted(sessions)
     assert sorted(uids) == ["chat", "chat", "readme", "readme"]
     by_model = {t.model for t in trajectories}
-    assert by_model == {"tiny-agent", "tiny"}
+    assert by_model == {agent, "tiny"}
     for trajectory in trajectories:
         assert trajectory.reward in (1.0, -1.0) and trajectory.reward_source == "feedback"
         assert trajectory.num_turns == 2  # a tool loop (call, answer) or a chat and its follow-up
@@ -140,16 +145,25 @@ def test_agent_traffic_becomes_a_verl_batch_whose_logprobs_a_forward_pass_reprod
 
     p, r = tensors["prompts"].shape[1], tensors["responses"].shape[1]
     mask = tensors["response_mask"].bool()
+    thinking = tensors["reasoning_mask"].bool()
+    assert not (thinking & ~mask).any()  # thinking is sampled, and stays in the loss mask
+    for row, trajectory in enumerate(trajectories):
+        thinks = trajectory.model == "tiny-reasoning"
+        assert bool(thinking[row].any()) == thinks, trajectory.model
     for name, path in models.items():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        rows = torch.tensor([t.model == name for t in trajectories])  # a model's own rows (its own vocabulary)
         with torch.no_grad():
             logits = model(
-                input_ids=tensors["input_ids"],
-                attention_mask=tensors["attention_mask"],
-                position_ids=tensors["position_ids"],
+                input_ids=tensors["input_ids"][rows],
+                attention_mask=tensors["attention_mask"][rows],
+                position_ids=tensors["position_ids"][rows],
             ).logits[:, p - 1 : p + r - 1]
-        log_prob = torch.log_softmax(logits, dim=-1).gather(2, tensors["responses"].unsqueeze(2)).squeeze(2)
-        rows = torch.tensor([t.model == name for t in trajectories])
-        checked = mask & rows[:, None]
+        log_prob = torch.log_softmax(logits, dim=-1).gather(2, tensors["responses"][rows].unsqueeze(2)).squeeze(2)
+        checked = mask[rows]
         assert checked.sum() > 10, name
-        torch.testing.assert_close(log_prob[checked], tensors["rollout_log_probs"][checked], atol=ATOL, rtol=0)
+        recorded = tensors["rollout_log_probs"][rows]
+        torch.testing.assert_close(log_prob[checked], recorded[checked], atol=ATOL, rtol=0)
+        if name == "tiny-reasoning":  # every thinking token's logprob among them
+            assert thinking[rows].sum() > 10
+            torch.testing.assert_close(log_prob[thinking[rows]], recorded[thinking[rows]], atol=ATOL, rtol=0)
