@@ -217,7 +217,7 @@ def main() -> None:
                             file=sys.stderr,
                             flush=True,
                         )
-            idle = idle_first_token([bare, *servers], args.idle_rounds)
+            idle = idle_first_token([bare, *servers], args.idle_rounds) if args.idle_rounds > 0 else {}
             result = {
                 "tokens": args.tokens,
                 "repeats": args.repeats,
@@ -258,9 +258,10 @@ def report(result: dict[str, Any]) -> None:
                 f"{row['rss_mb']:7.0f} {row['errors']:6}"
             )
     idle = result["idle_first_token_ms"]
-    floor = idle["bare server"]
-    print(f"\nidle time to first token, p50 of 20 sequential 2-token streams, median of {result['idle_rounds']} rounds "
-          "(added: over the bare server, which does nothing but answer):")  # fmt: skip
+    floor = idle.get("bare server", {})
+    if idle:
+        print(f"\nidle time to first token, p50 of 20 sequential 2-token streams, median of {result['idle_rounds']} "
+              "rounds (added: over the bare server, which does nothing but answer):")  # fmt: skip
     for name, by_mode in idle.items():
         parts = []
         for mode, ms in by_mode.items():
