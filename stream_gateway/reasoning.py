@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jinja2 import TemplateError
+
 __all__ = [
     "REASONING_PARSERS",
     "ReasoningFormat",
@@ -123,10 +125,6 @@ class ThinkingTracker:
         self.answer_start = self.reasoning_tokens
         return cut
 
-    def tags(self) -> tuple[int, int]:
-        """The two tag ids (which never become text)."""
-        return self._format.start_id, self._format.end_id
-
 
 def split_thinking(
     fmt: ReasoningFormat | None, prompt_ids: Sequence[int], output_ids: Sequence[int]
@@ -210,7 +208,7 @@ def _prompt_opens_thinking(tokenizer: Any) -> bool:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
         )
-    except Exception:
+    except (TemplateError, ValueError, TypeError):  # a template that cannot render this says nothing either way
         return False
     return isinstance(text, str) and text.rstrip().endswith(START_TAG)
 

@@ -75,6 +75,8 @@ class ContextBuilder:
         self._tokenizer = tokenizer
         self._reasoning = reasoning
         self._history = history
+        # A turn's thinking as text, by turn id: every continuation renders its whole chain with it.
+        self._thoughts: dict[str, str] = {}
         self._thinking_block = (
             re.compile(re.escape(reasoning.start_tag) + r"[\s\S]*?" + re.escape(reasoning.end_tag) + r"\n*")
             if reasoning is not None
@@ -151,9 +153,16 @@ class ContextBuilder:
         """A recorded turn's thinking as text (tags and their newlines left out; ``""``: none)."""
         if self._reasoning is None or not turn.reasoning_tokens:
             return ""
+        cached = self._thoughts.get(turn.turn_id)
+        if cached is not None:
+            return cached
         tags = (self._reasoning.start_id, self._reasoning.end_id)
         ids = [t for t in turn.output_ids[: turn.reasoning_tokens] if t not in tags]
-        return str(self._tokenizer.decode(ids, skip_special_tokens=False)).strip("\n")
+        text = str(self._tokenizer.decode(ids, skip_special_tokens=False)).strip("\n")
+        if len(self._thoughts) >= _THOUGHTS_KEPT:
+            self._thoughts.clear()  # a bound, not an LRU: a continuation re-decodes at most its own chain
+        self._thoughts[turn.turn_id] = text
+        return text
 
     def _tail_without_thinking(self, upto: str, full: str) -> str | None:
         """What ``full`` renders after the last message of ``upto``, when the two differ only by
@@ -192,6 +201,8 @@ class ContextBuilder:
         text = self._render(conversation, None, generation=False)
         return text[text.rindex(_PROBE) + len(_PROBE) :]
 
+
+_THOUGHTS_KEPT = 8192  # decoded thoughts kept by ContextBuilder.thought
 
 # Below this much message text (and without tools), a prompt is built on the event loop: the
 # render and tokenization then cost less than the hop to a worker thread and back (~0.1-0.3 ms,

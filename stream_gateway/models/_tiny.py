@@ -30,14 +30,22 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-__all__ = ["TINY_BUILDER_VERSION", "TINY_CHAT_TEMPLATE"]
+__all__ = [
+    "TEMPLATE_HEAD",
+    "TEMPLATE_SYSTEM_AND_USER_TURNS",
+    "TEMPLATE_TOOL_RESULTS",
+    "TINY_BUILDER_VERSION",
+    "TINY_CHAT_TEMPLATE",
+]
 
 TINY_BUILDER_VERSION = 1
 
 # Qwen2.5-Instruct semantics, written afresh. Differences from Qwen2.5: `developer` is a system
 # role, content may be a list of text parts, and string `arguments` (as OpenAI clients send
 # them) are emitted verbatim instead of being JSON-encoded a second time.
-TINY_CHAT_TEMPLATE = """\
+# The pieces tiny-reasoning's template shares (models/_tiny_reasoning.py): the system prompt and
+# tool definitions, the other roles' turns, and tool results.
+TEMPLATE_HEAD = """\
 {%- macro text(content) -%}
 {%- if content is none -%}{%- elif content is string -%}{{- content -}}
 {%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}\
@@ -55,12 +63,27 @@ TINY_CHAT_TEMPLATE = """\
 {{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -}}
 {%- endif -%}
 {{- '<|im_end|>\\n' -}}
+"""
+TEMPLATE_SYSTEM_AND_USER_TURNS = """\
 {%- for message in messages -%}
 {%- if loop.first and first_is_system -%}
 {%- elif message.role in ['system', 'developer'] -%}
 {{- '<|im_start|>system\\n' + text(message.content) + '<|im_end|>\\n' -}}
 {%- elif message.role == 'user' -%}
 {{- '<|im_start|>user\\n' + text(message.content) + '<|im_end|>\\n' -}}
+"""
+TEMPLATE_TOOL_RESULTS = """\
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+"""
+TINY_CHAT_TEMPLATE = (
+    TEMPLATE_HEAD
+    + TEMPLATE_SYSTEM_AND_USER_TURNS
+    + """\
 {%- elif message.role == 'assistant' -%}
 {{- '<|im_start|>assistant' -}}
 {%- if message.content -%}{{- '\\n' + text(message.content) -}}{%- endif -%}
@@ -72,14 +95,12 @@ TINY_CHAT_TEMPLATE = """\
 {{- '}\\n</tool_call>' -}}
 {%- endfor -%}
 {{- '<|im_end|>\\n' -}}
-{%- elif message.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
-{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' -}}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
-{%- endif -%}
-{%- endfor -%}
+"""
+    + TEMPLATE_TOOL_RESULTS
+    + """\
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
 """
+)
 
 # Qwen2's pre-tokenizer split: digits one by one, words with their leading space.
 _PRETOKENIZE_REGEX = (

@@ -40,7 +40,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from stream_gateway.models._corpus import IM_END, _code_text, _identifier, _token_id
-from stream_gateway.models._tiny import _chat_tokenizer
+from stream_gateway.models._tiny import (
+    TEMPLATE_HEAD,
+    TEMPLATE_SYSTEM_AND_USER_TURNS,
+    TEMPLATE_TOOL_RESULTS,
+    _chat_tokenizer,
+)
 from stream_gateway.models._tiny_agent import (
     _AGENT_SHARPEN,
     AGENT_AFTER_TOOL,
@@ -101,36 +106,18 @@ def reasoning_reply(thought: str, answer: str) -> str:
 # tiny's turns, reasoning dropped. A kept block sits between "assistant\n" and the content, and a
 # tool call right after it takes no newline of its own, so a turn renders as the model samples it.
 # `enable_thinking=false` puts an empty block in the generation prompt.
-TINY_REASONING_CHAT_TEMPLATE = """\
-{%- macro text(content) -%}
-{%- if content is none -%}{%- elif content is string -%}{{- content -}}
-{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}\
-{%- endfor -%}{%- endif -%}
-{%- endmacro -%}
-{%- set first_is_system = messages and messages[0].role in ['system', 'developer'] -%}
-{%- set system = text(messages[0].content) if first_is_system else 'You are a helpful assistant.' -%}
-{{- '<|im_start|>system\\n' + system -}}
-{%- if tools -%}
-{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' -}}
-{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}
-{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
-{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' -}}
-{{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' -}}
-{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -}}
-{%- endif -%}
-{{- '<|im_end|>\\n' -}}
+TINY_REASONING_CHAT_TEMPLATE = (
+    TEMPLATE_HEAD
+    + """\
 {%- set ns = namespace(last_query_index=-1) -%}
 {%- for message in messages -%}
 {%- if message.role == 'user' and not (text(message.content) | string).startswith('<tool_response>') -%}
 {%- set ns.last_query_index = loop.index0 -%}
 {%- endif -%}
 {%- endfor -%}
-{%- for message in messages -%}
-{%- if loop.first and first_is_system -%}
-{%- elif message.role in ['system', 'developer'] -%}
-{{- '<|im_start|>system\\n' + text(message.content) + '<|im_end|>\\n' -}}
-{%- elif message.role == 'user' -%}
-{{- '<|im_start|>user\\n' + text(message.content) + '<|im_end|>\\n' -}}
+"""
+    + TEMPLATE_SYSTEM_AND_USER_TURNS
+    + """\
 {%- elif message.role == 'assistant' -%}
 {%- set content = text(message.content) | string -%}
 {%- set reasoning = '' -%}
@@ -156,17 +143,15 @@ TINY_REASONING_CHAT_TEMPLATE = """\
 {{- '}\\n</tool_call>' -}}
 {%- endfor -%}
 {{- '<|im_end|>\\n' -}}
-{%- elif message.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
-{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' -}}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
-{%- endif -%}
-{%- endfor -%}
+"""
+    + TEMPLATE_TOOL_RESULTS
+    + """\
 {%- if add_generation_prompt -%}
 {{- '<|im_start|>assistant\\n' -}}
 {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}
 {%- endif -%}
 """
+)
 
 _REASONING_SEED = 20240603  # the new embedding rows' offsets; the corpus is tiny-agent's RNG's
 _REASONING_OPEN_OFFSET = 0.3  # of the rows' spread: <think> starts near "assistant" (_add_embedding_rows)

@@ -233,6 +233,8 @@ _SAMPLING = SamplingRecord.model_construct(
 
 
 def _turn(turn_id: str, parent: Turn | None, finish_reason: str | None) -> Turn:
+    # A thinking model's turns: the root thought for two ids then answered (and follows a turn it
+    # could not continue); the aborted child was cut while still thinking.
     reused = len(parent.prompt_ids) + len(parent.output_ids) if parent is not None else 0
     prefix = (*parent.prompt_ids, *parent.output_ids) if parent is not None else ()
     return Turn(
@@ -255,6 +257,9 @@ def _turn(turn_id: str, parent: Turn | None, finish_reason: str | None) -> Turn:
         duration_s=0.2,
         matches_full_render=True,
         fallback_reason=None,
+        predecessor_id="p0" if parent is None else None,
+        reasoning_tokens=2 if finish_reason else 3,
+        answer_start=2 if finish_reason else None,
     )
 
 
@@ -278,6 +283,9 @@ def test_a_turn_survives_its_event_form() -> None:
         assert type(event).model_validate_json(event.model_dump_json()) == event
     assert turn_from_event(completed, session_id="s1", parent=None, key=root.key, context_length=3) == root
     assert turn_from_event(aborted, session_id="s1", parent=root, key=None, context_length=3) == child
+    # The thinking marks and the predecessor link reach a replica that replays the turn.
+    assert (completed.reasoning_tokens, completed.answer_start, completed.predecessor_turn_id) == (2, 2, "p0")
+    assert (aborted.reasoning_tokens, aborted.answer_start) == (3, None)
 
 
 def test_an_aborted_turn_is_cancelled_unless_told_why() -> None:
