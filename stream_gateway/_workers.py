@@ -16,6 +16,10 @@ Conditions, checked before anything starts:
 * shared sessions (``--nats-url`` and not ``--no-shared-sessions``): a connection may land on any
   worker, so every worker must be able to continue every session;
 * a fixed port (not 0).
+
+The workers sign thinking blocks (``stream_gateway.reasoning.ThinkingSigner``) with one key, so a
+block one worker streamed is recognised by the worker its echo reaches: ``--reasoning-key-file``
+when given, else a random key the supervisor writes to a private file for this run.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -35,7 +42,7 @@ from anyio.abc import Process
 
 from stream_gateway._settings import Settings
 
-__all__ = ["check_workers", "listening_socket", "run_workers"]
+__all__ = ["check_workers", "listening_socket", "run_workers", "shared_signing_key"]
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +114,27 @@ async def run_workers(settings: Settings, say: Callable[[str], None]) -> None:
     count = settings.workers
     say(f"starting {count} gateway workers on port {settings.port} (SO_REUSEPORT), sessions shared through NATS")
     running: dict[int, Process] = {}
-    async with anyio.create_task_group() as tg:
-        if settings.api_key_file is not None:
-            tg.start_soon(_forward_reloads, running, say)
-        for index in range(count):
-            tg.start_soon(_keep_running, settings, index, say, running)
+    with shared_signing_key(settings) as settings:
+        async with anyio.create_task_group() as tg:
+            if settings.api_key_file is not None:
+                tg.start_soon(_forward_reloads, running, say)
+            for index in range(count):
+                tg.start_soon(_keep_running, settings, index, say, running)
+
+
+@contextmanager
+def shared_signing_key(settings: Settings) -> Iterator[Settings]:
+    """``settings`` with a ``reasoning_key_file`` every worker reads: the configured one, else a
+    random key in a file only this user can read, removed when the workers have stopped."""
+    if settings.reasoning_key_file is not None:
+        yield settings
+        return
+    with tempfile.TemporaryDirectory(prefix="stream-gateway-") as folder:  # mode 0700
+        path = Path(folder) / "reasoning.key"
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secrets.token_hex(32))
+        yield settings.model_copy(update={"reasoning_key_file": path})
 
 
 async def _forward_reloads(running: dict[int, Process], say: Callable[[str], None]) -> None:

@@ -172,9 +172,10 @@ async def _lifespan(state: GatewayState, _: FastAPI) -> AsyncIterator[None]:
         log.info("engine %s ready: model %s", engine.name, engine.model_id)
         # Chosen and logged now: a bad --reasoning-parser fails the start.
         thinks = state.service.preparer.reasoning is not None
-        if thinks and settings.reasoning_key_file is None and (_sharing(settings) is not None or settings.workers > 1):
+        # (--workers N: the supervisor hands its workers one key file; replicas on other hosts need theirs.)
+        if thinks and settings.reasoning_key_file is None and _sharing(settings) is not None:
             log.warning(
-                "the model thinks and sessions are shared, but --reasoning-key-file is unset: each process "
+                "the model thinks and sessions are shared, but --reasoning-key-file is unset: this process "
                 "signs thinking with its own random key, so a block echoed to another replica is not "
                 "recognised as ours (the chain does not depend on it; see docs/reasoning.md)"
             )

@@ -9,6 +9,13 @@ A :class:`Constraint` is what a request asks for, as an llguidance grammar:
   one of the request's tools with arguments valid against its ``parameters``; a named function:
   exactly one call of it.
 
+On a thinking model (``stream_gateway.reasoning``) the constraint holds the answer, not the
+thinking: :meth:`Constraint.after_thinking` puts the thinking block in front of it, free text
+between the model's own tags (mandatory when the prompt already opened the block, optional
+otherwise), as vLLM applies structured outputs only after ``</think>``. The thinking is masked
+only as far as a block's text allows (no special token but the closing tag), so its recorded
+logprobs replay with the same grammar as the answer's.
+
 JSON is written with fixed separators (``", "``, ``": "``) and no other whitespace: a model free
 to choose its whitespace inside a grammar can pad forever, and these are the separators of
 ``json.dumps`` that models were trained on. The grammar ends where the JSON (or the last call)
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
@@ -59,23 +66,42 @@ _CALL_TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen": ("<tool_call>",
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """A request's constraint: its kind and llguidance grammar (serialized, as recorded)."""
+    """A request's constraint: its kind and llguidance grammar (serialized, as recorded).
+
+    ``answer`` is the grammar as lark rules whose start symbol is ``answer`` (what
+    :meth:`after_thinking` builds on).
+    """
 
     kind: ConstraintKind
     grammar: str
+    answer: str
+
+    @classmethod
+    def of(cls, kind: ConstraintKind, answer: str) -> Constraint:
+        """The constraint whose output is exactly ``answer``'s rules."""
+        from llguidance import LLMatcher
+
+        return cls(kind, LLMatcher.grammar_from_lark("start: answer\n" + answer), answer)
+
+    def after_thinking(self, start_id: int, end_id: int, *, opened: bool) -> Constraint:
+        """This constraint behind a thinking block: the block's text is free, its closing tag
+        ends it (at most two newlines follow, as Qwen3's template renders), then the answer.
+        ``opened``: the prompt already opened the block (DeepSeek-R1's template), so the output
+        starts inside it; otherwise the block is optional and starts with its opening tag."""
+        from llguidance import LLMatcher
+
+        close = f"/(.|\\n)*/ <[{end_id}]> /\\n{{0,2}}/"
+        think = close if opened else f"(<[{start_id}]> {close})?"
+        return replace(self, grammar=LLMatcher.grammar_from_lark(f"start: {think} answer\n" + self.answer))
 
 
 def response_format_constraint(response_format: dict[str, Any] | None) -> Constraint | None:
     """The constraint ``response_format`` asks for (``None`` for text); 400 for a malformed one."""
-    from llguidance import LLMatcher
-
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint(
-            "json_object", LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
-        )
+        return Constraint.of("json_object", _json_rule({"type": "object"}))
     if kind != "json_schema":
         raise InvalidRequest(
             f"Invalid value for 'response_format.type': {kind!r}; expected 'text', 'json_object' or 'json_schema'",
@@ -91,7 +117,12 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
         raise InvalidRequest(
             "'response_format.json_schema.schema' must be a JSON schema object", param="response_format"
         )
-    return Constraint("json_schema", LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS))
+    return Constraint.of("json_schema", _json_rule(schema))
+
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    """The lark rule ``answer``: JSON valid against ``schema``, written as json.dumps writes it."""
+    return f"answer: %json {orjson.dumps({**schema, 'x-guidance': _JSON_OPTIONS}).decode()}\n"
 
 
 def tool_choice_constraint(
@@ -101,8 +132,6 @@ def tool_choice_constraint(
     tool_parser: str,
 ) -> Constraint | None:
     """The constraint ``tool_choice`` asks for: ``"required"`` or a named function; else ``None``."""
-    from llguidance import LLMatcher
-
     if tool_choice is None or tool_choice in ("auto", "none") or not tools:
         return None
     by_name = {tool.function.name: tool.function for tool in tools}
@@ -136,8 +165,8 @@ def tool_choice_constraint(
         {"anyOf": calls, "x-guidance": _JSON_OPTIONS} if len(calls) > 1 else {**calls[0], "x-guidance": _JSON_OPTIONS}
     )
     call = f'{start} "\\n" %json {orjson.dumps(schema).decode()} "\\n" {end}'
-    rules = "start: call\n" if tool_choice != "required" else 'start: call ("\\n" call)*\n'
-    return Constraint("tool_call", LLMatcher.grammar_from_lark(rules + "call: " + call + "\n"))
+    rules = "answer: call\n" if tool_choice != "required" else 'answer: call ("\\n" call)*\n'
+    return Constraint.of("tool_call", rules + "call: " + call + "\n")
 
 
 def _tag(tokenizer: PreTrainedTokenizerBase, tag: str) -> str:
@@ -214,7 +243,8 @@ def replay_masks(
     A trainer recomputing a constrained turn's logprobs sets the logits of disallowed tokens to
     ``-inf`` at each position before its log-softmax, as the engine did before sampling.
     """
-    mask = TokenMask(Constraint("json_schema", grammar), grammar_tokenizer(tokenizer, vocab_size, eos_ids), vocab_size)
+    lltok = grammar_tokenizer(tokenizer, vocab_size, eos_ids)
+    mask = TokenMask(Constraint("json_schema", grammar, ""), lltok, vocab_size)
     masks = []
     for token in output_ids:
         masks.append(mask.allowed())

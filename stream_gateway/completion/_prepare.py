@@ -134,6 +134,9 @@ class Preparer:
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
         session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id)
         context = await self._build_context(body, session, parent, unavailable, session_id)
+        if constraint is not None and (fmt := self.reasoning) is not None:  # the answer is held, not the thinking
+            opened = fmt.thinking_at_start(context.prompt_ids)
+            constraint = constraint.after_thinking(fmt.start_id, fmt.end_id, opened=opened)
         requested = body.requested_max_tokens()
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         room = self.admission.fit(len(context.prompt_ids), requested, noun="messages", max_param=max_param)

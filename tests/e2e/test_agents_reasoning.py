@@ -5,8 +5,8 @@ thinking forked the prompt. Here each agent runs twice (a run, then a resumed on
 messages) against ``tiny-reasoning`` (or its per-agent variant); under ``--reasoning-history keep``
 the session is one chain, under ``template`` one root per user message, whatever the agent did
 with the thinking it was streamed. The chains are token-exact (a forward pass reproduces them).
-OpenClaw is not here: it moves its internal-context message to the end of every request, so each
-of its turns is a root with or without thinking (``test_agents_e2e.py`` covers that).
+OpenClaw moves its internal-context message to the end of every request, so each of its turns is a
+root with or without thinking: its test checks that the thinking adds no root of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 from stream_gateway.models import resolve_model
 
-from ..support.agents import ensure_agents_installed, run_claude, run_codex, run_pi
+from ..support.agents import ensure_agents_installed, openclaw_workspace, run_claude, run_codex, run_openclaw, run_pi
 from ..support.fidelity import assert_chain_logprobs
 from ..support.servers import RunningGateway, run_gateway
 
@@ -114,3 +114,37 @@ def test_claude_code_two_rollouts_follow_the_policy(agents: Path, history: str, 
         assert second.returncode == 0, second.describe()
         body = _check(gateway, session, "sk-ant-local", history, model)
         assert [t["finish_reason"] for t in body["turns"]] == ["tool_calls", "stop", "tool_calls", "stop"]
+
+
+def test_openclaw_tool_loop_with_thinking(agents: Path, tmp_path: Path) -> None:
+    """OpenClaw completes a tool loop against a thinking model; each request is its own root.
+
+    OpenClaw drops the thinking, and it moves its internal-context user message to the end of
+    every request, so no request continues the previous one: one root per request, exactly as
+    with ``tiny-agent`` (``test_agents_e2e.py``). The thinking adds none: no root gives it as the
+    cause. Run under ``keep`` only, the policy that would chain them if anything could (``template``
+    gives the same count: one root per request).
+    """
+    history = "keep"
+    for gateway, model in _gateway(MODELS["pi"], history):
+        session = f"claw{secrets.token_hex(4)}"
+        workspace = openclaw_workspace(tmp_path)
+        workspace.mkdir(parents=True, exist_ok=True)
+        (workspace / "README.md").write_text(README)
+        base = f"{gateway.base_url}/sessions/{session}"
+        run = run_openclaw(base, MODELS["pi"], "What does the README say?", tmp_path, agent_timeout=20, timeout=180)
+        assert "read" in run.tools_used, run.describe()  # OpenClaw executed the model's call
+        assert run.returncode == 0 or "timed out" in run.stdout, run.describe()
+        response = httpx.get(f"{gateway.base_url}/sessions/{session}", headers={"x-api-key": "sk-local"}, timeout=30)
+        body = response.json()
+        turns = body["turns"]
+        assert len(turns) >= 2 and turns[0]["finish_reason"] == "tool_calls", run.describe()
+        # The turn OpenClaw's time limit cut off (if any) has no finish_reason; the others thought.
+        assert all(t["reasoning_tokens"] > 0 for t in turns if t["finish_reason"] is not None)
+        assert len(body["chains"]) == len(turns) and all(t["parent_id"] is None for t in turns)
+        assert not any("reasoning_history" in (t["fallback_reason"] or "") for t in turns), [
+            t["fallback_reason"] for t in turns
+        ]
+        reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        for chain in body["chains"]:
+            assert_chain_logprobs(reference, chain["token_ids"], chain["mask"], chain["logprobs"], atol=5e-4)

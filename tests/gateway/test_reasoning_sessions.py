@@ -3,9 +3,11 @@ whatever the client does with it (docs/reasoning.md).
 
 The model is ``tiny-reasoning``: it opens with ``<think>``, writes a short thought, closes it, then
 calls the offered file-reading tool after a user message or answers after a tool result. The
-client-behaviour matrix drives the same conversation (a tool loop under one user message, then a
-second user message and its tool loop) with each way clients treat thinking, under both
+client-behaviour matrix drives the same conversation (a tool loop of three calls under one user
+message, then a second user message and its loop) with each way clients treat thinking, under both
 ``--reasoning-history`` policies, and counts the roots: the policy decides them, never the client.
+The model calls once per user message on its own; a forced ``tool_choice`` makes the second and
+third calls, after a thinking block the grammar leaves free.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
+import numpy as np
 import pytest
+import torch
 from openai import OpenAI
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_gateway import Settings
+from stream_gateway.completion._request import ChatCompletionRequest
+from stream_gateway.constraints import replay_masks, response_format_constraint, tool_choice_constraint
 from stream_gateway.engines import build_engine
+from stream_gateway.engines.transformers import end_of_turn_ids
 from stream_gateway.models import resolve_model
 
 from ..support.agent_loop import READ_TOOL
@@ -59,20 +67,31 @@ def _session(gateway: RunningGateway, session: str) -> dict[str, Any]:
 
 
 def _read(arguments: str, workdir: Path) -> str:
-    return (workdir / json.loads(arguments)["path"]).read_text()
+    path = workdir / json.loads(arguments)["path"]
+    return path.read_text() if path.is_file() else f"no such file: {path.name}"
+
+
+CALLS = 3  # tool calls under each user message: the model's own, then two forced ones
+
+
+def _forced(step: int) -> bool:
+    """Whether the ``step``-th request under a user message forces a call (the second and third)."""
+    return 0 < step < CALLS
 
 
 # -- chat completions clients -------------------------------------------------------------------
 
 
-def _chat_turn(client: OpenAI) -> Callable[[list[dict[str, Any]]], tuple[str, str, list[dict[str, Any]]]]:
-    def turn(messages: list[dict[str, Any]]) -> tuple[str, str, list[dict[str, Any]]]:
+def _chat_turn(client: OpenAI) -> Callable[[list[dict[str, Any]], bool], tuple[str, str, list[dict[str, Any]]]]:
+    def turn(messages: list[dict[str, Any]], forced: bool) -> tuple[str, str, list[dict[str, Any]]]:
         thinking, content, calls = "", "", {}
         stream = client.chat.completions.create(
             model=MODEL,
             messages=messages,
             tools=[READ_TOOL],
+            tool_choice={"type": "function", "function": {"name": "read"}} if forced else "auto",
             stream=True,
+            max_tokens=200,
             temperature=1.0,  # type: ignore[list-item]
         )
         for chunk in stream:
@@ -94,16 +113,17 @@ def _chat_turn(client: OpenAI) -> Callable[[list[dict[str, Any]]], tuple[str, st
     return turn
 
 
-def _chat_conversation(client: OpenAI, echo: str, workdir: Path) -> int:
+def _chat_conversation(client: OpenAI, echo: str, workdir: Path) -> tuple[int, int]:
     """Two user messages, each followed by its tool loop; the assistant turns echoed per ``echo``.
-    Returns the number of turns the client asked for."""
+    Returns the number of turns the client asked for and of tool calls it ran."""
     turn = _chat_turn(client)
     messages: list[dict[str, Any]] = [{"role": "user", "content": FIRST}]
-    turns = 0
+    turns = ran = 0
     for follow_up in (SECOND, None):
-        for _ in range(4):
-            thinking, content, calls = turn(messages)
+        for step in range(CALLS + 2):
+            thinking, content, calls = turn(messages, _forced(step))
             turns += 1
+            ran += len(calls)
             assert thinking, "tiny-reasoning always thinks"
             message: dict[str, Any] = {"role": "assistant", "content": content or None}
             if calls:
@@ -126,19 +146,26 @@ def _chat_conversation(client: OpenAI, echo: str, workdir: Path) -> int:
                 )
         if follow_up is not None:
             messages.append({"role": "user", "content": follow_up})
-    return turns
+    return turns, ran
 
 
 # -- Anthropic Messages clients -----------------------------------------------------------------
 
 
-def _anthropic_conversation(client: anthropic.Anthropic, echo: str, workdir: Path) -> int:
+def _anthropic_conversation(client: anthropic.Anthropic, echo: str, workdir: Path) -> tuple[int, int]:
     tools = [{"name": "read", "description": "Read a file", "input_schema": READ_TOOL["function"]["parameters"]}]  # type: ignore[index]
     messages: list[dict[str, Any]] = [{"role": "user", "content": FIRST}]
-    turns = 0
+    turns = ran = 0
     for follow_up in (SECOND, None):
-        for _ in range(4):
-            with client.messages.stream(model=MODEL, max_tokens=200, messages=messages, tools=tools) as stream:  # type: ignore[arg-type]
+        for step in range(CALLS + 2):
+            choice = {"type": "tool", "name": "read"} if _forced(step) else {"type": "auto"}
+            with client.messages.stream(
+                model=MODEL,
+                max_tokens=200,
+                messages=messages,  # type: ignore[arg-type]
+                tools=tools,  # type: ignore[arg-type]
+                tool_choice=choice,  # type: ignore[arg-type]
+            ) as stream:
                 kinds = [event.content_block.type for event in stream if event.type == "content_block_start"]
                 message = stream.get_final_message()
             turns += 1
@@ -151,6 +178,7 @@ def _anthropic_conversation(client: anthropic.Anthropic, echo: str, workdir: Pat
                 blocks[0] = {"type": "thinking", "thinking": "Another model's words.", "signature": "EqQBCkYIBRgC"}
             messages.append({"role": "assistant", "content": blocks})
             uses = [b for b in blocks if b["type"] == "tool_use"]
+            ran += len(uses)
             if not uses:
                 break
             messages.append(
@@ -168,25 +196,27 @@ def _anthropic_conversation(client: anthropic.Anthropic, echo: str, workdir: Pat
             )
         if follow_up is not None:
             messages.append({"role": "user", "content": follow_up})
-    return turns
+    return turns, ran
 
 
 # -- Responses clients --------------------------------------------------------------------------
 
 
-def _responses_conversation(client: OpenAI, echo: str, workdir: Path) -> int:
+def _responses_conversation(client: OpenAI, echo: str, workdir: Path) -> tuple[int, int]:
     tool = {"type": "function", "name": "read", "parameters": READ_TOOL["function"]["parameters"]}  # type: ignore[index]
     items: list[Any] = [{"role": "user", "content": FIRST}]
     include = ["reasoning.encrypted_content"] if echo == "encrypted" else []
-    turns = 0
+    turns = ran = 0
     for follow_up in (SECOND, None):
-        for _ in range(4):
+        for step in range(CALLS + 2):
             response = client.responses.create(
                 model=MODEL,
                 input=items,
-                tools=[tool],
-                include=include,
-                store=False,  # type: ignore[list-item,arg-type]
+                tools=[tool],  # type: ignore[list-item]
+                tool_choice={"type": "function", "name": "read"} if _forced(step) else "auto",
+                include=include,  # type: ignore[arg-type]
+                max_output_tokens=200,
+                store=False,
             )
             turns += 1
             output = [item.model_dump(exclude_none=True) for item in response.output]
@@ -196,6 +226,7 @@ def _responses_conversation(client: OpenAI, echo: str, workdir: Path) -> int:
                 output = [item for item in output if item["type"] != "reasoning"]
             items.extend(output)
             calls = [item for item in output if item["type"] == "function_call"]
+            ran += len(calls)
             if not calls:
                 break
             for call in calls:
@@ -208,7 +239,7 @@ def _responses_conversation(client: OpenAI, echo: str, workdir: Path) -> int:
                 )
         if follow_up is not None:
             items.append({"role": "user", "content": follow_up})
-    return turns
+    return turns, ran
 
 
 CLIENTS = [
@@ -235,14 +266,15 @@ def test_roots_follow_the_policy_not_the_client(
     base = f"{gateway.base_url}/sessions/{session}"
     if protocol == "messages":
         with anthropic.Anthropic(base_url=base, api_key="sk-r", max_retries=0, timeout=120) as aclient:
-            turns = _anthropic_conversation(aclient, echo, tmp_path)
+            turns, ran = _anthropic_conversation(aclient, echo, tmp_path)
     else:
         with OpenAI(base_url=f"{base}/v1", api_key="sk-r", max_retries=0, timeout=120) as client:
             conversation = _chat_conversation if protocol == "chat" else _responses_conversation
-            turns = conversation(client, echo, tmp_path)
+            turns, ran = conversation(client, echo, tmp_path)
     body = _session(gateway, session)
     recorded = body["turns"]
     assert len(recorded) == turns
+    assert ran == 2 * CALLS, [t["finish_reason"] for t in recorded]  # a loop of three calls per user message
     roots = [t for t in recorded if t["parent_id"] is None]
     # keep: one chain for the whole conversation; template: one root per user message, the second
     # linked to the turn it follows, with the reason recorded.
@@ -283,3 +315,64 @@ def test_streams_put_thinking_first_and_record_exact_ids(
     [chain] = body["chains"]
     model = AutoModelForCausalLM.from_pretrained(reasoning_model_path, dtype="float32")
     assert_chain_logprobs(model, chain["token_ids"], chain["mask"], chain["logprobs"])
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "word": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["word", "count"],
+    "additionalProperties": False,
+}
+
+
+def test_forced_output_follows_free_thinking(
+    thinking_gateway: tuple[RunningGateway, str], reasoning_model_path: Path
+) -> None:
+    """response_format and a forced tool_choice hold the answer, after the thinking (as vLLM's
+    structured outputs start at ``</think>``); the recorded logprobs are the masked distribution's."""
+    gateway, _ = thinking_gateway
+    tokenizer = AutoTokenizer.from_pretrained(reasoning_model_path)
+    model = AutoModelForCausalLM.from_pretrained(reasoning_model_path, dtype=torch.float32).eval()
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    eos = end_of_turn_ids(model, tokenizer)
+    response_format = {"type": "json_schema", "json_schema": {"name": "W", "schema": BOUNDED, "strict": True}}
+    named = {"type": "function", "function": {"name": "read"}}
+    messages = [{"role": "user", "content": FIRST}]
+    with OpenAI(base_url=f"{gateway.base_url}/v1", api_key="sk-r", max_retries=0, timeout=120) as client:
+        for extra in ({"response_format": response_format}, {"tools": [READ_TOOL], "tool_choice": named}):
+            thinking, content, calls, finish = "", "", [], None
+            stream = client.chat.completions.create(
+                model=MODEL, messages=messages, stream=True, max_tokens=120, temperature=0, **extra
+            )  # type: ignore[call-overload]
+            for chunk in stream:
+                delta = chunk.choices[0].delta
+                if (delta.model_extra or {}).get("reasoning_content"):
+                    assert not content and not calls, "thinking after the answer began"
+                    thinking += delta.model_extra["reasoning_content"]  # type: ignore[index]
+                content += delta.content or ""
+                calls += [c for c in delta.tool_calls or [] if c.id]
+                finish = chunk.choices[0].finish_reason or finish
+                session = stream.response.headers["x-session-id"]
+            assert thinking, "the grammar left the thinking to the model"
+            if "response_format" in extra:
+                assert finish == "stop", (finish, content)
+                jsonschema.validate(json.loads(content), BOUNDED)  # the answer, not the thinking, is JSON
+                constraint = response_format_constraint(response_format)
+            else:
+                assert finish == "tool_calls" and [c.function.name for c in calls] == ["read"], (finish, content)
+                parsed = ChatCompletionRequest.model_validate({"model": MODEL, "messages": messages, **extra})
+                constraint = tool_choice_constraint(parsed.tool_choice, parsed.tools, tokenizer, "hermes")
+            assert constraint is not None
+            [turn] = _session(gateway, session)["turns"]
+            assert turn["reasoning_tokens"] > 0
+            grammar = constraint.after_thinking(start, end, opened=False).grammar
+            masks = replay_masks(grammar, tokenizer, turn["output_ids"], eos, model.config.vocab_size)
+            prompt, output = turn["prompt_ids"], turn["output_ids"]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
+            logits[~torch.from_numpy(np.stack(masks))] = float("-inf")
+            replayed = torch.log_softmax(logits, -1).gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
+            torch.testing.assert_close(replayed, torch.tensor(turn["logprobs"]), atol=2e-4, rtol=0)

@@ -122,8 +122,9 @@ def test_streamed_chunks_have_vllms_fields_and_add_up_to_the_whole(gateway: Runn
 
 def test_weight_versions_say_which_weights_sampled_which_tokens(gateway: RunningGateway) -> None:
     """vLLM's ``return_weight_versions``: spans on each choice's last chunk, and on whole choices."""
+    # Sampled at temperature 1, so EOS could end a choice early: ``ignore_eos`` keeps both at six tokens.
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "n": 2, "return_weight_versions": True,
-            "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True}  # fmt: skip
     chunks = _frames(_post(gateway, body))
     version = str(gateway.health()["policy_version"])
     for index in (0, 1):
@@ -136,7 +137,7 @@ def test_weight_versions_say_which_weights_sampled_which_tokens(gateway: Running
 
 def test_tokens_as_token_ids_and_string_and_batched_prompts(gateway: RunningGateway) -> None:
     body = {"model": "tiny", "prompt": [[9, 10, 11], [12, 13]], "n": 2, "max_tokens": 3, "logprobs": 2,
-            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+            "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}  # fmt: skip
     reply = _post(gateway, body).json()
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]  # prompt i's choices are i*n .. i*n+n-1
     assert [c["prompt_token_ids"] for c in reply["choices"]] == [[9, 10, 11]] * 2 + [[12, 13]] * 2

@@ -15,8 +15,9 @@ import pytest
 
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway import Settings
-from stream_gateway._workers import worker_environment
+from stream_gateway._workers import shared_signing_key, worker_environment
 from stream_gateway.cli import settings_from_args
+from stream_gateway.reasoning import ThinkingSigner
 
 from ..support.servers import free_port, wait_healthy
 
@@ -145,3 +146,23 @@ def test_every_setting_reaches_the_workers(monkeypatch: pytest.MonkeyPatch, tmp_
     worker = settings_from_args(argparse.Namespace())  # no flags: the environment alone
     expected = {"workers": 1, "worker_index": 1, "outbox_dir": tmp_path / "outbox" / "w1", "replica_id": "r-w1"}
     assert worker == settings.model_copy(update=expected)
+
+
+def test_workers_sign_thinking_with_one_key(tmp_path: Path) -> None:
+    """A thinking block one worker signed is recognised by another: one key for all of them."""
+    settings = Settings.model_validate(
+        {"engine": "synthetic", "nats_url": "nats://127.0.0.1:4222", "workers": 2, "port": 8123}
+    )
+    with shared_signing_key(settings) as shared:
+        path = shared.reasoning_key_file
+        assert path is not None and path.stat().st_mode & 0o077 == 0  # only this user reads it
+        keys = {worker_environment(shared, i)["STREAM_GATEWAY_REASONING_KEY_FILE"] for i in (0, 1)}
+        assert keys == {str(path)}
+        signed = ThinkingSigner.from_file(keys.pop()).sign("resp_1", "I should read it.")
+        assert ThinkingSigner.from_file(path).check(signed, "I should read it.") == "ours"
+        assert ThinkingSigner.from_file(None).check(signed, "I should read it.") == "modified"  # another key
+    assert not path.exists()  # removed with the workers
+    configured = tmp_path / "key"
+    configured.write_text("a deployment's key\n")
+    with shared_signing_key(settings.model_copy(update={"reasoning_key_file": configured})) as given:
+        assert given.reasoning_key_file == configured

@@ -79,7 +79,7 @@ def test_every_package_init_is_its_whole_public_surface() -> None:
     import importlib
     import types
 
-    for name in GATEWAY_PACKAGES + ["pipeline", "consumers"]:
+    for name in [*GATEWAY_PACKAGES, "pipeline", "consumers"]:
         package = importlib.import_module(name)
         exported = package.__all__
         assert exported == sorted(exported), name

@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_gateway.completion._thinking import ThinkingStream
+from stream_gateway.constraints import Constraint, TokenMask, grammar_tokenizer, response_format_constraint
 from stream_gateway.models._tiny_reasoning import TINY_REASONING_CHAT_TEMPLATE
 from stream_gateway.reasoning import (
     ReasoningFormat,
@@ -214,3 +215,38 @@ def test_history_policy_decides_the_roots(tiny_model_path: Path, history: str, e
         assert third.fallback_reason is not None and third.fallback_reason.startswith("reasoning_history=template")
         assert third.matches_full_render
         assert "<think>" not in tok.decode(third.prompt_ids)  # earlier thinking stripped, as rendered
+
+
+def _accepts(constraint: Constraint, tok: PreTrainedTokenizerBase, ids: list[int]) -> bool:
+    """Whether the grammar allows ``ids`` and then the end of the turn."""
+    mask = TokenMask(constraint, grammar_tokenizer(tok, len(tok), [tok.eos_token_id]), len(tok))
+    for token in [*ids, tok.eos_token_id]:
+        if not mask.allowed()[token]:
+            return False
+        mask.advance(token)
+    return True
+
+
+def test_a_constraint_holds_the_answer_and_leaves_the_thinking_free(
+    thinking_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """Forced output on a thinking model: the block comes first, free, then what was asked for."""
+    tok = thinking_tokenizer
+    start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+
+    def ids(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    answer = response_format_constraint({"type": "json_object"})
+    assert answer is not None
+    qwen3 = answer.after_thinking(start, end, opened=False)
+    r1 = answer.after_thinking(start, end, opened=True)
+    thought = ids('Any text, {"even": "json"} and newlines\n\n')
+    assert _accepts(qwen3, tok, [start, *thought, end, *ids('\n\n{"a": 1}')])
+    assert _accepts(qwen3, tok, ids('{"a": 1}'))  # the block is optional when the prompt did not open it
+    assert not _accepts(qwen3, tok, [*thought, end, *ids('{"a": 1}')])  # no closing tag without an opening one
+    assert not _accepts(qwen3, tok, [start, *thought, end, *ids("not json")])  # the answer is held
+    assert not _accepts(qwen3, tok, [start, *thought])  # nor may the turn end inside the block
+    assert _accepts(r1, tok, [*thought, end, *ids('{"a": 1}')])  # the prompt opened it: output starts inside
+    assert not _accepts(r1, tok, ids('{"a": 1}')) and not _accepts(r1, tok, [start, *thought, end, *ids("{}")])
+    assert _accepts(answer, tok, ids('{"a": 1}')) and not _accepts(answer, tok, [start, *thought, end, *ids("{}")])
