@@ -5,6 +5,7 @@ Run (from the repository root, after ``bash scripts/install.sh``)::
     .venv/bin/python benchmarks/hot_path.py
     .venv/bin/python benchmarks/hot_path.py --streams 1 16 64 --tokens 256 --repeats 5 --json hot.json
     .venv/bin/python benchmarks/hot_path.py --litellm      # adds LiteLLM in front of a fake upstream
+    .venv/bin/python benchmarks/hot_path.py --thinking     # adds both gateways on a thinking model's tokenizer
     git worktree add /tmp/before <commit> && .venv/bin/python benchmarks/hot_path.py --baseline-tree /tmp/before
                                                            # adds that commit's gateway (a refactor's before/after)
 
@@ -73,11 +74,12 @@ class Server:
         return sum(rss_mb(pid) for pid in self.pids or [self.process.pid])
 
 
-def start_gateway(name: str, extra: list[str], tree: Path | None = None) -> Server:
-    """A synthetic-engine gateway; ``tree``: run another checkout's code (same venv) instead of this one's."""
+def start_gateway(name: str, extra: list[str], tree: Path | None = None, model: str = "tiny") -> Server:
+    """A synthetic-engine gateway; ``tree``: run another checkout's code (same venv) instead of this one's;
+    ``model``: whose tokenizer (``tiny-reasoning``: half of every output is thinking)."""
     port = free_port()
     command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "synthetic",
-               "--model", resolve_model("tiny"), "--served-model-name", "tiny", "--port", str(port),
+               "--model", resolve_model(model), "--served-model-name", "tiny", "--port", str(port),
                "--log-level", "warning", "--default-max-tokens", "4096", *extra]  # fmt: skip
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tree, env=env)
@@ -177,6 +179,11 @@ def main() -> None:
     parser.add_argument(
         "--litellm-tokens-per-run", type=int, default=16384, help="LiteLLM costs ~10x more per token: fewer tokens"
     )
+    parser.add_argument(
+        "--thinking",
+        action="store_true",
+        help="also run both gateways with tiny-reasoning's tokenizer: half of every output is a thinking block",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
         "--baseline-tree", type=Path, help="also run the gateway of this checkout (e.g. the commit before a change)"
@@ -189,6 +196,11 @@ def main() -> None:
             start_gateway("capture off", []),
             start_gateway("capture on", ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox")]),
         ]
+        if args.thinking:
+            servers.append(start_gateway("thinking off", [], model="tiny-reasoning"))
+            outbox = str(Path(tmp) / "outbox-thinking")
+            capture = ["--nats-url", nats.url, "--outbox-dir", outbox]
+            servers.append(start_gateway("thinking on", capture, model="tiny-reasoning"))
         if args.baseline_tree is not None:
             tree = args.baseline_tree.resolve()
             servers.append(start_gateway("before off", [], tree))
@@ -206,7 +218,7 @@ def main() -> None:
                     for server in order:
                         budget = args.litellm_tokens_per_run if server.name == "litellm" else args.tokens_per_run
                         requests = max(1, budget // (streams * args.tokens))
-                        uses_nats = server.name in ("capture on", "before on")
+                        uses_nats = server.name in ("capture on", "before on", "thinking on")
                         run = one_run(server, nats_pid if uses_nats else None, streams, args.tokens, requests)
                         server.runs.setdefault(streams, []).append(run)
                         print(
@@ -279,6 +291,12 @@ def report(result: dict[str, Any]) -> None:
             for streams in now:
                 ratio = now[streams]["server_cpu_per_1k"] / before[streams]["server_cpu_per_1k"]
                 print(f"this tree / baseline tree, capture {mode}, CPU per token at {streams} streams: {ratio:.3f}")
+    for mode in ("off", "on"):
+        thinking, plain = servers.get(f"thinking {mode}"), servers.get(f"capture {mode}")
+        if thinking and plain:
+            for streams in thinking:
+                ratio = thinking[streams]["server_cpu_per_1k"] / plain[streams]["server_cpu_per_1k"]
+                print(f"thinking / plain model, capture {mode}, CPU per token at {streams} streams: {ratio:.3f}")
     lite = servers.get("litellm")
     if lite and on:
         for streams in on:

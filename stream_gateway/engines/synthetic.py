@@ -1,7 +1,10 @@
 """The ``synthetic`` engine: no model, tokens at a configurable rate, for load tests and benchmarks.
 
 It uses a real tokenizer (so prompts are rendered and counted as for a real model) and emits a
-fixed passage's token ids in a loop, with made-up but deterministic logprobs. Nothing it
+fixed passage's token ids in a loop, with made-up but deterministic logprobs. With a thinking
+model's tokenizer (one whose reasoning format ``--reasoning-parser auto`` finds, such as
+``tiny-reasoning``'s) the first half of every output is a thinking block, ``<think>`` to
+``</think>``, so load tests measure the gateway's split of thinking from answer too. Nothing it
 produces is fit for training; it exists to measure the gateway and the event pipeline alone.
 """
 
@@ -24,6 +27,7 @@ from stream_gateway.engines._base import (
     WeightUpdateReport,
 )
 from stream_gateway.engines._weights import read_checkpoint
+from stream_gateway.reasoning import resolve_reasoning_format
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +63,7 @@ class SyntheticEngine:
         self._interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
         self.tokenizer: PreTrainedTokenizerBase
         self._passage: list[int] = []
+        self._thinking: tuple[int, int] | None = None  # the tags' ids, when the tokenizer's model thinks
         self._active = 0
         self._total_requests = 0
         self._total_tokens = 0
@@ -66,6 +71,8 @@ class SyntheticEngine:
     async def __aenter__(self) -> SyntheticEngine:
         self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, self._tokenizer_path)
         self._passage = self.tokenizer.encode(_PASSAGE, add_special_tokens=False)
+        fmt = resolve_reasoning_format("auto", self.tokenizer)
+        self._thinking = (fmt.start_id, fmt.end_id) if fmt is not None and fmt.name == "qwen3" else None
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -74,14 +81,16 @@ class SyntheticEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
     ) -> AsyncGenerator[EngineStep, None]:
-        """Yield ``max_tokens`` passage tokens (fewer if the context fills up), one per step."""
+        """Yield ``max_tokens`` passage tokens (fewer if the context fills up), one per step; a
+        thinking model's first half of them between its thinking tags."""
         self._active += 1
         self._total_requests += 1
         try:
             budget = min(params.max_tokens, self.max_model_len - len(prompt_ids))
             offset = len(prompt_ids) % len(self._passage)
+            tags = {0: self._thinking[0], max(budget // 2, 1): self._thinking[1]} if self._thinking else {}
             for i in range(budget):
-                token = self._passage[(offset + i) % len(self._passage)]
+                token = tags.get(i) or self._passage[(offset + i) % len(self._passage)]
                 last = i == budget - 1
                 top = ((token, -0.25),) * min(params.top_logprobs, 1) if params.top_logprobs else None
                 self._total_tokens += 1

@@ -18,6 +18,7 @@ from openai import OpenAI
 import stream_gateway
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
+from stream_gateway.models import resolve_model
 
 from ..support.servers import RunningGateway, free_port, run_gateway, wait_healthy
 
@@ -110,6 +111,33 @@ def test_synthetic_engine_streams_through_the_gateway(synthetic_gateway: Running
     assert usage is not None and usage.completion_tokens == 50
     assert finish == "length"
     assert "token" in text
+
+
+def test_synthetic_engine_thinks_with_a_thinking_models_tokenizer() -> None:
+    """With tiny-reasoning's tokenizer, the first half of every output is a thinking block."""
+    settings = Settings(model=resolve_model("tiny-reasoning"), engine="synthetic", synthetic_tokens_per_second=0)
+    with (
+        run_gateway(build_engine(settings), settings) as running,
+        OpenAI(base_url=running.base_url + "/v1", api_key="x", max_retries=0, timeout=60) as client,
+    ):
+        stream = client.chat.completions.create(
+            model="synthetic",
+            messages=[{"role": "user", "content": "go"}],
+            stream=True,
+            max_tokens=40,
+            stream_options={"include_usage": True},
+        )
+        thinking, text, usage = "", "", None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                thinking += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                assert not (text and (choice.delta.model_extra or {}).get("reasoning_content"))
+                text += choice.delta.content or ""
+    assert thinking and text and "<think>" not in text and "</think>" not in text
+    assert usage is not None and usage.completion_tokens == 40
+    assert usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == 21  # <think>, 19 passage tokens, </think>
 
 
 def test_synthetic_engine_refuses_constraints(synthetic_gateway: RunningGateway) -> None:
