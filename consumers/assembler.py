@@ -34,6 +34,12 @@ Memory holds only the current fetch batch and, per open session this instance ha
 deadline (a float): state lives in the bucket. A restarted instance scans the bucket's keys once
 to find the deadlines of sessions it never saw.
 
+A mixture-of-experts session's routes (``routed_experts`` of its turn events) become each
+trajectory's :attr:`~consumers.trajectory.Trajectory.routed_experts`
+(:func:`consumers.trajectories.chain_routes`); large events were put in the object store by the
+publisher and are resolved on reading. A chain whose routes do not join up is emitted without
+routes, logged and counted (``unrouted``), never refused.
+
 The pull loop is the batcher's too (:mod:`consumers._runner`); programmatic rewards are
 :mod:`consumers.rewards`.
 """
@@ -103,6 +109,7 @@ class AssemblerStatistics:
     sessions_waiting: int  # open sessions this instance holds a deadline for
     rewards_pending: int  # closed sessions waiting for feedback
     conflicts: int  # compare-and-set retries (another instance wrote first)
+    unrouted: int = 0  # trajectories emitted without routes although some of their turns had them
 
 
 class Assembler:
@@ -115,7 +122,7 @@ class Assembler:
         self._deadlines: dict[str, float] = {}  # state key -> when to look at the session again
         self._waiting_reward: set[str] = set()
         self._limiter = anyio.CapacityLimiter(32)  # sessions of one fetch handled at once
-        self._events = self._emitted = self._trajectories = self._late = self._conflicts = 0
+        self._events = self._emitted = self._trajectories = self._late = self._conflicts = self._unrouted = 0
         self._last_report = time.monotonic()
         spec = PullSpec(
             stream=config.names.events,
@@ -141,6 +148,7 @@ class Assembler:
             sessions_waiting=len(self._deadlines),
             rewards_pending=len(self._waiting_reward),
             conflicts=self._conflicts,
+            unrouted=self._unrouted,
         )
 
     async def run(self) -> None:
@@ -164,7 +172,7 @@ class Assembler:
             self._progress(
                 f"assembler: {s.events} events, {s.sessions_waiting} sessions open, "
                 f"{s.sessions_emitted} emitted ({s.trajectories} trajectories), "
-                f"{s.rewards_pending} waiting for rewards"
+                f"{s.rewards_pending} waiting for rewards" + (f", {s.unrouted} without routes" if s.unrouted else "")
             )
 
     # -- consuming -------------------------------------------------------------------------------
@@ -260,6 +268,9 @@ class Assembler:
 
     # -- emitting --------------------------------------------------------------------------------
 
+    def _count_unrouted(self, reason: str) -> None:
+        self._unrouted += 1
+
     async def _emit_if_due(
         self,
         work: _Work,
@@ -326,6 +337,7 @@ class Assembler:
             max_turns=config.max_turns,
             max_tokens=config.max_tokens,
             default_reward=None if self._reward_function is not None else config.default_reward,
+            on_unrouted=self._count_unrouted,
         )
         if self._reward_function is not None:  # only set with config.reward_function
             name, timeout_s = config.reward_function or "", config.reward_timeout_s

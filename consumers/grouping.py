@@ -12,11 +12,13 @@ Policies, checked in this order except that a too-long *response* is judged afte
   the highest of the latest ``policy.updated`` event (:meth:`GroupPlanner.note_policy`) and the
   highest ``max_policy_version`` seen in a trajectory (:meth:`GroupPlanner.note_trajectory`);
 * **malformed**: ids, mask, logprobs and reasoning mask of different lengths, a mask value other
-  than 0/1, a sampled id inside the first prompt (which verl's layout would lose), or thinking
-  marked on an id that was not sampled: dropped, so that a batch never fails to build in the trainer;
+  than 0/1, a sampled id inside the first prompt (which verl's layout would lose), thinking
+  marked on an id that was not sampled, or routed experts that are not one row per id but the
+  last: dropped, so that a batch never fails to build in the trainer;
 * **length**: a prompt over ``prompt_length`` is dropped; a response over ``response_length`` is
-  cut there (``overlong="truncate"``: ids, masks and logprobs cut, turns clipped (their thinking
-  too), marked ``truncated``) or dropped (``"drop"``); an empty prompt or response is dropped (verl needs both);
+  cut there (``overlong="truncate"``: ids, masks and logprobs cut, routed experts to one row
+  per kept id but the last, turns clipped (their thinking too), marked ``truncated``) or dropped
+  (``"drop"``); an empty prompt or response is dropped (verl needs both);
 * **reward**: a trajectory without one is dropped (``no_reward="drop"``) or gets 0.0 (``"zero"``).
 
 Groups: a trajectory's group is its :func:`~consumers.verl_batch.group_uid` by ``group_key``; a
@@ -117,6 +119,7 @@ def prepare_trajectory(
                 "loss_mask": trajectory.loss_mask[:cut],
                 "logprobs": trajectory.logprobs[:cut],
                 "reasoning_mask": trajectory.reasoning_mask[:cut],
+                "routed_experts": routes.head(cut - 1) if (routes := trajectory.routed_experts) is not None else None,
                 "turns": turns,
                 "num_turns": max(1, len(turns)) if trajectory.turns else trajectory.num_turns,
                 "truncated": True,
@@ -133,6 +136,7 @@ def _malformed(trajectory: Trajectory) -> bool:
         or any(m not in (0, 1) for m in mask)
         or any(mask[: trajectory.prompt_length])
         or any(r not in (0, 1) or (r and not m) for r, m in zip(reasoning, mask, strict=True))
+        or (trajectory.routed_experts is not None and trajectory.routed_experts.problem(len(ids)) is not None)
     )
 
 

@@ -15,6 +15,10 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     loss_mask        list<int8>    1 on sampled ids
     logprobs         list<double>  the sampling logprobs (0.0 where not sampled), exact
     reasoning_mask   list<int8>    1 on sampled ids that are thinking (in loss_mask too), 0 elsewhere
+    routed_experts         large_binary (nullable)  a mixture-of-experts model's routes: the raw C-order
+                   bytes of the ``[len(token_ids) - 1, layers, top_k]`` array (not base64); null: none
+    routed_experts_shape   list<int32> (nullable)   that array's shape
+    routed_experts_dtype   string (nullable)        ``uint8`` or ``uint16``
     token_policy_versions  list<int32>  the policy version that sampled each id (-1 where not sampled),
                    derived from ``turns`` (whose spans are the record) for readers of the parquet alone
     prompt_length, num_turns, min_policy_version, max_policy_version   int64
@@ -27,21 +31,22 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
 The file's key-value metadata carries ``sg.batch_id``, ``sg.prompt_length`` and
 ``sg.response_length``. Logprobs stay float64 (not verl's float32) so a row equals the
 trajectory it came from; the padded tensors are cast when the batch is built. A file written
-before ``reasoning_mask`` (trajectory schema 2) still reads, with no thinking (all 0); the
-manifest did not change.
+before ``reasoning_mask`` (trajectory schema 2) still reads, with no thinking (all 0), and one
+written before ``routed_experts`` (schema 3) with no routes; the manifest did not change.
 
 pyarrow is imported lazily: it comes with the ``verl`` extra.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from .trajectory import Trajectory
+from .trajectory import ExpertRoutes, Trajectory
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -51,6 +56,7 @@ __all__ = ["MANIFEST_SCHEMA_VERSION", "BatchManifest", "decode_batch", "encode_b
 MANIFEST_SCHEMA_VERSION: Literal[1] = 1
 
 _JSON_COLUMNS = ("metadata", "turns")
+_ROUTE_COLUMNS = ("routed_experts", "routed_experts_shape", "routed_experts_dtype")
 
 
 class BatchManifest(BaseModel):
@@ -108,6 +114,9 @@ def _schema() -> pa.Schema:
             ("loss_mask", pa.list_(pa.int8())),
             ("logprobs", pa.list_(pa.float64())),
             ("reasoning_mask", pa.list_(pa.int8())),
+            ("routed_experts", pa.large_binary()),  # large: a batch's routes can pass 2 GiB
+            ("routed_experts_shape", pa.list_(pa.int32())),
+            ("routed_experts_dtype", pa.string()),
             ("token_policy_versions", pa.list_(pa.int32())),
             ("prompt_length", pa.int64()),
             ("num_turns", pa.int64()),
@@ -144,6 +153,7 @@ def encode_batch(
             row[column] = orjson.dumps(row[column], option=orjson.OPT_SORT_KEYS).decode()
         row["uid"] = uid
         row["token_policy_versions"] = trajectory.token_policy_versions()
+        row.update(_route_columns(trajectory.routed_experts))
         rows.append(row)
     schema = _schema().with_metadata(
         {
@@ -168,7 +178,25 @@ def decode_batch(data: bytes) -> tuple[list[Trajectory], list[str]]:
     for row in table.to_pylist():
         uids.append(row.pop("uid"))
         row.pop("token_policy_versions", None)  # derived; absent from batches written before it
+        row["routed_experts"] = _routes(*(row.pop(column, None) for column in _ROUTE_COLUMNS))
         for column in _JSON_COLUMNS:
             row[column] = orjson.loads(row[column])
         trajectories.append(Trajectory.model_validate(row))
     return trajectories, uids
+
+
+def _route_columns(routes: ExpertRoutes | None) -> dict[str, Any]:
+    if routes is None:
+        return dict.fromkeys(_ROUTE_COLUMNS)
+    return {
+        "routed_experts": base64.b64decode(routes.data),
+        "routed_experts_shape": list(routes.shape),
+        "routed_experts_dtype": routes.dtype,
+    }
+
+
+def _routes(data: bytes | None, shape: list[int] | None, dtype: str | None) -> ExpertRoutes | None:
+    """The routes of a row's three columns (all null: none, as in files written before them)."""
+    if data is None:
+        return None
+    return ExpertRoutes.model_validate({"shape": shape, "dtype": dtype, "data": base64.b64encode(data).decode("ascii")})

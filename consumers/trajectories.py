@@ -9,21 +9,31 @@ turn appended to its parent's ids). A turn whose parent is missing (a session em
 incomplete), or whose reference to its parent's ids does not add up, cannot be rebuilt exactly:
 it is left out, with its descendants, and logged. (Events from this gateway never splice, so this only happens
 when events were lost or cut by the stream's retention.)
+
+A mixture-of-experts chain's routes (:attr:`Trajectory.routed_experts`) are its turns' own rows
+(each ``turn.completed``'s ``routed_experts``) end to end: each turn's ``start`` must be the rows
+so far, and the whole must be one row per token but the last. A chain where some turns carry
+routes and others do not, or whose rows do not join up, gets none: it is logged and reported
+through ``on_unrouted``, never raised (the ids and masks are still exact). A chain with no
+routes at all (a dense model, events before schema 4) gets none silently.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.chains import chain_tokens
 from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnRecord
 
-from .trajectory import Trajectory, TurnSummary, token_policy_versions, trajectory_id
+from .trajectory import ExpertRoutes, Trajectory, TurnSummary, token_policy_versions, trajectory_id
 
-__all__ = ["SessionEvents", "build_trajectories"]
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+__all__ = ["SessionEvents", "build_trajectories", "chain_routes"]
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +65,13 @@ def build_trajectories(
     max_turns: int | None = None,
     max_tokens: int | None = None,
     default_reward: float | None = None,
+    on_unrouted: Callable[[str], None] | None = None,
 ) -> list[Trajectory]:
-    """Every chain of the session's turn tree as a trajectory (see the module docstring)."""
+    """Every chain of the session's turn tree as a trajectory (see the module docstring).
+
+    ``on_unrouted(reason)`` is called for each chain whose routes were dropped (partial or not
+    joining up): the assembler counts them.
+    """
     events = session.events
     opened = next((e for e in events if isinstance(e, SessionOpened)), None)
     records = [e for e in events if isinstance(e, TurnRecord) and (keep_aborted or e.kind == "turn.completed")]
@@ -94,7 +109,16 @@ def build_trajectories(
         chain = [turns[t] for t in path]
         trajectories.append(
             _trajectory(
-                chain, opened, turn_rewards, reward, reward_source, emitted_because, complete, capped, max_tokens
+                chain,
+                opened,
+                turn_rewards,
+                reward,
+                reward_source,
+                emitted_because,
+                complete,
+                capped,
+                max_tokens,
+                on_unrouted,
             )
         )
     trajectories.sort(key=lambda t: (t.started_at, t.trajectory_id))
@@ -111,12 +135,20 @@ def _trajectory(
     complete: bool,
     capped: bool,
     max_tokens: int | None,
+    on_unrouted: Callable[[str], None] | None,
 ) -> Trajectory:
     root = chain[0]
     laid_out = chain_tokens(chain, prompts="appended")  # events carry what each turn appended
     tokens, mask, logprobs = list(laid_out.token_ids), list(laid_out.loss_mask), list(laid_out.logprobs)
     reasoning = list(laid_out.reasoning_mask)
     prompt_length = laid_out.prompt_length
+    routes: ExpertRoutes | None = None
+    try:
+        routes = chain_routes(chain, len(tokens))
+    except ValueError as exc:
+        log.warning("session %s: chain ending in turn %s has no routes: %s", root.session_id, chain[-1].turn_id, exc)
+        if on_unrouted is not None:
+            on_unrouted(str(exc))
     summaries = [
         TurnSummary(
             turn_id=turn.turn_id,
@@ -137,6 +169,7 @@ def _trajectory(
     if max_tokens is not None and len(tokens) > max_tokens:
         tokens, mask, logprobs = tokens[:max_tokens], mask[:max_tokens], logprobs[:max_tokens]
         reasoning = reasoning[:max_tokens]
+        routes = routes.head(max_tokens - 1) if routes is not None else None
         summaries = [s for s in summaries if s.start < max_tokens]
         truncated = True
     # Every kept token's version counts: a turn that spans a weight update holds several.
@@ -152,6 +185,7 @@ def _trajectory(
         loss_mask=mask,
         logprobs=logprobs,
         reasoning_mask=reasoning,
+        routed_experts=routes,
         prompt_length=prompt_length,
         turns=summaries,
         num_turns=len(summaries),
@@ -166,3 +200,35 @@ def _trajectory(
         started_at=root.started_at,
         ended_at=chain[-1].started_at + chain[-1].duration_s,
     )
+
+
+def chain_routes(chain: list[TurnRecord], length: int) -> ExpertRoutes | None:
+    """The routes of a chain of ``length`` ids from its turns' own rows; ``None``: no turn has any.
+
+    A :class:`ValueError` says why routes that exist cannot make the chain's: a turn without
+    any, rows that do not start where the previous turn's end, a different number of layers or
+    experts per token, or not one row per id but the last. A chain mixing uint8 and uint16 turns
+    gets uint16.
+    """
+    recorded = [turn.routed_experts for turn in chain]
+    if all(r is None for r in recorded):
+        return None
+    rows = 0
+    parts: list[npt.NDArray[Any]] = []
+    for turn, routes in zip(chain, recorded, strict=True):
+        if routes is None:
+            raise ValueError(f"turn {turn.turn_id} has no routed_experts while others of its chain do")
+        if routes.start != rows:
+            raise ValueError(f"turn {turn.turn_id}'s routed_experts start at {routes.start}, not at {rows}")
+        if parts and routes.shape[1:] != parts[0].shape[1:]:
+            raise ValueError(
+                f"turn {turn.turn_id} has routes of {list(routes.shape[1:])} (layers, top_k), "
+                f"not {list(parts[0].shape[1:])}"
+            )
+        parts.append(ExpertRoutes(shape=routes.shape, dtype=routes.dtype, data=routes.data).array())
+        rows += routes.shape[0]
+    if rows != max(length - 1, 0):
+        raise ValueError(f"the turns' routed_experts hold {rows} rows for a chain of {length} ids")
+    import numpy as np
+
+    return ExpertRoutes.of(np.concatenate(parts, axis=0, dtype=np.result_type(*parts)))

@@ -21,6 +21,13 @@ A trajectory is one chain of turns of a session (root to leaf of its turn tree),
   thinking) say the same per turn. Thinking stays in ``loss_mask``: a trainer that wants to
   exclude or weight it does so with ``reasoning_mask``. Schema 1/2 trajectories (written before)
   decode with no thinking: zeros, and ``0``/``0`` per turn.
+* a mixture-of-experts model's routing is kept for replay in training (Rollout Routing Replay,
+  "R3"): ``routed_experts`` (schema 4) holds, for every position of ``token_ids`` but the last,
+  the experts that routed that token when it was fed to the model, ``[len(token_ids) - 1, layers,
+  top_k]`` (:class:`ExpertRoutes`). It is the chain's turns' own rows (``turn.completed``'s
+  ``routed_experts``, :mod:`pipeline.events`) end to end; the last token was never fed, so it
+  has no row. Null: a dense model, a turn without routes in the chain, or a trajectory written
+  before schema 4.
 
 A turn that did not extend its parent (a new root) starts a trajectory of its own; the gateway
 never splices, so neither does the assembler. The trajectory id is a digest of the session id
@@ -30,16 +37,28 @@ and the chain's turn ids, so the same chain always gets the same id, and publish
 
 from __future__ import annotations
 
+import base64
 import hashlib
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["TRAJECTORY_SCHEMA_VERSION", "Trajectory", "TurnSummary", "token_policy_versions", "trajectory_id"]
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
-# 2: per-token policy versions (turns' policy_versions); 3: thinking (reasoning_mask, turns' reasoning_tokens)
-TRAJECTORY_SCHEMA_VERSION: Literal[3] = 3
+__all__ = [
+    "ExpertRoutes",
+    "TRAJECTORY_SCHEMA_VERSION",
+    "Trajectory",
+    "TurnSummary",
+    "token_policy_versions",
+    "trajectory_id",
+]
+
+# 2: per-token policy versions (turns' policy_versions); 3: thinking (reasoning_mask, turns' reasoning_tokens);
+# 4: routed experts (routed_experts)
+TRAJECTORY_SCHEMA_VERSION: Literal[4] = 4
 
 
 def trajectory_id(session_id: str, turn_ids: list[str]) -> str:
@@ -58,6 +77,67 @@ def token_policy_versions(turns: list[TurnSummary], length: int) -> list[int]:
             start, end = turn.start + first, min(turn.start + last, length)
             out[start:end] = [version] * max(0, end - start)
     return out
+
+
+class ExpertRoutes(BaseModel):
+    """The experts that routed a sequence's tokens: ``[rows, layers, top_k]`` expert ids, base64 in ``data``.
+
+    The encoding of :class:`pipeline.events.RoutedExperts` without ``start`` (a trajectory's rows
+    start at position 0): ``data`` is the standard base64 of the C-order array of ``dtype``, so
+    row ``i`` is ``array()[i]``. A trajectory's routes have one row per token but the last.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    shape: tuple[int, int, int] = Field(description="[rows, MoE layers, experts per token (top_k)]")
+    dtype: Literal["uint8", "uint16"] = Field(description="the expert ids' type: uint8 up to 256 experts")
+    data: str = Field(description="standard base64 of the C-order array")
+
+    @model_validator(mode="after")
+    def _data_of_the_right_size(self) -> ExpertRoutes:
+        if (problem := self.problem()) is not None:
+            raise ValueError(problem)
+        return self
+
+    def problem(self, tokens: int | None = None) -> str | None:
+        """What is wrong with these routes (for a sequence of ``tokens`` ids, if given); ``None``: nothing.
+
+        Checked on construction too; a copy made without validation (``model_copy``) is checked
+        here by the batcher and the verl layouts.
+        """
+        rows, layers, top_k = self.shape
+        if rows < 0 or layers < 1 or top_k < 1:
+            return f"routed_experts.shape must be [rows >= 0, layers >= 1, top_k >= 1], not {list(self.shape)}"
+        size = rows * layers * top_k * (1 if self.dtype == "uint8" else 2)
+        padding = len(self.data) - len(self.data.rstrip("="))
+        if len(self.data) % 4 or len(self.data) * 3 // 4 - padding != size:
+            return f"routed_experts.data does not hold {size} bytes (shape {list(self.shape)}, {self.dtype})"
+        if tokens is not None and rows != max(tokens - 1, 0):
+            return f"routed_experts has {rows} rows for {tokens} token ids (one per id but the last)"
+        return None
+
+    def array(self) -> npt.NDArray[Any]:
+        """The expert ids, ``[rows, layers, top_k]`` (read-only: a view of the decoded bytes)."""
+        import numpy as np
+
+        array: npt.NDArray[Any] = np.frombuffer(base64.b64decode(self.data), dtype=self.dtype)
+        return array.reshape(self.shape)
+
+    @classmethod
+    def of(cls, array: npt.NDArray[Any]) -> ExpertRoutes:
+        """Encode a ``[rows, layers, top_k]`` array of uint8 or uint16 expert ids."""
+        dtype = str(array.dtype)
+        if dtype not in ("uint8", "uint16") or array.ndim != 3:
+            raise ValueError(f"routes must be a [rows, layers, top_k] uint8/uint16 array, not {dtype} {array.shape}")
+        rows, layers, top_k = (int(n) for n in array.shape)
+        data = base64.b64encode(array.tobytes(order="C")).decode("ascii")
+        return cls(shape=(rows, layers, top_k), dtype=dtype, data=data)  # type: ignore[arg-type]
+
+    def head(self, rows: int) -> ExpertRoutes:
+        """The first ``rows`` rows (all of them if there are fewer)."""
+        if rows >= self.shape[0]:
+            return self
+        return ExpertRoutes.of(self.array()[: max(rows, 0)])
 
 
 class TurnSummary(BaseModel):
@@ -92,7 +172,7 @@ class Trajectory(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1, 2, 3] = TRAJECTORY_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4] = TRAJECTORY_SCHEMA_VERSION
     trajectory_id: str
     session_id: str
     tenant: str
@@ -105,6 +185,11 @@ class Trajectory(BaseModel):
     reasoning_mask: list[int] = Field(
         default_factory=list,  # filled with zeros when absent (see _no_thinking_before_schema_3)
         description="1 on sampled ids that are thinking, 0 elsewhere; absent (schema 1/2, or no thinking): all 0",
+    )
+    routed_experts: ExpertRoutes | None = Field(
+        None,
+        description="mixture-of-experts models: the experts that routed each token but the last, "
+        "[len(token_ids) - 1, layers, top_k]; null: none recorded (a dense model, or before schema 4)",
     )
     prompt_length: int = Field(ge=0)
     turns: list[TurnSummary]
@@ -126,6 +211,12 @@ class Trajectory(BaseModel):
         if isinstance(data, dict) and "reasoning_mask" not in data and isinstance(data.get("token_ids"), list | tuple):
             return {**data, "reasoning_mask": [0] * len(data["token_ids"])}
         return data
+
+    @model_validator(mode="after")
+    def _one_route_per_fed_token(self) -> Trajectory:
+        if self.routed_experts is not None and (problem := self.routed_experts.problem(len(self.token_ids))):
+            raise ValueError(problem)
+        return self
 
     def token_policy_versions(self) -> list[int]:
         """The policy version of every position of ``token_ids``: -1 where nothing was sampled."""

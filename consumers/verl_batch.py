@@ -40,6 +40,32 @@ Where this module deliberately differs from verl's agent loop, and why:
   extra one changes nothing there, and its batch operations (concat, repeat, chunk, union) carry
   it along.
 
+Routed experts (Rollout Routing Replay, "R3"), as read in verl 0.9.1: a batch whose every row
+has :attr:`~consumers.trajectory.Trajectory.routed_experts` carries them under verl's own key
+``routed_experts``, int16 (verl casts to it: ``.to(torch.int16)``), one row per ``input_ids``
+position:
+
+* padded: ``[B, P+R, layers, top_k]``, the row of column j being the route of ``input_ids[:, j]``,
+  zero on the left padding, the right padding and the last real token (which was never fed to
+  the model): what ``AgentLoopWorker._agent_loop_postprocess`` builds
+  (``verl/experimental/agent_loop/agent_loop.py`` 785-809: zeros of ``[1, P+R, L, K]``, the
+  rollout's rows written from ``start_pos = P - len(prompt_ids)``) and ``_postprocess``
+  concatenates (line 1075);
+* jagged: per row ``[len(prompt) + len(response), layers, top_k]`` with the last row zero, on
+  the same offsets as ``input_ids``: what ``AgentLoopOutput.as_dict`` keeps for the v1 trainer
+  (agent_loop.py 129-141: the rows aligned to the whole sequence, trailing rows zero; stored by
+  ``verl/trainer/ppo/v1/agent_loop_tq.py`` 183-199) and what
+  ``verl/workers/utils/padding.py`` ``left_right_2_no_padding`` (73-79) makes of the padded key.
+
+Megatron replays them with ``actor_rollout_ref.actor.megatron.router_replay.mode=R3``
+(``actor_rollout_ref.rollout.enable_rollout_routing_replay=True``, set in verl's R3 runs, is read
+only by verl's own vLLM/SGLang rollout servers, to make them return routes; here the gateway did):
+``verl/utils/megatron/router_replay_utils.py`` ``align_r3_router_replay_data`` (399-431) takes
+per-sample routes as long as the input (as here) or one shorter, and ``build_r3_replay_mask``
+replays every row but the last. A batch mixing rows with and without routes is a
+:class:`ValueError` naming a row without (verl's ``_postprocess`` concatenates every row's routes
+when the first row has some, and fails on a row without); a batch with none has no key.
+
 verl and tensordict are optional (the ``verl`` extra): they are imported inside the functions
 that need them. ``import verl`` pulls in ray, sets up the root logger
 (``logging.basicConfig``) and takes seconds, so nothing here imports it at module import time.
@@ -82,7 +108,9 @@ class PaddedBatch:
     ``tensors`` (B rows, P = ``prompt_length``, R = ``response_length``): ``prompts`` [B,P] and
     ``responses`` [B,R] int64; ``response_mask`` and ``reasoning_mask`` (1 on thinking ids, a
     subset of ``response_mask``) [B,R] int64; ``input_ids``, ``attention_mask``, ``position_ids``
-    [B,P+R] int64; ``rollout_log_probs`` and ``rm_scores`` [B,R] float32.
+    [B,P+R] int64; ``rollout_log_probs`` and ``rm_scores`` [B,R] float32; when every row has
+    routes, ``routed_experts`` [B,P+R,layers,top_k] int16 aligned with ``input_ids`` (see the
+    module docstring).
 
     ``non_tensors``: one-dimensional arrays of length B: ``uid``, ``trajectory_id``,
     ``session_id`` (str, dtype object); ``__num_turns__`` (int32, as verl); ``multi_modal_inputs``
@@ -113,6 +141,7 @@ class _Row:
     mask: list[int]
     logprobs: list[float]
     reasoning: list[int]
+    routes: npt.NDArray[Any] | None  # [len(prompt) + len(response) - 1, layers, top_k]: every id but the last
 
 
 def group_uid(trajectory: Trajectory, key: str) -> str:
@@ -204,6 +233,14 @@ def padded_batch(
         "rollout_log_probs": rollout_log_probs,
         "rm_scores": rm_scores,
     }
+    if (routes := _routes(trajectories, rows)) is not None:
+        # AgentLoopWorker._agent_loop_postprocess: zeros, the rows written from the first prompt id.
+        layers, top_k = routes[0].shape[1:]
+        routed_experts = torch.zeros((size, prompt_length + response_length, layers, top_k), dtype=torch.int16)
+        for i, (row, rows_of_routes) in enumerate(zip(rows, routes, strict=True)):
+            start = prompt_length - len(row.prompt)
+            routed_experts[i, start : start + len(rows_of_routes)] = rows_of_routes
+        tensors["routed_experts"] = routed_experts
     non_tensors: dict[str, npt.NDArray[Any]] = {
         "uid": _objects(list(uids)),
         "__num_turns__": np.array([_verl_num_turns(t) for t in trajectories], dtype=np.int32),
@@ -244,8 +281,9 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
     uses a ``session_id`` of its own, the rollout index, only to build TransferQueue keys),
     ``extra_fields`` (a dict with ``turn_scores``, ``tool_rewards``, ``min_global_steps``,
     ``max_global_steps``, ``extras``) and ``multi_modal_inputs`` (empty dicts); ``policy_versions``
-    (nested int64, per response token: the version that sampled it, -1 where nothing was). No
-    length limits: nothing is padded.
+    (nested int64, per response token: the version that sampled it, -1 where nothing was). When
+    every row has routes, ``routed_experts``: nested int16, per row ``[len(input_ids), layers,
+    top_k]``, the last row zero (see the module docstring). No length limits: nothing is padded.
     """
     from tensordict import NonTensorData, NonTensorStack, TensorDict
 
@@ -285,6 +323,11 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
         "extra_fields": stack([_extra_fields(t) for t in trajectories]),
         "multi_modal_inputs": stack([{} for _ in trajectories]),
     }
+    if (routes := _routes(trajectories, rows)) is not None:
+        # AgentLoopOutput.as_dict: aligned to the whole sequence, the rows it has not (the last) zero.
+        source["routed_experts"] = torch.nested.as_nested_tensor(
+            [torch.cat([r, r.new_zeros((1, *r.shape[1:]))]) for r in routes], layout=torch.jagged
+        )
     return TensorDict(source, batch_size=[len(rows)])
 
 
@@ -315,7 +358,43 @@ def _row(trajectory: Trajectory) -> _Row:
         raise ValueError(f"{where}: {len(ids)} token ids and {len(reasoning)} reasoning_mask values")
     if any(r not in (0, 1) or (r and not m) for r, m in zip(reasoning, mask, strict=True)):
         raise ValueError(f"{where}: reasoning_mask must be 0 or 1, and 1 only on sampled ids")
-    return _Row(list(ids[:p]), list(ids[p:]), list(mask[p:]), list(logprobs[p:]), list(reasoning[p:]))
+    routes = None
+    if trajectory.routed_experts is not None:
+        if (problem := trajectory.routed_experts.problem(len(ids))) is not None:
+            raise ValueError(f"{where}: {problem}")
+        routes = trajectory.routed_experts.array()
+    return _Row(list(ids[:p]), list(ids[p:]), list(mask[p:]), list(logprobs[p:]), list(reasoning[p:]), routes)
+
+
+def _routes(trajectories: Sequence[Trajectory], rows: Sequence[_Row]) -> list[torch.Tensor] | None:
+    """Every row's routes as int16 (verl's dtype), or ``None`` if no row has any.
+
+    Some rows with and some without, different (layers, top_k), or an expert id over int16's range
+    is a :class:`ValueError`.
+    """
+    arrays = [row.routes for row in rows]
+    present = [(t, a) for t, a in zip(trajectories, arrays, strict=True) if a is not None]
+    if not present:
+        return None
+    if len(present) < len(arrays):
+        without = next(t for t, a in zip(trajectories, arrays, strict=True) if a is None)
+        raise ValueError(
+            f"trajectory {without.trajectory_id} has no routed_experts while trajectory {present[0][0].trajectory_id} "
+            "of the same batch has: verl replays routes for every row of a batch or for none (batch routed and "
+            "unrouted trajectories apart, or drop the routes)"
+        )
+    shape = present[0][1].shape[1:]
+    out = []
+    for trajectory, array in present:
+        where = f"trajectory {trajectory.trajectory_id}"
+        if array.shape[1:] != shape:
+            raise ValueError(
+                f"{where}: routed_experts of {list(array.shape[1:])} (layers, top_k), not {list(shape)} as row 0's"
+            )
+        if array.size and int(array.max()) > torch.iinfo(torch.int16).max:
+            raise ValueError(f"{where}: an expert id over int16's range (verl's routed_experts dtype)")
+        out.append(torch.from_numpy(array.astype(np.int16)))
+    return out
 
 
 def _reward(trajectory: Trajectory) -> float:

@@ -20,14 +20,16 @@ import anyio
 import anyio.lowlevel
 import httpx
 import nats
+import numpy as np
 import orjson
+import pydantic
 import pytest
 from openai import OpenAI
 
-from consumers.assembler import AssemblerConfig, run_assembler
+from consumers.assembler import Assembler, AssemblerConfig, run_assembler
 from consumers.trajectories import SessionEvents, build_trajectories
-from consumers.trajectory import TRAJECTORY_SCHEMA_VERSION, Trajectory
-from pipeline.embedded import EmbeddedNatsServer
+from consumers.trajectory import TRAJECTORY_SCHEMA_VERSION, ExpertRoutes, Trajectory
+from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
 from pipeline.events import Event, SessionClosed, TurnCompleted, decode_event, encode_event
 from pipeline.publisher import EventPublisher, PublisherConfig
 from pipeline.subscriber import message_payload
@@ -230,7 +232,7 @@ def _thinking_session() -> list[Event]:
 def test_thinking_turns_mark_the_trajectorys_reasoning_mask() -> None:
     """Each turn's first ``reasoning_tokens`` sampled ids are 1 in ``reasoning_mask``; they stay in the loss mask."""
     [trajectory] = build_trajectories(SessionEvents.of(_thinking_session()), emitted_because="closed")
-    assert trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION == 3
+    assert trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION == 4
     assert trajectory.token_ids == [1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 13, 14, 15]
     assert trajectory.loss_mask == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]
     assert trajectory.reasoning_mask == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
@@ -266,7 +268,172 @@ def test_schema_2_events_and_trajectories_decode_with_no_thinking() -> None:
     old = Trajectory.decode(orjson.dumps(wire | {"schema_version": 2}))
     assert old.schema_version == 2 and old.reasoning_mask == [0] * len(old.token_ids)
     assert [(t.reasoning_tokens, t.answer_start) for t in old.turns] == [(0, 0), (0, 0)]
-    assert old.model_copy(update={"schema_version": 3}) == from_old  # all else as written
+    assert old.model_copy(update={"schema_version": TRAJECTORY_SCHEMA_VERSION}) == from_old  # all else as written
+
+
+# -- routed experts (mixture-of-experts models; event and trajectory schema 4) ----------------------
+
+LAYERS, TOP_K, EXPERTS = 2, 2, 8  # a tiny MoE: 2 MoE layers, top-2 of 8 experts
+
+
+def _route_rows(rows: int, seed: int, *, layers: int = LAYERS, dtype: str = "uint8") -> np.ndarray:
+    """``rows`` routes of ``TOP_K`` distinct experts per layer, as an engine reports them."""
+    rng = np.random.default_rng(seed)
+    picks = [rng.choice(EXPERTS, size=TOP_K, replace=False) for _ in range(rows * layers)]
+    return np.array(picks, dtype=dtype).reshape(rows, layers, TOP_K)
+
+
+def _with_routes(turn: TurnCompleted, rows: np.ndarray | None, **changes: Any) -> TurnCompleted:
+    """``turn`` with the routes of the positions it ran first (validated, as a consumer decodes it)."""
+    routes = None
+    if rows is not None:
+        start = max(turn.reused_prompt_tokens - 1, 0)
+        routes = ExpertRoutes.of(rows).model_dump() | {"start": start}
+    return TurnCompleted.model_validate(turn.model_dump() | {"routed_experts": routes} | changes)
+
+
+def _routed_session(
+    *, child_routes: bool = True, child_layers: int = LAYERS, branch: bool = False
+) -> tuple[list[Event], dict[str, np.ndarray]]:
+    """A root that calls a tool, a continuation after the tool result (and maybe a retry of it).
+
+    root: prompt [1..4], output [7, 8, 9] (ran positions 0..6: 6 rows, the last output id never fed);
+    child: reuses those 7, appends the tool result [11, 12], samples [13, 14, 15] (rows from 6,
+    the root's last output id, to 10). The expected routes of each chain, by its leaf turn id.
+    """
+    from ..support.events import turn_completed
+
+    root_rows = _route_rows(6, 1)
+    root = _with_routes(turn_completed(seq=1, turn_id="a", prompt_ids=[1, 2, 3, 4], output_ids=[7, 8, 9]), root_rows)
+    child_rows = _route_rows(5, 2, layers=child_layers)
+    child = turn_completed(
+        seq=2, turn_id="b", parent_turn_id="a", reused=7, prompt_ids=[11, 12], output_ids=[13, 14, 15]
+    )
+    child = _with_routes(
+        child, child_rows if child_routes else None, started_at=root.started_at + 1, finish_reason="stop"
+    )
+    events: list[Event] = [root, child]
+    expected = {"b": np.concatenate([root_rows, child_rows])} if child_layers == LAYERS else {}
+    if branch:  # a retry of the continuation with another tool result: a second chain sharing the root's rows
+        retry_rows = _route_rows(4, 3)
+        retry = turn_completed(
+            seq=3, turn_id="c", parent_turn_id="a", reused=7, prompt_ids=[21], output_ids=[22, 23, 24]
+        )
+        events.append(_with_routes(retry, retry_rows, started_at=root.started_at + 2, finish_reason="stop"))
+        expected["c"] = np.concatenate([root_rows, retry_rows])
+    return events, expected
+
+
+def test_a_chains_routes_are_its_turns_rows_end_to_end() -> None:
+    """Root rows then the continuation's (from the root's last output id): one row per id but the last."""
+    events, expected = _routed_session(branch=True)
+    unrouted: list[str] = []
+    trajectories = build_trajectories(SessionEvents.of(events), emitted_because="closed", on_unrouted=unrouted.append)
+    assert len(trajectories) == 2 and not unrouted
+    for trajectory in trajectories:
+        routes = trajectory.routed_experts
+        assert trajectory.schema_version == 4 and routes is not None
+        assert routes.shape == (len(trajectory.token_ids) - 1, LAYERS, TOP_K) and routes.dtype == "uint8"
+        assert np.array_equal(routes.array(), expected[trajectory.turns[-1].turn_id])
+        assert Trajectory.decode(trajectory.encode()) == trajectory
+    by_leaf = {t.turns[-1].turn_id: t for t in trajectories}
+    assert by_leaf["b"].token_ids == [1, 2, 3, 4, 7, 8, 9, 11, 12, 13, 14, 15]
+    # Row 6 routed the root's last output id (9) when the continuation fed it: the child's first row.
+    assert np.array_equal(by_leaf["b"].routed_experts.array()[6], _route_rows(5, 2)[0])  # type: ignore[union-attr]
+
+    # A token cap cuts the routes with the ids: one row per kept id but the last.
+    [cut] = build_trajectories(SessionEvents.of(events[:2]), emitted_because="closed", max_tokens=9)
+    assert cut.truncated and cut.routed_experts is not None and cut.routed_experts.shape == (8, LAYERS, TOP_K)
+    assert np.array_equal(cut.routed_experts.array(), expected["b"][:8])
+
+    # uint16 routes (over 256 experts) in one turn: the chain's are uint16, values unchanged.
+    wide = [events[0], _with_routes(events[1], _route_rows(5, 2, dtype="uint16"))]  # type: ignore[arg-type]
+    [widened] = build_trajectories(SessionEvents.of(wide), emitted_because="closed")
+    assert widened.routed_experts is not None and widened.routed_experts.dtype == "uint16"
+    assert np.array_equal(widened.routed_experts.array(), expected["b"])
+
+
+@pytest.mark.parametrize(
+    ("session", "reason"),
+    [
+        ({"child_routes": False}, "turn b has no routed_experts while others of its chain do"),
+        ({"child_layers": 3}, "turn b has routes of [3, 2] (layers, top_k), not [2, 2]"),
+    ],
+)
+def test_a_chain_whose_routes_do_not_join_up_has_none(
+    session: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Logged and reported, never raised: the ids and masks are still exact."""
+    events, _ = _routed_session(**session)
+    unrouted: list[str] = []
+    [trajectory] = build_trajectories(SessionEvents.of(events), emitted_because="closed", on_unrouted=unrouted.append)
+    assert trajectory.routed_experts is None and trajectory.num_turns == 2
+    assert unrouted == [reason] and reason in caplog.text
+    # A dense model's chain (no routes anywhere) has none, silently.
+    dense = [_with_routes(e, None) for e in events if isinstance(e, TurnCompleted)]
+    [plain] = build_trajectories(SessionEvents.of(dense), emitted_because="closed", on_unrouted=unrouted.append)
+    assert plain.routed_experts is None and len(unrouted) == 1
+    assert plain == trajectory
+
+
+def test_schema_3_trajectories_decode_with_no_routes_and_wrong_row_counts_are_refused() -> None:
+    events, _ = _routed_session()
+    [trajectory] = build_trajectories(SessionEvents.of(events), emitted_because="closed")
+    wire = orjson.loads(trajectory.encode())
+    assert wire["routed_experts"]["shape"] == [11, LAYERS, TOP_K] and "start" not in wire["routed_experts"]
+    old = {k: v for k, v in wire.items() if k != "routed_experts"} | {"schema_version": 3}
+    decoded = Trajectory.decode(orjson.dumps(old))
+    assert decoded.schema_version == 3 and decoded.routed_experts is None
+    assert decoded.model_copy(update={"schema_version": 4, "routed_experts": trajectory.routed_experts}) == trajectory
+    # One row too few (the last id's row is never recorded, so len(token_ids) - 1 exactly), or bad data.
+    short = ExpertRoutes.of(trajectory.routed_experts.array()[:-1]).model_dump()  # type: ignore[union-attr]
+    with pytest.raises(pydantic.ValidationError, match="10 rows for 12 token ids"):
+        Trajectory.decode(orjson.dumps(wire | {"routed_experts": short}))
+    with pytest.raises(pydantic.ValidationError, match="does not hold 44 bytes"):
+        Trajectory.decode(orjson.dumps(wire | {"routed_experts": wire["routed_experts"] | {"data": "AAAA"}}))
+
+
+def test_routes_through_a_real_stream_and_the_object_store(tmp_path: Path) -> None:
+    """Events and trajectories over the server's max payload (routes are large) travel whole.
+
+    48 MoE layers x top-8 (Qwen3-30B-A3B's shape) over a 300-id turn: ~115 KB of routes, over
+    a 64 KiB max payload, so the event and the trajectory both go through the object stores.
+    A second session's continuation lacks routes: its trajectory has none and is counted.
+    """
+    from ..support.events import turn_completed
+
+    rng = np.random.default_rng(7)
+    big = rng.integers(0, 128, size=(299, 48, 8), dtype=np.uint8)
+    root = turn_completed("big", seq=0, turn_id="big-a", prompt_ids=list(range(1, 290)), output_ids=list(range(11)))
+    routed_root = _with_routes(root, big)
+    partial, _ = _routed_session(child_routes=False)
+    partial = [
+        e.model_copy(update={"session_id": "partial", "event_id": e.event_id + "p", "seq": i})
+        for i, e in enumerate(partial)
+    ]
+    closes = [
+        SessionClosed(**e.model_dump(include={"tenant", "model", "policy_version", "time"}), event_id=f"close{i}",
+                      session_id=sid, seq=seq, reason="client", turns=n)
+        for i, (e, sid, seq, n) in enumerate([(routed_root, "big", 1, 1), (partial[0], "partial", 2, 2)])
+    ]  # fmt: skip
+    assert len(encode_event(routed_root)) > 64 * 1024
+    with EmbeddedNatsServer(NatsServerConfig(max_payload=64 * 1024)) as server:
+        anyio.run(_publish, server.url, tmp_path / "outbox", [routed_root, *partial, *closes])
+        assembler = Assembler(AssemblerConfig(servers=(server.url,), ack_wait_s=5, close_grace_s=1))
+        with anyio.from_thread.start_blocking_portal() as portal:
+            future = portal.start_task_soon(assembler.run)
+            try:
+                got = wait_for(lambda: (ts := read_trajectories(server.url)) and len(ts) >= 2 and ts, timeout=30)
+            finally:
+                future.cancel()
+                with contextlib.suppress(concurrent.futures.CancelledError):
+                    future.result(timeout=20)
+    by_session = {t.session_id: t for t in got}
+    routes = by_session["big"].routed_experts
+    assert routes is not None and routes.shape == (299, 48, 8) and np.array_equal(routes.array(), big)
+    assert len(by_session["big"].encode()) > 64 * 1024  # so it was published through the object store
+    assert by_session["partial"].routed_experts is None and by_session["partial"].num_turns == 2
+    assert assembler.statistics().unrouted == 1
 
 
 async def _publish(url: str, outbox: Path, events: list[Event]) -> None:

@@ -38,7 +38,7 @@ from verl.utils.model import compute_position_id_with_mask
 from verl.workers.config import ActorConfig
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from consumers.trajectory import Trajectory, TurnSummary
+from consumers.trajectory import ExpertRoutes, Trajectory, TurnSummary
 from consumers.verl_batch import PaddedBatch, group_uid, padded_batch, to_data_proto, to_jagged_tensordict
 
 from ..support.agent_loop import READ_TOOL, drive_session
@@ -697,6 +697,11 @@ def test_too_long_rows_are_refused(prompt_length: int, response_length: int, mes
         ({"reasoning_mask": [0, 0, 1]}, "4 token ids and 3 reasoning_mask values"),
         ({"reasoning_mask": [0, 0, 2, 0]}, "reasoning_mask must be 0 or 1"),
         ({"reasoning_mask": [1, 0, 0, 0]}, "1 only on sampled ids"),
+        ({"routed_experts": ExpertRoutes.of(np.zeros((4, 1, 2), np.uint8))}, "4 rows for 4 token ids"),
+        (
+            {"routed_experts": ExpertRoutes.of(np.zeros((3, 1, 2), np.uint8)).model_copy(update={"data": "AAAA"})},
+            "does not hold 6 bytes",
+        ),
     ],
 )
 def test_inconsistent_trajectories_are_refused(change: dict[str, Any], message: str) -> None:
@@ -728,3 +733,231 @@ def test_group_uid() -> None:
     for bad in ("metadata:", "session", ""):
         with pytest.raises(ValueError, match="unknown group key"):
             group_uid(a, bad)
+
+
+# Routed experts (Rollout Routing Replay, "R3"), checked against verl 0.9.1's own code.
+
+LAYERS, TOP_K = 2, 2
+
+
+def _route_of(token: int, layer: int) -> list[int]:
+    """The (made-up) top-2 of 8 experts that routed ``token`` in ``layer``: a function of the id, to check alignment."""
+    first = (3 * token + layer) % 8
+    return [first, (first + 1 + token % 7) % 8]
+
+
+def _routes_of(tokens: list[int]) -> np.ndarray:
+    """One row per id but the last (the last is never fed to the model), as the assembler builds them."""
+    return np.array([[_route_of(t, layer) for layer in range(LAYERS)] for t in tokens[:-1]], dtype=np.uint8)
+
+
+def _routed(trajectory: Trajectory) -> Trajectory:
+    return trajectory.model_copy(update={"routed_experts": ExpertRoutes.of(_routes_of(trajectory.token_ids))})
+
+
+def _routed_rows() -> list[Trajectory]:
+    """Rows of different prompt and response lengths: left padding differs, right padding too."""
+    return [
+        _routed(_thinking_trajectory()),
+        _routed(_trajectory([5, 6], [8, 9, 10], [1, 0, 1])),
+        _routed(_trajectory([30], [31], [1])),
+    ]
+
+
+def test_routed_experts_reach_both_layouts_aligned_with_input_ids() -> None:
+    """Padded: [B, P+R, L, K] int16, column j the route of input_ids[:, j], zero on padding and the last id."""
+    rows = _routed_rows()
+    uids = ["u", "v", "w"]
+    batch = padded_batch(rows, uids, prompt_length=4, response_length=11, pad_token_id=0)
+    routed, input_ids, attention = (batch.tensors[k] for k in ("routed_experts", "input_ids", "attention_mask"))
+    assert routed.dtype == torch.int16 and routed.shape == (3, 15, LAYERS, TOP_K)
+    for i, trajectory in enumerate(rows):
+        real = attention[i].nonzero().flatten().tolist()
+        assert len(real) == len(trajectory.token_ids) and real[0] == 4 - trajectory.prompt_length
+        for j in range(15):
+            if j in real[:-1]:
+                expected = [_route_of(int(input_ids[i, j]), layer) for layer in range(LAYERS)]
+                assert routed[i, j].tolist() == expected, (i, j)
+            else:  # left padding, right padding, and the last real id (it routed nothing)
+                assert not routed[i, j].any(), (i, j)
+        start = 4 - trajectory.prompt_length
+        fed = routed[i, start : start + len(trajectory.token_ids) - 1].numpy()
+        assert np.array_equal(fed, trajectory.routed_experts.array())  # type: ignore[union-attr]
+    proto = to_data_proto(batch)  # check_consistency: the batch dimension agrees
+    assert torch.equal(proto.select_idxs([2, 0]).batch["routed_experts"][1], routed[0])
+    assert DataProto.concat([proto, proto]).batch["routed_experts"].shape == (6, 15, LAYERS, TOP_K)
+
+    # Jagged: per row [len(input_ids), L, K] int16, the last row zero, on input_ids' offsets; and
+    # equal to what verl's trainer makes of the padded batch (left_right_2_no_padding).
+    jagged = to_jagged_tensordict(rows, uids)
+    nested = jagged["routed_experts"]
+    assert nested.is_nested and nested.dtype == torch.int16
+    assert torch.equal(nested.offsets(), jagged["input_ids"].offsets())
+    for trajectory, row in zip(rows, nested.unbind(), strict=True):
+        assert row.shape == (len(trajectory.token_ids), LAYERS, TOP_K) and not row[-1].any()
+        assert np.array_equal(row[:-1].numpy(), trajectory.routed_experts.array())  # type: ignore[union-attr]
+    theirs = left_right_2_no_padding(proto.to_tensordict())
+    _assert_nested_equal(nested, theirs["routed_experts"], "routed_experts")
+    _assert_nested_equal(jagged["input_ids"], theirs["input_ids"], "input_ids")
+
+
+def _verl_function(module_path: str, name: str) -> Any:
+    """One function of a verl module that cannot be imported here (Megatron is not installed), by its source."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations))) / module_path
+    tree = ast.parse(path.read_text())
+    [node] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)  # verl's own code
+    return namespace[name]
+
+
+def test_megatron_r3_takes_the_jagged_routes_and_replays_all_rows_but_the_last() -> None:
+    """verl's ``align_r3_router_replay_data`` and ``build_r3_replay_mask`` (router_replay_utils.py) on our batch."""
+    align = _verl_function("utils/megatron/router_replay_utils.py", "align_r3_router_replay_data")
+    replay_mask = _verl_function("utils/megatron/router_replay_utils.py", "build_r3_replay_mask")
+    rows = _routed_rows()
+    jagged = to_jagged_tensordict(rows, ["u", "v", "w"])
+    aligned = align(jagged["routed_experts"], jagged["input_ids"])
+    _assert_nested_equal(aligned, jagged["routed_experts"], "routed_experts")  # already one row per input id
+    mask = replay_mask(jagged["input_ids"], jagged["response_mask"])
+    assert [row.tolist() for row in mask.unbind()] == [[True] * (len(t.token_ids) - 1) + [False] for t in rows]
+    # One row short is also verl's (it pads it); two rows short is refused there, and by us before.
+    short = torch.nested.as_nested_tensor([r[:-2] for r in jagged["routed_experts"].unbind()], layout=torch.jagged)
+    with pytest.raises(RuntimeError, match="expected equal lengths or exactly one missing final route"):
+        align(short, jagged["input_ids"])
+
+
+@pytest.mark.filterwarnings(RAY_STATE_API_WARNING)
+def test_routed_experts_equal_verls_own_agent_loop_postprocessing(tiny_model_path: Path) -> None:
+    """The same rows, with the routes a rollout engine reports (every id but the last), through verl's agent loop.
+
+    Padded: ``AgentLoopWorker._agent_loop_postprocess`` then ``_postprocess``; jagged (v1):
+    ``AgentLoopOutput.as_dict`` stacked by ``list_of_dict_to_tensordict``.
+    """
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, AgentLoopWorker
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    rows = _routed_rows()
+    uids = ["u", "v", "w"]
+    worker = object.__new__(AgentLoopWorker)
+    worker.tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    worker.processor = None
+    worker.rollout_config = SimpleNamespace(prompt_length=4, response_length=11)
+    worker.reward_loop_worker_handles = None
+    worker.distillation_enabled = False
+    worker.mm_processor_kwargs = {}
+
+    def output(t: Trajectory) -> AgentLoopOutput:
+        cut = t.prompt_length
+        return AgentLoopOutput(
+            prompt_ids=t.token_ids[:cut],
+            response_ids=t.token_ids[cut:],
+            response_mask=t.loss_mask[cut:],
+            response_logprobs=t.logprobs[cut:],
+            routed_experts=t.routed_experts.array(),  # type: ignore[union-attr]
+            reward_score=t.reward,
+            num_turns=2 * t.num_turns,
+            metrics=AgentLoopMetrics(),
+        )
+
+    async def postprocess() -> DataProto:
+        outputs = [await worker._agent_loop_postprocess(output(t), validate=False, raw_prompt=[]) for t in rows]
+        result: DataProto = worker._postprocess(outputs, input_non_tensor_batch={"uid": np.array(uids, dtype=object)})
+        return result
+
+    verls = asyncio.run(postprocess())
+    ours = to_data_proto(padded_batch(rows, uids, prompt_length=4, response_length=11, pad_token_id=0))
+    assert verls.batch["routed_experts"].dtype == ours.batch["routed_experts"].dtype == torch.int16
+    assert torch.equal(verls.batch["routed_experts"], ours.batch["routed_experts"])
+    assert torch.equal(verls.batch["input_ids"], ours.batch["input_ids"])
+
+    fields = []
+    for t in rows:
+        field = output(t).as_dict()
+        field["input_ids"] = torch.cat([field["prompts"], field["responses"]])
+        fields.append({k: field[k] for k in ("input_ids", "routed_experts")})
+    theirs = list_of_dict_to_tensordict(fields)
+    jagged = to_jagged_tensordict(rows, uids)
+    _assert_nested_equal(jagged["routed_experts"], theirs["routed_experts"], "routed_experts")
+    _assert_nested_equal(jagged["input_ids"], theirs["input_ids"], "input_ids")
+
+
+def test_routed_experts_round_trip_the_parquet_and_old_files_read_without() -> None:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from consumers.parquet import decode_batch, encode_batch
+
+    rows = [*_routed_rows(), _trajectory([5], [8], [1])]  # a parquet may mix them; a verl batch may not
+    uids = ["u", "v", "w", "x"]
+    data = encode_batch(rows, uids, batch_id="b", prompt_length=4, response_length=11)
+    assert decode_batch(data) == (rows, uids)
+    table = pq.read_table(io.BytesIO(data))
+    schema = table.schema
+    assert schema.field("routed_experts").type == pa.large_binary()
+    assert schema.field("routed_experts_shape").type == pa.list_(pa.int32())
+    assert schema.field("routed_experts_dtype").type == pa.string()
+    raw = table.column("routed_experts").to_pylist()
+    assert raw[:3] == [t.routed_experts.array().tobytes() for t in rows[:3]] and raw[3] is None  # type: ignore[union-attr]
+    assert table.column("routed_experts_shape").to_pylist()[0] == [11, LAYERS, TOP_K]
+    assert table.column("routed_experts_dtype").to_pylist() == ["uint8"] * 3 + [None]
+    # The raw bytes read back without this package: numpy's view of the column is the array.
+    first = np.frombuffer(raw[0], dtype="uint8").reshape(table.column("routed_experts_shape").to_pylist()[0])
+    assert np.array_equal(first, _routes_of(rows[0].token_ids))
+
+    # A batch written before routes (no columns, schema 3) reads with none.
+    old = table.drop_columns(["routed_experts", "routed_experts_shape", "routed_experts_dtype"])
+    old = old.set_column(old.schema.get_field_index("schema_version"), "schema_version", pa.array([3] * 4, pa.int8()))
+    sink = io.BytesIO()
+    pq.write_table(old, sink)
+    decoded, old_uids = decode_batch(sink.getvalue())
+    assert old_uids == uids and all(t.routed_experts is None and t.schema_version == 3 for t in decoded)
+    assert [
+        t.model_copy(update={"schema_version": 4, "routed_experts": r.routed_experts})
+        for t, r in zip(decoded, rows, strict=True)
+    ] == rows
+
+
+def test_a_batch_mixing_routed_and_unrouted_rows_is_refused() -> None:
+    routed, plain = _routed(_trajectory([5, 6], [8, 9], [1, 1])), _trajectory([5], [8, 9, 10], [1, 0, 1])
+    message = f"trajectory {plain.trajectory_id} has no routed_experts while trajectory {routed.trajectory_id}"
+    with pytest.raises(ValueError, match=message):
+        padded_batch([routed, plain], ["g", "g"], prompt_length=2, response_length=3, pad_token_id=0)
+    with pytest.raises(ValueError, match=message):
+        to_jagged_tensordict([routed, plain], ["g", "g"])
+    # None routed: no key at all (verl's own batches of a dense model have none).
+    assert (
+        "routed_experts" not in padded_batch([plain], ["g"], prompt_length=2, response_length=3, pad_token_id=0).tensors
+    )
+    assert "routed_experts" not in to_jagged_tensordict([plain], ["g"])
+    # Different (layers, top_k), or expert ids over int16 (verl's dtype): refused too.
+    other = routed.model_copy(update={"routed_experts": ExpertRoutes.of(np.zeros((3, 3, 2), np.uint8))})
+    with pytest.raises(ValueError, match=r"routed_experts of \[2, 2\] \(layers, top_k\), not \[3, 2\]"):
+        padded_batch([other, routed], ["g", "g"], prompt_length=2, response_length=3, pad_token_id=0)
+    huge = routed.model_copy(update={"routed_experts": ExpertRoutes.of(np.full((3, 2, 2), 40000, np.uint16))})
+    with pytest.raises(ValueError, match="an expert id over int16"):
+        to_jagged_tensordict([huge], ["g"])
+
+
+def test_the_batchers_policies_cut_routes_with_the_ids_and_drop_misaligned_ones() -> None:
+    from consumers.grouping import prepare_trajectory
+
+    trajectory = _routed(_thinking_trajectory())  # 12 ids, prompt 3: 11 rows
+    policy: dict[str, Any] = {"prompt_length": 4, "overlong": "truncate", "no_reward": "drop"}
+    cut = prepare_trajectory(trajectory, response_length=5, **policy)
+    assert isinstance(cut, Trajectory) and cut.truncated and len(cut.token_ids) == 8
+    assert cut.routed_experts is not None and cut.routed_experts.shape == (7, LAYERS, TOP_K)
+    assert np.array_equal(cut.routed_experts.array(), _routes_of(cut.token_ids))
+    assert Trajectory.model_validate(cut.model_dump()) == cut  # still a valid trajectory
+    padded_batch([cut], ["g"], prompt_length=4, response_length=5, pad_token_id=0)
+    assert prepare_trajectory(trajectory, response_length=11, **policy) == trajectory  # fits: untouched
+    for rows in (10, 12):
+        bad = trajectory.model_copy(update={"routed_experts": ExpertRoutes.of(_routes_of([0] * (rows + 1)))})
+        assert prepare_trajectory(bad, response_length=11, **policy) == "malformed"
