@@ -43,6 +43,13 @@ Deliberate choices:
   drops earlier thinking under ``--reasoning-history template``, or any ``fallback_reason``),
   names that turn in ``predecessor_turn_id``. Older events decode with no thinking (0, 0) and no
   predecessor.
+* **Routed experts** (schema 4). A mixture-of-experts turn carries ``routed_experts``: the experts
+  that routed the positions it ran *first* (never the reused prefix, whose rows its ancestors
+  carry): rows from ``start`` (0 for a root, the parent's last output token otherwise) to the
+  turn's last-but-one token, ``[rows, layers, top_k]`` uint8/uint16, base64 in ``data``. An
+  event over the server's max payload (a long turn's routes: ~384 bytes per token on
+  Qwen3-30B-A3B) goes to the object store whole, as any large event (:mod:`pipeline.publisher`).
+  Older events and dense models have none.
 * Models are frozen; the gateway builds them with ``model_construct`` (its data is already
   valid), consumers decode them with full validation (:func:`decode_event`).
 """
@@ -72,6 +79,7 @@ __all__ = [
     "SamplingRecord",
     "SessionClosed",
     "SessionOpened",
+    "RoutedExperts",
     "ToolCallRecord",
     "TurnAborted",
     "TurnCompleted",
@@ -88,7 +96,7 @@ __all__ = [
     "tenant_id",
 ]
 
-SCHEMA_VERSION: Literal[3] = 3
+SCHEMA_VERSION: Literal[4] = 4
 
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Serialization-mode JSON Schemas mark defaulted fields required: the wire always carries them.
@@ -119,10 +127,10 @@ class Event(BaseModel):
 
     model_config = _MODEL_CONFIG
 
-    schema_version: Literal[1, 2, 3] = Field(
+    schema_version: Literal[1, 2, 3, 4] = Field(
         SCHEMA_VERSION,
         description="bumped when the contract changes (2: per-token policy versions; 3: thinking spans and "
-        "predecessor links)",
+        "predecessor links; 4: routed experts)",
     )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
@@ -228,6 +236,27 @@ class Usage(BaseModel):
     completion_tokens: int = Field(ge=0, description="the sampled ids")
 
 
+class RoutedExperts(BaseModel):
+    """The experts that routed the positions a turn ran first (mixture-of-experts models)."""
+
+    model_config = _MODEL_CONFIG
+
+    start: int = Field(ge=0, description="position (in prompt + output) of the first row")
+    shape: tuple[int, int, int] = Field(description="[rows, MoE layers, experts per token (top_k)]")
+    dtype: Literal["uint8", "uint16"] = Field(description="the expert ids' type: uint8 up to 256 experts")
+    data: str = Field(description="standard base64 of the C-order array")
+
+    @model_validator(mode="after")
+    def _data_of_the_right_size(self) -> RoutedExperts:
+        if min(self.shape) < 0 or self.shape[1] < 1 or self.shape[2] < 1:
+            raise ValueError("routed_experts.shape must be [rows >= 0, layers >= 1, top_k >= 1]")
+        size = self.shape[0] * self.shape[1] * self.shape[2] * (1 if self.dtype == "uint8" else 2)
+        padding = len(self.data) - len(self.data.rstrip("="))
+        if len(self.data) % 4 or len(self.data) * 3 // 4 - padding != size:
+            raise ValueError(f"routed_experts.data does not hold {size} bytes (shape {list(self.shape)})")
+        return self
+
+
 class TurnRecord(Event):
     """A generation, token-exact: what ``turn.completed`` and ``turn.aborted`` share."""
 
@@ -268,6 +297,11 @@ class TurnRecord(Event):
         description="output index of the first answer token (after </think>); null: the turn ended while "
         "thinking, with no answer token",
     )
+    routed_experts: RoutedExperts | None = Field(
+        None,
+        description="mixture-of-experts models: the experts that routed the positions this turn ran first, "
+        "from `start` to its last-but-one token (earlier rows are its ancestors'); null: a dense model",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -293,6 +327,14 @@ class TurnRecord(Event):
                 raise ValueError("answer_start is null only when the whole output is thinking")
         elif self.answer_start != self.reasoning_tokens:
             raise ValueError("answer_start must follow the thinking (equal reasoning_tokens)")
+        routes = self.routed_experts
+        if routes is not None:
+            end = self.reused_prompt_tokens + len(self.prompt_ids) + len(self.output_ids) - 1
+            if routes.start != max(self.reused_prompt_tokens - 1, 0) or routes.start + routes.shape[0] != end:
+                raise ValueError(
+                    f"routed_experts must cover positions {max(self.reused_prompt_tokens - 1, 0)} to {end}, "
+                    f"not {routes.start} to {routes.start + routes.shape[0]}"
+                )
         return self
 
     def token_policy_versions(self) -> list[int]:

@@ -54,6 +54,17 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.route_rows_compared = Counter(
+            "gateway_route_rows_compared",
+            "Mixture of experts: (position, layer) rows a turn's prefill ran again over its ancestors' positions",
+            registry=self.registry,
+        )
+        self.route_rows_disagreeing = Counter(
+            "gateway_route_rows_disagreeing",
+            "Of those, rows whose experts differ from the recorded ones (the recorded ones are kept)",
+            registry=self.registry,
+        )
+
         self.policy_version = Gauge(
             "gateway_policy_version", "The policy version the engine samples from", registry=self.registry
         )

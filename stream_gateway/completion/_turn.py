@@ -17,21 +17,37 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import numpy as np
 
 from stream_gateway._metrics import GatewayMetrics
 from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._fingerprint import assistant_fingerprint, extend_key
 from stream_gateway.completion._updates import ChoiceResult
 from stream_gateway.engines import SamplingParams
-from stream_gateway.sessions import SessionDirectory, Turn
+from stream_gateway.sessions import SessionDirectory, Turn, turn_routes
 
 if TYPE_CHECKING:
     from stream_gateway.completion._prepare import PreparedCompletion
 
 __all__ = ["TurnLifecycle", "Turns"]
+
+
+def _own_routes(result: ChoiceResult, reused: int) -> dict[str, Any]:
+    """The turn's own rows of routes: the positions it ran first (``routes``, ``routes_start``).
+
+    The engine ran the whole prompt; positions before ``reused - 1`` belong to the ancestors,
+    which recorded them when they first ran them (the parent's last output token is run here
+    first). A turn without routes (a dense model) records none.
+    """
+    if not result.route_parts:
+        return {}
+    rows = result.route_parts[0] if len(result.route_parts) == 1 else np.concatenate(result.route_parts)
+    start = max(reused - 1, 0)
+    return {"routes": rows[start:], "routes_start": start}
+
 
 Spend = Callable[[str, int], None]
 """``(tenant, tokens)``: charges a tenant's token budget (the control plane's limiter)."""
@@ -171,6 +187,24 @@ class TurnLifecycle:
             predecessor_id=context.predecessor.turn_id if context.predecessor is not None else None,
             reasoning_tokens=result.reasoning_tokens,
             answer_start=result.answer_start,
+            **_own_routes(result, context.reused_prompt_tokens if context.parent is not None else 0),
         )
+        if turn.routes is not None and context.parent is not None:
+            self._compare_prefill(result, context.parent)
         self._of.sessions.store.add_turn(prepared.session, turn)
         return turn
+
+    def _compare_prefill(self, result: ChoiceResult, parent: Turn) -> None:
+        """Count how often this turn's prefill routed an ancestor's position differently from the
+        recorded row (which stays: a position keeps the route of the pass that first ran it)."""
+        recorded = turn_routes(self.prepared.session, parent)
+        if recorded is None or not result.route_parts:
+            return
+        again = result.route_parts[0][: len(recorded)]
+        if again.shape != recorded.shape:
+            return
+        differ = (np.sort(again, axis=-1) != np.sort(recorded, axis=-1)).any(axis=-1)  # [positions, layers]
+        metrics = self._of.metrics
+        metrics.route_rows_compared.inc(differ.size)
+        if disagreeing := int(differ.sum()):
+            metrics.route_rows_disagreeing.inc(disagreeing)

@@ -9,8 +9,12 @@ format's encoder (:mod:`stream_gateway.protocols`) turns updates into its own fr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stream_gateway.tool_parsers import ToolCall, ToolCallDelta
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["ChoiceResult", "ChoiceUpdate"]
 
@@ -49,6 +53,7 @@ class ChoiceResult:
     reasoning_parts: list[str] = field(default_factory=list)
     reasoning_tokens: int = 0
     answer_start: int | None = 0
+    route_parts: list[np.ndarray] = field(default_factory=list)  # the engine steps' routes (mixtures of experts)
 
     def add(self, update: ChoiceUpdate) -> None:
         """Fold one update in."""

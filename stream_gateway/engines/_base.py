@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
@@ -64,6 +65,11 @@ class EngineStep:
     # Last step only, from servers that report them afterwards (vLLM's ``weight_versions``): the
     # authoritative ``(version, first output index)`` spans of the whole output.
     version_spans: tuple[tuple[int, int], ...] | None = None
+    # Mixture-of-experts models (``stream_gateway.moe``): the experts that routed the positions the
+    # model ran over to produce these tokens, ``[positions, layers, top_k]`` (uint8/uint16). The
+    # first step holds the prompt's positions, each later one the previous token's: a whole output
+    # covers ``prompt + output - 1`` positions. ``None`` for models without experts.
+    routes: np.ndarray | None = None
 
 
 def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
@@ -76,6 +82,9 @@ def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
     top = None
     if all(s.top_logprobs is not None for s in steps):
         top = tuple(t for s in steps for t in s.top_logprobs or ())
+    routes = None
+    if steps[0].routes is not None:
+        routes = np.concatenate([s.routes for s in steps if s.routes is not None])
     return EngineStep(
         tuple(t for s in steps for t in s.token_ids),
         tuple(lp for s in steps for lp in s.logprobs),
@@ -83,7 +92,22 @@ def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
         last.finish_reason,
         last.policy_version,
         last.version_spans,
+        routes,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShape:
+    """A mixture-of-experts model's routing: MoE ``layers`` each picking ``top_k`` of ``num_experts``."""
+
+    layers: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The narrowest unsigned integer type an expert id fits: uint8 up to 256 experts, else uint16."""
+        return np.dtype(np.uint8 if self.num_experts <= 256 else np.uint16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +190,7 @@ class Engine(Protocol):
     policy_version: int
     remote: bool  # the weights live on other servers: updates only announce a version (see .remote)
     constrained_decoding: bool  # follows SamplingParams.constraint (stream_gateway.constraints)
+    experts: ExpertShape | None  # a mixture of experts whose steps carry routes; None: dense
 
     @property
     def upstreams(self) -> UpstreamControl | None:

@@ -54,7 +54,14 @@ import orjson
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_gateway._errors import EngineError, EngineUnavailable, GatewayError, InvalidRequest
-from stream_gateway.engines._base import EngineStatistics, EngineStep, FinishReason, SamplingParams, WeightUpdateReport
+from stream_gateway.engines._base import (
+    EngineStatistics,
+    EngineStep,
+    ExpertShape,
+    FinishReason,
+    SamplingParams,
+    WeightUpdateReport,
+)
 from stream_gateway.engines._pool import Upstream, UpstreamPool
 
 if TYPE_CHECKING:
@@ -84,6 +91,7 @@ class RemoteEngine:
 
     remote = True
     constrained_decoding = False
+    experts: ExpertShape | None = None
 
     @property
     def upstreams(self) -> RemoteEngine:

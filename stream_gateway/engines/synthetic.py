@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from stream_gateway.engines._base import (
     EngineStatistics,
     EngineStep,
+    ExpertShape,
     SamplingParams,
     UpstreamControl,
     WeightUpdateReport,
@@ -46,6 +47,7 @@ class SyntheticEngine:
     name = "synthetic"
     remote = False
     constrained_decoding = False
+    experts: ExpertShape | None = None
     upstreams: UpstreamControl | None = None
 
     def __init__(

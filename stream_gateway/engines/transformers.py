@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import anyio
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
@@ -60,6 +61,7 @@ from stream_gateway.constraints import TokenMask, grammar_tokenizer
 from stream_gateway.engines._base import (
     EngineStatistics,
     EngineStep,
+    ExpertShape,
     SamplingParams,
     UpstreamControl,
     WeightUpdateReport,
@@ -67,6 +69,7 @@ from stream_gateway.engines._base import (
 )
 from stream_gateway.engines._sampling import sample_batch
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
+from stream_gateway.moe import RouterCapture
 
 __all__ = ["TransformersEngine"]
 
@@ -147,6 +150,8 @@ class TransformersEngine:
         self._backlog: deque[_Request] = deque()  # taken from the inbox, waiting for a free row
         self._targets: dict[str, torch.Tensor] = {}  # every state-dict name (tied ones too) -> tensor
         self._last_logits: dict[str, int] = {}
+        self._routes: RouterCapture | None = None  # hooks on the routers of a mixture of experts
+        self.experts: ExpertShape | None = None
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._prefilling: _Request | None = None
@@ -191,6 +196,13 @@ class TransformersEngine:
         limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
         self.max_model_len = min(self._requested_max_len or limit, limit)
         self._eos_ids = end_of_turn_ids(model, self.tokenizer)
+        # A mixture of experts: every forward pass records the experts it chose (no extra pass).
+        try:
+            self._routes = RouterCapture.attach(self._model)
+        except NotImplementedError as exc:  # experts whose choice stream_gateway.moe cannot read
+            log.warning("serving without routed experts: %s", exc)
+        if self._routes is not None:
+            self.experts = ExpertShape(self._routes.layers, self._routes.top_k, self._routes.num_experts)
 
     # -- public API ------------------------------------------------------------------------
 
@@ -346,11 +358,14 @@ class TransformersEngine:
         if constraint is not None:  # in the worker: building a large grammar's first mask takes a while
             vocab = int(self._model.config.get_text_config().vocab_size)
             request.mask = TokenMask(constraint, grammar_tokenizer(self.tokenizer, vocab, self._eos_ids), vocab)
+        if self._routes is not None:
+            self._routes.discard()  # a forward pass that failed part-way left some behind
         cache = DynamicCache()
         ids = torch.tensor([request.prompt_ids], device=self._device)
         out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_logits)
         request.length = len(request.prompt_ids)
-        finished = self._emit([request], out.logits[:, -1, :], [request.params], [request.generator])
+        routes = [self._routes.take()[0]] if self._routes is not None else None  # [prompt, layers, top_k]
+        finished = self._emit([request], out.logits[:, -1, :], [request.params], [request.generator], routes)
         if finished[0]:
             return
         self._merge(batch, request, cache)
@@ -383,7 +398,9 @@ class TransformersEngine:
         )
         for r in rows:
             r.length += 1
-        finished = self._emit(rows, out.logits[:, -1, :], [r.params for r in rows], [r.generator for r in rows])
+        routes = list(self._routes.take()) if self._routes is not None else None  # rows x [1, layers, top_k]
+        logits = out.logits[:, -1, :]
+        finished = self._emit(rows, logits, [r.params for r in rows], [r.generator for r in rows], routes)
         keep = [i for i, (r, done) in enumerate(zip(rows, finished, strict=True)) if not (done or r.aborted)]
         if len(keep) == len(rows):
             return
@@ -408,8 +425,10 @@ class TransformersEngine:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator],
+        routes: list[np.ndarray] | None = None,
     ) -> list[bool]:
-        """Sample one token per row, deliver the steps, and say which rows finished."""
+        """Sample one token per row, deliver the steps, and say which rows finished; ``routes``:
+        each row's experts for the positions this forward pass ran (mixtures of experts)."""
         # Sampling is per-row Python work on [rows, vocab]; doing it on the CPU keeps the
         # per-request generators (CPU) and the result lists cheap on any device.
         logits = logits.float().cpu()
@@ -433,7 +452,13 @@ class TransformersEngine:
                 reason = "length"
             top = sampled.top_logprobs[i]
             step = EngineStep(
-                (token,), (sampled.logprobs[i],), (top,) if top is not None else None, reason, self.policy_version
+                (token,),
+                (sampled.logprobs[i],),
+                (top,) if top is not None else None,
+                reason,
+                self.policy_version,
+                None,
+                routes[i] if routes is not None else None,
             )
             finished.append(reason is not None)
             if reason is not None:
@@ -508,6 +533,10 @@ class TransformersEngine:
             use_cache=True,
             **self._last_logits,
         )
+        if self._routes is not None:
+            # A position keeps the experts that routed it when it was first run (and sampled the
+            # next token): the recomputed cache's routes are not recorded (docs/moe.md).
+            self._routes.discard()
         batch.cache, batch.mask = cache, mask
 
 

@@ -41,6 +41,7 @@ from stream_gateway._errors import ContextLengthExceeded, EngineError, EngineUna
 from stream_gateway.engines._base import (
     EngineStatistics,
     EngineStep,
+    ExpertShape,
     SamplingParams,
     UpstreamControl,
     WeightUpdateReport,
@@ -72,6 +73,7 @@ class VLLMEngine:
     name = "vllm"
     remote = False
     constrained_decoding = False
+    experts: ExpertShape | None = None
     upstreams: UpstreamControl | None = None
 
     def __init__(

@@ -35,11 +35,27 @@ session_bodies: dict[str, type[BaseModel]] = {
 }
 
 
+INCLUDABLE = ("routed_experts",)
+
+
 @sessions_router.get("/sessions/{session_id}")
 async def inspect_session(request: Request, session_id: str) -> Response:
     state = gateway_state(request)
     tenant = state.auth.tenant(request)
-    return ORJSONResponse(session_body(await state.sessions.get(session_id, tenant)))
+    include = {part for value in request.query_params.getlist("include") for part in value.split(",") if part}
+    if unknown := include - set(INCLUDABLE):
+        raise InvalidRequest(
+            f"include: unknown value {sorted(unknown)[0]!r}; available: {', '.join(INCLUDABLE)}", param="include"
+        )
+    routes = "routed_experts" in include
+    if routes and state.engine.experts is None:
+        raise InvalidRequest(
+            "include=routed_experts: the served model has no experts (a dense model records no routes)",
+            param="include",
+        )
+    # On the loop: the session may change between awaits. (Encoding is a copy and base64 per
+    # turn: ~1 ms per MB of routes.)
+    return ORJSONResponse(session_body(await state.sessions.get(session_id, tenant), routed_experts=routes))
 
 
 @sessions_router.post("/sessions/{session_id}/feedback")

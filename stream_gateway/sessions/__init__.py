@@ -19,7 +19,7 @@ from stream_gateway.sessions._directory import SessionDirectory, SharingConfig
 from stream_gateway.sessions._events import TurnEvent, turn_from_event, turn_to_event
 from stream_gateway.sessions._record import SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
-from stream_gateway.sessions._store import SEQ_BLOCK, Chain, Session, SessionStore, Turn, session_body
+from stream_gateway.sessions._store import SEQ_BLOCK, Chain, Session, SessionStore, Turn, session_body, turn_routes
 
 __all__ = [
     "Chain",
@@ -38,5 +38,6 @@ __all__ = [
     "merge_record",
     "session_body",
     "turn_from_event",
+    "turn_routes",
     "turn_to_event",
 ]

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.events import SamplingRecord, ToolCallRecord, TurnAborted, TurnCompleted, Usage
+from pipeline.events import RoutedExperts, SamplingRecord, ToolCallRecord, TurnAborted, TurnCompleted, Usage
 
+from stream_gateway.moe import decode_routes, encode_routes
 from stream_gateway.sessions._store import Turn
 from stream_gateway.tool_parsers import ToolCall
 
@@ -67,6 +68,7 @@ def turn_to_event(
         "predecessor_turn_id": turn.predecessor_id,
         "reasoning_tokens": turn.reasoning_tokens,
         "answer_start": turn.answer_start,
+        "routed_experts": _routes_record(turn),
     }
     if turn.finish_reason is not None:
         return TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
@@ -111,4 +113,19 @@ def turn_from_event(
         predecessor_id=event.predecessor_turn_id,
         reasoning_tokens=event.reasoning_tokens,
         answer_start=event.answer_start,
+        **_routes_of(event.routed_experts),
     )
+
+
+def _routes_record(turn: Turn) -> RoutedExperts | None:
+    if turn.routes is None:
+        return None
+    return RoutedExperts.model_construct(start=turn.routes_start, **encode_routes(turn.routes))
+
+
+def _routes_of(record: RoutedExperts | None) -> dict[str, Any]:
+    """A turn's routes from its event (none from a dense model's)."""
+    if record is None:
+        return {}
+    routes = decode_routes({"shape": record.shape, "dtype": record.dtype, "data": record.data})
+    return {"routes": routes, "routes_start": record.start}

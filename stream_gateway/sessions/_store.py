@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from pipeline import TokenChain, chain_tokens
 
 from stream_gateway._errors import NotFound
@@ -73,6 +74,11 @@ class Turn:
     predecessor_id: str | None = None  # that parent, for a root that could not continue it
     reasoning_tokens: int = 0  # the first output ids that are thinking, tags included (stream_gateway.reasoning)
     answer_start: int | None = 0  # output index of the first answer token; None: ended inside thinking
+    # Mixture of experts (stream_gateway.moe): the experts that routed the positions this turn
+    # ran first, [positions, layers, top_k] from position ``routes_start`` (0 for a root; the
+    # parent's last output token for a continuation: earlier rows are the ancestors'). None: dense.
+    routes: np.ndarray | None = field(default=None, compare=False)
+    routes_start: int = 0
 
 
 Chain = TokenChain
@@ -402,8 +408,48 @@ def _not_found(session_id: str) -> NotFound:
     return NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
 
 
-def session_body(session: Session) -> dict[str, Any]:
-    """``GET /sessions/{id}``: the turn tree with token ids and logprobs, and its chains."""
+def turn_routes(session: Session, turn: Turn) -> np.ndarray | None:
+    """The experts that routed every position ``turn`` ran over (``prompt + output - 1`` rows):
+    each row from the turn that first ran it, the ancestors' then its own. ``None`` when a turn
+    of the chain recorded none (a dense model, or a replica that did not receive them)."""
+    lineage = []
+    current: Turn | None = turn
+    while current is not None:
+        if current.routes is None:
+            return None
+        lineage.append(current)
+        current = session.turns.get(current.parent_id) if current.parent_id is not None else None
+    rows, covered = [], 0
+    for each in reversed(lineage):
+        if each.routes_start != covered:  # rows missing or doubled: never guess an alignment
+            log.warning("turn %s: routes start at %d, not %d", each.turn_id, each.routes_start, covered)
+            return None
+        rows.append(each.routes)
+        covered += len(each.routes)  # type: ignore[arg-type]
+    if covered != len(turn.prompt_ids) + len(turn.output_ids) - 1:
+        return None
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)  # type: ignore[arg-type]
+
+
+def session_body(session: Session, *, routed_experts: bool = False) -> dict[str, Any]:
+    """``GET /sessions/{id}``: the turn tree with token ids and logprobs, and its chains;
+    ``routed_experts``: each turn's and chain's routes too (``stream_gateway.moe.encode_routes``)."""
+    body = _session_body(session)
+    if routed_experts:
+        from stream_gateway.moe import encode_routes
+
+        def encoded(turn: Turn) -> dict[str, Any] | None:
+            routes = turn_routes(session, turn)
+            return encode_routes(routes) if routes is not None else None
+
+        for view, turn in zip(body["turns"], session.turns.values(), strict=True):
+            view["routed_experts"] = encoded(turn)
+        for view in body["chains"]:
+            view["routed_experts"] = encoded(session.turns[view["turn_ids"][-1]])
+    return body
+
+
+def _session_body(session: Session) -> dict[str, Any]:
     return {
         "session_id": session.session_id,
         "created_at": session.created_at,

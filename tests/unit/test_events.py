@@ -45,6 +45,7 @@ def test_public_names() -> None:
         "PolicyObject",
         "PolicyRejected",
         "PolicyUpdated",
+        "RoutedExperts",
         "SamplingRecord",
         "SessionClosed",
         "SessionOpened",
@@ -81,7 +82,7 @@ def test_every_kind_round_trips(event: Event) -> None:
     assert decode_event(data.decode()) == event
     # The wire form is plain JSON: any JSON library reads it.
     assert json.loads(data)["kind"] == event.kind
-    assert json.loads(data)["schema_version"] == 3
+    assert json.loads(data)["schema_version"] == 4
 
 
 @pytest.mark.parametrize("event", one_of_each(), ids=lambda e: e.kind)
@@ -110,7 +111,7 @@ def _wire(event: Event, **changes: Any) -> bytes:
     ("changes", "problem"),
     [
         ({"kind": "turn.exploded"}, "kind"),
-        ({"schema_version": 4}, "schema_version"),
+        ({"schema_version": 5}, "schema_version"),
         ({"seq": -1}, "seq"),
         ({"policy_version": "latest"}, "policy_version"),
         ({"event_id": _DROP}, "event_id"),
@@ -257,3 +258,30 @@ def test_json_schemas_are_keyed_by_kind_and_pin_it() -> None:
         assert schema["properties"]["kind"]["const"] == kind
         assert schema["additionalProperties"] is False
         assert {"event_id", "kind", "schema_version", "tenant", "session_id", "seq"} <= set(schema["required"])
+
+
+def _routes(rows: int, start: int = 0, dtype: str = "uint8", size: int | None = None) -> dict[str, Any]:
+    import base64
+
+    width = 1 if dtype == "uint8" else 2
+    data = base64.b64encode(bytes(size if size is not None else rows * 3 * 2 * width)).decode()
+    return {"start": start, "shape": [rows, 3, 2], "dtype": dtype, "data": data}
+
+
+def test_routed_experts_cover_exactly_the_positions_the_turn_ran_first() -> None:
+    """A root's rows run from 0 to its last-but-one token; a continuation's from its parent's last token."""
+    root = decode_event(_wire(turn_completed(), routed_experts=_routes(4 + 3 - 1)))
+    assert isinstance(root, TurnCompleted) and root.routed_experts is not None
+    assert root.routed_experts.shape == (6, 3, 2)
+    child = turn_completed(turn_id="t2", parent_turn_id="t1", reused=7, prompt_ids=[4], output_ids=[12, 13])
+    decode_event(_wire(child, routed_experts=_routes(3, start=6, dtype="uint16")))  # positions 6, 7, 8
+    for routes, problem in [
+        (_routes(5), "cover positions 0 to 6"),  # one row short
+        (_routes(6, start=1), "cover positions 0 to 6"),
+        (_routes(6, size=35), "does not hold 36 bytes"),
+        ({**_routes(6), "dtype": "int32"}, "dtype"),
+        ({**_routes(6), "shape": [6, 0, 2]}, "shape"),
+    ]:
+        with pytest.raises(ValidationError, match=problem):
+            decode_event(_wire(turn_completed(), routed_experts=routes))
+    assert decode_event(_wire(turn_completed())).routed_experts is None  # type: ignore[attr-defined]  # dense
