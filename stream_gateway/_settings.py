@@ -206,6 +206,11 @@ class Settings(BaseSettings):
         description="transformers engine: at a weight update, recompute the KV cache of requests in flight "
         "(every logprob exactly its version's forward pass) or keep it (decoding pauses for the copy alone)",
     )
+    routed_experts: bool = Field(
+        True,
+        description="mixture-of-experts models: record the experts that routed every position (docs/moe.md); "
+        "off: nothing recorded, nothing paid",
+    )
     replica_id: str | None = Field(None, description="this gateway's name in policy events (default: host-pid)")
 
     default_max_tokens: int = Field(2048, ge=1, description="completion budget when a request sets none")

@@ -29,6 +29,7 @@ def build_engine(settings: Settings) -> Engine:
             "max_model_len": settings.max_model_len,
             "device": settings.device,
             "recompute_on_update": settings.kv_cache_on_update == "recompute",
+            "routed_experts": settings.routed_experts,
         }
     elif settings.engine == "synthetic":
         options = {

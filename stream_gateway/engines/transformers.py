@@ -132,6 +132,7 @@ class TransformersEngine:
         dtype: torch.dtype = torch.float32,
         num_threads: int | None = None,
         recompute_on_update: bool = True,
+        routed_experts: bool = True,
     ) -> None:
         self._model_path = str(model)
         self.model_id = served_model_name or Path(self._model_path).name or self._model_path
@@ -141,6 +142,7 @@ class TransformersEngine:
         self._dtype = dtype
         self._num_threads = num_threads
         self._recompute_on_update = recompute_on_update
+        self._record_routes = routed_experts
         self.policy_version = 0
         self.max_model_len = max_model_len or 0
         self.tokenizer: PreTrainedTokenizerBase
@@ -198,7 +200,7 @@ class TransformersEngine:
         self._eos_ids = end_of_turn_ids(model, self.tokenizer)
         # A mixture of experts: every forward pass records the experts it chose (no extra pass).
         try:
-            self._routes = RouterCapture.attach(self._model)
+            self._routes = RouterCapture.attach(self._model) if self._record_routes else None
         except NotImplementedError as exc:  # experts whose choice stream_gateway.moe cannot read
             log.warning("serving without routed experts: %s", exc)
         if self._routes is not None:
