@@ -120,7 +120,10 @@ def turn_from_event(
 def _routes_record(turn: Turn) -> RoutedExperts | None:
     if turn.routes is None:
         return None
-    return RoutedExperts.model_construct(start=turn.routes_start, **encode_routes(turn.routes))
+    encoded = encode_routes(turn.routes)
+    return RoutedExperts.model_construct(
+        start=turn.routes_start, shape=tuple(encoded["shape"]), dtype=encoded["dtype"], data=encoded["data"]
+    )
 
 
 def _routes_of(record: RoutedExperts | None) -> dict[str, Any]:
