@@ -36,6 +36,7 @@ from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 from stream_gateway.models import resolve_model
+from stream_gateway.moe import replay_routes
 
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.servers import RunningGateway, run_gateway
@@ -167,3 +168,47 @@ def test_agent_traffic_becomes_a_verl_batch_whose_logprobs_a_forward_pass_reprod
         if name == "tiny-reasoning":  # every thinking token's logprob among them
             assert thinking[rows].sum() > 10
             torch.testing.assert_close(log_prob[thinking[rows]], recorded[thinking[rows]], atol=ATOL, rtol=0)
+
+
+def test_moe_traffic_becomes_a_verl_batch_whose_routes_replay_the_recorded_logprobs(tmp_path: Path) -> None:
+    """tiny-moe sessions through NATS, the assembler and the batcher: the batch's ``routed_experts``
+    (int16 [B, P+R, layers, top_k], as verl's router replay reads them) forced into a forward pass
+    of the same model reproduce every sampled token's recorded logprob."""
+    batch_dir = tmp_path / "batches"
+    path = Path(resolve_model("tiny-moe"))
+    with EmbeddedNatsServer() as server, consumers(server, batch_dir):
+        settings = Settings(
+            model=str(path), served_model_name="tiny-moe", nats_url=server.url, outbox_dir=tmp_path / "o"
+        )
+        with run_gateway(build_engine(settings), settings) as gateway:
+            sessions = [
+                _run_session(gateway, "tiny-moe", group, seed, reward, tmp_path)
+                for group in ("chat", "story")
+                for seed, reward in ((11, 1.0), (12, -1.0))
+            ]
+        deadline = time.monotonic() + 120
+        while not list(batch_dir.glob("*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    [batch_file] = list(batch_dir.glob("*.parquet"))
+    trajectories, uids = decode_batch(batch_file.read_bytes())
+    assert sorted(t.session_id for t in trajectories) == sorted(sessions)
+    assert all(t.routed_experts is not None for t in trajectories)
+    tensors = to_data_proto(
+        padded_batch(trajectories, uids, prompt_length=512, response_length=512, pad_token_id=0)
+    ).batch
+    routes = tensors["routed_experts"]
+    assert routes.dtype == torch.int16 and routes.shape == (*tensors["input_ids"].shape, 3, 2)
+    p, r = tensors["prompts"].shape[1], tensors["responses"].shape[1]
+    mask = tensors["response_mask"].bool()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def response_logprobs(forced: torch.Tensor | None) -> torch.Tensor:
+        inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        with torch.no_grad(), replay_routes(model, forced) if forced is not None else contextlib.nullcontext():
+            logits = model(**inputs).logits[:, p - 1 : p + r - 1]
+        return torch.log_softmax(logits, dim=-1).gather(2, tensors["responses"].unsqueeze(2)).squeeze(2)
+
+    recorded = tensors["rollout_log_probs"]
+    replayed = response_logprobs(routes.to(torch.int64))
+    assert mask.sum() > 20
+    torch.testing.assert_close(replayed[mask], recorded[mask], atol=1e-5, rtol=0)
