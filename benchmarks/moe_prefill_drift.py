@@ -112,11 +112,9 @@ def main() -> None:
             capture.detach()
             row = {"routers": label, "dtype": str(dtype).removeprefix("torch.")}
             for key in results[0]:
-                row[key] = (
-                    statistics.mean(r[key] for r in results)
-                    if key.endswith("mean") or key == "rows_differ"
-                    else max(r[key] for r in results)
-                )
+                values = [r[key] for r in results]
+                averaged = key.endswith("mean") or key == "rows_differ"
+                row[key] = statistics.mean(values) if averaged else max(values)
             rows.append(row)
             print(
                 f"{label:26} {row['dtype']:9} rows differing {row['rows_differ']:8.4%}  "
