@@ -67,6 +67,8 @@ class PreparedCompletion:
     token_in: bool = False  # prompt ids given by the client (``/v1/completions``): continued by id prefix only
     reasoning: ReasoningFormat | None = None  # the model's thinking tags (None: no reasoning parser)
     split_reasoning: bool = True  # thinking streams apart from the answer (token-in: raw text, split only recorded)
+    return_routes: bool = False  # the final update carries the routed experts (token-in ``return_routed_experts``)
+    routes_from: int = 0  # ... from this position on
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,9 @@ class TokenInRequest:
     logprobs: bool
     return_token_ids: bool
     include_usage: bool
+    return_routes: bool = False  # vLLM's and SGLang's ``return_routed_experts``
+    routes_from: int = 0  # their ``routed_experts_prompt_start`` / ``routed_experts_start_len``
+    routes_param: str = "routed_experts_start_len"  # the name the client gave it (for errors)
 
 
 class Preparer:
@@ -285,6 +290,8 @@ class Preparer:
         if len(request.prompts) > MAX_BATCH:
             raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
         token_lists = [self._prompt_ids(p, request.add_special_tokens) for p in request.prompts]
+        if request.return_routes:
+            self._check_routes(request, token_lists)
         named: Session | None = None
         if session_id is not None:
             named = await self._sessions.lookup(session_id, tenant)
@@ -325,9 +332,27 @@ class Preparer:
                     token_in=True,
                     reasoning=self.reasoning,
                     split_reasoning=False,
+                    return_routes=request.return_routes,
+                    routes_from=request.routes_from,
                 )
             )
         return batch
+
+    def _check_routes(self, request: TokenInRequest, token_lists: list[list[int]]) -> None:
+        """Routes need a mixture of experts that records them, and a start within every prompt."""
+        if self._engine.experts is None:
+            raise InvalidRequest(
+                "return_routed_experts: the served model records no routed experts (a dense model, or "
+                "routes off: --no-routed-experts)",
+                param="return_routed_experts",
+            )
+        shortest = min(len(ids) for ids in token_lists)
+        if not 0 <= request.routes_from <= shortest:
+            raise InvalidRequest(
+                f"{request.routes_param} must be between 0 and the prompt's length ({shortest}), "
+                f"got {request.routes_from}.",
+                param=request.routes_param,
+            )
 
     async def _place_tokens(
         self, ids: list[int], tenant: str, session_id: str | None, named: Session | None

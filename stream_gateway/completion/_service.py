@@ -168,7 +168,7 @@ class CompletionService:
                     ids.extend(step.token_ids)
                     logprobs.extend(step.logprobs)
                     if step.routes is not None:
-                        result.route_parts.append(step.routes)
+                        result.add_routes(step.routes, step.routes_start)
                     if top is not None and step.top_logprobs is not None:
                         top.extend(step.top_logprobs)
                     turn.step(ids, logprobs, perf_counter())
@@ -216,6 +216,7 @@ class CompletionService:
                         if finish is not None:
                             result.finish_reason, result.version_spans = finish, final_spans
                             update.reasoning_tokens, update.answer_start = ThinkingStream.span_of(thinking)
+                            update.routes = result.routes_from(prepared.routes_from) if prepared.return_routes else None
                         channel.put(update)
                     if finish is not None:
                         return  # leaving the block closes the iterator: a stop string aborts the request

@@ -40,13 +40,13 @@ def _own_routes(result: ChoiceResult, reused: int) -> dict[str, Any]:
 
     The engine ran the whole prompt; positions before ``reused - 1`` belong to the ancestors,
     which recorded them when they first ran them (the parent's last output token is run here
-    first). A turn without routes (a dense model) records none.
+    first). The engine's rows start at ``result.routes_start`` (0 for in-process engines; a remote
+    server may have been asked for fewer). A turn without routes (a dense model, a remote request
+    that ended before the server sent them) or whose rows start too late records none (logged).
     """
-    if not result.route_parts:
-        return {}
-    rows = result.route_parts[0] if len(result.route_parts) == 1 else np.concatenate(result.route_parts)
     start = max(reused - 1, 0)
-    return {"routes": rows[start:], "routes_start": start}
+    rows = result.routes_from(start)
+    return {} if rows is None else {"routes": rows, "routes_start": start}
 
 
 Spend = Callable[[str, int], None]

@@ -8,15 +8,16 @@ format's encoder (:mod:`stream_gateway.protocols`) turns updates into its own fr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from stream_gateway.tool_parsers import ToolCall, ToolCallDelta
 
-if TYPE_CHECKING:
-    import numpy as np
-
 __all__ = ["ChoiceResult", "ChoiceUpdate"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -35,6 +36,9 @@ class ChoiceUpdate:
     reasoning: str = ""  # thinking text (stream_gateway.reasoning), before ``text`` in the output
     reasoning_tokens: int = 0  # final update: output tokens that are thinking, tags included
     answer_start: int | None = 0  # final update: output index of the first answer token (None: none)
+    # Final update, when the request asked for them (token-in ``return_routed_experts``): the
+    # choice's routed experts [positions, layers, top_k] from the position it asked for on.
+    routes: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -54,6 +58,8 @@ class ChoiceResult:
     reasoning_tokens: int = 0
     answer_start: int | None = 0
     route_parts: list[np.ndarray] = field(default_factory=list)  # the engine steps' routes (mixtures of experts)
+    routes_start: int = 0  # the position of route_parts' first row
+    routes: np.ndarray | None = None  # the final update's routes (whole responses)
 
     def add(self, update: ChoiceUpdate) -> None:
         """Fold one update in."""
@@ -72,6 +78,25 @@ class ChoiceResult:
         if update.finish_reason is not None:
             self.finish_reason = update.finish_reason
             self.reasoning_tokens, self.answer_start = update.reasoning_tokens, update.answer_start
+            self.routes = update.routes
+
+    def add_routes(self, routes: np.ndarray, start: int) -> None:
+        """An engine step's routes; ``start``: the position of their first row, kept from the first step."""
+        if not self.route_parts:
+            self.routes_start = start
+        self.route_parts.append(routes)
+
+    def routes_from(self, position: int) -> np.ndarray | None:
+        """The engine steps' routes from ``position`` on (``None``: none, or none from that early)."""
+        if not self.route_parts:
+            return None
+        if position < self.routes_start:
+            log.warning(
+                "choice %d: routes start at position %d, after %d: none kept", self.index, self.routes_start, position
+            )
+            return None
+        rows = self.route_parts[0] if len(self.route_parts) == 1 else np.concatenate(self.route_parts)
+        return rows[position - self.routes_start :]
 
     @property
     def reasoning(self) -> str:

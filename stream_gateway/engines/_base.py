@@ -45,6 +45,9 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
     constraint: Constraint | None = None  # only for engines with ``constrained_decoding``
+    # Mixture-of-experts models: the routes wanted are those of positions ``routes_from`` on (an
+    # engine that asks a server for them asks for no earlier rows; in-process engines record all).
+    routes_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +71,12 @@ class EngineStep:
     # Mixture-of-experts models (``stream_gateway.moe``): the experts that routed the positions the
     # model ran over to produce these tokens, ``[positions, layers, top_k]`` (uint8/uint16). The
     # first step holds the prompt's positions, each later one the previous token's: a whole output
-    # covers ``prompt + output - 1`` positions. ``None`` for models without experts.
+    # covers ``prompt + output - 1`` positions. ``None`` for models without experts. Engines whose
+    # servers report routes once a request has finished (``.remote``) put them all on the last step.
     routes: np.ndarray | None = None
+    # The position of the first row of ``routes`` in the first step that has any (``0``: the
+    # prompt's first; remote engines: ``SamplingParams.routes_from`` when the server honoured it).
+    routes_start: int = 0
 
 
 def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
@@ -83,8 +90,9 @@ def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
     if all(s.top_logprobs is not None for s in steps):
         top = tuple(t for s in steps for t in s.top_logprobs or ())
     routes = None
-    if steps[0].routes is not None:
-        routes = np.concatenate([s.routes for s in steps if s.routes is not None])
+    with_routes = [s for s in steps if s.routes is not None]
+    if with_routes:
+        routes = np.concatenate([s.routes for s in with_routes if s.routes is not None])
     return EngineStep(
         tuple(t for s in steps for t in s.token_ids),
         tuple(lp for s in steps for lp in s.logprobs),
@@ -93,6 +101,7 @@ def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
         last.policy_version,
         last.version_spans,
         routes,
+        with_routes[0].routes_start if with_routes else 0,
     )
 
 

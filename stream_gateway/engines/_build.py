@@ -59,6 +59,7 @@ def build_engine(settings: Settings) -> Engine:
             "connect_timeout_s": settings.upstream_connect_timeout_seconds,
             "read_timeout_s": settings.upstream_read_timeout_seconds,
             "max_connections": settings.upstream_max_connections,
+            "routed_experts": settings.routed_experts,
         }
     return create_engine(settings.engine, model, **options)
 

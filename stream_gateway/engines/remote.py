@@ -37,21 +37,49 @@ spans, SGLang's numeric ``meta_info.weight_version``), and otherwise with the ve
 for the pool
 (``policy.updated`` on NATS, or ``POST /policy/weights``): :meth:`RemoteEngine.load_weights`
 records the announced version and never reads weights.
+
+Routed experts (Rollout Routing Replay, ``docs/moe.md``): built with ``routed_experts=True`` and a
+model whose config (``--model``, read for the tokenizer anyway) declares experts, the engine asks
+every server for the experts that routed each position, and the last step of a request carries
+them all (``EngineStep.routes``, from ``SamplingParams.routes_from`` when the server honoured
+it: ``routes_start`` says). It sends ``return_routed_experts: true`` (SGLang's flag; vLLM turns
+routes on per server with ``--enable-return-routed-experts``) and a start as
+``routed_experts_start_len`` (SGLang) or ``routed_experts_prompt_start`` (vLLM 0.33+), and reads:
+
+* vLLM-style, per choice: ``routed_experts``, base64 of ``.npy`` bytes ``[rows, layers, top_k]``
+  on the final chunk. A stream-gateway upstream sends it there; vLLM itself sends it only on
+  non-streamed responses and on its token-in generate API, not on streamed ``/v1/completions``
+  (checked in 0.24 and 0.33), so a pool of vLLM servers gives no routes this way.
+* SGLang: base64 of raw little-endian int32 ids, ``meta_info.routed_experts`` on ``/generate``'s
+  final frame (or ``sglext.routed_experts``, as its OpenAI endpoints send it, possibly on a
+  trailing ``choices: []`` frame), reshaped with the config's ``num_hidden_layers`` and
+  ``num_experts_per_tok``.
+
+Either way the ids become uint8 (at most 256 experts) or uint16, and rows must number
+``prompt + output - 1`` less the start (or the whole, for a server that ignored the start);
+anything else is logged and the request keeps no routes. A server that refuses the flag (a
+stream-gateway serving a dense model, or one started with ``--no-routed-experts``: a 400 naming
+``return_routed_experts``) is asked again without it, and no more for the life of this engine.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import httpx
+import numpy as np
 import orjson
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_gateway._errors import EngineError, EngineUnavailable, GatewayError, InvalidRequest
 from stream_gateway.engines._base import (
@@ -63,6 +91,7 @@ from stream_gateway.engines._base import (
     WeightUpdateReport,
 )
 from stream_gateway.engines._pool import Upstream, UpstreamPool
+from stream_gateway.moe import route_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +105,16 @@ Protocol = Literal["vllm", "sglang"]
 PROTOCOLS: dict[str, Protocol] = {"vllm-http": "vllm", "sglang-http": "sglang"}
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "eos_token": "stop"}
+_EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts")  # as stream_gateway.moe reads them
+_TOP_K_NAMES = ("num_experts_per_tok", "top_k")
+
+
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    """What one request asked its server for: routes from ``start``, for a prompt of ``prompt`` ids."""
+
+    prompt: int
+    start: int
 
 
 class UpstreamFailed(EngineError):
@@ -112,6 +151,7 @@ class RemoteEngine:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 300.0,
         max_connections: int = 512,
+        routed_experts: bool = False,
     ) -> None:
         self.name = "vllm-http" if protocol == "vllm" else "sglang-http"
         self.protocol: Protocol = protocol
@@ -135,6 +175,10 @@ class RemoteEngine:
         self._active = 0
         self._total_requests = 0
         self._total_tokens = 0
+        self._routed_experts = routed_experts
+        self._expert_config: ExpertShape | None = None  # the config's: layers are num_hidden_layers
+        self._routeless: set[str] = set()  # servers that refused return_routed_experts
+        self._silent: set[str] = set()  # servers that answered without routes (logged once each)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -143,6 +187,11 @@ class RemoteEngine:
         model_max = getattr(self.tokenizer, "model_max_length", 0) or 0
         self._fallback_len = int(model_max) if 0 < model_max < 10_000_000 else 4096
         self._update_max_model_len()
+        if self._routed_experts:
+            self._expert_config = await anyio.to_thread.run_sync(_expert_config, self._tokenizer_path)
+            self.experts = self._expert_config  # until the first routes arrive and tell their shape
+            if self._expert_config is None:
+                log.info("%s: %s declares no experts: no routes asked for", self.name, self._tokenizer_path)
         self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self._headers)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
@@ -286,17 +335,22 @@ class RemoteEngine:
     async def _stream(
         self, upstream: Upstream, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncGenerator[EngineStep, None]:
-        assert self._client is not None
-        if self.protocol == "vllm":
-            path, body = "/v1/completions", self._vllm_body(upstream, request_id, prompt_ids, params)
-            read = self._vllm_steps
-        else:
-            path, body = "/generate", self._sglang_body(request_id, prompt_ids, params)
-            read = self._sglang_steps
-        request = self._client.build_request("POST", upstream.url + path, content=orjson.dumps(body),
-                                             headers={"content-type": "application/json"})  # fmt: skip
-        response = await self._client.send(request, stream=True)
+        wanted = None
+        if self._expert_config is not None and upstream.url not in self._routeless:
+            wanted = _Wanted(len(prompt_ids), params.routes_from)
+        path = "/v1/completions" if self.protocol == "vllm" else "/generate"
+        read = self._vllm_steps if self.protocol == "vllm" else self._sglang_steps
+        response = await self._send(upstream, path, request_id, prompt_ids, params, wanted)
         try:
+            if response.status_code == 400 and wanted is not None:
+                await response.aread()
+                if _error_param(response.content) == "return_routed_experts":
+                    self._routeless.add(upstream.url)
+                    log.warning("%s refuses return_routed_experts (%s): asking it for no routes from now on",
+                                upstream.url, _error_message(response.content))  # fmt: skip
+                    await response.aclose()
+                    wanted = None
+                    response = await self._send(upstream, path, request_id, prompt_ids, params, None)
             if response.status_code != 200:
                 await response.aread()
                 message = _error_message(response.content) or f"HTTP {response.status_code}"
@@ -304,7 +358,7 @@ class RemoteEngine:
                     raise _Retry(f"{upstream.url}{path} answered {response.status_code}: {message}")
                 raise InvalidRequest(f"The inference server refused the request: {message}")
             finished = False
-            async with aclosing(read(_sse_events(response), params.top_logprobs, upstream.url)) as steps:
+            async with aclosing(read(_sse_events(response), params.top_logprobs, upstream.url, wanted)) as steps:
                 async for step in steps:
                     finished = step.finish_reason is not None
                     yield step
@@ -316,6 +370,55 @@ class RemoteEngine:
                 )
         finally:
             await response.aclose()
+
+    async def _send(
+        self,
+        upstream: Upstream,
+        path: str,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        wanted: _Wanted | None,
+    ) -> httpx.Response:
+        assert self._client is not None
+        if self.protocol == "vllm":
+            body = self._vllm_body(upstream, request_id, prompt_ids, params)
+        else:
+            body = self._sglang_body(request_id, prompt_ids, params)
+        if wanted is not None:
+            body["return_routed_experts"] = True
+            if wanted.start:
+                body["routed_experts_prompt_start" if self.protocol == "vllm" else "routed_experts_start_len"] = (
+                    wanted.start
+                )
+        request = self._client.build_request("POST", upstream.url + path, content=orjson.dumps(body),
+                                             headers={"content-type": "application/json"})  # fmt: skip
+        return await self._client.send(request, stream=True)
+
+    def _routes(self, ids: np.ndarray | None, wanted: _Wanted, output: int, url: str) -> tuple[np.ndarray | None, int]:
+        """A server's routes checked, narrowed and placed: ``(rows, position of the first)``."""
+        config = self._expert_config
+        if config is None:
+            return None, 0
+        if ids is None:
+            self._no_routes(url)
+            return None, 0
+        if ids.ndim != 3 or (ids.size and (int(ids.min()) < 0 or int(ids.max()) >= config.num_experts)):
+            log.warning("%s sent routes of shape %s or outside [0, %d): not kept", url, ids.shape, config.num_experts)
+            return None, 0
+        whole = wanted.prompt + output - 1
+        if len(ids) == whole - wanted.start:
+            start = wanted.start
+        elif len(ids) == whole:
+            start = 0  # the server ignored the start (vLLM before 0.33)
+        else:
+            log.warning("%s sent %d rows of routes for %d positions from %d: not kept",
+                        url, len(ids), whole, wanted.start)  # fmt: skip
+            return None, 0
+        layers, top_k = ids.shape[1], ids.shape[2]
+        if self.experts is None or (self.experts.layers, self.experts.top_k) != (layers, top_k):
+            self.experts = ExpertShape(layers, top_k, config.num_experts)
+        return ids.astype(route_dtype(config.num_experts), copy=False), start
 
     # -- vLLM ---------------------------------------------------------------------------------
 
@@ -345,8 +448,9 @@ class RemoteEngine:
         return body
 
     async def _vllm_steps(
-        self, events: AsyncIterator[dict[str, Any]], top_n: int, url: str
+        self, events: AsyncIterator[dict[str, Any]], top_n: int, url: str, wanted: _Wanted | None
     ) -> AsyncGenerator[EngineStep, None]:
+        output = 0
         async for event in events:
             choices = event.get("choices")
             if not choices:
@@ -369,6 +473,10 @@ class RemoteEngine:
             top: tuple[tuple[tuple[int, float], ...], ...] | None = None
             if top_n:
                 top = tuple(_top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
+            output += len(ids)
+            routes, routes_start = None, 0
+            if wanted is not None and reason is not None:
+                routes, routes_start = self._routes(_npy_routes(choice.get("routed_experts"), url), wanted, output, url)
             yield EngineStep(
                 tuple(ids),
                 tuple(-9999.0 if v is None else float(v) for v in values),
@@ -376,6 +484,8 @@ class RemoteEngine:
                 reason,
                 self.policy_version,
                 _version_spans(choice.get("weight_versions")),
+                routes,
+                routes_start,
             )
 
     # -- SGLang -------------------------------------------------------------------------------
@@ -404,10 +514,17 @@ class RemoteEngine:
         }
 
     async def _sglang_steps(
-        self, events: AsyncIterator[dict[str, Any]], top_n: int, url: str
+        self, events: AsyncIterator[dict[str, Any]], top_n: int, url: str, wanted: _Wanted | None
     ) -> AsyncGenerator[EngineStep, None]:
         seen = 0  # output tokens already yielded
+        last: EngineStep | None = None  # the finishing step, held for routes that come after it
         async for event in events:
+            raw = _sglang_raw_routes(event)
+            if last is not None:  # a trailing frame (``choices: []`` with ``sglext``), or another
+                if raw is not None:
+                    yield self._with_routes(last, raw, wanted, seen, url)
+                    return
+                continue
             meta = event.get("meta_info") or {}
             entries = meta.get("output_token_logprobs") or []
             top_entries = meta.get("output_top_logprobs") or []
@@ -422,13 +539,39 @@ class RemoteEngine:
             seen += len(entries)
             top = tuple(_top_from_sglang(t, top_n) for t in top_entries) if top_n else None
             version = _numeric_version(meta.get("weight_version"))
-            yield EngineStep(
+            step = EngineStep(
                 tuple(int(e[1]) for e in entries),
                 tuple(float(e[0]) for e in entries),
                 top if top else None,
                 reason,
                 version if version is not None else self.policy_version,
             )
+            if wanted is None or reason is None:
+                yield step
+            elif raw is not None:
+                yield self._with_routes(step, raw, wanted, seen, url)
+                return
+            else:
+                last = step
+        if last is not None:  # the stream ended without them
+            self._no_routes(url)
+            yield last
+
+    def _no_routes(self, url: str) -> None:
+        if url not in self._silent:
+            self._silent.add(url)
+            log.warning("%s sent no routed experts for a request that asked for them (logged once per server; "
+                        "vLLM sends none on streamed completions; SGLang needs --enable-return-routed-experts)",
+                        url)  # fmt: skip
+
+    def _with_routes(self, step: EngineStep, raw: object, wanted: _Wanted | None, output: int, url: str) -> EngineStep:
+        """The finishing step with SGLang's routes (raw int32 ids) on it."""
+        config = self._expert_config
+        if wanted is None or config is None:
+            return step
+        ids = _int32_routes(raw, config.layers, config.top_k, url)
+        routes, start = self._routes(ids, wanted, output, url)
+        return replace(step, routes=routes, routes_start=start)
 
     # -- weights and statistics ---------------------------------------------------------------
 
@@ -481,6 +624,79 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]
                     where = f"{response.url.host}:{response.url.port}"
                     raise UpstreamFailed(f"The inference server {where} failed: {message}")
                 yield event
+
+
+def _expert_config(path: str) -> ExpertShape | None:
+    """``num_hidden_layers``, top-k and expert count from the model's config; ``None``: no experts
+    declared (a dense model), or no config to read."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        log.info("no model config at %s (%s)", path, exc)
+        return None
+    get_text_config = getattr(config, "get_text_config", None)
+    config = get_text_config() if callable(get_text_config) else config
+
+    def positive(names: tuple[str, ...]) -> int | None:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
+    experts, top_k, layers = positive(_EXPERT_COUNT_NAMES), positive(_TOP_K_NAMES), positive(("num_hidden_layers",))
+    if experts is None or top_k is None or layers is None:
+        return None
+    return ExpertShape(layers, top_k, experts)
+
+
+def _npy_routes(value: object, url: str) -> np.ndarray | None:
+    """vLLM's ``routed_experts``: base64 of ``.npy`` bytes (``None`` when absent; unreadable: logged)."""
+    if value is None:
+        return None
+    try:
+        ids = np.load(io.BytesIO(base64.b64decode(str(value), validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError) as exc:
+        log.warning("%s sent unreadable routed experts: %s", url, exc)
+        return None
+    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
+        log.warning("%s sent routed experts that are not integer ids", url)
+        return None
+    return ids
+
+
+def _sglang_raw_routes(event: Mapping[str, Any]) -> object:
+    """SGLang's routes in a frame: ``meta_info.routed_experts`` (``/generate``) or ``sglext.routed_experts``."""
+    meta = event.get("meta_info")
+    if isinstance(meta, dict) and meta.get("routed_experts") is not None:
+        return meta["routed_experts"]
+    ext = event.get("sglext")
+    return ext.get("routed_experts") if isinstance(ext, dict) else None
+
+
+def _int32_routes(value: object, layers: int, top_k: int, url: str) -> np.ndarray | None:
+    """SGLang's routes: base64 of raw little-endian int32 ids, ``[rows, layers, top_k]`` by the config."""
+    try:
+        raw = base64.b64decode(str(value), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        log.warning("%s sent unreadable routed experts: %s", url, exc)
+        return None
+    if len(raw) % (4 * layers * top_k):
+        log.warning("%s sent %d bytes of routed experts: not rows of %d layers x top-%d int32 ids",
+                    url, len(raw), layers, top_k)  # fmt: skip
+        return None
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, top_k)
+
+
+def _error_param(raw: bytes) -> str | None:
+    """The ``param`` of an OpenAI-style error body."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    param = error.get("param") if isinstance(error, dict) else None
+    return param if isinstance(param, str) else None
 
 
 def _error_message(raw: bytes) -> str | None:

@@ -18,14 +18,26 @@ Policy versions the way vLLM (0.33) reports them: with ``return_weight_versions`
 last chunk (and each non-streamed choice) has ``weight_versions``, ``[{"version": "3", "start": 0,
 "end": 12}]``: which weights sampled which half-open range of its output tokens. A ``vllm-http``
 gateway in front of this one (or of vLLM 0.33+) records them per token.
+
+Routed experts of a mixture of experts (Rollout Routing Replay, ``docs/moe.md``) the way vLLM
+writes them: with ``return_routed_experts`` (SGLang's request flag; vLLM turns them on per server)
+each choice's last chunk (and each non-streamed choice) has ``routed_experts``, base64 of the
+``.npy`` bytes of a ``[prompt + output - 1, layers, top_k]`` uint8/uint16 array (``np.load``
+reads it back), as vLLM's non-streamed completions and its token-in generate API's final chunks
+carry it. ``routed_experts_start_len`` (SGLang) or ``routed_experts_prompt_start`` (vLLM 0.33)
+drops the rows of the positions before it. A ``vllm-http`` gateway in front of this one asks for
+them and records them for its own turns.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -81,6 +93,9 @@ class CompletionRequest(BaseModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     return_weight_versions: bool = False
+    return_routed_experts: bool = False  # SGLang's flag (vLLM: a server setting); per choice, vLLM's format
+    routed_experts_start_len: Annotated[int, Field(ge=0)] | None = None  # SGLang's name: rows from there
+    routed_experts_prompt_start: Annotated[int, Field(ge=0)] | None = None  # vLLM 0.33's name, the same
     ignore_eos: bool = False
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
@@ -124,6 +139,18 @@ class CompletionRequest(BaseModel):
             raise UnsupportedParameter("priority is not supported", param="priority")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        starts = {self.routed_experts_start_len, self.routed_experts_prompt_start} - {None}
+        if len(starts) > 1:
+            raise InvalidRequest(
+                "routed_experts_start_len and routed_experts_prompt_start name one start; they differ",
+                param="routed_experts_prompt_start",
+            )
+
+    def routes_start(self) -> tuple[int, str]:
+        """The first position whose routes to return, and the name the client gave it."""
+        if self.routed_experts_prompt_start is not None:
+            return self.routed_experts_prompt_start, "routed_experts_prompt_start"
+        return self.routed_experts_start_len or 0, "routed_experts_start_len"
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or a batch."""
@@ -152,6 +179,7 @@ class TextChunkEncoder:
         "_logprobs",
         "_offsets",
         "_prompts",
+        "_routes",
         "_token_ids",
         "_token_text",
         "_versions",
@@ -169,6 +197,7 @@ class TextChunkEncoder:
         tokens_as_ids: bool,
         weight_versions: bool,
         prompts: dict[int, list[int]],
+        routed_experts: bool = False,
     ) -> None:
         self._head = frame_head(completion_id, "text_completion", created, model)
         self._versions = weight_versions
@@ -179,6 +208,7 @@ class TextChunkEncoder:
         self._as_ids = tokens_as_ids
         self._prompts = prompts  # choice index -> prompt ids, sent with the choice's first chunk
         self._offsets: dict[int, int] = {}
+        self._routes = routed_experts
 
     def update(self, update: ChoiceUpdate) -> bytes:
         """One choice's new text, with logprobs and ids as asked."""
@@ -202,6 +232,8 @@ class TextChunkEncoder:
             produced = self._counts[update.index] = self._counts.get(update.index, 0) + len(update.token_ids)
             if update.version_spans:
                 choice["weight_versions"] = weight_version_spans(update.version_spans, produced)
+        if self._routes:  # asked for: on every chunk, null until the choice's last (as vLLM's generate API)
+            choice["routed_experts"] = npy_base64(update.routes) if update.routes is not None else None
         return self._head + b',"choices":[' + _dumps(choice) + b'],"kv_transfer_params":null}\n\n'
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
@@ -278,7 +310,7 @@ def text_completion_body(
             )
         choice["prompt_token_ids"] = prompt_of[result.index] if first.return_token_ids else None
         choice["token_ids"] = result.token_ids if first.return_token_ids else None
-        choice["routed_experts"] = None
+        choice["routed_experts"] = npy_base64(result.routes) if result.routes is not None else None
         spans = result.version_spans if weight_versions else None
         choice["weight_versions"] = weight_version_spans(spans, len(result.token_ids)) if spans else None
         choices.append(choice)
@@ -296,6 +328,14 @@ def text_completion_body(
         "ec_transfer_params": None,
         "metrics": None,
     }
+
+
+def npy_base64(routes: np.ndarray) -> str:
+    """Routes as vLLM sends them: base64 of the ``.npy`` file bytes (``np.save``; the dtype and shape
+    are in its header)."""
+    buffer = io.BytesIO()
+    np.save(buffer, routes, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def weight_version_spans(spans: Sequence[tuple[int, int]], length: int) -> list[dict[str, Any]]:
@@ -334,6 +374,7 @@ class TokenInExchange:
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
             weight_versions=body.return_weight_versions,
             prompts={p.first_index + i: p.prompt_ids for p in self.batch for i in range(p.n)},
+            routed_experts=body.return_routed_experts,
         )
         return StreamStart(encoder, None, first.include_usage)
 
@@ -371,6 +412,7 @@ class TokenInEdge(EdgeBase):
             ignore_eos=body.ignore_eos,
             stop_token_ids=frozenset(body.stop_token_ids or ()),
         )
+        routes_from, routes_param = body.routes_start()
         request = TokenInRequest(
             model=body.model,
             n=body.n,
@@ -381,6 +423,9 @@ class TokenInEdge(EdgeBase):
             logprobs=body.logprobs is not None,
             return_token_ids=bool(body.return_token_ids),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            return_routes=body.return_routed_experts,
+            routes_from=routes_from,
+            routes_param=routes_param,
         )
         batch = await self._service.prepare_tokens(
             request, tenant=call.tenant, session_id=call.session_id, agent=call.agent

@@ -5,11 +5,15 @@ The front gateway (``--engine vllm-http``) renders chat, parses tool calls and r
 the upstream processes only sample token ids. What the front records must be as token-exact as
 with an in-process engine: every sampled logprob equals a forward pass of the model over the
 chain. Then the pool: affinity, a server killed mid-stream, servers added and removed at run time
-(admin route and NATS KV bucket), and a client disconnect reaching the server.
+(admin route and NATS KV bucket), and a client disconnect reaching the server. Routed experts of
+``tiny-moe`` come through both protocols: from a gateway upstream (vLLM's per-choice npy) and from
+the SGLang stand-in (raw int32 in ``meta_info``).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 import os
 import secrets
@@ -17,14 +21,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import nats
+import numpy as np
 import openai
+import orjson
 import pytest
 import torch
 from openai import OpenAI
@@ -34,9 +40,11 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import TurnRecord
 from pipeline.policies import announce_policy
 from stream_gateway import Settings
-from stream_gateway.engines import build_engine
-from stream_gateway.engines.remote import RemoteEngine
+from stream_gateway.engines import EngineStep, ExpertShape, SamplingParams, build_engine
+from stream_gateway.engines.remote import RemoteEngine, UpstreamFailed, _Wanted
 from stream_gateway.engines.transformers import TransformersEngine
+from stream_gateway.models import resolve_model
+from stream_gateway.moe import decode_routes
 
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.capture import of_session, wait_for
@@ -435,3 +443,189 @@ def test_a_remote_pool_follows_announced_versions_and_reported_ones(
             auth = {"authorization": f"Bearer {ADMIN}"}
             (turn,) = httpx.get(f"{running.base_url}/sessions/{session_id}", headers=auth).json()["turns"]
             assert turn["policy_version"] == 0 and turn["policy_versions"] == [[0, 0]]  # the upstream's weight_versions
+
+
+# -- routed experts (R3) of tiny-moe through remote engines
+
+
+@pytest.fixture(scope="module")
+def moe_path() -> Path:
+    return Path(resolve_model("tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+
+
+def _free_routes(model: Any, ids: list[int]) -> np.ndarray:
+    """The experts an independent forward pass over ``ids`` picks: [len(ids) - 1, layers, top_k]."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    top_k = model.config.num_experts_per_tok
+    return np.stack([logits.topk(top_k, dim=-1).indices.numpy() for logits in out.router_logits], axis=1)[:-1]
+
+
+def _moe_conversation(front: RunningGateway, session_id: str) -> list[dict[str, Any]]:
+    """Two chained chat turns on the front; its session's turns with their routes."""
+    client = _client(front, session_id)
+    messages: list[Any] = [{"role": "user", "content": "What is in the README?"}]
+    reply = client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=12, temperature=1.0, seed=3)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+    messages += [{"role": "user", "content": "And?"}]
+    client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=12, temperature=1.0, seed=4)
+    session = httpx.get(f"{front.base_url}/sessions/{session_id}", params={"include": "routed_experts"},
+                        headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)  # fmt: skip
+    assert session.status_code == 200, session.text
+    turns: list[dict[str, Any]] = session.json()["turns"]
+    assert len(turns) == 2 and turns[1]["parent_id"] == turns[0]["turn_id"]
+    return turns
+
+
+def _generate(engine: RemoteEngine, prompt: list[int], params: SamplingParams) -> list[EngineStep]:
+    async def run() -> list[EngineStep]:
+        async with engine:
+            return [step async for step in engine.generate(f"r{secrets.token_hex(3)}", prompt, params)]
+
+    return anyio.run(run)
+
+
+def _check_routes_from(engine_of: Any, prompt: list[int]) -> None:
+    """Asked from position 3, the server's rows are the whole's from 3 on, on the last step alone."""
+    whole = _generate(engine_of(), prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, routes_from=3)
+    later = _generate(engine_of(), prompt, params)
+    for steps in (whole, later):
+        assert all(s.routes is None for s in steps[:-1]) and steps[-1].routes is not None
+    assert [t for s in whole for t in s.token_ids] == [t for s in later for t in s.token_ids]
+    full, tail = whole[-1].routes, later[-1].routes
+    assert full is not None and tail is not None
+    assert full.dtype == np.uint8 and full.shape == (len(prompt) + 5 - 1, 3, 2)
+    assert (whole[-1].routes_start, later[-1].routes_start) == (0, 3)
+    assert np.array_equal(tail, full[3:])
+
+
+def test_vllm_http_records_the_routes_its_upstream_gateway_recorded(moe_path: Path, moe_reference: Any) -> None:
+    upstream_settings = Settings(model=str(moe_path), served_model_name="tiny-moe")
+    with run_gateway(build_engine(upstream_settings), upstream_settings) as upstream:
+        settings = Settings(model=str(moe_path), engine="vllm-http", served_model_name="tiny-moe",
+                            upstreams=(upstream.base_url,))  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as front:
+            turns = _moe_conversation(front, f"moe{secrets.token_hex(4)}")
+            # The upstream's own record of the same turns (token-in, chained by id prefix): a probe
+            # extending the last turn lands in their session.
+            last = turns[-1]
+            probe = {"model": "tiny-moe", "prompt": last["prompt_ids"] + last["output_ids"] + [5], "max_tokens": 1}
+            upstream_session = httpx.post(upstream.base_url + "/v1/completions", json=probe, timeout=60).headers[
+                "x-session-id"
+            ]
+            theirs = httpx.get(f"{upstream.base_url}/sessions/{upstream_session}",
+                               params={"include": "routed_experts"}, timeout=30).json()["turns"]  # fmt: skip
+            for turn in turns:
+                key = (turn["prompt_ids"], turn["output_ids"])
+                (same,) = [t for t in theirs if (t["prompt_ids"], t["output_ids"]) == key]
+                assert turn["routed_experts"] == same["routed_experts"]
+                routes = decode_routes(turn["routed_experts"])
+                assert routes.shape == (len(turn["prompt_ids"]) + len(turn["output_ids"]) - 1, 3, 2)
+            # The front's own token-in API returns them too, in vLLM's format, from a start.
+            body = {"model": "tiny-moe", "prompt": [1, 85, 741, 201, 1462], "max_tokens": 6, "stream": True,
+                    "return_token_ids": True, "return_routed_experts": True, "routed_experts_start_len": 2}  # fmt: skip
+            chunks = [orjson.loads(line[6:]) for line in httpx.post(front.base_url + "/v1/completions", json=body,
+                      timeout=60).text.splitlines() if line.startswith("data: {")]  # fmt: skip
+            value = chunks[-1]["choices"][0]["routed_experts"]
+            ids = body["prompt"] + [t for c in chunks for t in c["choices"][0]["token_ids"]]  # type: ignore[operator]
+            routes = np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
+            free = _free_routes(moe_reference, ids)[2:]
+            assert routes.shape == free.shape
+            assert (np.sort(routes, axis=-1) == np.sort(free, axis=-1)).all(axis=-1).mean() >= 0.999
+
+        # The engine alone: a start reaches the server (routed_experts_prompt_start), rows come from there.
+        def engine() -> RemoteEngine:
+            return RemoteEngine(moe_path, protocol="vllm", upstreams=(upstream.base_url,),
+                                served_model_name="tiny-moe", routed_experts=True)  # fmt: skip
+
+        _check_routes_from(engine, [1, 85, 741, 201, 1462, 941])
+
+
+def test_a_server_that_refuses_routed_experts_serves_without_them(moe_path: Path) -> None:
+    """A gateway upstream with routes off answers return_routed_experts with a 400: the front asks it
+    again without, records the turn without routes, and stops asking."""
+    upstream_settings = Settings(model=str(moe_path), served_model_name="tiny-moe", routed_experts=False)
+    with run_gateway(build_engine(upstream_settings), upstream_settings) as upstream:
+        settings = Settings(model=str(moe_path), engine="vllm-http", served_model_name="tiny-moe",
+                            upstreams=(upstream.base_url,))  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as front:
+            session_id = f"noroutes{secrets.token_hex(4)}"
+            for _ in range(2):
+                reply = _client(front, session_id).chat.completions.create(
+                    model="tiny-moe", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+                assert reply.choices[0].finish_reason in ("stop", "length")
+            turns = httpx.get(f"{front.base_url}/sessions/{session_id}", params={"include": "routed_experts"},
+                              headers={"authorization": f"Bearer {ADMIN}"}, timeout=30).json()["turns"]  # fmt: skip
+            assert len(turns) == 2 and all(t["routed_experts"] is None for t in turns)
+            assert _pool(front)._routeless == {upstream.base_url}
+
+
+def test_sglang_http_records_the_stand_ins_routes(moe_path: Path, moe_reference: Any) -> None:
+    upstream_engine = TransformersEngine(moe_path, served_model_name="tiny-moe")
+    with serve_app(create_sglang_app(upstream_engine)) as url:
+        settings = Settings(model=str(moe_path), engine="sglang-http", served_model_name="tiny-moe", upstreams=(url,))
+        with run_gateway(build_engine(settings), settings) as front:
+            turns = _moe_conversation(front, f"sglmoe{secrets.token_hex(4)}")
+            agree = total = 0
+            for turn in turns:
+                routes = decode_routes(turn["routed_experts"])
+                ids = turn["prompt_ids"] + turn["output_ids"]
+                assert routes.dtype == np.uint8 and routes.shape == (len(ids) - 1, 3, 2)
+                same = (np.sort(routes, axis=-1) == np.sort(_free_routes(moe_reference, ids), axis=-1)).all(axis=-1)
+                agree, total = agree + int(same.sum()), total + same.size
+            assert agree / total >= 0.999, f"{total - agree} of {total} (position, layer) routes differ"
+            experts = front.engine.experts
+            assert experts is not None and (experts.layers, experts.top_k, experts.num_experts) == (3, 2, 8)
+        prompt = [1, 85, 741, 201, 1462, 941]
+
+        def engine() -> RemoteEngine:
+            return RemoteEngine(moe_path, protocol="sglang", upstreams=(url,), served_model_name="tiny-moe",
+                                routed_experts=True)  # fmt: skip
+
+        _check_routes_from(engine, prompt)  # routed_experts_start_len
+        with pytest.raises(UpstreamFailed, match="routed_experts_start_len"):  # SGLang aborts a start past the prompt
+            _generate(engine(), prompt, SamplingParams(max_tokens=2, routes_from=len(prompt) + 1))
+
+
+def test_routes_in_the_other_documented_shapes_are_read(moe_path: Path) -> None:
+    """What the stand-ins do not send: SGLang's ``sglext`` on a trailing ``choices: []`` frame (its
+    OpenAI endpoints), a vLLM that ignored the start (before 0.33: whole rows), and a wrong row count."""
+    engine = RemoteEngine(moe_path, protocol="sglang", served_model_name="tiny-moe", routed_experts=True)
+    engine._expert_config = ExpertShape(3, 2, 8)
+    rows = np.arange(4 * 3 * 2, dtype="<i4").reshape(4, 3, 2) % 8  # prompt 3 + output 2 - 1
+    meta = {"finish_reason": {"type": "length"}, "completion_tokens": 2,
+            "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]]}  # fmt: skip
+
+    async def read(frames: list[dict[str, Any]], protocol: str, start: int = 0) -> list[EngineStep]:
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            for frame in frames:
+                yield frame
+
+        reader = engine._sglang_steps if protocol == "sglang" else engine._vllm_steps
+        return [s async for s in reader(events(), 0, "http://x", _Wanted(3, start))]
+
+    trailing = [
+        {"meta_info": meta},
+        {"choices": [], "sglext": {"routed_experts": base64.b64encode(rows.tobytes()).decode()}},
+    ]
+    (step,) = anyio.run(read, trailing, "sglang")
+    assert step.routes is not None and step.routes.dtype == np.uint8 and np.array_equal(step.routes, rows)
+    (step,) = anyio.run(read, [{"meta_info": meta}], "sglang")  # none sent: the step still ends the request
+    assert step.finish_reason == "length" and step.routes is None
+
+    buffer = io.BytesIO()
+    np.save(buffer, rows.astype(np.uint8))
+    choice = {"finish_reason": "length", "token_ids": [11, 12], "logprobs": {"token_logprobs": [-0.5, -0.25]},
+              "routed_experts": base64.b64encode(buffer.getvalue()).decode()}  # fmt: skip
+    (step,) = anyio.run(read, [{"choices": [choice]}], "vllm", 2)  # asked from 2, sent whole
+    assert step.routes_start == 0 and np.array_equal(step.routes, rows)
+    short = {**choice, "token_ids": [11], "logprobs": {"token_logprobs": [-0.5]}}
+    (step,) = anyio.run(read, [{"choices": [short]}], "vllm")  # 4 rows for 3 positions: not kept
+    assert step.routes is None

@@ -8,19 +8,27 @@ models (see ``VLLM_*`` below and ``docs/http-api.md``).
 
 from __future__ import annotations
 
+import base64
+import io
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+from stream_gateway.models import resolve_model
+
 from ..support.fidelity import assert_chain_logprobs
-from ..support.servers import RunningGateway
+from ..support.servers import RunningGateway, run_gateway
 
 # vLLM's response models and how it writes them, field by field: vLLM 0.33.0 (the PyPI wheel,
 # commit g4ba787ec9), vllm/entrypoints/openai/completion/{protocol,serving}.py. Streamed chunks are
@@ -212,3 +220,129 @@ def test_bad_token_in_requests_get_openai_errors(
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["code"] == code, error
+
+
+# -- routed experts (R3) on tiny-moe: vLLM's per-choice ``routed_experts`` (npy + base64)
+
+
+@pytest.fixture(scope="module")
+def moe_path() -> Path:
+    return Path(resolve_model("tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def moe_gateway(moe_path: Path) -> Iterator[RunningGateway]:
+    settings = Settings(model=str(moe_path), served_model_name="tiny-moe", max_batch_size=8)
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+
+
+def _free_routes(model: Any, ids: list[int]) -> np.ndarray:
+    """The experts an independent forward pass over ``ids`` picks: [len(ids) - 1, layers, top_k]."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    top_k = model.config.num_experts_per_tok
+    return np.stack([logits.topk(top_k, dim=-1).indices.numpy() for logits in out.router_logits], axis=1)[:-1]
+
+
+def _npy(value: str) -> np.ndarray:
+    """vLLM's decoding of ``routed_experts``."""
+    routes: np.ndarray = np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
+    return routes
+
+
+def _agreement(model: Any, ids: list[int], routes: np.ndarray, start: int = 0) -> tuple[int, int]:
+    """(agreeing, all) (position, layer) expert sets of ``routes`` (rows from ``start``) and a forward pass."""
+    free = _free_routes(model, ids)[start:]
+    assert routes.shape == free.shape, (routes.shape, free.shape)
+    same = (np.sort(routes, axis=-1) == np.sort(free, axis=-1)).all(axis=-1)
+    return int(same.sum()), same.size
+
+
+MOE_PROMPT = [1, 85, 741, 201, 1462, 941, 33]
+
+
+def test_routed_experts_come_back_per_choice_whole_and_on_each_streamed_choices_last_chunk(
+    moe_gateway: RunningGateway, moe_reference: Any
+) -> None:
+    body = {"model": "tiny-moe", "prompt": MOE_PROMPT, "max_tokens": 10, "n": 2, "temperature": 1.0, "seed": 4,
+            "return_token_ids": True, "return_routed_experts": True}  # fmt: skip
+    agree = total = 0
+    whole = _post(moe_gateway, body).json()
+    assert len(whole["choices"]) == 2
+    for choice in whole["choices"]:
+        assert set(choice) == VLLM_CHOICE
+        routes = _npy(choice["routed_experts"])
+        ids = MOE_PROMPT + choice["token_ids"]
+        assert routes.dtype == np.uint8 and routes.shape == (len(ids) - 1, 3, 2)  # vLLM's [num_tokens - 1, L, K]
+        a, t = _agreement(moe_reference, ids, routes)
+        agree, total = agree + a, total + t
+    # Streamed one choice per request: a streamed response merges the updates of several choices
+    # that wait together (completion/_channel.py's coalesce), which does not carry routes yet.
+    for seed in (4, 5):
+        mine = [c["choices"][0] for c in _frames(_post(moe_gateway, {**body, "n": 1, "seed": seed, "stream": True}))]
+        assert all(set(c) == VLLM_STREAM_CHOICE | {"routed_experts"} for c in mine)
+        assert all(c["routed_experts"] is None for c in mine[:-1]) and mine[-1]["finish_reason"] is not None
+        routes = _npy(mine[-1]["routed_experts"])
+        ids = MOE_PROMPT + [t for c in mine for t in c["token_ids"]]
+        assert routes.dtype == np.uint8 and routes.shape == (len(ids) - 1, 3, 2)
+        a, t = _agreement(moe_reference, ids, routes)
+        agree, total = agree + a, total + t
+    assert agree / total >= 0.999, f"{total - agree} of {total} (position, layer) routes differ"
+    # Not asked for: null on whole choices, absent from chunks (vLLM's stream choice has no such field).
+    plain = {**body, "return_routed_experts": False}
+    assert all(c["routed_experts"] is None for c in _post(moe_gateway, plain).json()["choices"])
+    assert all("routed_experts" not in c["choices"][0] for c in _frames(_post(moe_gateway, {**plain, "stream": True})))
+
+
+@pytest.mark.parametrize("name", ["routed_experts_start_len", "routed_experts_prompt_start"])
+def test_a_start_drops_the_rows_before_it(moe_gateway: RunningGateway, moe_reference: Any, name: str) -> None:
+    for start, stream in ((3, False), (len(MOE_PROMPT), True), (0, False)):
+        body = {"model": "tiny-moe", "prompt": MOE_PROMPT, "max_tokens": 6, "temperature": 0, "stream": stream,
+                "return_token_ids": True, "return_routed_experts": True, name: start}  # fmt: skip
+        response = _post(moe_gateway, body)
+        if stream:
+            mine = [c["choices"][0] for c in _frames(response)]
+            output, value = [t for c in mine for t in c["token_ids"]], mine[-1]["routed_experts"]
+        else:
+            (choice,) = response.json()["choices"]
+            output, value = choice["token_ids"], choice["routed_experts"]
+        ids = MOE_PROMPT + output
+        routes = _npy(value)
+        assert routes.shape == (len(ids) - 1 - start, 3, 2)
+        agree, total = _agreement(moe_reference, ids, routes, start)
+        assert agree / total >= 0.999
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"routed_experts_start_len": len(MOE_PROMPT) + 1}, "routed_experts_start_len"),
+        ({"routed_experts_prompt_start": len(MOE_PROMPT) + 1}, "routed_experts_prompt_start"),
+        ({"routed_experts_start_len": -1}, "routed_experts_start_len"),
+        ({"routed_experts_start_len": 1, "routed_experts_prompt_start": 2}, "routed_experts_prompt_start"),
+    ],
+)
+def test_a_start_outside_the_prompt_is_a_400(moe_gateway: RunningGateway, extra: dict[str, Any], param: str) -> None:
+    body = {"model": "tiny-moe", "prompt": MOE_PROMPT, "max_tokens": 2, "return_routed_experts": True, **extra}
+    response = _post(moe_gateway, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()
+    batch = {**body, "prompt": [MOE_PROMPT, MOE_PROMPT[:2]], "routed_experts_start_len": 3}
+    batch.pop("routed_experts_prompt_start", None)
+    shortest = _post(moe_gateway, batch)  # every prompt of a batch must hold the start
+    assert shortest.status_code == 400 and shortest.json()["error"]["param"] == "routed_experts_start_len"
+
+
+def test_a_dense_model_has_no_routed_experts_to_return(gateway: RunningGateway) -> None:
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "return_routed_experts": True, "stream": stream}
+        response = _post(gateway, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "return_routed_experts" and error["type"] == "invalid_request_error", error

@@ -1,4 +1,4 @@
-"""A test server speaking SGLang's native HTTP protocol, sampling with the tiny model.
+"""A stand-in for an SGLang server (not SGLang): its native HTTP protocol, sampling with a tiny model.
 
 SGLang needs a GPU, so the ``sglang-http`` engine cannot be tested against a real SGLang server
 on this machine. This server implements the part of SGLang's protocol the engine uses, as SGLang
@@ -15,6 +15,14 @@ documents and implements it (``python/sglang/srt/entrypoints/http_server.py``,
   ``cached_tokens``, ``weight_version``, ``output_token_logprobs`` as ``[logprob, token_id, None]``
   triples, ``output_top_logprobs``). By default a frame holds everything so far (SGLang's
   default); with ``incremental=True`` only the new part (``--incremental-streaming-output``).
+* Routed experts of a mixture of experts, as SGLang 0.5.12-0.5.23 returns them (read in its wheels:
+  ``managers/io_struct.py``, ``managers/scheduler.py``, ``managers/tokenizer_manager.py``,
+  ``state_capturer/routed_experts.py``): with ``return_routed_experts: true`` the final frame's
+  ``meta_info.routed_experts`` is base64 of the raw little-endian int32 ids of positions
+  ``[routed_experts_start_len, prompt + output - 1)`` (``[rows, layers, top_k]`` flattened; no
+  shape is sent). A start outside ``[0, prompt length]`` aborts the request, as SGLang's
+  scheduler does. Like a server started with ``--enable-return-routed-experts``; a dense model
+  sends none.
 * ``GET /health``, ``GET /get_model_info``, ``GET /v1/models``.
 * ``POST /update_weights_from_disk`` (``model_path``, ``weight_version``).
 
@@ -24,10 +32,12 @@ server can be checked against a forward pass like any other engine's output.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
+import numpy as np
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -87,14 +97,25 @@ def create_sglang_app(
         )
         rid = str(body.get("rid") or "rid")
         tokenizer = engine.tokenizer
+        want_routes = bool(body.get("return_routed_experts"))
+        routes_start = int(body.get("routed_experts_start_len") or 0)
+        bad_start = want_routes and not 0 <= routes_start <= len(prompt)
 
         async def frames() -> AsyncIterator[bytes]:
             ids: list[int] = []
             entries: list[list[Any]] = []
             tops: list[list[list[Any]]] = []
+            routes: list[np.ndarray] = []
             sent = 0
+            if bad_start:  # SGLang aborts the request before running it
+                yield _aborted(
+                    rid, len(prompt), f"routed_experts_start_len={routes_start} is outside [0, {len(prompt)}]"
+                )
+                return
             async with aclosing(engine.generate(rid, prompt, params)) as steps:
                 async for step in steps:
+                    if step.routes is not None:
+                        routes.append(step.routes)
                     ids.extend(step.token_ids)
                     entries.extend([lp, t, None] for t, lp in zip(step.token_ids, step.logprobs, strict=True))
                     if top_n:
@@ -117,6 +138,9 @@ def create_sglang_app(
                         "output_token_logprobs": entries[start:],
                         "output_top_logprobs": tops[start:] if top_n else [],
                     }
+                    if want_routes and finish is not None and routes:
+                        rows = np.concatenate(routes)[routes_start:].astype("<i4")
+                        meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
                     text = tokenizer.decode(ids[start:], skip_special_tokens=True)
                     frame = {"text": text, "output_ids": ids[start:], "meta_info": meta}
                     sent = len(ids)
@@ -135,3 +159,10 @@ def create_sglang_app(
         Route("/generate", generate, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _aborted(rid: str, prompt_tokens: int, message: str) -> bytes:
+    """The frames of a request SGLang aborted before running it."""
+    meta = {"id": rid, "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0, "output_token_logprobs": [], "output_top_logprobs": []}  # fmt: skip
+    return b"data: " + orjson.dumps({"text": "", "output_ids": [], "meta_info": meta}) + b"\n\ndata: [DONE]\n\n"
