@@ -71,8 +71,8 @@ class UpdateChannel:
 def coalesce(items: Sequence[ChannelItem]) -> list[ChannelItem]:
     """Merge the updates of each choice into one, in order; an error stays last.
 
-    Merged: text and ids and logprobs concatenated, the finish reason and version spans of the
-    last, and tool-call deltas folded so that each call appears at most once (its id and name with
+    Merged: thinking, text, ids and logprobs concatenated; the finish reason, version spans,
+    thinking span and routes of the last, and tool-call deltas folded so that each call appears at most once (its id and name with
     the first argument fragment): a client that parses each entry on its own sees no phantom call.
     """
     if len(items) == 1:
@@ -97,6 +97,10 @@ def coalesce(items: Sequence[ChannelItem]) -> list[ChannelItem]:
                 item.tool_calls,
                 item.version_spans,
                 item.stop_sequence,
+                item.reasoning,
+                item.reasoning_tokens,
+                item.answer_start,
+                item.routes,
             )
             continue
         into.text += item.text
@@ -109,6 +113,10 @@ def coalesce(items: Sequence[ChannelItem]) -> list[ChannelItem]:
         if item.version_spans is not None:
             into.version_spans = item.version_spans
         into.stop_sequence = item.stop_sequence or into.stop_sequence
+        into.reasoning += item.reasoning
+        into.reasoning_tokens, into.answer_start = item.reasoning_tokens, item.answer_start
+        if item.routes is not None:
+            into.routes = item.routes
     out: list[ChannelItem] = []
     for update in merged.values():
         if len(update.tool_calls) > 1:

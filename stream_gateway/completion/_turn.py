@@ -198,8 +198,8 @@ class TurnLifecycle:
         """Count how often this turn's prefill routed an ancestor's position differently from the
         recorded row (which stays: a position keeps the route of the pass that first ran it)."""
         recorded = turn_routes(self.prepared.session, parent)
-        if recorded is None or not result.route_parts:
-            return
+        if recorded is None or not result.route_parts or result.routes_start != 0:
+            return  # (an engine that sent only the new rows ran nothing twice)
         again = result.route_parts[0][: len(recorded)]
         if again.shape != recorded.shape:
             return

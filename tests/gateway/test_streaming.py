@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import httpx
+import numpy as np
 import orjson
 import pytest
 from openai import OpenAI
@@ -59,6 +60,20 @@ def test_coalesce_merges_each_choice_in_order_and_keeps_the_error_last() -> None
     )
     # The producer's own lists are not modified (it may still hold them).
     assert items[0].token_ids == [1]  # type: ignore[union-attr]
+
+
+def test_coalesce_keeps_thinking_and_the_final_fields() -> None:
+    """Merged updates keep their thinking text, the thinking span and routes of the last."""
+    routes = np.zeros((4, 3, 2), np.uint8)
+    items = [
+        _update(0, "", [1], reasoning="I think"),
+        _update(0, "", [2], reasoning=" so."),
+        _update(0, "Yes", [3], finish_reason="stop", reasoning_tokens=2, answer_start=2, routes=routes),
+    ]
+    [merged] = coalesce(items)
+    assert isinstance(merged, ChoiceUpdate)
+    assert (merged.reasoning, merged.text, merged.reasoning_tokens, merged.answer_start) == ("I think so.", "Yes", 2, 2)
+    assert merged.routes is routes
 
 
 def test_tool_call_fragments_fold_into_one_entry_per_call() -> None:
