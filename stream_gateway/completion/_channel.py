@@ -72,8 +72,9 @@ def coalesce(items: Sequence[ChannelItem]) -> list[ChannelItem]:
     """Merge the updates of each choice into one, in order; an error stays last.
 
     Merged: thinking, text, ids and logprobs concatenated; the finish reason, version spans,
-    thinking span and routes of the last, and tool-call deltas folded so that each call appears at most once (its id and name with
-    the first argument fragment): a client that parses each entry on its own sees no phantom call.
+    thinking span and routes of the last; and tool-call deltas folded so that each call appears at
+    most once (its id and name with the first argument fragment): a client that parses each entry
+    on its own sees no phantom call.
     """
     if len(items) == 1:
         item = items[0]
