@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 OTHER_PROGRAMS_FLAGS = {
+    "--enable-return-routed-experts": "vllm serve, sglang.launch_server",
     "--allowedTools": "claude",
     "--gil": "py-spy",
     "--incremental-streaming-output": "sglang",
