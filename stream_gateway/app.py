@@ -115,6 +115,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     service = CompletionService(engine, settings, metrics, sessions, recorder, spend=limiter.spend)
     edges = protocol_edges(service)
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+    keyring = KeyRing(settings.api_keys, settings.api_key_file, defaults)
+    service.admission.adapter_owner = keyring.adapter_owner  # another tenant's adapter is a 404
     state = GatewayState(
         settings=settings,
         engine=engine,
@@ -123,7 +125,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         sessions=sessions,
         service=service,
         edges=edges,
-        auth=Authorizer(KeyRing(settings.api_keys, settings.api_key_file, defaults), settings.admin_api_keys, defaults),
+        auth=Authorizer(keyring, settings.admin_api_keys, defaults),
         limiter=limiter,
         applier=PolicyApplier(engine, recorder, metrics, replica),
         replica=replica,

@@ -8,6 +8,7 @@ another on the next.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -43,13 +44,35 @@ class Admission:
     def __init__(self, engine: Engine, settings: Settings) -> None:
         self._engine = engine
         self._settings = settings
+        # The tenant an adapter is bound to (the key file's ``adapter=``; None: anyone may name
+        # it). The app sets it to its key ring's.
+        self.adapter_owner: Callable[[str], str | None] = lambda adapter: None
 
-    def check_model_and_n(self, model: str, n: int) -> None:
-        """Refuse a request for another model (404) or for more choices than allowed (400)."""
-        if model != self._engine.model_id:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    def check_model_and_n(
+        self, model: str, n: int, *, tenant: str | None = None, bound: str | None = None
+    ) -> str | None:
+        """The LoRA adapter that serves the request (``None``: the base model); refuse a request
+        for another model, or for an adapter bound to another tenant (404, as any other tenant's
+        resource), or for more choices than allowed (400).
+
+        ``bound``: the adapter the tenant's key is bound to, which serves it whatever ``model``
+        says (the agent's configuration need not change)."""
         if n > self._settings.max_n:
             raise InvalidRequest(f"n must be at most {self._settings.max_n}", param="n")
+        adapters = self._engine.adapters
+        if bound is not None:
+            if bound not in adapters:
+                raise ModelNotFound(
+                    f"This key is bound to the adapter `{bound}`, which is not loaded (--lora NAME=DIR).",
+                    param="model",
+                )
+            return bound
+        if model == self._engine.model_id:
+            return None
+        owner = self.adapter_owner(model) if model in adapters else None
+        if model not in adapters or (owner is not None and owner != tenant):
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        return model
 
     def check_message_count(self, count: int) -> None:
         """Refuse more messages than ``--max-messages``."""
@@ -99,7 +122,9 @@ class Admission:
             )
         return room
 
-    def params(self, request: SamplingRequest, room: int, constraint: Constraint | None = None) -> SamplingParams:
+    def params(
+        self, request: SamplingRequest, room: int, constraint: Constraint | None = None, adapter: str | None = None
+    ) -> SamplingParams:
         """The engine's sampling parameters: the request's, and the gateway's defaults where it set none."""
         settings = self._settings
         return SamplingParams(
@@ -112,6 +137,7 @@ class Admission:
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
             constraint=constraint,
+            adapter=adapter,
         )
 
     @cached_property

@@ -121,16 +121,23 @@ class Preparer:
     # -- chat-shaped requests --------------------------------------------------------------------
 
     async def chat(
-        self, body: ChatCompletionRequest, *, tenant: str, session_id: str | None = None, agent: str | None = None
+        self,
+        body: ChatCompletionRequest,
+        *,
+        tenant: str,
+        session_id: str | None = None,
+        agent: str | None = None,
+        adapter: str | None = None,
     ) -> PreparedCompletion:
         """Validate ``body``, place it in a session, and build its token-exact prompt.
 
         With ``session_id`` the request belongs to that session (created on first use);
         without, it joins the tenant's session whose conversation it continues, or a new one.
-        ``agent`` (the User-Agent) goes into the ``session.opened`` event.
+        ``agent`` (the User-Agent) goes into the ``session.opened`` event. ``adapter``: the LoRA
+        adapter the tenant's key is bound to (else ``body.model`` names the base or an adapter).
         """
         arrived = time.perf_counter()
-        self.admission.check_model_and_n(body.model, body.n)
+        adapter = self.admission.check_model_and_n(body.model, body.n, tenant=tenant, bound=adapter)
         body.check_supported()
         await self._check_size(body)
         constraint = None
@@ -138,6 +145,7 @@ class Preparer:
             constraint = await anyio.to_thread.run_sync(self._constraint, body)
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
         session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id)
+        adapter = _session_adapter(session, adapter)
         context = await self._build_context(body, session, parent, unavailable, session_id)
         if constraint is not None and (fmt := self.reasoning) is not None:  # the answer is held, not the thinking
             opened = fmt.thinking_at_start(context.prompt_ids)
@@ -166,7 +174,7 @@ class Preparer:
             conversation_key=keys[-1],
             context_length=len(body.messages),
             prompt_ids=context.prompt_ids,
-            params=self.admission.params(sampling, room, constraint),
+            params=self.admission.params(sampling, room, constraint, adapter),
             n=body.n,
             stops=body.stop_sequences(),
             logprobs=body.logprobs,
@@ -283,10 +291,16 @@ class Preparer:
     # -- token-in requests -----------------------------------------------------------------------
 
     async def tokens(
-        self, request: TokenInRequest, *, tenant: str, session_id: str | None = None, agent: str | None = None
+        self,
+        request: TokenInRequest,
+        *,
+        tenant: str,
+        session_id: str | None = None,
+        agent: str | None = None,
+        adapter: str | None = None,
     ) -> list[PreparedCompletion]:
         """One prepared completion per prompt, sharing one response id; choices numbered on."""
-        self.admission.check_model_and_n(request.model, request.n)
+        adapter = self.admission.check_model_and_n(request.model, request.n, tenant=tenant, bound=adapter)
         if len(request.prompts) > MAX_BATCH:
             raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
         token_lists = [self._prompt_ids(p, request.add_special_tokens) for p in request.prompts]
@@ -308,6 +322,7 @@ class Preparer:
             if session_id is not None:
                 named = session
             session = await self._admit_session(session, session_id, tenant, agent, {})
+            chosen = _session_adapter(session, adapter)
             reused = len(parent.prompt_ids) + len(parent.output_ids) if parent is not None else 0
             batch.append(
                 PreparedCompletion(
@@ -320,7 +335,7 @@ class Preparer:
                     conversation_key=b"",
                     context_length=0,
                     prompt_ids=ids,
-                    params=self.admission.params(request.sampling, room),
+                    params=self.admission.params(request.sampling, room, None, chosen),
                     n=request.n,
                     stops=request.stops,
                     logprobs=request.logprobs,
@@ -409,3 +424,10 @@ def _lineage(session: Session | None, parent: Turn | None) -> dict[int, Turn]:
         out[turn.context_length] = turn
         turn = session.turns.get(turn.parent_id) if turn.parent_id is not None else None
     return out
+
+
+def _session_adapter(session: Session | None, requested: str | None) -> str | None:
+    """A session keeps the adapter it started with: its first turn's (``requested`` for a new one)."""
+    if session is None or not session.turns:
+        return requested
+    return next(iter(session.turns.values())).adapter

@@ -150,7 +150,9 @@ class CompletionService:
         top = result.top_logprobs if params.top_logprobs else None
         sent = 0  # tokens already put into an update
         request_id = f"{prepared.completion_id}-{index}"
-        turn = self._turns.begin(prepared, index, params, self._engine.policy_version)
+        engine = self._engine
+        version = engine.adapters.get(params.adapter, 0) if params.adapter is not None else engine.policy_version
+        turn = self._turns.begin(prepared, index, params, version)
         # [version, first output index] spans: a weight update between two steps starts a new one.
         spans: list[tuple[int, int]] = []
         abort_reason: str | None = None

@@ -188,6 +188,7 @@ class TurnLifecycle:
             reasoning_tokens=result.reasoning_tokens,
             answer_start=result.answer_start,
             **_own_routes(result, context.reused_prompt_tokens if context.parent is not None else 0),
+            adapter=self.params.adapter,
         )
         if turn.routes is not None and context.parent is not None:
             self._compare_prefill(result, context.parent)

@@ -1,7 +1,10 @@
 """API keys, tenants and per-tenant limits.
 
 Keys come from ``--api-key`` (each its own tenant, named by the key) and from ``--api-key-file``
-(``key tenant [limit=value ...]`` per line; several keys may name one tenant; reloaded on SIGHUP).
+(``key tenant [limit=value ...] [adapter=NAME]`` per line; several keys may name one tenant;
+reloaded on SIGHUP). ``adapter=NAME`` binds the tenant to a LoRA adapter (``--lora``): every
+request of that key is served by it, whatever model the client names, and no other tenant may
+name it (docs/adapters.md).
 With neither, any key is accepted and is its own tenant (a request without one is ``anonymous``).
 A tenant name is what sessions belong to; events carry only its digest (``tenant_id``), and no key
 is ever logged.
@@ -78,22 +81,34 @@ class Limits:
 class KeyEntry:
     tenant: str
     limits: Limits
+    adapter: str | None = None  # the LoRA adapter that serves every request of this key
 
 
 def read_key_file(path: Path) -> dict[str, KeyEntry]:
-    """``key tenant [limit=value ...]`` per line (``#`` comments); ``ValueError`` naming the line."""
+    """``key tenant [limit=value ...] [adapter=NAME]`` per line (``#`` comments); ``ValueError``
+    naming the line (also for one tenant bound to two adapters, or one adapter to two tenants)."""
     keys: dict[str, KeyEntry] = {}
+    bound: dict[str, str] = {}  # adapter -> tenant
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
         if len(parts) < 2:
-            raise ValueError(f"{path}:{number}: expected `key tenant [limit=value ...]`")
+            raise ValueError(f"{path}:{number}: expected `key tenant [limit=value ...] [adapter=NAME]`")
         key, tenant, *rest = parts
         values: dict[str, int] = {}
+        adapter: str | None = None
         for item in rest:
             name, _, value = item.partition("=")
+            if name == "adapter":
+                if not value:
+                    raise ValueError(f"{path}:{number}: adapter= needs a name")
+                owner = bound.setdefault(value, tenant)
+                if owner != tenant:
+                    raise ValueError(f"{path}:{number}: adapter {value!r} is already bound to tenant {owner!r}")
+                adapter = value
+                continue
             if name not in _LIMIT_NAMES or not value.isdigit() or int(value) < 1:
                 raise ValueError(
                     f"{path}:{number}: bad limit {item!r}; limits are {', '.join(_LIMIT_NAMES)}, each =N with N >= 1"
@@ -101,7 +116,13 @@ def read_key_file(path: Path) -> dict[str, KeyEntry]:
             values[name] = int(value)
         if key in keys:
             raise ValueError(f"{path}:{number}: a key appears twice")
-        keys[key] = KeyEntry(tenant, Limits(**values))
+        keys[key] = KeyEntry(tenant, Limits(**values), adapter)
+    for key, entry in keys.items():  # every key of a bound tenant is bound, to one adapter
+        owned = {a for a, t in bound.items() if t == entry.tenant}
+        if len(owned) > 1:
+            raise ValueError(f"{path}: tenant {entry.tenant!r} is bound to several adapters: {sorted(owned)}")
+        if owned and entry.adapter is None:
+            keys[key] = KeyEntry(entry.tenant, entry.limits, next(iter(owned)))
     return keys
 
 
@@ -113,6 +134,7 @@ class KeyRing:
         self._file = key_file
         self._defaults = defaults
         self._keys = dict(self._static)
+        self._owners: dict[str, str] = {}
         if key_file is not None:
             self._load()
 
@@ -120,6 +142,10 @@ class KeyRing:
     def open(self) -> bool:
         """No keys configured: any key is accepted (and is its own tenant)."""
         return not self._keys and self._file is None
+
+    def adapter_owner(self, adapter: str) -> str | None:
+        """The tenant bound to ``adapter`` (``None``: any tenant may name it)."""
+        return self._owners.get(adapter)
 
     def entry(self, key: str) -> KeyEntry | None:
         """The key's tenant and limits; ``None`` for a key that is not accepted."""
@@ -144,8 +170,9 @@ class KeyRing:
         entries = read_key_file(self._file)
         self._keys = {
             **self._static,
-            **{k: KeyEntry(e.tenant, e.limits.over(self._defaults)) for k, e in entries.items()},
+            **{k: KeyEntry(e.tenant, e.limits.over(self._defaults), e.adapter) for k, e in entries.items()},
         }
+        self._owners = {e.adapter: e.tenant for e in entries.values() if e.adapter is not None}
 
 
 @dataclass(slots=True)

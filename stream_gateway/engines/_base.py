@@ -45,6 +45,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
     constraint: Constraint | None = None  # only for engines with ``constrained_decoding``
+    adapter: str | None = None  # the LoRA adapter that serves the request (one of ``Engine.adapters``); None: the base
     # Mixture-of-experts models: the routes wanted are those of positions ``routes_from`` on (an
     # engine that asks a server for them asks for no earlier rows; in-process engines record all).
     routes_from: int = 0
@@ -200,6 +201,9 @@ class Engine(Protocol):
     remote: bool  # the weights live on other servers: updates only announce a version (see .remote)
     constrained_decoding: bool  # follows SamplingParams.constraint (stream_gateway.constraints)
     experts: ExpertShape | None  # a mixture of experts whose steps carry routes; None: dense
+    # LoRA adapters served beside the base (docs/adapters.md): name -> its policy version. A
+    # request's steps carry its adapter's version; the base has ``policy_version``. Empty: none.
+    adapters: Mapping[str, int]
 
     @property
     def upstreams(self) -> UpstreamControl | None:

@@ -73,6 +73,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -131,6 +132,7 @@ class RemoteEngine:
     remote = True
     constrained_decoding = False
     experts: ExpertShape | None = None
+    adapters: Mapping[str, int] = MappingProxyType({})  # no LoRA on this engine
 
     @property
     def upstreams(self) -> RemoteEngine:

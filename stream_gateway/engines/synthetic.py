@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import anyio
@@ -48,6 +49,7 @@ class SyntheticEngine:
     remote = False
     constrained_decoding = False
     experts: ExpertShape | None = None
+    adapters: Mapping[str, int] = MappingProxyType({})  # no LoRA on this engine
     upstreams: UpstreamControl | None = None
 
     def __init__(

@@ -154,6 +154,8 @@ class TransformersEngine:
         self._last_logits: dict[str, int] = {}
         self._routes: RouterCapture | None = None  # hooks on the routers of a mixture of experts
         self.experts: ExpertShape | None = None
+        self._adapter_versions: dict[str, int] = {}  # LoRA adapters (stream_gateway.lora): name -> version
+        self.adapters: Mapping[str, int] = self._adapter_versions
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._prefilling: _Request | None = None

@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -74,6 +75,7 @@ class VLLMEngine:
     remote = False
     constrained_decoding = False
     experts: ExpertShape | None = None
+    adapters: Mapping[str, int] = MappingProxyType({})  # no LoRA on this engine
     upstreams: UpstreamControl | None = None
 
     def __init__(

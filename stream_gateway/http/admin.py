@@ -105,16 +105,25 @@ async def change_upstreams(request: Request) -> Response:
 @admin_router.get("/sessions/{session_id}/v1/models")
 async def list_models(request: Request) -> Response:
     state = gateway_state(request)
-    state.auth.tenant(request)
+    tenant = state.auth.tenant(request)
     engine = state.engine
     model = {
         "id": engine.model_id,
         "object": "model",
         "created": state.started,
         "owned_by": "stream-gateway",
+        "root": engine.model_id,
+        "parent": None,
         "max_model_len": engine.max_model_len,
     }
-    return ORJSONResponse({"object": "list", "data": [model]})
+    # LoRA adapters as vLLM lists them (``parent``: the base); another tenant's are not shown.
+    owner = state.service.admission.adapter_owner
+    adapters = [
+        {**model, "id": name, "parent": engine.model_id, "policy_version": version}
+        for name, version in engine.adapters.items()
+        if owner(name) in (None, tenant)
+    ]
+    return ORJSONResponse({"object": "list", "data": [model, *adapters]})
 
 
 @admin_router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)

@@ -86,7 +86,7 @@ async def _limited(request: Request, edge: Edge[Any], session_id: str | None) ->
     entry = state.auth.entry(request)
     release = state.limiter.admit(entry.tenant, entry.limits)
     try:
-        response = await _generate(request, state, edge, session_id, entry.tenant)
+        response = await _generate(request, state, edge, session_id, entry.tenant, entry.adapter)
     except BaseException:
         release()
         raise
@@ -94,13 +94,13 @@ async def _limited(request: Request, edge: Edge[Any], session_id: str | None) ->
 
 
 async def _generate(
-    request: Request, state: GatewayState, edge: Edge[Any], session_id: str | None, tenant: str
+    request: Request, state: GatewayState, edge: Edge[Any], session_id: str | None, tenant: str, adapter: str | None
 ) -> Response:
     body = await parse_body(request, edge.request, state.settings.max_request_bytes)
     session_id = session_id or request.headers.get("x-session-id") or edge.session_id(body) or None
     if session_id is not None:
         check_session_id(session_id)
-    exchange = await edge.open(body, Call(tenant, session_id, request.headers.get("user-agent")))
+    exchange = await edge.open(body, Call(tenant, session_id, request.headers.get("user-agent"), adapter))
     batch = exchange.batch
     headers = {"x-session-id": batch[0].session.session_id}
     service = state.service

@@ -32,6 +32,7 @@ class Call:
     tenant: str
     session_id: str | None  # from the session URL or the ``x-session-id`` header (already checked)
     agent: str | None  # the User-Agent
+    adapter: str | None = None  # the LoRA adapter the caller's key is bound to (docs/adapters.md)
 
 
 @dataclass(frozen=True, slots=True)

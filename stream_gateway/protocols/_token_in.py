@@ -400,7 +400,7 @@ class TokenInEdge(EdgeBase):
         return body.session_id or None
 
     async def open(self, body: CompletionRequest, call: Call) -> TokenInExchange:
-        self._service.admission.check_model_and_n(body.model, body.n)
+        self._service.admission.check_model_and_n(body.model, body.n, tenant=call.tenant, bound=call.adapter)
         body.check_supported()
         sampling = SamplingRequest(
             max_tokens=body.max_tokens,
@@ -428,6 +428,6 @@ class TokenInEdge(EdgeBase):
             routes_param=routes_param,
         )
         batch = await self._service.prepare_tokens(
-            request, tenant=call.tenant, session_id=call.session_id, agent=call.agent
+            request, tenant=call.tenant, session_id=call.session_id, agent=call.agent, adapter=call.adapter
         )
         return TokenInExchange(batch, body, self._service.token_text)

@@ -79,6 +79,7 @@ class Turn:
     # parent's last output token for a continuation: earlier rows are the ancestors'). None: dense.
     routes: np.ndarray | None = field(default=None, compare=False)
     routes_start: int = 0
+    adapter: str | None = None  # the LoRA adapter that sampled it (docs/adapters.md); None: the base model
 
 
 Chain = TokenChain
