@@ -49,7 +49,8 @@ Deliberate choices:
   turn's last-but-one token, ``[rows, layers, top_k]`` uint8/uint16, base64 in ``data``. An
   event over the server's max payload (a long turn's routes: ~384 bytes per token on
   Qwen3-30B-A3B) goes to the object store whole, as any large event (:mod:`pipeline.publisher`).
-  Older events and dense models have none.
+  Older events and dense models have none. The same schema names the LoRA adapter that sampled a
+  turn (``adapter``; null: the base model), whose versions its ``policy_versions`` are.
 * Models are frozen; the gateway builds them with ``model_construct`` (its data is already
   valid), consumers decode them with full validation (:func:`decode_event`).
 """
@@ -130,7 +131,7 @@ class Event(BaseModel):
     schema_version: Literal[1, 2, 3, 4] = Field(
         SCHEMA_VERSION,
         description="bumped when the contract changes (2: per-token policy versions; 3: thinking spans and "
-        "predecessor links; 4: routed experts)",
+        "predecessor links; 4: routed experts and LoRA adapters)",
     )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
@@ -296,6 +297,10 @@ class TurnRecord(Event):
         ge=0,
         description="output index of the first answer token (after </think>); null: the turn ended while "
         "thinking, with no answer token",
+    )
+    adapter: str | None = Field(
+        None,
+        description="the LoRA adapter that sampled this turn (policy_versions are its versions); null: the base model",
     )
     routed_experts: RoutedExperts | None = Field(
         None,

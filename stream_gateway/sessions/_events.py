@@ -69,6 +69,7 @@ def turn_to_event(
         "reasoning_tokens": turn.reasoning_tokens,
         "answer_start": turn.answer_start,
         "routed_experts": _routes_record(turn),
+        "adapter": turn.adapter,
     }
     if turn.finish_reason is not None:
         return TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
@@ -114,6 +115,7 @@ def turn_from_event(
         reasoning_tokens=event.reasoning_tokens,
         answer_start=event.answer_start,
         **_routes_of(event.routed_experts),
+        adapter=event.adapter,
     )
 
 
