@@ -4,8 +4,8 @@ The base model is built here from a config with seeded random weights (no built 
 Two adapters are made with PEFT (``get_peft_model`` / ``add_adapter``), their lora_B drawn from a
 seeded generator (PEFT initialises it to zero, which would make every adapter the base), and saved
 with ``save_pretrained``; the PEFT model holding them computes the expected logits, one row alone at a
-time with its adapter active. PEFT is not a dependency of the package: the tests that need it skip
-where it is not installed.
+time with its adapter active. PEFT is not a dependency of the package, only of its tests (the
+``test`` extra).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def _randomize(model: torch.nn.Module, adapter: str, seed: int) -> None:
 @pytest.fixture(scope="module")
 def peft_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The PEFT model holding adapters ``qv`` and ``wide``, saved under ``.saved`` (``saved/qv``, ``saved/wide``)."""
-    peft = pytest.importorskip("peft")
+    import peft
+
     model = peft.get_peft_model(_base(), peft.LoraConfig(**CONFIG_A), adapter_name="qv")
     model.add_adapter("wide", peft.LoraConfig(**CONFIG_B))
     _randomize(model, "qv", seed=1)
@@ -199,7 +200,6 @@ def test_a_new_version_changes_its_rows_only(
     assert lora.names() == ["qv", "wide"]
     assert (after[0] - before[0]).abs().max() > 0.05
     assert torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
-    pytest.importorskip("peft")
     peft_model.load_adapter(tmp_path, adapter_name="qv2")
     try:
         torch.testing.assert_close(after[0], _reference(peft_model, "qv2", PROMPTS[0]), atol=ATOL, rtol=0)
