@@ -109,6 +109,12 @@ class Settings(BaseSettings):
         None, ge=16, description="cap on prompt + completion tokens (default: the model's own limit)"
     )
     device: str = Field("cpu", description="torch device of the transformers engine")
+    lora: Annotated[tuple[str, ...], Flag(name="--lora")] = Field(
+        (),
+        description="transformers engine: a LoRA adapter beside the base, NAME=DIR (a PEFT adapter directory; "
+        "repeatable; clients select it with model=NAME, or a key file's adapter=NAME binds a tenant to it)",
+    )
+    max_loras: int = Field(8, ge=1, le=64, description="transformers engine: most LoRA adapters loaded at once")
     synthetic_tokens_per_second: float = Field(0.0, ge=0.0, description="synthetic engine rate, 0: unthrottled")
 
     upstreams: Annotated[tuple[str, ...], Flag(name="--upstream")] = Field(
@@ -265,6 +271,21 @@ class Settings(BaseSettings):
             tls_key=self.nats_tls_key,
             tls_hostname=self.nats_tls_hostname,
         )
+
+    @field_validator("lora")
+    @classmethod
+    def _named_adapters(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = [item.partition("=")[0] for item in value]
+        for item, name in zip(value, names, strict=True):
+            if not name or "=" not in item or not item.partition("=")[2]:
+                raise ValueError(f"--lora {item!r}: expected NAME=DIR")
+        if len(set(names)) != len(names):
+            raise ValueError("--lora: an adapter name appears twice")
+        return value
+
+    def lora_adapters(self) -> dict[str, str]:
+        """``--lora``: adapter name -> its directory."""
+        return dict(item.split("=", 1) for item in self.lora)
 
     @field_validator("tool_parser")
     @classmethod

@@ -30,6 +30,8 @@ def build_engine(settings: Settings) -> Engine:
             "device": settings.device,
             "recompute_on_update": settings.kv_cache_on_update == "recompute",
             "routed_experts": settings.routed_experts,
+            "loras": settings.lora_adapters(),
+            "max_loras": settings.max_loras,
         }
     elif settings.engine == "synthetic":
         options = {

@@ -69,6 +69,7 @@ from stream_gateway.engines._base import (
 )
 from stream_gateway.engines._sampling import sample_batch
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
+from stream_gateway.lora import AdapterRefused, LoraBank, read_adapter
 from stream_gateway.moe import RouterCapture
 
 __all__ = ["TransformersEngine"]
@@ -133,6 +134,8 @@ class TransformersEngine:
         num_threads: int | None = None,
         recompute_on_update: bool = True,
         routed_experts: bool = True,
+        loras: Mapping[str, str] | None = None,
+        max_loras: int = 8,
     ) -> None:
         self._model_path = str(model)
         self.model_id = served_model_name or Path(self._model_path).name or self._model_path
@@ -143,6 +146,9 @@ class TransformersEngine:
         self._num_threads = num_threads
         self._recompute_on_update = recompute_on_update
         self._record_routes = routed_experts
+        self._lora_dirs = dict(loras or {})
+        self._max_loras = max_loras
+        self._bank: LoraBank | None = None  # LoRA adapters beside the base, applied per row
         self.policy_version = 0
         self.max_model_len = max_model_len or 0
         self.tokenizer: PreTrainedTokenizerBase
@@ -200,6 +206,15 @@ class TransformersEngine:
         limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
         self.max_model_len = min(self._requested_max_len or limit, limit)
         self._eos_ids = end_of_turn_ids(model, self.tokenizer)
+        if self._lora_dirs:
+            self._bank = LoraBank(self._model, max_adapters=self._max_loras)
+            for name, directory in self._lora_dirs.items():
+                try:
+                    self._bank.load(name, read_adapter(directory))
+                except AdapterRefused as exc:
+                    raise EngineUnavailable(f"--lora {name}={directory}: {exc}") from exc
+                self._adapter_versions[name] = 0
+            log.info("LoRA adapters loaded beside the base: %s", ", ".join(self._lora_dirs))
         # A mixture of experts: every forward pass records the experts it chose (no extra pass).
         try:
             self._routes = RouterCapture.attach(self._model) if self._record_routes else None
@@ -364,6 +379,8 @@ class TransformersEngine:
             request.mask = TokenMask(constraint, grammar_tokenizer(self.tokenizer, vocab, self._eos_ids), vocab)
         if self._routes is not None:
             self._routes.discard()  # a forward pass that failed part-way left some behind
+        if self._bank is not None:
+            self._bank.set_rows((request.params.adapter,))
         cache = DynamicCache()
         ids = torch.tensor([request.prompt_ids], device=self._device)
         out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_logits)
@@ -393,6 +410,8 @@ class TransformersEngine:
         ids = torch.tensor([[r.pending_token] for r in rows], device=self._device)
         positions = torch.tensor([[r.length] for r in rows], device=self._device)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(rows), 1))], dim=1)
+        if self._bank is not None:
+            self._bank.set_rows([r.params.adapter for r in rows])
         out = self._model(
             input_ids=ids,
             attention_mask=batch.mask,
@@ -455,12 +474,13 @@ class TransformersEngine:
             elif row.generated >= row.params.max_tokens or row.length + 1 >= self.max_model_len:
                 reason = "length"
             top = sampled.top_logprobs[i]
+            adapter = row.params.adapter
             step = EngineStep(
                 (token,),
                 (sampled.logprobs[i],),
                 (top,) if top is not None else None,
                 reason,
-                self.policy_version,
+                self._adapter_versions[adapter] if adapter is not None else self.policy_version,
                 None,
                 routes[i] if routes is not None else None,
             )
@@ -528,6 +548,8 @@ class TransformersEngine:
             ids[i, width - len(sequence) :] = torch.tensor(sequence, device=self._device)
             mask[i, width - len(sequence) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        if self._bank is not None:
+            self._bank.set_rows([row.params.adapter for row in batch.rows])
         cache = DynamicCache()
         self._model(
             input_ids=ids,

@@ -484,6 +484,7 @@ def _session_body(session: Session) -> dict[str, Any]:
                 "predecessor_id": t.predecessor_id,
                 "reasoning_tokens": t.reasoning_tokens,
                 "answer_start": t.answer_start,
+                "adapter": t.adapter,
             }
             for t in session.turns.values()
         ],

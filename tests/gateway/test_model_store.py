@@ -86,6 +86,7 @@ def test_models_exports() -> None:
         "agent_tool_call",
         "build_tiny_agent_model",
         "build_tiny_model",
+        "build_tiny_moe_model",
         "build_tiny_reasoning_model",
         "default_cache_dir",
         "reasoning_reply",
