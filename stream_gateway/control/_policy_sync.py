@@ -105,6 +105,36 @@ class PolicyApplier:
         )  # fmt: skip
         return report
 
+    async def apply_adapter(self, name: str, path: str | Path, policy_version: int) -> WeightUpdateReport:
+        """Load the PEFT adapter directory ``path`` as version ``policy_version`` of adapter
+        ``name`` (docs/adapters.md): versions only go up per adapter; a new name adds one.
+
+        Raises :class:`PolicyNotNewer`, or :class:`~stream_gateway.lora.AdapterRefused` for an
+        adapter the base cannot take or an engine without LoRA; the adapters in service are then
+        unchanged.
+        """
+        from stream_gateway.lora import AdapterRefused
+
+        async with self._lock:
+            current = self._engine.adapters.get(name)
+            if current is not None and policy_version <= current:
+                detail = f"adapter {name}: version {policy_version} is not above the current {current}"
+                self._metrics.policy_updates.labels("not_newer").inc()
+                raise PolicyNotNewer(detail)
+            load = getattr(self._engine, "load_adapter", None)
+            if load is None:
+                raise AdapterRefused("unsupported", f"the {self._engine.name} engine serves no LoRA adapters")
+            try:
+                report: WeightUpdateReport = await load(name, str(path), policy_version)
+            except AdapterRefused as exc:
+                self._metrics.policy_updates.labels(exc.reason).inc()
+                log.warning("adapter %s version %d refused (%s): %s", name, policy_version, exc.reason, exc)
+                raise
+        self._metrics.policy_updates.labels("applied").inc()
+        self._metrics.policy_pause.observe(report.pause_s)
+        log.info("adapter %s %d -> %d applied from %s", name, report.previous_version, policy_version, path)
+        return report
+
     def reject(self, policy_version: int, reason: str, detail: str) -> None:
         """Report a refused version (the engine keeps its weights)."""
         current = self._engine.policy_version

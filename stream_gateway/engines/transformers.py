@@ -69,7 +69,7 @@ from stream_gateway.engines._base import (
 )
 from stream_gateway.engines._sampling import sample_batch
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
-from stream_gateway.lora import AdapterRefused, LoraBank, read_adapter
+from stream_gateway.lora import AdapterRefused, LoraBank, LoraWeights, read_adapter
 from stream_gateway.moe import RouterCapture
 
 __all__ = ["TransformersEngine"]
@@ -100,6 +100,15 @@ class _Request:
 @dataclass(slots=True)
 class _WeightUpdate:
     tensors: dict[str, torch.Tensor]  # already checked, on the model's device and in its dtype
+    policy_version: int
+    done: asyncio.Future[WeightUpdateReport]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(slots=True)
+class _AdapterUpdate:
+    name: str
+    weights: LoraWeights  # already checked against the base
     policy_version: int
     done: asyncio.Future[WeightUpdateReport]
     loop: asyncio.AbstractEventLoop
@@ -154,7 +163,7 @@ class TransformersEngine:
         self.tokenizer: PreTrainedTokenizerBase
         self._model: Any = None
         self._eos_ids: frozenset[int] = frozenset()
-        self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | object] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | _AdapterUpdate | object] = queue.SimpleQueue()
         self._backlog: deque[_Request] = deque()  # taken from the inbox, waiting for a free row
         self._targets: dict[str, torch.Tensor] = {}  # every state-dict name (tied ones too) -> tensor
         self._last_logits: dict[str, int] = {}
@@ -285,6 +294,28 @@ class TransformersEngine:
         self._inbox.put(update)
         return await update.done
 
+    async def update_adapter(self, name: str, weights: LoraWeights, policy_version: int) -> WeightUpdateReport:
+        """Load version ``policy_version`` of LoRA adapter ``name`` (a new name adds an adapter)
+        between two decode steps; the rows it serves continue on it (their KV cache recomputed
+        under it, as for the base's updates), every other row as before.
+
+        Raises :class:`~stream_gateway.lora.AdapterRefused` (nothing changed) for an adapter the
+        base cannot take or one too many, and ``ValueError`` on an engine started without LoRA.
+        """
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineUnavailable("the transformers engine is not running") from self._failure
+        if self._bank is None:
+            raise AdapterRefused("unsupported", "this engine was started without LoRA adapters (--lora NAME=DIR)")
+        loop = asyncio.get_running_loop()
+        update = _AdapterUpdate(name, weights, policy_version, loop.create_future(), loop)
+        self._inbox.put(update)
+        return await update.done
+
+    async def load_adapter(self, name: str, path: str, policy_version: int) -> WeightUpdateReport:
+        """:meth:`update_adapter` with the PEFT adapter directory ``path``."""
+        weights = await anyio.to_thread.run_sync(read_adapter, path)
+        return await self.update_adapter(name, weights, policy_version)
+
     async def load_weights(self, path: str, policy_version: int) -> WeightUpdateReport:
         """:meth:`update_weights` with the ``*.safetensors`` files of the directory ``path``."""
         tensors = await anyio.to_thread.run_sync(read_checkpoint, path)
@@ -332,7 +363,7 @@ class TransformersEngine:
                     break
                 if isinstance(item, _Request):
                     waiting.append(item)
-                elif isinstance(item, _WeightUpdate):
+                elif isinstance(item, _WeightUpdate | _AdapterUpdate):
                     item.loop.call_soon_threadsafe(_resolve, item.done, exc)
             for row in waiting:
                 row.loop.call_soon_threadsafe(row.outbox.put_nowait, exc)
@@ -354,6 +385,8 @@ class TransformersEngine:
                 return False
             if isinstance(item, _WeightUpdate):
                 self._apply_weights(batch, item)
+            elif isinstance(item, _AdapterUpdate):
+                self._apply_adapter(batch, item)
             else:
                 assert isinstance(item, _Request)
                 self._backlog.append(item)
@@ -522,6 +555,31 @@ class TransformersEngine:
         log.info(
             "policy %d -> %d: %d tensors copied in %.1f ms, %d rows recomputed, decoding paused %.1f ms",
             previous, update.policy_version, report.tensors, report.copy_s * 1e3, in_flight, report.pause_s * 1e3,
+        )  # fmt: skip
+        update.loop.call_soon_threadsafe(_resolve, update.done, report)
+
+    def _apply_adapter(self, batch: _Batch, update: _AdapterUpdate) -> None:
+        started = time.perf_counter()
+        assert self._bank is not None
+        try:
+            self._bank.load(update.name, update.weights)
+            copied = time.perf_counter()
+            previous = self._adapter_versions.get(update.name, 0)
+            self._adapter_versions[update.name] = update.policy_version
+            serving = sum(1 for row in batch.rows if row.params.adapter == update.name)
+            if serving and self._recompute_on_update:
+                self._recompute_cache(batch)  # all rows in one padded pass: the others' KV comes out the same
+            self._synchronize()
+        except Exception as exc:  # AdapterRefused, surfaced to the caller
+            update.loop.call_soon_threadsafe(_resolve, update.done, exc)
+            return
+        finished = time.perf_counter()
+        report = WeightUpdateReport(
+            update.policy_version, previous, len(update.weights.modules), copied - started, finished - started, serving
+        )
+        log.info(
+            "adapter %s %d -> %d: %d modules, %d rows on it continued, decoding paused %.1f ms",
+            update.name, previous, update.policy_version, report.tensors, serving, report.pause_s * 1e3,
         )  # fmt: skip
         update.loop.call_soon_threadsafe(_resolve, update.done, report)
 

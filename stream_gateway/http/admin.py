@@ -29,6 +29,13 @@ class WeightsBody(BaseModel):
 
     path: str = Field(min_length=1, description="a directory of *.safetensors files (the engine's model)")
     policy_version: int = Field(strict=True, gt=0)
+    adapter: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="a LoRA adapter's name: `path` is a PEFT adapter directory, the version that adapter's",
+    )
 
 
 class UpstreamsBody(BaseModel):
@@ -50,6 +57,8 @@ async def load_weights(request: Request) -> Response:
     body = await parse_body(request, WeightsBody, state.settings.max_request_bytes)
     if not await anyio.Path(body.path).is_dir():
         raise InvalidRequest(f"No directory `{body.path}` on the gateway's machine.", param="path")
+    if body.adapter is not None:
+        return await _load_adapter(state, body, body.adapter)
     try:
         report = await state.applier.apply_directory(body.path, body.policy_version, source=body.path)
     except PolicyNotNewer as exc:
@@ -63,6 +72,21 @@ async def load_weights(request: Request) -> Response:
     result = {"object": "policy", "policy_version": report.policy_version, "previous_version": report.previous_version}
     return ORJSONResponse(
         result | {"weights": body.path, "pause_s": report.pause_s, "copy_s": report.copy_s, "replica": state.replica}
+    )
+
+
+async def _load_adapter(state: GatewayState, body: WeightsBody, name: str) -> Response:
+    from stream_gateway.lora import AdapterRefused
+
+    try:
+        report = await state.applier.apply_adapter(name, body.path, body.policy_version)
+    except PolicyNotNewer as exc:
+        raise Conflict(str(exc), param="policy_version", code="stale_policy_version") from exc
+    except AdapterRefused as exc:
+        raise InvalidRequest(f"Adapter `{name}` refused ({exc.reason}): {exc}", param="path") from exc
+    result = {"object": "adapter", "adapter": name, "policy_version": report.policy_version}
+    return ORJSONResponse(
+        result | {"previous_version": report.previous_version, "pause_s": report.pause_s, "replica": state.replica}
     )
 
 

@@ -5,6 +5,7 @@ of base + that adapter (PEFT, an independent implementation, computes the refere
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,19 +39,10 @@ CONFIGS = {
 def adapters(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two PEFT adapters of tiny, their lora_B drawn at random (PEFT starts it at zero: no change)."""
     out = tmp_path_factory.mktemp("adapters")
-    dirs = {}
-    for seed, (name, config) in enumerate(CONFIGS.items()):
-        model = peft.get_peft_model(
-            AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), peft.LoraConfig(**config)
-        )
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_B" in param_name:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-        model.save_pretrained(out / name)
-        dirs[name] = out / name
-    return dirs
+    return {
+        name: _make_adapter(tiny_model_path, config, seed, out / name)
+        for seed, (name, config) in enumerate(CONFIGS.items())
+    }
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +61,7 @@ def lora_gateway(
         served_model_name="tiny",
         lora=tuple(f"{name}={path}" for name, path in adapters.items()),
         api_key_file=key_file,
+        admin_api_keys=("sk-admin",),
         max_batch_size=8,
     )
     with run_gateway(build_engine(settings), settings) as running:
@@ -78,6 +71,25 @@ def lora_gateway(
 def _reference(tiny_model_path: Path, adapters: dict[str, Path], adapter: str | None) -> Any:
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     return base if adapter is None else peft.PeftModel.from_pretrained(base, adapters[adapter]).eval()
+
+
+def _make_adapter(tiny_model_path: Path, config: dict[str, Any], seed: int, target: Path) -> Path:
+    model = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), peft.LoraConfig(**config)
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "lora_B" in param_name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    model.save_pretrained(target)
+    return target
+
+
+def _logprobs(model: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
 def _turns(gateway: RunningGateway, key: str, session: str) -> list[dict[str, Any]]:
@@ -156,3 +168,98 @@ def test_an_adapter_is_its_tenants_alone(lora_gateway: RunningGateway) -> None:
     assert response.status_code == 200, response.text
     [turn] = _turns(lora_gateway, "sk-alpha", response.headers["x-session-id"])
     assert turn["adapter"] == "alpha"
+
+
+def test_a_new_version_of_one_adapter_changes_its_rows_mid_stream_and_no_others(
+    lora_gateway: RunningGateway, tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """alpha@0 -> alpha@1 while three streams run: alpha's turn is labelled with both versions,
+    each token scored by its own version; beta's and the base's stay exactly as before."""
+    new_alpha = _make_adapter(tiny_model_path, CONFIGS["alpha"], 7, tmp_path / "alpha-v1")
+    started = threading.Barrier(4)
+    sessions: dict[str, str] = {}
+
+    def stream(key: str) -> None:
+        session = sessions[key] = f"swap{secrets.token_hex(4)}"
+        with OpenAI(base_url=f"{lora_gateway.base_url}/sessions/{session}/v1", api_key=key, max_retries=0) as client:
+            chunks = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "Go on and on."}],
+                max_tokens=400,
+                temperature=1.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for i, _ in enumerate(chunks):
+                if i == 2:
+                    started.wait(timeout=60)
+
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(stream, key) for key in KEYS]
+        started.wait(timeout=60)  # every stream has tokens
+        loaded = httpx.post(
+            f"{lora_gateway.base_url}/policy/weights",
+            headers={"authorization": "Bearer sk-admin"},
+            json={"path": str(new_alpha), "policy_version": 1, "adapter": "alpha"},
+            timeout=60,
+        )
+        for run in runs:
+            run.result(timeout=120)
+    assert loaded.status_code == 200 and loaded.json()["previous_version"] == 0, loaded.text
+    models = {
+        ("alpha", 0): _reference(tiny_model_path, adapters, "alpha"),
+        ("alpha", 1): _reference(tiny_model_path, {"alpha": new_alpha}, "alpha"),
+        ("beta", 0): _reference(tiny_model_path, adapters, "beta"),
+        (None, 0): _reference(tiny_model_path, adapters, None),
+    }
+    for key, adapter in KEYS.items():
+        [turn] = _turns(lora_gateway, key, sessions[key])
+        spans = [tuple(span) for span in turn["policy_versions"]]
+        assert len(turn["output_ids"]) == 400
+        if adapter == "alpha":
+            assert [v for v, _ in spans] == [0, 1], spans  # both versions of alpha sampled this turn
+        else:
+            assert spans == [(0, 0)], (adapter, spans)  # the others never saw the update
+        bounds = [start for _, start in spans] + [400]
+        recorded = torch.tensor(turn["logprobs"])
+        for (version, start), end in zip(spans, bounds[1:], strict=True):
+            expected = _logprobs(models[(adapter, version)], turn["prompt_ids"], turn["output_ids"])
+            torch.testing.assert_close(recorded[start:end], expected[start:end], atol=2e-4, rtol=0)
+    stale = httpx.post(
+        f"{lora_gateway.base_url}/policy/weights",
+        headers={"authorization": "Bearer sk-admin"},
+        json={"path": str(new_alpha), "policy_version": 1, "adapter": "alpha"},
+    )
+    assert stale.status_code == 409 and stale.json()["error"]["code"] == "stale_policy_version"
+
+
+def test_adapters_the_base_cannot_take_are_refused(
+    lora_gateway: RunningGateway, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """A rank/shape that does not fit the base, a missing directory, an unreadable one: a 4xx, and
+    the adapters in service unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((adapters["alpha"] / "adapter_config.json").read_text())
+    tensors = load_file(adapters["alpha"] / "adapter_model.safetensors")
+    save_file(
+        {k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in tensors.items()},
+        bad / "adapter_model.safetensors",
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def post(path: Path, version: int = 9) -> httpx.Response:
+        return httpx.post(
+            f"{lora_gateway.base_url}/policy/weights",
+            headers={"authorization": "Bearer sk-admin"},
+            json={"path": str(path), "policy_version": version, "adapter": "alpha"},
+        )
+
+    for path, reason in ((bad, "shape_mismatch"), (empty, "unreadable"), (tmp_path / "nowhere", "No directory")):
+        response = post(path)
+        assert response.status_code == 400 and reason in response.json()["error"]["message"], response.text
+    listed = httpx.get(f"{lora_gateway.base_url}/v1/models", headers={"authorization": "Bearer sk-alpha"}).json()
+    assert {m["id"]: m.get("policy_version") for m in listed["data"]}["alpha"] in (0, 1)  # unchanged by the refusals
