@@ -76,7 +76,7 @@ def _publish_weights(args: argparse.Namespace) -> int:
     import anyio
 
     from .connection import NatsRefused, connect
-    from .policies import publish_policy
+    from .policies import StalePolicyVersion, publish_policy
     from .streams import StreamSpec
 
     if (nats := nats_from_args(args, "publish-weights")) is None:
@@ -85,6 +85,9 @@ def _publish_weights(args: argparse.Namespace) -> int:
     spec = StreamSpec(prefix=args.subject_prefix, stream=args.events_stream)
     if not Path(args.directory).is_dir():
         print(f"stream-gateway publish-weights: no directory {args.directory}", file=sys.stderr)
+        return 2
+    if args.adapter is not None and args.partial:
+        print("stream-gateway publish-weights: --partial: an adapter version is always whole", file=sys.stderr)
         return 2
 
     async def run() -> int:
@@ -107,12 +110,17 @@ def _publish_weights(args: argparse.Namespace) -> int:
                 weights=args.directory,
                 keep_full=args.keep,
                 progress=progress,
+                adapter=args.adapter,
             )
+        except StalePolicyVersion as exc:
+            print(f"stream-gateway publish-weights: {exc}", file=sys.stderr)
+            return 2
         finally:
             await nc.close()
         total = sum(o.size for o in event.objects)
+        what = f"adapter {event.adapter} version" if event.adapter is not None else "policy"
         progress(
-            f"published policy {event.policy_version} ({len(event.objects)} files, {total / 2**20:.1f} MiB, "
+            f"published {what} {event.policy_version} ({len(event.objects)} files, {total / 2**20:.1f} MiB, "
             f"{'full' if event.full else 'partial'}) as event {event.event_id}"
         )
         return 0
@@ -142,8 +150,17 @@ def add_commands(commands: Any) -> None:
     publish = commands.add_parser(
         "publish-weights", help="publish a safetensors checkpoint as a new policy version to every gateway"
     )
-    publish.add_argument("directory", help="a directory of *.safetensors files (a whole HF state dict, or a part)")
+    publish.add_argument(
+        "directory",
+        help="a directory of *.safetensors files (a whole HF state dict, or a part); with --adapter a PEFT "
+        "adapter directory (adapter_config.json + adapter_model.safetensors)",
+    )
     publish.add_argument("--policy-version", type=int, required=True, help="the new version (above the current)")
+    publish.add_argument(
+        "--adapter",
+        metavar="NAME",
+        help="publish DIR as this version of the LoRA adapter NAME (versions per adapter; a new name adds one)",
+    )
     add_nats_arguments(publish)
     publish.add_argument("--partial", action="store_true", help="the files hold only the tensors that changed")
     publish.add_argument("--bucket", default="sg_policies", help="the object store bucket (default sg_policies)")

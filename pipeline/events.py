@@ -403,6 +403,15 @@ class PolicyUpdated(Event):
     objects: list[PolicyObject] = Field(default_factory=list, description="the safetensors files, with digests")
     format: Literal["safetensors"] = Field("safetensors", description="the files' format")
     full: bool = Field(True, description="a whole state dict; false: only the tensors that changed")
+    adapter: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="a LoRA adapter's name: `objects` are a PEFT adapter directory (adapter_config.json, "
+        "adapter_model.safetensors), `policy_version` that adapter's version (published on "
+        "`<prefix>.events._.adapters.policy.updated`); null: the base model",
+    )
 
 
 class PolicyApplied(Event):
@@ -418,6 +427,12 @@ class PolicyApplied(Event):
     pause_s: float = Field(ge=0, description="the longest pause of decoding it caused: copy + KV recompute")
     copy_s: float = Field(ge=0, description="of which the in-memory copy of the tensors")
     in_flight: int = Field(ge=0, description="requests that were decoding across the swap (none aborted)")
+    adapter: str | None = Field(
+        None,
+        description="the LoRA adapter updated (`policy_version`, `previous_version` and `tensors`, the modules "
+        "it targets, are that adapter's; previous_version 0: a new adapter or the one it started with); null: "
+        "the base model",
+    )
 
 
 class PolicyRejected(Event):
@@ -427,9 +442,26 @@ class PolicyRejected(Event):
     replica: str = Field(description="the gateway replica (host-pid, or --replica-id)")
     rejected_version: int = Field(description="the version it refused")
     reason: Literal[
-        "not_newer", "digest_mismatch", "download_failed", "unreadable", "unknown_tensors", "shape_mismatch", "engine"
-    ] = Field(description="why")
+        "not_newer",
+        "digest_mismatch",
+        "download_failed",
+        "unreadable",
+        "unknown_tensors",
+        "shape_mismatch",
+        "target_mismatch",
+        "unsupported",
+        "too_many",
+        "engine",
+    ] = Field(
+        description="why (adapters also: `target_mismatch`, a module the base lacks or not a Linear; `unsupported`, "
+        "an engine without LoRA or an adapter beyond plain LoRA; `too_many`, no room for a new adapter)"
+    )
     detail: str = Field(description="what exactly was wrong")
+    adapter: str | None = Field(
+        None,
+        description="the LoRA adapter refused (`policy_version` is the version of it kept, 0 if none); "
+        "null: the base model",
+    )
 
 
 AnyEvent = Annotated[

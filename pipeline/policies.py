@@ -11,6 +11,15 @@ Publishing (:func:`publish_policy`, ``stream-gateway publish-weights``):
 3. the objects of every version older than the ``keep_full`` newest full versions are deleted
    (each object's description says ``full`` or ``partial``, so the bucket alone tells them apart).
 
+LoRA adapters (``publish_policy(..., adapter=NAME)``, ``publish-weights --adapter NAME``) travel the
+same way, with their own versions: the two files of a PEFT adapter directory
+(``adapter_config.json``, ``adapter_model.safetensors``) become ``adapters/<name>/v<version>/<file>``,
+and ``policy.updated`` (``adapter: NAME``, ``Nats-Msg-Id`` ``adapter-<name>-<version>``) goes to
+``<prefix>.events._.adapters.policy.updated``: the base's subject keeps only the base's versions,
+which the verl publisher and the batcher read as the newest policy. The publisher refuses a
+version not above the newest published for that adapter (:class:`StalePolicyVersion`, before
+uploading anything); the ``keep_full`` newest versions of each adapter are kept.
+
 Following (:func:`download_policy`, used by the gateway): each object is written to a local
 directory and its SHA-256 compared with the event's; a mismatch, a missing or truncated object is
 a :class:`PolicyDownloadError` with a ``reason`` that ``policy.rejected`` reports.
@@ -51,12 +60,17 @@ if TYPE_CHECKING:
     from nats.js.object_store import ObjectStore
 
 __all__ = [
+    "ADAPTER_FILES",
     "POLICY_BUCKET",
     "PolicyDownloadError",
+    "StalePolicyVersion",
+    "adapter_subject",
     "announce_policy",
     "download_policy",
+    "newest_adapter_version",
     "policy_history",
     "policy_subject",
+    "policy_subjects",
     "publish_policy",
     "publish_tensors",
 ]
@@ -64,6 +78,8 @@ __all__ = [
 POLICY_BUCKET = "sg_policies"
 _CHUNK_BYTES = 128 * 1024
 _VERSION_PREFIX = re.compile(r"^v(\d+)/")
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # as PolicyUpdated.adapter and POST /policy/weights
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT adapter directory, as published
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +92,32 @@ class PolicyDownloadError(Exception):
         self.reason = reason
 
 
+class StalePolicyVersion(ValueError):
+    """An adapter version not above the newest one published for that adapter (nothing was uploaded)."""
+
+    def __init__(self, message: str, newest: int) -> None:
+        super().__init__(message)
+        self.newest = newest
+
+
 def policy_subject(prefix: str = "sg") -> str:
-    """The subject ``policy.updated`` events are published on."""
+    """The subject the base model's ``policy.updated`` events are published on."""
     return f"{prefix}.events._._.policy.updated"
 
 
-def _object_name(version: int, file_name: str) -> str:
-    return f"v{version:010d}/{file_name}"
+def adapter_subject(prefix: str = "sg") -> str:
+    """The subject LoRA adapters' ``policy.updated`` events are published on (every adapter's)."""
+    return f"{prefix}.events._.adapters.policy.updated"
+
+
+def policy_subjects(prefix: str = "sg") -> str:
+    """A filter matching both: what a gateway follows."""
+    return f"{prefix}.events._.*.policy.updated"
+
+
+def _object_name(version: int, file_name: str, adapter: str | None = None) -> str:
+    name = f"v{version:010d}/{file_name}"
+    return name if adapter is None else f"adapters/{adapter}/{name}"
 
 
 async def publish_policy(
@@ -98,40 +133,91 @@ async def publish_policy(
     previous_version: int | None = None,
     keep_full: int = 2,
     progress: Callable[[str], None] | None = None,
+    adapter: str | None = None,
 ) -> PolicyUpdated:
     """Upload the ``*.safetensors`` files of ``directory`` and announce them as ``policy_version``.
 
     ``full``: the files hold the whole state dict; otherwise only the tensors that changed since
     the previous version. Returns the published event. Gateways refuse a version that is not
     above the one they serve (``policy.rejected``, reason ``not_newer``).
+
+    ``adapter``: ``directory`` is a PEFT adapter directory, published as version ``policy_version``
+    of that LoRA adapter; raises :class:`StalePolicyVersion` (nothing uploaded) if the stream
+    already has that adapter at this version or above.
     """
     if policy_version < 1:
         raise ValueError("policy_version must be >= 1 (0 is the weights a gateway starts with)")
     if keep_full < 1:
         raise ValueError("keep_full must be >= 1")
-    files = sorted(await anyio.to_thread.run_sync(lambda: list(Path(directory).glob("*.safetensors"))))
+    if adapter is not None:
+        files = await anyio.to_thread.run_sync(_adapter_files, Path(directory), adapter, full)
+    else:
+        files = sorted(await anyio.to_thread.run_sync(lambda: list(Path(directory).glob("*.safetensors"))))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     spec = spec or StreamSpec()
     js = nc.jetstream()
     await ensure_stream(js, spec)
+    if adapter is not None:
+        newest = await newest_adapter_version(js, adapter, spec)
+        if policy_version <= newest:
+            raise StalePolicyVersion(
+                f"adapter {adapter}: version {policy_version} is not above {newest}, the newest published", newest
+            )
+        previous_version = previous_version if previous_version is not None else (newest or None)
     store = await ensure_bucket(js, bucket, replicas=spec.replicas)
     chunk = min(_CHUNK_BYTES, nc.max_payload - PAYLOAD_HEADROOM)
     objects = []
     for file in files:
         started = time.monotonic()
-        name = _object_name(policy_version, file.name)
+        name = _object_name(policy_version, file.name, adapter)
         digest = await _put_file(store, name, file, chunk, "full" if full else "partial")
         size = file.stat().st_size
         objects.append(PolicyObject(name=name, sha256=digest, size=size))
         if progress is not None:
             seconds = time.monotonic() - started
             progress(f"uploaded {file.name} ({size / 2**20:.1f} MiB) as {bucket}/{name} in {seconds:.1f} s")
-    event = _policy_event(model, policy_version, previous_version, weights or str(directory), bucket, objects, full)
+    event = _policy_event(
+        model, policy_version, previous_version, weights or str(directory), bucket, objects, full, adapter
+    )
     await _announce(js, spec, event)
-    if full:
+    if adapter is not None:
+        await _prune(store, policy_version, keep_full, re.compile(rf"^adapters/{re.escape(adapter)}/v(\d+)/"))
+    elif full:
         await _prune(store, policy_version, keep_full)
     return event
+
+
+def _adapter_files(directory: Path, adapter: str, full: bool) -> list[Path]:
+    """The files of the PEFT adapter directory ``directory``; ``ValueError``/``FileNotFoundError`` if it is not one."""
+    import json
+
+    if not _ADAPTER_NAME.fullmatch(adapter):
+        raise ValueError(f"adapter name {adapter!r}: 1-128 of A-Z a-z 0-9 _ . -")
+    if not full:
+        raise ValueError("an adapter version is always whole (its two files): no partial adapter versions")
+    files = [directory / name for name in ADAPTER_FILES]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        pickled = (
+            " (only the pickled adapter_model.bin: convert it with PEFT)"
+            if (directory / "adapter_model.bin").exists()
+            else ""
+        )
+        raise FileNotFoundError(f"no {' or '.join(missing)} in {directory}: not a PEFT adapter directory{pickled}")
+    try:
+        config = json.loads(files[0].read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{files[0]}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{files[0]} holds {type(config).__name__}, not an object")
+    return files
+
+
+async def newest_adapter_version(js: JetStreamContext, adapter: str, spec: StreamSpec | None = None) -> int:
+    """The newest version of ``adapter`` published on the stream; 0 if none."""
+    history = await policy_history(js, spec, adapters=True)
+    return max((e.policy_version for e in history if e.adapter == adapter), default=0)
 
 
 async def announce_policy(
@@ -167,6 +253,7 @@ def _policy_event(
     bucket: str | None,
     objects: list[PolicyObject],
     full: bool,
+    adapter: str | None = None,
 ) -> PolicyUpdated:
     return PolicyUpdated.model_validate(
         {
@@ -182,14 +269,20 @@ def _policy_event(
             "bucket": bucket,
             "objects": objects,
             "full": full,
+            "adapter": adapter,
         }
     )
 
 
 async def _announce(js: JetStreamContext, spec: StreamSpec, event: PolicyUpdated) -> None:
     """Publish ``event`` (deduplicated by version: publishing the same version twice is one event)."""
-    headers = {"Nats-Msg-Id": f"policy-{event.policy_version}"}
-    await js.publish(policy_subject(spec.prefix), encode_event(event), headers=headers, timeout=10)
+    if event.adapter is not None:
+        headers = {"Nats-Msg-Id": f"adapter-{event.adapter}-{event.policy_version}"}
+        subject = adapter_subject(spec.prefix)
+    else:
+        headers = {"Nats-Msg-Id": f"policy-{event.policy_version}"}
+        subject = policy_subject(spec.prefix)
+    await js.publish(subject, encode_event(event), headers=headers, timeout=10)
 
 
 async def publish_tensors(
@@ -227,10 +320,13 @@ async def _put_file(store: ObjectStore, name: str, file: Path, chunk: int, kind:
     return digest.hexdigest()
 
 
-async def _prune(store: ObjectStore, newest_full: int, keep_full: int) -> None:
+async def _prune(
+    store: ObjectStore, newest_full: int, keep_full: int, versioned: re.Pattern[str] = _VERSION_PREFIX
+) -> None:
     """Delete the objects of every version older than the ``keep_full`` newest full ones up to
     ``newest_full`` (just published): what a replica catching up needs is the newest full version
-    and the partial ones after it."""
+    and the partial ones after it. ``versioned``: the names of one line of versions (the base's,
+    or one adapter's), the version its first group."""
     from nats.js.errors import NotFoundError
 
     try:
@@ -240,7 +336,7 @@ async def _prune(store: ObjectStore, newest_full: int, keep_full: int) -> None:
     versions: dict[int, list[str]] = {}
     fulls: set[int] = set()
     for info in infos:
-        match = _VERSION_PREFIX.match(info.name or "")
+        match = versioned.match(info.name or "")
         if match and not info.deleted:
             versions.setdefault(int(match[1]), []).append(info.name)
             if info.description == "full":
@@ -296,13 +392,16 @@ def _file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-async def policy_history(js: JetStreamContext, spec: StreamSpec | None = None) -> list[PolicyUpdated]:
-    """Every ``policy.updated`` event still on the events stream, oldest first."""
+async def policy_history(
+    js: JetStreamContext, spec: StreamSpec | None = None, *, adapters: bool = False
+) -> list[PolicyUpdated]:
+    """Every ``policy.updated`` event of the base (``adapters``: of the LoRA adapters) still on the
+    events stream, oldest first."""
     from nats.js.api import ConsumerConfig, DeliverPolicy
     from nats.js.errors import NotFoundError
 
     spec = spec or StreamSpec()
-    subject = policy_subject(spec.prefix)
+    subject = adapter_subject(spec.prefix) if adapters else policy_subject(spec.prefix)
     try:
         last = await js.get_last_msg(spec.stream, subject)
     except NotFoundError:

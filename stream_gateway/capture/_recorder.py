@@ -260,8 +260,8 @@ class EventRecorder:
         return event.event_id, seq
 
     def policy_applied(self, report: WeightUpdateReport, *, replica: str, source: str, download_s: float,
-                       apply_s: float) -> None:  # fmt: skip
-        """This replica now samples from ``report.policy_version``."""
+                       apply_s: float, adapter: str | None = None) -> None:  # fmt: skip
+        """This replica now samples from ``report.policy_version`` (of LoRA ``adapter``, if named)."""
         if self._publish is None:
             return
         self._publish(
@@ -276,16 +276,23 @@ class EventRecorder:
                 pause_s=report.pause_s,
                 copy_s=report.copy_s,
                 in_flight=report.in_flight,
+                adapter=adapter,
             )
         )
 
-    def policy_rejected(self, current: int, rejected: int, reason: str, detail: str, *, replica: str) -> None:
-        """This replica refused version ``rejected`` and keeps serving ``current``."""
+    def policy_rejected(self, current: int, rejected: int, reason: str, detail: str, *, replica: str,
+                        adapter: str | None = None) -> None:  # fmt: skip
+        """This replica refused version ``rejected`` (of LoRA ``adapter``, if named) and keeps serving ``current``."""
         if self._publish is None:
             return
         self._publish(
             PolicyRejected.model_construct(
-                **self._global(current), replica=replica, rejected_version=rejected, reason=reason, detail=detail
+                **self._global(current),
+                replica=replica,
+                rejected_version=rejected,
+                reason=reason,
+                detail=detail,
+                adapter=adapter,
             )
         )
 

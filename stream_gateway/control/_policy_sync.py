@@ -12,6 +12,13 @@ waits for this, up to ``policy_sync_timeout_seconds``, before taking requests); 
 each new one as it arrives. Downloading, checking digests, reading the safetensors and checking
 names and shapes all happen while decoding goes on; decoding stops only for the copy into the
 model and the KV recompute (:meth:`Engine.update_weights`).
+
+LoRA adapters published over NATS (``policy.updated`` with ``adapter``, on their own subject) take
+the same road with their own versions: downloaded, then :meth:`PolicyApplier.apply_adapter` on the
+directory (the engine loads it between two decode steps; a new name adds an adapter). At start the
+follower brings every adapter in the history to its newest version that applies (a refused one is
+reported, and the version before it tried). Engines without LoRA report each adapter version as
+``policy.rejected`` ``unsupported`` and go on serving.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import TYPE_CHECKING
 import anyio
 from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import PolicyUpdated, decode_event
-from pipeline.policies import PolicyDownloadError, download_policy, policy_history, policy_subject
+from pipeline.policies import PolicyDownloadError, download_policy, policy_history, policy_subjects
 from pipeline.streams import StreamSpec
 
 from stream_gateway._metrics import GatewayMetrics
@@ -67,6 +74,16 @@ class PolicyApplier:
         """The engine's weights live on remote servers (a new version is only recorded)."""
         return self._engine.remote
 
+    @property
+    def serves_adapters(self) -> bool:
+        """The engine can load LoRA adapters (the transformers engine; it still refuses them
+        ``unsupported`` when started without ``--lora``)."""
+        return not self._engine.remote and callable(getattr(self._engine, "load_adapter", None))
+
+    def adapter_version(self, name: str) -> int | None:
+        """The version of adapter ``name`` in service; ``None``: not loaded."""
+        return self._engine.adapters.get(name)
+
     async def apply_directory(
         self, path: str | Path, policy_version: int, *, source: str, download_s: float = 0.0
     ) -> WeightUpdateReport:
@@ -105,13 +122,15 @@ class PolicyApplier:
         )  # fmt: skip
         return report
 
-    async def apply_adapter(self, name: str, path: str | Path, policy_version: int) -> WeightUpdateReport:
+    async def apply_adapter(
+        self, name: str, path: str | Path, policy_version: int, *, source: str | None = None, download_s: float = 0.0
+    ) -> WeightUpdateReport:
         """Load the PEFT adapter directory ``path`` as version ``policy_version`` of adapter
         ``name`` (docs/adapters.md): versions only go up per adapter; a new name adds one.
 
         Raises :class:`PolicyNotNewer`, or :class:`~stream_gateway.lora.AdapterRefused` for an
-        adapter the base cannot take or an engine without LoRA; the adapters in service are then
-        unchanged.
+        adapter the base cannot take or an engine without LoRA (after reporting them, as
+        ``policy.rejected`` with ``adapter``); the adapters in service are then unchanged.
         """
         from stream_gateway.lora import AdapterRefused
 
@@ -119,28 +138,54 @@ class PolicyApplier:
             current = self._engine.adapters.get(name)
             if current is not None and policy_version <= current:
                 detail = f"adapter {name}: version {policy_version} is not above the current {current}"
-                self._metrics.policy_updates.labels("not_newer").inc()
+                self.reject(policy_version, "not_newer", detail, adapter=name)
                 raise PolicyNotNewer(detail)
-            load = getattr(self._engine, "load_adapter", None)
-            if load is None:
-                raise AdapterRefused("unsupported", f"the {self._engine.name} engine serves no LoRA adapters")
+            if not self.serves_adapters:
+                refused = AdapterRefused("unsupported", f"the {self._engine.name} engine serves no LoRA adapters")
+                self.reject(policy_version, refused.reason, str(refused), adapter=name)
+                raise refused
+            started = time.perf_counter()
             try:
-                report: WeightUpdateReport = await load(name, str(path), policy_version)
+                report: WeightUpdateReport = await self._engine.load_adapter(name, str(path), policy_version)  # type: ignore[attr-defined]
             except AdapterRefused as exc:
-                self._metrics.policy_updates.labels(exc.reason).inc()
-                log.warning("adapter %s version %d refused (%s): %s", name, policy_version, exc.reason, exc)
+                self.reject(policy_version, exc.reason, str(exc), adapter=name)
                 raise
+        apply_s = time.perf_counter() - started
+        self._recorder.policy_applied(
+            report,
+            replica=self.replica,
+            source=source if source is not None else str(path),
+            download_s=download_s,
+            apply_s=apply_s,
+            adapter=name,
+        )
         self._metrics.policy_updates.labels("applied").inc()
         self._metrics.policy_pause.observe(report.pause_s)
-        log.info("adapter %s %d -> %d applied from %s", name, report.previous_version, policy_version, path)
+        if download_s:
+            self._metrics.policy_download.observe(download_s)
+        log.info(
+            "adapter %s %d -> %d applied from %s: download %.2f s, apply %.2f s, decoding paused %.1f ms",
+            name, report.previous_version, policy_version, source or path, download_s, apply_s, report.pause_s * 1e3,
+        )  # fmt: skip
         return report
 
-    def reject(self, policy_version: int, reason: str, detail: str) -> None:
-        """Report a refused version (the engine keeps its weights)."""
-        current = self._engine.policy_version
-        log.warning("policy %d rejected (%s): %s; still serving version %d", policy_version, reason, detail, current)
-        self._metrics.policy_updates.labels(reason).inc()
-        self._recorder.policy_rejected(current, policy_version, reason, detail, replica=self.replica)
+    def reject(self, policy_version: int, reason: str, detail: str, *, adapter: str | None = None) -> None:
+        """Report a refused version of the base or of LoRA ``adapter`` (the engine keeps what it serves)."""
+        metrics = self._metrics
+        if adapter is None:
+            current = self._engine.policy_version
+            log.warning(
+                "policy %d rejected (%s): %s; still serving version %d", policy_version, reason, detail, current
+            )
+        else:
+            current = self._engine.adapters.get(adapter, 0)
+            log.warning(
+                "adapter %s version %d rejected (%s): %s; still serving %s",
+                adapter, policy_version, reason, detail,
+                f"version {current}" if adapter in self._engine.adapters else "no such adapter",
+            )  # fmt: skip
+        metrics.policy_updates.labels(reason).inc()
+        self._recorder.policy_rejected(current, policy_version, reason, detail, replica=self.replica, adapter=adapter)
 
 
 class PolicyFollower:
@@ -200,12 +245,13 @@ class PolicyFollower:
             # Subscribe first, then read the history: an update published in between is seen twice
             # at worst, and the second time it is not newer (skipped quietly).
             subscription = await js.subscribe(
-                policy_subject(self._spec.prefix),
+                policy_subjects(self._spec.prefix),  # the base's and the adapters'
                 stream=self._spec.stream,
                 ordered_consumer=True,
                 config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW),
             )
             await self._catch_up(js)
+            await self._catch_up_adapters(js)
             self.caught_up.set()
             async for msg in subscription.messages:
                 try:
@@ -213,7 +259,9 @@ class PolicyFollower:
                 except ValueError as exc:
                     log.warning("policy follower: undecodable policy.updated message: %s", exc)
                     continue
-                if isinstance(event, PolicyUpdated):
+                if isinstance(event, PolicyUpdated) and event.adapter is not None:
+                    await self._apply_adapter(js, event, quiet_if_old=self._seen(event))
+                elif isinstance(event, PolicyUpdated):
                     await self._apply(js, event, quiet_if_old=self._seen(event))
         finally:
             with anyio.CancelScope(shield=True):
@@ -226,7 +274,7 @@ class PolicyFollower:
             log.warning("policy follower: could not read the policy history (%s); following new updates", exc)
             return
         current = self._applier.policy_version
-        newer = [e for e in history if e.policy_version > current]
+        newer = [e for e in history if e.adapter is None and e.policy_version > current]
         if not newer:
             return
         # The newest full version, then the partial ones published after it with higher versions.
@@ -265,5 +313,70 @@ class PolicyFollower:
                 return  # reported by the applier
             except Exception as exc:  # the engine failed: keep following, say so
                 applier.reject(event.policy_version, "engine", f"{type(exc).__name__}: {exc}")
+        finally:
+            await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
+
+    async def _catch_up_adapters(self, js: JetStreamContext) -> None:
+        """Every adapter in the history to its newest version that applies: the newest first, then
+        (if refused) the one before it, down to the version in service."""
+        try:
+            history = await policy_history(js, self._spec, adapters=True)
+        except Exception as exc:  # NATS went away: follow live updates only
+            log.warning("policy follower: could not read the adapters' history (%s); following new updates", exc)
+            return
+        by_name: dict[str, dict[int, PolicyUpdated]] = {}
+        for event in history:  # oldest first: a version published twice keeps its last event
+            if event.adapter is not None:
+                by_name.setdefault(event.adapter, {})[event.policy_version] = event
+        for name, versions in by_name.items():
+            current = self._applier.adapter_version(name)
+            plan = [versions[v] for v in sorted(versions, reverse=True) if current is None or v > current]
+            if plan:
+                log.info(
+                    "policy follower: adapter %s catching up (versions %s)", name, [e.policy_version for e in plan]
+                )
+            for event in plan:
+                outcome = await self._apply_adapter(js, event, quiet_if_old=True)
+                if outcome != "rejected":  # applied, or an engine that takes no adapters: done with this one
+                    break
+
+    async def _apply_adapter(self, js: JetStreamContext, event: PolicyUpdated, *, quiet_if_old: bool = False) -> str:
+        """Download and apply one adapter version: ``"applied"``, ``"rejected"``, ``"skipped"``
+        (old, seen before) or ``"unsupported"`` (an engine without LoRA)."""
+        from stream_gateway.lora import AdapterRefused
+
+        applier = self._applier
+        name = event.adapter
+        assert name is not None
+        current = applier.adapter_version(name)
+        if quiet_if_old and current is not None and event.policy_version <= current:
+            return "skipped"
+        self._handled.add(event.event_id)
+        if not applier.serves_adapters:  # reported by the applier as unsupported, nothing downloaded
+            log.warning(
+                "policy follower: adapter %s version %d skipped: no LoRA on this engine", name, event.policy_version
+            )
+            with contextlib.suppress(AdapterRefused, PolicyNotNewer):
+                await applier.apply_adapter(name, "", event.policy_version, source="nats")
+            return "unsupported"
+        directory = Path(tempfile.mkdtemp(prefix="sg-adapter-", dir=self._download_dir))
+        try:
+            started = time.perf_counter()
+            try:
+                await download_policy(js, event, directory)
+            except PolicyDownloadError as exc:
+                applier.reject(event.policy_version, exc.reason, str(exc), adapter=name)
+                return "rejected"
+            download_s = time.perf_counter() - started
+            try:
+                await applier.apply_adapter(name, directory, event.policy_version, source="nats", download_s=download_s)
+            except AdapterRefused as exc:
+                return "unsupported" if exc.reason == "unsupported" else "rejected"  # reported by the applier
+            except PolicyNotNewer:
+                return "rejected"
+            except Exception as exc:  # the engine failed: keep following, say so
+                applier.reject(event.policy_version, "engine", f"{type(exc).__name__}: {exc}", adapter=name)
+                return "rejected"
+            return "applied"
         finally:
             await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
