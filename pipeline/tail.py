@@ -201,17 +201,28 @@ def _detail(event: Event) -> str:
             size = sum(o.size for o in event.objects) / 2**20
             weights = f" weights={event.weights}" if event.weights else ""
             kind = "full" if event.full else "partial"
-            return f"published v{event.policy_version} ({kind}, {len(event.objects)} files, {size:.1f} MiB){weights}"
+            return (
+                f"{_adapter(event.adapter)}published v{event.policy_version} ({kind}, {len(event.objects)} files, "
+                f"{size:.1f} MiB){weights}"
+            )
         case PolicyApplied():
             return (
-                f"replica={event.replica} v{event.previous_version} -> v{event.policy_version} "
-                f"pause={event.pause_s * 1000:.1f}ms download={event.download_s * 1000:.0f}ms "
+                f"{_adapter(event.adapter)}replica={event.replica} "
+                f"v{event.previous_version} -> v{event.policy_version} pause={event.pause_s * 1000:.1f}ms download={event.download_s * 1000:.0f}ms "
                 f"in_flight={event.in_flight}"
             )
         case PolicyRejected():
-            return f"replica={event.replica} refused v{event.rejected_version} ({event.reason}): {event.detail}"
+            return (
+                f"{_adapter(event.adapter)}replica={event.replica} refused v{event.rejected_version} "
+                f"({event.reason}): {event.detail}"
+            )
         case _:
             return ""
+
+
+def _adapter(name: str | None) -> str:
+    """The adapter a policy event is about, as a prefix (nothing for the base model)."""
+    return f"adapter={name} " if name is not None else ""
 
 
 def _generation(event: TurnRecord) -> str:
