@@ -208,8 +208,8 @@ def _detail(event: Event) -> str:
         case PolicyApplied():
             return (
                 f"{_adapter(event.adapter)}replica={event.replica} "
-                f"v{event.previous_version} -> v{event.policy_version} pause={event.pause_s * 1000:.1f}ms download={event.download_s * 1000:.0f}ms "
-                f"in_flight={event.in_flight}"
+                f"v{event.previous_version} -> v{event.policy_version} pause={event.pause_s * 1000:.1f}ms "
+                f"download={event.download_s * 1000:.0f}ms in_flight={event.in_flight}"
             )
         case PolicyRejected():
             return (
