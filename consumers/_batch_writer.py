@@ -195,6 +195,7 @@ def _manifest(
         prompt_length=record.prompt_length,
         response_length=record.response_length,
         created_at=record.created_at,
+        adapter=record.adapter,
     )
 
 

@@ -12,8 +12,9 @@ storage, history 1)::
 
 A :class:`BatchRecord` holds the members and their uids in order, the policies applied (so a
 recovered batch is rebuilt exactly as it was assigned, whatever the batcher's flags are now), the
-creation time, the batches stream's last sequence before publishing, and ``state``: ``assigned``,
-later ``published``. A trajectory is *bound* to a batch iff its ``t.`` key names a batch whose
+creation time, the batches stream's last sequence before publishing, the LoRA adapter of its
+members (every member's: batches never mix adapters), and ``state``: ``assigned``, later
+``published``. A trajectory is *bound* to a batch iff its ``t.`` key names a batch whose
 ``b.`` record exists and lists it; an index entry without a record (a crash between the two
 writes) binds nothing and is overwritten.
 
@@ -49,6 +50,13 @@ Deliberate choices:
   record written now reads in an older batcher.
 * ``batches_last_seq`` is only known at the commit; a record that has none (never written so)
   leaves the key out rather than writing ``null``.
+* ``adapter`` is left out for the base model (``null``), so a base model's record is byte for byte
+  what it was before adapters, and a record without it (written before) is the base's. A
+  record that has one names it last, after ``batches_last_seq``.
+* Batchers serving different adapters (``--adapter``) may share one bucket: their batches have
+  disjoint members, and a trajectory another batcher bound is never looked up by this one (it
+  is not its adapter's). Sharing it means a batcher that replaces a batcher of every adapter
+  skips what that one already published.
 * ``batch_id`` is the sha256 of the sorted member ids (:func:`batch_id_of`): the same members
   make the same id, which JetStream deduplicates as the manifest's ``Nats-Msg-Id``.
 """
@@ -88,6 +96,7 @@ class BatchRecord:
     no_reward: Literal["drop", "zero"]
     created_at: float  # Unix seconds, when the batch was first assembled
     batches_last_seq: int | None = None  # the batches stream's last sequence at the commit
+    adapter: str | None = None  # the LoRA adapter of every member; None: the base model
 
     @classmethod
     def assign(cls, plan: PlannedBatch, policy: GroupingPolicy, created_at: float) -> BatchRecord:
@@ -103,6 +112,7 @@ class BatchRecord:
             overlong=policy.overlong,
             no_reward=policy.no_reward,
             created_at=created_at,
+            adapter=plan.adapter,
         )
 
     def committed(self, batches_last_seq: int) -> BatchRecord:
@@ -114,10 +124,12 @@ class BatchRecord:
         return dataclasses.replace(self, state="published")
 
     def encode(self) -> bytes:
-        """The wire form: compact JSON, fields in order, ``batches_last_seq`` left out while unknown."""
+        """The wire form: compact JSON, fields in order, ``batches_last_seq`` left out while unknown and
+        ``adapter`` for the base model."""
         data = dataclasses.asdict(self)
-        if self.batches_last_seq is None:
-            del data["batches_last_seq"]
+        for key in ("batches_last_seq", "adapter"):
+            if data[key] is None:
+                del data[key]
         return orjson.dumps(data)
 
     @classmethod
@@ -135,6 +147,7 @@ class BatchRecord:
             no_reward=data["no_reward"],
             created_at=data["created_at"],
             batches_last_seq=data.get("batches_last_seq"),
+            adapter=data.get("adapter"),
         )
 
     @classmethod

@@ -22,6 +22,16 @@ choice of members is made durable before anything is published, as a
 :class:`~consumers.batch_record.BatchRecord` in the KV bucket ``state_bucket``, and a delivery of
 a trajectory already bound to a batch rebuilds or skips that batch. :mod:`consumers.batch_record`
 tells the argument and its limits; it holds with **one batcher per durable consumer**.
+
+LoRA adapters: a batch never mixes them (:mod:`consumers.grouping`: groups, batches and
+staleness are per adapter, and the manifest names the batch's adapter). With ``only_adapter``
+(or ``only_base``: the base model; ``--adapter``/``--base`` on the command line) the batcher takes
+one adapter's trajectories, for a trainer of that adapter. It reads through a durable consumer
+of its own, ``<durable>-adapter-<name>`` (``<durable>-base``), so that batchers of different
+adapters each receive every trajectory: each acknowledges the other adapters' at once,
+untouched (``other_adapter`` in :meth:`Batcher.statistics`), on its own consumer only, before
+looking up any batch binding. They may share ``state_bucket``: their batches' members are
+disjoint.
 """
 
 from __future__ import annotations
@@ -37,12 +47,21 @@ import anyio
 from anyio.abc import TaskStatus
 from pipeline.connection import NatsAuth
 from pipeline.events import PolicyUpdated, decode_event
+from pipeline.policies import adapter_subject, policy_subject
 from pipeline.subscriber import message_payload
 
 from ._batch_writer import BatchWriter, open_state_bucket
 from ._runner import DurableRunner, PullSpec
 from .batch_record import BatchRecord
-from .grouping import DroppedGroup, GroupingPolicy, GroupPlanner, check_batch_shape, prepare_trajectory
+from .grouping import (
+    AdapterFilter,
+    DroppedGroup,
+    GroupingPolicy,
+    GroupPlanner,
+    adapter_filter,
+    check_batch_shape,
+    prepare_trajectory,
+)
 from .parquet import require_pyarrow
 from .streams import ConsumerStreams
 from .trajectory import Trajectory
@@ -65,7 +84,9 @@ class BatcherConfig:
     servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
     auth: NatsAuth = field(default_factory=NatsAuth)  # credentials and TLS
     names: ConsumerStreams = field(default_factory=ConsumerStreams)
-    durable: str = "batcher"
+    durable: str = "batcher"  # with an adapter filter, the consumer is named after it too (consumer_name)
+    only_adapter: str | None = None  # take only this LoRA adapter's trajectories
+    only_base: bool = False  # take only the base model's trajectories
     batch_size: int = 16  # trajectories per batch
     group_size: int = 1  # a batch holds only whole groups of this size
     group_key: str = "metadata:group"  # or "prompt"
@@ -87,7 +108,19 @@ class BatcherConfig:
         check_batch_shape(self.batch_size, self.group_size)
         if self.max_pending < self.batch_size:
             raise ValueError(f"max_pending {self.max_pending} must be at least batch_size {self.batch_size}")
-        _ = self.grouping  # checks the rest
+        _ = self.grouping  # checks the policies
+        _ = self.adapters  # and the adapter filter
+
+    @property
+    def adapters(self) -> AdapterFilter | None:
+        """The one adapter this batcher takes (``only_adapter``/``only_base``); ``None``: every adapter."""
+        return adapter_filter(self.only_adapter, self.only_base)
+
+    @property
+    def consumer_name(self) -> str:
+        """The durable consumer read: ``durable``, or with an adapter filter ``<durable>-adapter-<name>``/``-base``."""
+        adapters = self.adapters
+        return self.durable if adapters is None else adapters.consumer_name(self.durable)
 
     @property
     def grouping(self) -> GroupingPolicy:
@@ -122,11 +155,14 @@ class BatcherStatistics:
     batches: int
     recovered_batches: int  # of which: batches assigned by a previous process, published now
     duplicates_skipped: int  # already in a published batch, or a second copy of a held one
-    policy_version: int | None
+    policy_version: int | None  # of the adapter taken (only_adapter/only_base), else of the base model
+    other_adapter: int = 0  # trajectories of an adapter this batcher does not take, acknowledged untouched
+    adapter_versions: dict[str | None, int] = field(default_factory=dict)  # newest known per adapter (None: base)
 
 
 # The counters a Batcher keeps itself; the rest of its statistics are read off its state.
-_COUNTERS = tuple(f.name for f in fields(BatcherStatistics) if f.name not in ("held", "open_groups", "policy_version"))
+_STATE = ("held", "open_groups", "policy_version", "adapter_versions")
+_COUNTERS = tuple(f.name for f in fields(BatcherStatistics) if f.name not in _STATE)
 
 
 @dataclass(slots=True)
@@ -158,6 +194,7 @@ class Batcher:
     def __init__(self, config: BatcherConfig, progress: Callable[[str], None] | None = None) -> None:
         self._config = config
         self._progress = progress
+        self._adapters = config.adapters
         self._planner = GroupPlanner(config.grouping)
         self._held: dict[str, _Held] = {}
         self._bound: dict[str, _Batch] = {}  # batch id -> an assigned batch waiting for its members
@@ -167,7 +204,7 @@ class Batcher:
         spec = PullSpec(
             stream=config.names.trajectories,
             subjects=config.names.trajectory_subjects,
-            durable=config.durable,
+            durable=config.consumer_name,
             ack_wait_s=config.ack_wait_s,
             max_ack_pending=config.max_pending,
             fetch_timeout_s=_FETCH_TIMEOUT_S,
@@ -182,11 +219,13 @@ class Batcher:
 
     def statistics(self) -> BatcherStatistics:
         """A snapshot of the counters."""
+        adapter = None if self._adapters is None else self._adapters.adapter
         return BatcherStatistics(
             **self._counts,
             held=len(self._held),
             open_groups=self._planner.open_groups,
-            policy_version=self._planner.current_version,
+            policy_version=self._planner.version_of(adapter),
+            adapter_versions=self._planner.versions(),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -235,6 +274,12 @@ class Batcher:
             log.error("batcher: undecodable trajectory message %s: %s", msg.metadata.sequence.stream, exc)
             self._counts["undecodable"] += 1
             await msg.ack()
+            return
+        if self._adapters is not None and not self._adapters.takes(trajectory.adapter):
+            # Another adapter's: its own batcher has its own consumer. Before any binding lookup,
+            # as a batch of that adapter in a shared bucket is not this batcher's to rebuild.
+            self._counts["other_adapter"] += 1
+            self._ack_soon(msg)
             return
         tid, sequence = trajectory.trajectory_id, msg.metadata.sequence.stream
         held = self._held.get(tid)
@@ -337,7 +382,12 @@ class Batcher:
                 log.warning("batcher: ack of a member of %s failed: %r", batch.batch_id, exc)
         self._counts["batches"] += 1
         self._counts["recovered_batches"] += batch.recovered
-        log.info("batcher: batch %s published (%d trajectories)", batch.batch_id, len(batch.members))
+        log.info(
+            "batcher: batch %s published (%d trajectories%s)",
+            batch.batch_id,
+            len(batch.members),
+            "" if batch.record.adapter is None else f", adapter {batch.record.adapter!r}",
+        )
 
     async def _flush_acks(self) -> None:
         import nats.errors
@@ -359,8 +409,9 @@ class Batcher:
             await anyio.sleep(interval)
             for group in self._planner.expire():
                 log.info(
-                    "batcher: group %s incomplete after %.0f s (%d held): dropped",
+                    "batcher: group %s%s incomplete after %.0f s (%d held): dropped",
                     group.uid,
+                    "" if group.adapter is None else f" (adapter {group.adapter!r})",
                     self._config.group_timeout_s,
                     len(group.members),
                 )
@@ -373,20 +424,48 @@ class Batcher:
                     break
 
     async def _policy_loop(self) -> None:
+        """Note the newest ``policy.updated`` of the base model and of every LoRA adapter.
+
+        The base's are on :func:`~pipeline.policies.policy_subject` (its latest is read at each
+        poll); the adapters' on :func:`~pipeline.policies.adapter_subject`, every adapter's on that
+        one subject, so each poll reads those after the last one it noted, one by one.
+        """
         import nats.errors
 
         assert self._js is not None
         names = self._config.names
-        subject = f"{names.prefix}.events._._.policy.updated"
+        base_subject = policy_subject(names.prefix)
+        noted = 0  # the adapters' events are noted up to this stream sequence
         while True:
             try:
-                raw = await self._js.get_last_msg(names.events, subject)
+                raw = await self._js.get_last_msg(names.events, base_subject)
                 event = decode_event(raw.data or b"")
-                if isinstance(event, PolicyUpdated):
+                if isinstance(event, PolicyUpdated) and event.adapter is None:
                     self._planner.note_policy(event.policy_version)
             except (nats.errors.Error, ValueError) as exc:  # no events stream or no update yet
                 log.debug("batcher: no policy.updated event: %r", exc)
+            try:
+                noted = await self._note_adapter_policies(noted)
+            except nats.errors.Error as exc:  # no events stream or no adapter update yet
+                log.debug("batcher: no adapter's policy.updated event: %r", exc)
             await anyio.sleep(self._config.policy_poll_s)
+
+    async def _note_adapter_policies(self, noted: int) -> int:
+        """Note the adapters' ``policy.updated`` events after stream sequence ``noted``; the last one noted."""
+        assert self._js is not None
+        stream, subject = self._config.names.events, adapter_subject(self._config.names.prefix)
+        last = int((await self._js.get_last_msg(stream, subject)).seq or 0)
+        while noted < last:
+            raw = await self._js.get_msg(stream, noted + 1, subject=subject, next=True)
+            try:
+                event = decode_event(raw.data or b"")
+            except ValueError as exc:  # not an event this batcher can read: the others still count
+                log.warning("batcher: unreadable policy event %s on %s: %s", raw.seq, subject, exc)
+            else:
+                if isinstance(event, PolicyUpdated) and event.adapter is not None:
+                    self._planner.note_policy(event.policy_version, event.adapter)
+            noted = max(int(raw.seq or 0), noted + 1)
+        return noted
 
     async def _progress_loop(self) -> None:
         assert self._progress is not None
@@ -399,6 +478,8 @@ class Batcher:
                 f"{s.dropped_no_reward} no reward / {s.dropped_incomplete_group} in incomplete groups, "
                 f"{s.truncated} truncated, {s.duplicates_skipped} duplicates skipped"
             )
+            if self._adapters is not None:
+                line += f", {s.other_adapter} of other adapters skipped (only {self._adapters})"
             if s.held >= self._config.max_pending:
                 line += " (max_pending reached: incomplete groups block the consumer; see group_timeout_s)"
             self._progress(line)

@@ -72,6 +72,8 @@ def batcher_config(
         response_length=args.response_length,
         overlong=args.overlong,
         no_reward=args.no_reward,
+        only_adapter=args.adapter,
+        only_base=args.base,
         output_dir=output_dir,
     )
 
@@ -89,7 +91,10 @@ def _batch(args: argparse.Namespace) -> int:
         print(f"stream-gateway batch: {exc}", file=sys.stderr)
         return 2
     where = f", parquet files in {output_dir}" if output_dir else ""
-    progress(f"batcher: batches of {config.batch_size} (groups of {config.group_size}) from {args.nats_url}{where}")
+    only = "" if config.adapters is None else f" of {config.adapters} only (consumer {config.consumer_name})"
+    progress(
+        f"batcher: batches of {config.batch_size} (groups of {config.group_size}){only} from {args.nats_url}{where}"
+    )
     return _run_consumer("batch", run_batcher, config)
 
 
@@ -116,6 +121,9 @@ def add_batch_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--response-length", type=int, default=2048, help="verl response length")
     command.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="too-long responses")
     command.add_argument("--no-reward", choices=("drop", "zero"), default="drop", help="samples without a reward")
+    only = command.add_mutually_exclusive_group()
+    only.add_argument("--adapter", metavar="NAME", help="only this LoRA adapter's trajectories (a consumer of its own)")
+    only.add_argument("--base", action="store_true", help="only the base model's trajectories, none of an adapter's")
 
 
 def add_commands(commands: Any) -> None:

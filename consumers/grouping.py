@@ -9,8 +9,11 @@ Policies, checked in this order except that a too-long *response* is judged afte
 (:func:`prepare_trajectory` holds all but staleness):
 
 * **staleness**: dropped when ``min_policy_version < current - max_staleness``, ``current`` being
-  the highest of the latest ``policy.updated`` event (:meth:`GroupPlanner.note_policy`) and the
-  highest ``max_policy_version`` seen in a trajectory (:meth:`GroupPlanner.note_trajectory`);
+  the newest version known *of the trajectory's adapter*: the highest ``max_policy_version`` seen
+  in a trajectory of that adapter (:meth:`GroupPlanner.note_trajectory`) and the latest
+  ``policy.updated`` event of it (:meth:`GroupPlanner.note_policy`). Each LoRA adapter numbers
+  its versions from 0 (:attr:`~consumers.trajectory.Trajectory.adapter`), so an adapter at version
+  5 makes nothing of the base's, or of another adapter's, stale;
 * **malformed**: ids, mask, logprobs and reasoning mask of different lengths, a mask value other
   than 0/1, a sampled id inside the first prompt (which verl's layout would lose), thinking
   marked on an id that was not sampled, or routed experts that are not one row per id but the
@@ -30,27 +33,39 @@ incomplete group held that long is released by :meth:`GroupPlanner.expire`; with
 forever. Whole groups go into batches in the order they completed; two groups of one key in one
 batch get distinct uids (``<uid>.1``, ...).
 
+LoRA adapters never mix: every adapter (and the base model) has its own groups, its own queue of
+whole groups and its own versions, as if it had a planner of its own; a group's key is its uid
+*and* its adapter, and a batch (:class:`PlannedBatch`, whose ``adapter`` it names) is made of one
+adapter's groups. The next batch is that of the adapter whose oldest whole group completed first,
+among those with ``batch_size`` members ready. A batcher serving one adapter
+(:class:`AdapterFilter`) hands the planner only that adapter's trajectories.
+
 The count of a group's dropped members lives here, in memory: after a restart such a group waits
 for members that will not come (hence ``group_timeout_s``).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pipeline.events import subject_token
+
 from .trajectory import Trajectory, TurnSummary
 
 __all__ = [
+    "AdapterFilter",
     "Admission",
     "Drop",
     "DroppedGroup",
     "GroupPlanner",
     "GroupingPolicy",
     "PlannedBatch",
+    "adapter_filter",
     "check_batch_shape",
     "prepare_trajectory",
 ]
@@ -62,6 +77,46 @@ def check_batch_shape(batch_size: int, group_size: int) -> None:
     """Raise ``ValueError`` unless ``batch_size`` is a positive multiple of a positive ``group_size``."""
     if batch_size < 1 or group_size < 1 or batch_size % group_size:
         raise ValueError(f"batch_size {batch_size} must be a positive multiple of group_size {group_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterFilter:
+    """The one LoRA adapter whose trajectories (or batches) a consumer takes: ``adapter``, or the base model (``None``).
+
+    Built by :func:`adapter_filter` from a consumer's ``only_adapter``/``only_base`` settings. An
+    adapter may be named ``base``, so the base model is selected by a setting of its own.
+    """
+
+    adapter: str | None  # None: the base model
+
+    def takes(self, adapter: str | None) -> bool:
+        """Whether a trajectory or batch of ``adapter`` (``None``: the base model) is this consumer's."""
+        return adapter == self.adapter
+
+    def consumer_name(self, durable: str) -> str:
+        """The durable consumer of a filtered consumer: ``<durable>-base`` or ``<durable>-adapter-<name>``.
+
+        One per adapter, so that each filtered consumer sees every message and keeps its own;
+        a name that is not a safe NATS token is digested (:func:`pipeline.events.subject_token`).
+        """
+        return f"{durable}-base" if self.adapter is None else f"{durable}-adapter-{subject_token(self.adapter)}"
+
+    def __str__(self) -> str:
+        return "the base model" if self.adapter is None else f"adapter {self.adapter!r}"
+
+
+def adapter_filter(only_adapter: str | None, only_base: bool) -> AdapterFilter | None:
+    """The filter of ``only_adapter=NAME`` or ``only_base=True``; ``None``: neither (every adapter is taken).
+
+    Both at once, or an empty name, is a :class:`ValueError`.
+    """
+    if only_adapter is not None and only_base:
+        raise ValueError("only_adapter and only_base exclude each other: a consumer takes one adapter's trajectories")
+    if only_adapter is not None and not only_adapter:
+        raise ValueError("only_adapter must name an adapter (only_base selects the base model)")
+    if only_base:
+        return AdapterFilter(None)
+    return None if only_adapter is None else AdapterFilter(only_adapter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +210,7 @@ class DroppedGroup:
 
     uid: str
     members: tuple[str, ...]  # trajectory ids held until now, to be acknowledged and forgotten
+    adapter: str | None = None  # the LoRA adapter of its members; None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +223,14 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class PlannedBatch:
-    """The members of the next batch and their uids, in row order: whole groups, one after another."""
+    """The members of the next batch and their uids, in row order: whole groups, one after another.
+
+    Every member is of ``adapter`` (``None``: the base model): batches never mix adapters.
+    """
 
     members: tuple[str, ...]
     uids: tuple[str, ...]
+    adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -181,16 +241,33 @@ class _OpenGroup:
     dropped: set[str] = field(default_factory=set)  # a set: a second copy of a dropped one counts once
 
 
+@dataclass(slots=True)
+class _Lane:
+    """One adapter's (or the base model's) groups and versions: adapters never share a group or a batch."""
+
+    open: dict[str, _OpenGroup] = field(default_factory=dict)  # group uid -> its current (incomplete) instance
+    ready: deque[tuple[int, str, list[str]]] = field(default_factory=deque)  # (completion number, uid, members)
+    policy_version: int | None = None  # from policy.updated events (the base model's)
+    seen_version: int | None = None  # from trajectories
+
+    @property
+    def current_version(self) -> int | None:
+        known = [v for v in (self.policy_version, self.seen_version) if v is not None]
+        return max(known) if known else None
+
+    @property
+    def ready_members(self) -> int:
+        return sum(len(members) for _, _, members in self.ready)
+
+
 class GroupPlanner:
     """The batcher's grouping policy as a state machine without I/O (see the module docstring)."""
 
     def __init__(self, policy: GroupingPolicy, clock: Callable[[], float] = time.monotonic) -> None:
         self._policy = policy
         self._clock = clock
-        self._open: dict[str, _OpenGroup] = {}  # group uid -> its current (incomplete) instance
-        self._ready: deque[tuple[str, list[str]]] = deque()  # whole groups, in completion order
-        self._policy_version: int | None = None  # from policy.updated events
-        self._seen_version: int | None = None  # from trajectories
+        self._lanes: dict[str | None, _Lane] = {}  # adapter (None: the base model) -> its groups and versions
+        self._completed = itertools.count()  # orders whole groups across adapters
 
     @property
     def policy(self) -> GroupingPolicy:
@@ -199,29 +276,40 @@ class GroupPlanner:
 
     @property
     def open_groups(self) -> int:
-        """Groups whose members are still arriving."""
-        return len(self._open)
+        """Groups whose members are still arriving (of every adapter)."""
+        return sum(len(lane.open) for lane in self._lanes.values())
 
     @property
     def current_version(self) -> int | None:
-        """The newest policy version known (what staleness is measured from); ``None``: none yet."""
-        known = [v for v in (self._policy_version, self._seen_version) if v is not None]
-        return max(known) if known else None
+        """The newest policy version known of the base model; ``None``: none yet (see :meth:`version_of`)."""
+        return self.version_of(None)
 
-    def note_policy(self, version: int) -> None:
-        """A ``policy.updated`` event announced ``version``."""
-        self._policy_version = max(self._policy_version or 0, version)
+    def version_of(self, adapter: str | None) -> int | None:
+        """The newest version known of ``adapter`` (``None``: the base model), what its staleness is measured from."""
+        lane = self._lanes.get(adapter)
+        return None if lane is None else lane.current_version
+
+    def versions(self) -> dict[str | None, int]:
+        """The newest version known of every adapter seen (``None``: the base model)."""
+        return {a: v for a, lane in self._lanes.items() if (v := lane.current_version) is not None}
+
+    def note_policy(self, version: int, adapter: str | None = None) -> None:
+        """A ``policy.updated`` event announced ``version`` of ``adapter`` (``None``: the base model)."""
+        lane = self._lane(adapter)
+        lane.policy_version = max(lane.policy_version or 0, version)
 
     def note_trajectory(self, trajectory: Trajectory) -> None:
-        """A trajectory arrived (bound to a batch or not): its newest version counts as known."""
+        """A trajectory arrived (bound to a batch or not): its newest version counts as known for its adapter."""
+        lane = self._lane(trajectory.adapter)
         version = trajectory.max_policy_version
-        self._seen_version = version if self._seen_version is None else max(self._seen_version, version)
+        lane.seen_version = version if lane.seen_version is None else max(lane.seen_version, version)
 
     def admit(self, trajectory: Trajectory) -> Admission:
-        """Decide one trajectory that is not bound to a batch: drop it, or hold it in its group."""
+        """Decide one trajectory that is not bound to a batch: drop it, or hold it in its adapter's group."""
         policy = self._policy
+        lane = self._lane(trajectory.adapter)
         outcome: Trajectory | Drop
-        current = self.current_version
+        current = lane.current_version
         if policy.max_staleness is not None and current is not None:
             stale = trajectory.min_policy_version < current - policy.max_staleness
         else:
@@ -237,20 +325,20 @@ class GroupPlanner:
                 no_reward=policy.no_reward,
             )
         uid = _group_uid(trajectory, policy.group_key)
-        group = self._open.get(uid)
+        group = lane.open.get(uid)
         if group is None:
-            group = self._open[uid] = _OpenGroup(uid, since=self._clock())
+            group = lane.open[uid] = _OpenGroup(uid, since=self._clock())
         if isinstance(outcome, str):
             group.dropped.add(trajectory.trajectory_id)
         else:
             group.members.append(trajectory.trajectory_id)
         released = None
         if len(group.members) + len(group.dropped) >= policy.group_size:
-            del self._open[uid]
+            del lane.open[uid]
             if group.dropped:
-                released = DroppedGroup(uid, tuple(group.members))
+                released = DroppedGroup(uid, tuple(group.members), trajectory.adapter)
             else:
-                self._ready.append((uid, group.members))
+                lane.ready.append((next(self._completed), uid, group.members))
         return Admission(outcome, released)
 
     def expire(self) -> list[DroppedGroup]:
@@ -259,24 +347,39 @@ class GroupPlanner:
         if timeout is None:
             return []
         cutoff = self._clock() - timeout
-        expired = [uid for uid, group in self._open.items() if group.since < cutoff]
-        return [DroppedGroup(uid, tuple(self._open.pop(uid).members)) for uid in expired]
+        released = []
+        for adapter, lane in self._lanes.items():
+            for uid in [uid for uid, group in lane.open.items() if group.since < cutoff]:
+                released.append(DroppedGroup(uid, tuple(lane.open.pop(uid).members), adapter))
+        return released
 
     def next_batch(self) -> PlannedBatch | None:
-        """The next ``batch_size`` members from whole groups, oldest first; ``None``: not enough yet."""
+        """The next ``batch_size`` members from one adapter's whole groups, oldest first; ``None``: not enough yet.
+
+        Of the adapters with enough members ready, the one whose oldest whole group completed first.
+        """
         batch_size = self._policy.batch_size
-        if sum(len(members) for _, members in self._ready) < batch_size:
+        full = [(lane.ready[0][0], a) for a, lane in self._lanes.items() if lane.ready_members >= batch_size]
+        if not full:
             return None
+        _, adapter = min(full, key=lambda item: item[0])
+        lane = self._lanes[adapter]
         uids: list[str] = []
         members: list[str] = []
         occurrences: dict[str, int] = {}
         while len(members) < batch_size:
-            uid, group = self._ready.popleft()
+            _, uid, group = lane.ready.popleft()
             seen = occurrences.get(uid, 0)
             occurrences[uid] = seen + 1
             uids += [uid if not seen else f"{uid}.{seen}"] * len(group)
             members += group
-        return PlannedBatch(tuple(members), tuple(uids))
+        return PlannedBatch(tuple(members), tuple(uids), adapter)
+
+    def _lane(self, adapter: str | None) -> _Lane:
+        lane = self._lanes.get(adapter)
+        if lane is None:
+            lane = self._lanes[adapter] = _Lane()
+        return lane
 
 
 def _group_uid(trajectory: Trajectory, key: str) -> str:

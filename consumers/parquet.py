@@ -11,6 +11,7 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     uid              string        the group's id in this batch (verl's ``uid``)
     trajectory_id    string
     session_id, tenant, model, agent (nullable), emitted_because, reward_source (nullable)
+    adapter          string (nullable)  the LoRA adapter that sampled the row; null: the base model
     token_ids        list<int32>   prompt + response ids
     loss_mask        list<int8>    1 on sampled ids
     logprobs         list<double>  the sampling logprobs (0.0 where not sampled), exact
@@ -32,7 +33,10 @@ The file's key-value metadata carries ``sg.batch_id``, ``sg.prompt_length`` and
 ``sg.response_length``. Logprobs stay float64 (not verl's float32) so a row equals the
 trajectory it came from; the padded tensors are cast when the batch is built. A file written
 before ``reasoning_mask`` (trajectory schema 2) still reads, with no thinking (all 0), and one
-written before ``routed_experts`` (schema 3) with no routes; the manifest did not change.
+written before ``routed_experts`` (schema 3) with no routes, and one written before ``adapter``
+with the base model's rows (null). A batch holds one adapter's rows (the batcher never mixes
+them), and its manifest names that adapter (``adapter``, left out for the base model, so a base
+model's manifest is what it was before adapters and still reads in an older trainer).
 
 pyarrow is imported lazily: it comes with the ``verl`` extra.
 """
@@ -78,10 +82,17 @@ class BatchManifest(BaseModel):
     prompt_length: int = Field(description="the batcher's prompt_length (every row's prompt fits)")
     response_length: int = Field(description="the batcher's response_length (every row's response fits)")
     created_at: float = Field(description="when the batch was first assembled, Unix seconds")
+    adapter: str | None = Field(
+        None,
+        description="the LoRA adapter of every row (a batch never mixes adapters); null or absent: the base model",
+    )
 
     def encode(self) -> bytes:
-        """The wire form: compact JSON."""
-        return orjson.dumps(self.model_dump(mode="python"))
+        """The wire form: compact JSON (``adapter`` left out for the base model)."""
+        data = self.model_dump(mode="python")
+        if data["adapter"] is None:
+            del data["adapter"]
+        return orjson.dumps(data)
 
     @classmethod
     def decode(cls, data: bytes | str) -> BatchManifest:
@@ -124,6 +135,7 @@ def _schema() -> pa.Schema:
             ("max_policy_version", pa.int64()),
             ("reward", pa.float64()),
             ("reward_source", pa.string()),
+            ("adapter", pa.string()),
             ("aborted", pa.bool_()),
             ("truncated", pa.bool_()),
             ("complete", pa.bool_()),

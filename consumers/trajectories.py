@@ -16,6 +16,12 @@ so far, and the whole must be one row per token but the last. A chain where some
 routes and others do not, or whose rows do not join up, gets none: it is logged and reported
 through ``on_unrouted``, never raised (the ids and masks are still exact). A chain with no
 routes at all (a dense model, events before schema 4) gets none silently.
+
+A chain's LoRA adapter (:attr:`Trajectory.adapter`, null: the base model) is its turns'
+``adapter``. The gateway keeps a session on its first turn's adapter, so a chain has one; one
+whose turns name several anyway takes its leaf's, logged as a warning, and its
+``min_policy_version``/``max_policy_version`` count only the tokens that adapter sampled (the
+others' versions are another sequence's numbers).
 """
 
 from __future__ import annotations
@@ -172,8 +178,12 @@ def _trajectory(
         routes = routes.head(max_tokens - 1) if routes is not None else None
         summaries = [s for s in summaries if s.start < max_tokens]
         truncated = True
-    # Every kept token's version counts: a turn that spans a weight update holds several.
-    versions = [v for v in token_policy_versions(summaries, len(tokens)) if v >= 0] or [root.policy_version]
+    adapter = _chain_adapter(chain)
+    # Every kept token's version counts: a turn that spans a weight update holds several. Only
+    # the chain's adapter's turns count: another adapter's versions are another sequence.
+    own = [turn for turn in chain if turn.adapter == adapter]
+    counted = [s for s in summaries if s.turn_id in {turn.turn_id for turn in own}]
+    versions = [v for v in token_policy_versions(counted, len(tokens)) if v >= 0] or [own[0].policy_version]
     return Trajectory(
         trajectory_id=trajectory_id(root.session_id or "", list(laid_out.turn_ids)),
         session_id=root.session_id or "",
@@ -186,6 +196,7 @@ def _trajectory(
         logprobs=logprobs,
         reasoning_mask=reasoning,
         routed_experts=routes,
+        adapter=adapter,
         prompt_length=prompt_length,
         turns=summaries,
         num_turns=len(summaries),
@@ -200,6 +211,25 @@ def _trajectory(
         started_at=root.started_at,
         ended_at=chain[-1].started_at + chain[-1].duration_s,
     )
+
+
+def _chain_adapter(chain: list[TurnRecord]) -> str | None:
+    """The chain's LoRA adapter (``None``: the base): its leaf's, with a warning if the turns disagree."""
+    leaf = chain[-1]
+    others = {_adapter_name(turn.adapter) for turn in chain if turn.adapter != leaf.adapter}
+    if others:
+        log.warning(
+            "session %s: chain ending in turn %s mixes LoRA adapters (%s besides %s): it takes the leaf's",
+            leaf.session_id,
+            leaf.turn_id,
+            ", ".join(sorted(others)),
+            _adapter_name(leaf.adapter),
+        )
+    return leaf.adapter
+
+
+def _adapter_name(adapter: str | None) -> str:
+    return "the base model" if adapter is None else f"adapter {adapter!r}"
 
 
 def chain_routes(chain: list[TurnRecord], length: int) -> ExpertRoutes | None:

@@ -28,6 +28,13 @@ A trajectory is one chain of turns of a session (root to leaf of its turn tree),
   ``routed_experts``, :mod:`pipeline.events`) end to end; the last token was never fed, so it
   has no row. Null: a dense model, a turn without routes in the chain, or a trajectory written
   before schema 4.
+* the LoRA adapter that sampled the chain (schema 4): ``adapter``, null for the base model. Its
+  turns' ``policy_versions``, and so ``min_policy_version``/``max_policy_version``, are that
+  adapter's versions: each adapter numbers its own from 0, and the base has its own. The
+  gateway keeps a session on the adapter of its first turn, so a chain has one; a chain that
+  mixes adapters anyway (events edited or merged by hand) takes its leaf's, with a warning, and
+  its min/max versions count only that adapter's tokens. A trajectory written before schema 4
+  decodes with ``adapter`` null: the base.
 
 A turn that did not extend its parent (a new root) starts a trajectory of its own; the gateway
 never splices, so neither does the assembler. The trajectory id is a digest of the session id
@@ -57,7 +64,7 @@ __all__ = [
 ]
 
 # 2: per-token policy versions (turns' policy_versions); 3: thinking (reasoning_mask, turns' reasoning_tokens);
-# 4: routed experts (routed_experts)
+# 4: routed experts (routed_experts) and the LoRA adapter (adapter)
 TRAJECTORY_SCHEMA_VERSION: Literal[4] = 4
 
 
@@ -190,6 +197,11 @@ class Trajectory(BaseModel):
         None,
         description="mixture-of-experts models: the experts that routed each token but the last, "
         "[len(token_ids) - 1, layers, top_k]; null: none recorded (a dense model, or before schema 4)",
+    )
+    adapter: str | None = Field(
+        None,
+        description="the LoRA adapter that sampled the chain, whose versions the policy versions are; "
+        "null: the base model (and every trajectory written before schema 4)",
     )
     prompt_length: int = Field(ge=0)
     turns: list[TurnSummary]

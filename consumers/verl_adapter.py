@@ -21,6 +21,7 @@ Configured from verl's own config, with no environment variables::
           stream_gateway:
             nats_url: nats://127.0.0.1:4222
             durable: verl-trainer
+            only_adapter: alpha      # optional: train one LoRA adapter (only_base: true for the base model)
             timeout_s: 600
             pad_token_id: 0          # default: the tokenizer's, from actor_rollout_ref.model.path
             nats_auth:               # optional: credentials and TLS, as pipeline.connection.NatsAuth
@@ -52,6 +53,12 @@ Deliberate choices:
   stream's own ids stay in ``sg_group_uid``); this needs ``data.train_batch_size * rollout.n ==``
   the batcher's ``batch_size`` and ``rollout.n ==`` its ``group_size``, and a clear
   :class:`ValueError` says so otherwise. The dataloader's prompts are otherwise ignored.
+* **One adapter per trainer.** Batches never mix LoRA adapters, and each manifest names its
+  adapter (:class:`~consumers.parquet.BatchManifest`). With ``only_adapter: NAME`` (or
+  ``only_base: true``) the manager serves only that adapter's batches: it reads through a
+  durable consumer of its own, ``<durable>-adapter-<name>`` (``<durable>-base``), and acknowledges
+  the other adapters' manifests there untouched, so trainers of different adapters each see
+  every manifest and take their own. Without either it serves every batch, as before adapters.
 * **No validation from the stream**: a ``validate`` request raises (set ``trainer.test_freq=-1``
   and ``trainer.val_before_train=False``); stream batches are training data.
 * **Which trainers.** verl's main PPO/GRPO trainer (``RayPPOTrainer``, ``verl.trainer.main_ppo``)
@@ -78,6 +85,7 @@ import numpy as np
 from pipeline.connection import NatsAuth, NatsRefused, connect, split_servers
 from pipeline.subscriber import message_payload
 
+from .grouping import AdapterFilter, adapter_filter
 from .parquet import BatchManifest, decode_batch
 from .streams import ConsumerStreams, ensure_consumer_streams
 
@@ -108,7 +116,9 @@ class StreamSettings:
     nats_url: str = "nats://127.0.0.1:4222"  # comma-separated for several servers
     nats_auth: NatsAuth = field(default_factory=NatsAuth)  # credentials and TLS (pipeline.connection)
     names: ConsumerStreams = field(default_factory=ConsumerStreams)
-    durable: str = "verl-trainer"
+    durable: str = "verl-trainer"  # with an adapter filter, the consumer is named after it too (consumer_name)
+    only_adapter: str | None = None  # serve only this LoRA adapter's batches
+    only_base: bool = False  # serve only the base model's batches
     timeout_s: float = 600.0  # the longest one generate_sequences waits for a batch
     log_every_s: float = 30.0
     prompt_length: int = 1024
@@ -116,6 +126,20 @@ class StreamSettings:
     pad_token_id: int = 0
     ack_wait_s: float = 120.0  # fetch to ack of one manifest
     connect_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _ = self.adapters  # checks the adapter filter
+
+    @property
+    def adapters(self) -> AdapterFilter | None:
+        """The one adapter whose batches are served (``only_adapter``/``only_base``); ``None``: every batch."""
+        return adapter_filter(self.only_adapter, self.only_base)
+
+    @property
+    def consumer_name(self) -> str:
+        """The durable consumer read: ``durable``, or with an adapter filter ``<durable>-adapter-<name>``/``-base``."""
+        adapters = self.adapters
+        return self.durable if adapters is None else adapters.consumer_name(self.durable)
 
     @classmethod
     def from_verl_config(cls, config: Any, **overrides: Any) -> StreamSettings:
@@ -247,6 +271,8 @@ class StreamAgentLoopManager:
         deadline = time.monotonic() + settings.timeout_s
         next_log = time.monotonic() + settings.log_every_s
         problem = "no batch was published"
+        if (adapters := settings.adapters) is not None:
+            problem = f"no batch of {adapters} was published"
         while True:
             now = time.monotonic()
             if now >= next_log:
@@ -256,7 +282,7 @@ class StreamAgentLoopManager:
                     settings.nats_url,
                     names.batches,
                     names.batch_subject,
-                    settings.durable,
+                    settings.consumer_name,
                     settings.timeout_s - (deadline - now),
                     settings.timeout_s,
                     problem,
@@ -265,7 +291,8 @@ class StreamAgentLoopManager:
             if remaining <= 0:
                 raise TimeoutError(
                     f"no training batch from NATS at {settings.nats_url} (stream {names.batches}, subject "
-                    f"{names.batch_subject}, durable consumer {settings.durable}) within {settings.timeout_s:g} s: "
+                    f"{names.batch_subject}, durable consumer {settings.consumer_name}) within "
+                    f"{settings.timeout_s:g} s: "
                     f"{problem}. Is `stream-gateway batch` running against this server, and are trajectories flowing?"
                 )
             try:
@@ -294,6 +321,11 @@ class StreamAgentLoopManager:
         assert self._js is not None
         try:
             manifest = BatchManifest.decode(await message_payload(msg, self._js))
+            adapters = self.settings.adapters
+            if adapters is not None and not adapters.takes(manifest.adapter):  # another adapter's trainer's
+                log.debug("batch %s is not of %s: skipped", manifest.batch_id, adapters)
+                await msg.ack()
+                return None
             await msg.in_progress()
             with anyio.fail_after(_OBJECT_TIMEOUT_S):
                 store = await self._js.object_store(manifest.bucket)
@@ -321,7 +353,7 @@ class StreamAgentLoopManager:
         nc = await connect(
             split_servers(settings.nats_url),
             settings.nats_auth,
-            name=f"verl-{settings.durable}",
+            name=f"verl-{settings.consumer_name}",
             connect_timeout=settings.connect_timeout_s,
             max_reconnect_attempts=2,
             reconnect_time_wait=0.2,
@@ -333,7 +365,7 @@ class StreamAgentLoopManager:
             await js.add_consumer(
                 names.batches,
                 ConsumerConfig(
-                    durable_name=settings.durable,
+                    durable_name=settings.consumer_name,
                     filter_subject=names.batch_subject,
                     ack_policy=AckPolicy.EXPLICIT,
                     deliver_policy=DeliverPolicy.ALL,
@@ -342,7 +374,7 @@ class StreamAgentLoopManager:
                     max_deliver=-1,
                 ),
             )
-            self._subscription = await js.pull_subscribe_bind(settings.durable, stream=names.batches)
+            self._subscription = await js.pull_subscribe_bind(settings.consumer_name, stream=names.batches)
         except BaseException:
             with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
                 await nc.close()

@@ -66,6 +66,11 @@ replays every row but the last. A batch mixing rows with and without routes is a
 :class:`ValueError` naming a row without (verl's ``_postprocess`` concatenates every row's routes
 when the first row has some, and fails on a row without); a batch with none has no key.
 
+LoRA adapters: every row names the adapter that sampled it, ``adapter`` (``None``: the base
+model), a per-row non-tensor like ``uid`` in both layouts, so that a trainer can check that a
+batch is its adapter's (the batcher never mixes adapters in a batch; these functions do not
+refuse a mix, which a multi-adapter trainer may build on purpose).
+
 verl and tensordict are optional (the ``verl`` extra): they are imported inside the functions
 that need them. ``import verl`` pulls in ray, sets up the root logger
 (``logging.basicConfig``) and takes seconds, so nothing here imports it at module import time.
@@ -113,7 +118,8 @@ class PaddedBatch:
     module docstring).
 
     ``non_tensors``: one-dimensional arrays of length B: ``uid``, ``trajectory_id``,
-    ``session_id`` (str, dtype object); ``__num_turns__`` (int32, as verl); ``multi_modal_inputs``
+    ``session_id`` (str, dtype object); ``adapter`` (the LoRA adapter's name, ``None`` for the base
+    model, dtype object); ``__num_turns__`` (int32, as verl); ``multi_modal_inputs``
     (empty dicts: verl's trainer iterates it unconditionally); ``turn_scores`` (turn-level
     rewards in turn order), ``tool_rewards`` (empty lists), ``min_global_steps`` and
     ``max_global_steps`` (the policy versions the trajectory spans), ``extras`` (None), all
@@ -246,6 +252,7 @@ def padded_batch(
         "__num_turns__": np.array([_verl_num_turns(t) for t in trajectories], dtype=np.int32),
         "trajectory_id": _objects([t.trajectory_id for t in trajectories]),
         "session_id": _objects([t.session_id for t in trajectories]),
+        "adapter": _objects([t.adapter for t in trajectories]),
         "multi_modal_inputs": _objects([{} for _ in trajectories]),
         "policy_versions": _objects(list(versions)),
     }
@@ -279,8 +286,9 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
     Per-row non-tensor data (``NonTensorStack``): ``uid``, ``num_turns`` (counted as verl does, see
     the module docstring), ``trajectory_id``, ``session_id`` (ours, a string; verl v1's agent loop
     uses a ``session_id`` of its own, the rollout index, only to build TransferQueue keys),
-    ``extra_fields`` (a dict with ``turn_scores``, ``tool_rewards``, ``min_global_steps``,
-    ``max_global_steps``, ``extras``) and ``multi_modal_inputs`` (empty dicts); ``policy_versions``
+    ``adapter`` (the LoRA adapter's name, ``None`` for the base model), ``extra_fields`` (a dict
+    with ``turn_scores``, ``tool_rewards``, ``min_global_steps``, ``max_global_steps``,
+    ``extras``) and ``multi_modal_inputs`` (empty dicts); ``policy_versions``
     (nested int64, per response token: the version that sampled it, -1 where nothing was). When
     every row has routes, ``routed_experts``: nested int16, per row ``[len(input_ids), layers,
     top_k]``, the last row zero (see the module docstring). No length limits: nothing is padded.
@@ -320,6 +328,7 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
         "num_turns": stack([_verl_num_turns(t) for t in trajectories]),
         "trajectory_id": stack([t.trajectory_id for t in trajectories]),
         "session_id": stack([t.session_id for t in trajectories]),
+        "adapter": stack([t.adapter for t in trajectories]),
         "extra_fields": stack([_extra_fields(t) for t in trajectories]),
         "multi_modal_inputs": stack([{} for _ in trajectories]),
     }

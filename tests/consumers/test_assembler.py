@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import os
 import random
 import secrets
@@ -269,6 +270,82 @@ def test_schema_2_events_and_trajectories_decode_with_no_thinking() -> None:
     assert old.schema_version == 2 and old.reasoning_mask == [0] * len(old.token_ids)
     assert [(t.reasoning_tokens, t.answer_start) for t in old.turns] == [(0, 0), (0, 0)]
     assert old.model_copy(update={"schema_version": TRAJECTORY_SCHEMA_VERSION}) == from_old  # all else as written
+
+
+# -- LoRA adapters (event and trajectory schema 4) -------------------------------------------------
+
+
+def _on_adapter(
+    turn: TurnCompleted, adapter: str | None, spans: list[tuple[int, int]], **changes: Any
+) -> TurnCompleted:
+    """``turn`` as sampled by LoRA ``adapter`` (``None``: the base) at that adapter's versions ``spans``."""
+    fields = turn.model_dump() | {"adapter": adapter, "policy_versions": spans, "policy_version": spans[0][0]}
+    return TurnCompleted.model_validate(fields | changes)
+
+
+def _adapter_session(root: str | None, child: str | None) -> list[Event]:
+    """A root at versions 2 then 3 (from its third id) of ``root``, and a child at version 5 of ``child``."""
+    from ..support.events import turn_completed
+
+    first = _on_adapter(
+        turn_completed(seq=1, turn_id="a", prompt_ids=[1, 2, 3, 4], output_ids=[7, 8, 9, 10]), root, [(2, 0), (3, 2)]
+    )
+    second = turn_completed(
+        seq=2, turn_id="b", parent_turn_id="a", reused=8, prompt_ids=[11, 12], output_ids=[13, 14, 15]
+    )
+    return [first, _on_adapter(second, child, [(5, 0)], started_at=first.started_at + 1)]
+
+
+def test_a_chain_carries_its_adapter_and_that_adapters_versions() -> None:
+    [alpha] = build_trajectories(SessionEvents.of(_adapter_session("alpha", "alpha")), emitted_because="closed")
+    assert alpha.adapter == "alpha" and (alpha.min_policy_version, alpha.max_policy_version) == (2, 5)
+    assert alpha.token_policy_versions()[4:] == [2, 2, 3, 3, -1, -1, 5, 5, 5]
+    assert orjson.loads(alpha.encode())["adapter"] == "alpha" and Trajectory.decode(alpha.encode()) == alpha
+    # The base model's chain: the same ids and versions (its own sequence), adapter null.
+    [base] = build_trajectories(SessionEvents.of(_adapter_session(None, None)), emitted_because="closed")
+    assert base.adapter is None and base.model_copy(update={"adapter": "alpha"}) == alpha
+
+
+def test_a_chain_mixing_adapters_takes_the_leafs_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """It should not happen (a session keeps its first turn's adapter); if it does, the leaf's adapter
+    and only its versions: the base's 2 and 3 are not alpha's."""
+    caplog.set_level(logging.WARNING, logger="consumers.trajectories")
+    [mixed] = build_trajectories(SessionEvents.of(_adapter_session(None, "alpha")), emitted_because="closed")
+    assert mixed.adapter == "alpha" and (mixed.min_policy_version, mixed.max_policy_version) == (5, 5)
+    assert [turn.policy_versions for turn in mixed.turns] == [[(2, 0), (3, 2)], [(5, 0)]]  # the record stays whole
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        "session sess-1: chain ending in turn b mixes LoRA adapters (the base model besides adapter 'alpha'): "
+        "it takes the leaf's"
+    )
+    caplog.clear()
+    [to_base] = build_trajectories(SessionEvents.of(_adapter_session("beta", None)), emitted_because="closed")
+    assert to_base.adapter is None and (to_base.min_policy_version, to_base.max_policy_version) == (5, 5)
+    assert "(adapter 'beta' besides the base model)" in caplog.text
+    # A chain of one adapter says nothing.
+    caplog.clear()
+    build_trajectories(SessionEvents.of(_adapter_session("beta", "beta")), emitted_because="closed")
+    assert not caplog.records
+
+
+def test_events_and_trajectories_written_before_adapters_decode_as_the_base_models() -> None:
+    old_events = []
+    for event in _adapter_session(None, None):
+        wire = orjson.loads(encode_event(event))
+        del wire["adapter"]
+        decoded = decode_event(orjson.dumps(wire | {"schema_version": 3}))
+        assert isinstance(decoded, TurnCompleted) and decoded.adapter is None
+        old_events.append(decoded)
+    [from_old] = build_trajectories(SessionEvents.of(old_events), emitted_because="closed")
+    assert from_old.adapter is None and (from_old.min_policy_version, from_old.max_policy_version) == (2, 5)
+
+    [alpha] = build_trajectories(SessionEvents.of(_adapter_session("alpha", "alpha")), emitted_because="closed")
+    wire = orjson.loads(alpha.encode())
+    del wire["adapter"]
+    for version in (3, 4):
+        old = Trajectory.decode(orjson.dumps(wire | {"schema_version": version}))
+        assert old.schema_version == version and old.adapter is None
+    assert Trajectory.decode(orjson.dumps(wire)).model_copy(update={"adapter": "alpha"}) == alpha
 
 
 # -- routed experts (mixture-of-experts models; event and trajectory schema 4) ----------------------

@@ -26,14 +26,20 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from consumers.batch_record import BatchRecord
 from consumers.batcher import Batcher, BatcherConfig
+from consumers.cli import add_commands
+from consumers.cli import batcher_config as batcher_config_from_args
+from consumers.grouping import GroupingPolicy, GroupPlanner, PlannedBatch
 from consumers.parquet import BatchManifest, decode_batch
 from consumers.streams import ConsumerStreams, ensure_consumer_streams
 from consumers.trajectory import Trajectory
 from consumers.verl_batch import group_uid, padded_batch, to_data_proto
+from pipeline.connection import NatsAuth
 from pipeline.durable import publish_durable
 from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import PolicyUpdated, encode_event, new_event_id
+from pipeline.policies import adapter_subject, policy_subject
 from pipeline.streams import StreamSpec, ensure_stream, event_subject
 
 from ..support.trajectories import make_trajectory
@@ -308,6 +314,244 @@ async def test_a_group_with_a_dropped_member_or_too_old_is_dropped_whole(nats_se
             [(_, manifest)] = await read_manifests(js, names)
             assert manifest.trajectory_ids == [t.trajectory_id for t in g3]
             tg.cancel_scope.cancel()
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------
+
+
+def on_adapter(trajectory: Trajectory, adapter: str | None) -> Trajectory:
+    """``trajectory`` as sampled by LoRA ``adapter`` (``None``: the base model), its versions that adapter's."""
+    return Trajectory.model_validate(trajectory.model_dump() | {"adapter": adapter})
+
+
+async def test_adapters_never_share_a_group_a_batch_or_a_staleness_reference(
+    nats_server: EmbeddedNatsServer, tmp_path: Path
+) -> None:
+    """The base and two adapters interleaved, all with one group key: one adapter per group and per batch,
+    and alpha at version 5 makes nothing of the base's (version 0) or beta's (version 1) stale."""
+    rng = random.Random(11)
+    names = unique_names()
+    by_adapter: dict[str | None, list[Trajectory]] = {
+        None: [make_trajectory(rng, group="g", version=0) for _ in range(4)],
+        "alpha": [on_adapter(make_trajectory(rng, group="g", version=5), "alpha") for _ in range(4)],
+        "beta": [on_adapter(make_trajectory(rng, group="g", version=1), "beta") for _ in range(4)],
+    }
+    stale = on_adapter(make_trajectory(rng, group="h", version=3), "alpha")  # 3 < 5 - 1: alpha's own lag
+    interleaved = [t for row in zip(*by_adapter.values(), strict=True) for t in row]
+    config = batcher_config(nats_server.url, names, batch_size=4, group_size=2, max_staleness=1, output_dir=tmp_path)
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            batcher = Batcher(config)
+            await tg.start(batcher.run)
+            await publish(nc, js, names, *interleaved[:6], stale, *interleaved[6:])
+            await wait_until(lambda: batcher.statistics().batches == 3)
+            s = batcher.statistics()
+            assert (s.received, s.dropped_stale, s.held, s.open_groups, s.other_adapter) == (13, 1, 0, 1, 0)
+            assert s.policy_version == 0 and s.adapter_versions == {None: 0, "alpha": 5, "beta": 1}
+
+            # One manifest per adapter, in the order their first groups completed, each naming its adapter.
+            manifests = [m for _, m in await read_manifests(js, names)]
+            assert [m.adapter for m in manifests] == [None, "alpha", "beta"]
+            kv = await js.key_value(config.state_bucket)
+            for manifest in manifests:
+                expected = by_adapter[manifest.adapter]
+                assert manifest.trajectory_ids == [t.trajectory_id for t in expected]
+                assert manifest.groups == ["g", "g.1"]
+                version = expected[0].max_policy_version
+                assert (manifest.min_policy_version, manifest.max_policy_version) == (version, version)
+                data = await read_object(js, manifest)
+                trajectories, uids = decode_batch(data)
+                assert trajectories == expected and uids == ["g", "g", "g.1", "g.1"]
+                assert pq.read_table(tmp_path / manifest.object).column("adapter").to_pylist() == [manifest.adapter] * 4
+                proto = to_data_proto(
+                    padded_batch(trajectories, uids, prompt_length=16, response_length=32, pad_token_id=0)
+                )
+                assert list(proto.non_tensor_batch["adapter"]) == [manifest.adapter] * 4
+                record = BatchRecord.decode((await kv.get(f"b.{manifest.batch_id}")).value or b"")
+                assert record.adapter == manifest.adapter and record.state == "published"
+            # The base model's manifest and record are what they were before adapters: no `adapter` key.
+            raw = [orjson.loads((await js.get_msg(names.batches, seq)).data or b"") for seq in (1, 2, 3)]
+            assert ["adapter" in m for m in raw] == [False, True, True] and raw[1]["adapter"] == "alpha"
+            base_record = orjson.loads((await kv.get(f"b.{manifests[0].batch_id}")).value or b"")
+            assert "adapter" not in base_record
+            tg.cancel_scope.cancel()
+
+
+async def test_adapter_policy_events_move_only_their_adapters_staleness(nats_server: EmbeddedNatsServer) -> None:
+    """policy.updated of the base (version 1), then of alpha (7) and beta (3) on the adapters' one
+    subject: each is noted, alpha's although beta's came after it, and each judges its own."""
+    rng = random.Random(14)
+    names = unique_names()
+    config = batcher_config(nats_server.url, names, batch_size=1, max_staleness=1)
+
+    def update(version: int, adapter: str | None) -> PolicyUpdated:
+        return PolicyUpdated(
+            event_id=new_event_id(),
+            time=time.time(),
+            tenant="anonymous",
+            session_id=None,
+            seq=0,
+            model="tiny",
+            policy_version=version,
+            adapter=adapter,
+        )
+
+    kept = [
+        on_adapter(make_trajectory(rng, version=6), "alpha"),  # 6 >= 7 - 1
+        on_adapter(make_trajectory(rng, version=7), "beta"),  # 7 >= 8 - 1
+        make_trajectory(rng, version=0),  # 0 >= 1 - 1: alpha's 7 and beta's 8 are not the base's
+    ]
+    stale = [on_adapter(make_trajectory(rng, version=5), "alpha"), on_adapter(make_trajectory(rng, version=6), "beta")]
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            await ensure_stream(
+                js, StreamSpec(prefix=names.prefix, stream=names.events, payload_bucket=names.payload_bucket)
+            )
+            await js.publish(policy_subject(names.prefix), encode_event(update(1, None)))
+            for version, adapter in ((7, "alpha"), (3, "beta")):
+                await js.publish(adapter_subject(names.prefix), encode_event(update(version, adapter)))
+            batcher = Batcher(config)
+            await tg.start(batcher.run)
+            await wait_until(lambda: batcher.statistics().adapter_versions == {None: 1, "alpha": 7, "beta": 3})
+            await js.publish(adapter_subject(names.prefix), encode_event(update(8, "beta")))  # noted on a later poll
+            await wait_until(lambda: batcher.statistics().adapter_versions["beta"] == 8)
+            # An older one lowers nothing.
+            await js.publish(adapter_subject(names.prefix), encode_event(update(3, "beta")))
+            await publish(nc, js, names, *stale, *kept)
+            await wait_until(lambda: batcher.statistics().received == 5 and batcher.statistics().batches == 3)
+            s = batcher.statistics()
+            assert (s.dropped_stale, s.policy_version) == (2, 1)
+            assert s.adapter_versions == {None: 1, "alpha": 7, "beta": 8}
+            batched = [m.trajectory_ids for _, m in await read_manifests(js, names)]
+            assert batched == [[t.trajectory_id] for t in kept]
+            tg.cancel_scope.cancel()
+
+
+async def test_a_batcher_per_adapter_takes_only_its_adapters_trajectories(nats_server: EmbeddedNatsServer) -> None:
+    """--adapter alpha, --base, and --adapter base (an adapter named "base" is not the base model):
+    each reads its own consumer, batches its own and acknowledges the rest there; beta's are left
+    for beta's batcher, which starts later and still gets them all."""
+    rng = random.Random(12)
+    names = unique_names()
+    by_adapter: dict[str | None, list[Trajectory]] = {
+        adapter: [on_adapter(make_trajectory(rng, group=None, version=v), adapter) for _ in range(2)]
+        for adapter, v in ((None, 0), ("alpha", 5), ("base", 2), ("beta", 3))
+    }
+    interleaved = [t for row in zip(*by_adapter.values(), strict=True) for t in row]
+    configs = {
+        "alpha": batcher_config(nats_server.url, names, batch_size=2, only_adapter="alpha"),
+        None: batcher_config(nats_server.url, names, batch_size=2, only_base=True),
+        "base": batcher_config(nats_server.url, names, batch_size=2, only_adapter="base"),
+    }
+    consumers = {a: c.consumer_name for a, c in configs.items()}
+    assert consumers == {"alpha": "batcher-adapter-alpha", None: "batcher-base", "base": "batcher-adapter-base"}
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            batchers = {adapter: Batcher(config) for adapter, config in configs.items()}
+            for batcher in batchers.values():  # one state bucket for all: their members are disjoint
+                await tg.start(batcher.run)
+            await publish(nc, js, names, *interleaved)
+            await wait_until(
+                lambda: all(b.statistics().received == 8 and b.statistics().batches == 1 for b in batchers.values())
+            )
+            manifests = {m.adapter: m for _, m in await read_manifests(js, names)}
+            assert set(manifests) == {None, "alpha", "base"}
+            for adapter, batcher in batchers.items():
+                assert manifests[adapter].trajectory_ids == [t.trajectory_id for t in by_adapter[adapter]]
+                s = batcher.statistics()
+                assert (s.other_adapter, s.held, s.dropped_stale) == (6, 0, 0)
+                assert s.policy_version == by_adapter[adapter][0].max_policy_version
+                consumer = await js.consumer_info(names.trajectories, consumers[adapter])
+                assert (consumer.num_ack_pending, consumer.num_pending) == (0, 0)
+
+            beta = Batcher(batcher_config(nats_server.url, names, batch_size=2, only_adapter="beta"))
+            await tg.start(beta.run)
+            await wait_until(lambda: beta.statistics().batches == 1)
+            last = (await read_manifests(js, names))[-1][1]
+            assert last.adapter == "beta" and last.trajectory_ids == [t.trajectory_id for t in by_adapter["beta"]]
+            assert beta.statistics().other_adapter == 6
+            tg.cancel_scope.cancel()
+
+
+def test_staleness_groups_and_batches_are_per_adapter_offline() -> None:
+    """The planner, as the batcher drives it (note_trajectory, then admit)."""
+    rng = random.Random(13)
+    planner = GroupPlanner(GroupingPolicy(batch_size=2, group_size=2, max_staleness=0))
+
+    def admit(trajectory: Trajectory) -> object:
+        planner.note_trajectory(trajectory)
+        return planner.admit(trajectory).outcome
+
+    alpha = [on_adapter(make_trajectory(rng, group="g", version=5), "alpha") for _ in range(2)]
+    base = [make_trajectory(rng, group="g", version=0) for _ in range(2)]
+    assert admit(alpha[0]) == alpha[0] and admit(base[0]) == base[0]  # alpha's 5 is not the base's
+    assert planner.open_groups == 2 and planner.next_batch() is None  # one key, two adapters: two groups
+    assert (planner.current_version, planner.version_of("alpha"), planner.version_of("beta")) == (0, 5, None)
+    assert admit(on_adapter(make_trajectory(rng, group="s", version=4), "alpha")) == "stale"
+    assert admit(base[1]) == base[1] and admit(alpha[1]) == alpha[1]
+    assert planner.next_batch() == PlannedBatch(tuple(t.trajectory_id for t in base), ("g", "g"), None)
+    assert planner.next_batch() == PlannedBatch(tuple(t.trajectory_id for t in alpha), ("g", "g"), "alpha")
+    # A policy.updated of the base moves the base only; one naming alpha moves alpha only.
+    planner.note_policy(1)
+    assert admit(make_trajectory(rng, group="x", version=0)) == "stale"
+    beta = on_adapter(make_trajectory(rng, group="x", version=0), "beta")
+    assert admit(beta) == beta
+    planner.note_policy(9, "alpha")
+    assert planner.versions() == {None: 1, "alpha": 9, "beta": 0}
+
+
+def test_the_batch_record_and_the_manifest_name_the_adapter_and_leave_the_base_out() -> None:
+    policy = GroupingPolicy(batch_size=2, group_size=2)
+    base = BatchRecord.assign(PlannedBatch(("tr1", "tr0"), ("q", "q")), policy, created_at=1.5).committed(7)
+    alpha = BatchRecord.assign(PlannedBatch(("tr1", "tr0"), ("q", "q"), "alpha"), policy, created_at=1.5)
+    assert "adapter" not in orjson.loads(base.encode()) and BatchRecord.decode(base.encode()).adapter is None
+    wire = orjson.loads(alpha.committed(7).encode())
+    assert list(wire)[-2:] == ["batches_last_seq", "adapter"] and wire["adapter"] == "alpha"
+    assert BatchRecord.decode(alpha.committed(7).encode()) == alpha.committed(7)
+    manifest = BatchManifest(
+        batch_id="b",
+        bucket="sg_batches",
+        object="b.parquet",
+        size=1,
+        sha256="0" * 64,
+        group_size=2,
+        groups=["q"],
+        trajectory_ids=["tr1", "tr0"],
+        min_policy_version=0,
+        max_policy_version=0,
+        prompt_length=16,
+        response_length=32,
+        created_at=1.5,
+    )
+    assert "adapter" not in orjson.loads(manifest.encode()) and BatchManifest.decode(manifest.encode()) == manifest
+    named = manifest.model_copy(update={"adapter": "alpha"})
+    assert orjson.loads(named.encode())["adapter"] == "alpha" and BatchManifest.decode(named.encode()) == named
+
+
+def test_the_adapter_flags_and_fields() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+
+    def config(*flags: str) -> BatcherConfig:
+        return batcher_config_from_args(parser.parse_args(["batch", *flags]), ("nats://x:4222",), NatsAuth(), None)
+
+    assert (config().adapters, config().consumer_name) == (None, "batcher")
+    assert (config("--adapter", "alpha").only_adapter, config("--adapter", "alpha").consumer_name) == (
+        "alpha",
+        "batcher-adapter-alpha",
+    )
+    assert (config("--base").only_base, config("--base").consumer_name) == (True, "batcher-base")
+    assert config("--adapter", "base").consumer_name == "batcher-adapter-base"  # an adapter named base
+    assert config("--adapter", "a.b").consumer_name.startswith("batcher-adapter-h")  # "." cannot be in a name
+    with pytest.raises(SystemExit):  # argparse: not allowed with argument --adapter
+        parser.parse_args(["batch", "--adapter", "alpha", "--base"])
+    with pytest.raises(ValueError, match="only_adapter and only_base exclude each other"):
+        BatcherConfig(only_adapter="alpha", only_base=True)
+    with pytest.raises(ValueError, match="only_adapter must name an adapter"):
+        BatcherConfig(only_adapter="")
+    assert BatcherConfig(durable="b2", only_adapter="alpha").consumer_name == "b2-adapter-alpha"
 
 
 # -- exactly once --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 
 from consumers.batcher import Batcher
 from consumers.parquet import decode_batch
+from consumers.trajectory import Trajectory
 from consumers.verl_adapter import StreamAgentLoopManager, StreamSettings
 from consumers.verl_batch import padded_batch, to_data_proto
 from pipeline.embedded import EmbeddedNatsServer
@@ -171,6 +172,59 @@ async def test_no_batch_waits_with_a_clear_message_then_times_out(
     waiting = [r.getMessage() for r in caplog.records if "waiting for a batch" in r.getMessage()]
     assert len(waiting) >= 2
     assert waiting[0].startswith(f"waiting for a batch from NATS at {nats_server.url} (stream {names.batches}")
+
+
+async def test_a_trainer_of_one_adapter_serves_only_that_adapters_batches(nats_server: EmbeddedNatsServer) -> None:
+    """One batcher of every adapter; a trainer of alpha and a trainer of the base each take theirs,
+    on consumers of their own, and acknowledge the other's there."""
+    rng = random.Random(8)
+    names = unique_names()
+    alpha = [
+        Trajectory.model_validate(make_trajectory(rng, group=f"a{i}", version=4).model_dump() | {"adapter": "alpha"})
+        for i in range(4)
+    ]
+    base = [make_trajectory(rng, group=f"b{i}") for i in range(2)]
+    common = {"nats_url": nats_server.url, "names": names, "prompt_length": 16, "response_length": 32}
+    trainers = {
+        "alpha": StreamSettings(**common, only_adapter="alpha", timeout_s=20),
+        None: StreamSettings(**common, only_base=True, timeout_s=20),
+    }
+    assert [s.consumer_name for s in trainers.values()] == ["verl-trainer-adapter-alpha", "verl-trainer-base"]
+    with anyio.fail_after(90):
+        async with jetstream(nats_server.url, names) as (nc, js):
+            async with anyio.create_task_group() as tg:
+                batcher = Batcher(batcher_config(nats_server.url, names, batch_size=2))
+                await tg.start(batcher.run)
+                await publish(nc, js, names, alpha[0], base[0], alpha[1], alpha[2], base[1], alpha[3])
+                await wait_until(lambda: batcher.statistics().batches == 3)
+                manifests = [m for _, m in await read_manifests(js, names)]
+                tg.cancel_scope.cancel()
+            assert [m.adapter for m in manifests] == ["alpha", None, "alpha"]
+
+            for adapter, settings in trainers.items():
+                ours = [m for m in manifests if m.adapter == adapter]
+                with StreamAgentLoopManager(settings=settings) as manager:
+                    for manifest in ours:
+                        output = await anyio.to_thread.run_sync(manager.generate_sequences)
+                        assert output.meta_info["sg_batch_id"] == manifest.batch_id
+                        assert list(output.non_tensor_batch["adapter"]) == [adapter] * 2
+                # Read up to its last batch, the other adapter's on the way acknowledged.
+                last = max(seq for seq, m in enumerate(manifests, 1) if m.adapter == adapter)
+                info = await js.consumer_info(names.batches, settings.consumer_name)
+                assert (info.num_ack_pending, info.num_pending, info.delivered.stream_seq) == (0, 3 - last, last)
+
+            # Nothing more of alpha: it waits and says for which adapter.
+            short = StreamSettings(**common, only_adapter="alpha", timeout_s=0.5, log_every_s=0.2)
+            with StreamAgentLoopManager(settings=short) as manager, pytest.raises(TimeoutError) as raised:
+                await anyio.to_thread.run_sync(manager.generate_sequences)
+            assert "durable consumer verl-trainer-adapter-alpha" in str(raised.value)
+            assert "no batch of adapter 'alpha' was published" in str(raised.value)
+    with pytest.raises(ValueError, match="only_adapter and only_base exclude each other"):
+        StreamSettings(only_adapter="alpha", only_base=True)
+    configured = StreamSettings.from_verl_config(
+        {"actor_rollout_ref": {"rollout": {"custom": {"stream_gateway": {"only_adapter": "beta", "pad_token_id": 0}}}}}
+    )
+    assert configured.consumer_name == "verl-trainer-adapter-beta"
 
 
 def test_without_nats_it_builds_and_times_out_saying_nats_is_unavailable() -> None:

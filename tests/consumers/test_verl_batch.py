@@ -961,3 +961,52 @@ def test_the_batchers_policies_cut_routes_with_the_ids_and_drop_misaligned_ones(
     for rows in (10, 12):
         bad = trajectory.model_copy(update={"routed_experts": ExpertRoutes.of(_routes_of([0] * (rows + 1)))})
         assert prepare_trajectory(bad, response_length=11, **policy) == "malformed"
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------
+
+
+def test_the_adapter_reaches_both_layouts_and_the_parquet_and_old_files_read_as_the_base() -> None:
+    """``adapter`` per row, a non-tensor like ``uid`` (dtype object), carried by verl's batch operations."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from consumers.parquet import decode_batch, encode_batch
+
+    base = _trajectory([5, 6], [8, 9], [1, 1])
+    rows = [
+        base.model_copy(update={"adapter": "alpha"}),
+        _trajectory([5], [8, 9, 10], [1, 0, 1]).model_copy(update={"adapter": "alpha"}),
+    ]
+    uids = ["u", "u"]
+    proto = to_data_proto(padded_batch(rows, uids, prompt_length=4, response_length=4, pad_token_id=0))
+    adapters = proto.non_tensor_batch["adapter"]
+    assert adapters.dtype == object and adapters.shape == (2,) and list(adapters) == ["alpha", "alpha"]
+    assert list(DataProto.concat([proto, proto]).non_tensor_batch["adapter"]) == ["alpha"] * 4
+    assert list(proto.repeat(repeat_times=2, interleave=True).non_tensor_batch["adapter"]) == ["alpha"] * 4
+    assert list(proto.select_idxs([1]).non_tensor_batch["adapter"]) == ["alpha"]
+    assert list(pickle.loads(pickle.dumps(proto)).non_tensor_batch["adapter"]) == ["alpha", "alpha"]
+    jagged = to_jagged_tensordict(rows, uids)
+    assert [jagged[i]["adapter"] for i in range(2)] == ["alpha", "alpha"]
+    # The base model's rows say None (a batch mixing the two is not the batcher's, but is laid out as given).
+    mixed = [rows[0], base]
+    proto = to_data_proto(padded_batch(mixed, uids, prompt_length=4, response_length=4, pad_token_id=0))
+    assert list(proto.non_tensor_batch["adapter"]) == ["alpha", None]
+    assert [to_jagged_tensordict(mixed, uids)[i]["adapter"] for i in range(2)] == ["alpha", None]
+
+    data = encode_batch(rows, uids, batch_id="b", prompt_length=4, response_length=4)
+    assert decode_batch(data) == (rows, uids)
+    table = pq.read_table(io.BytesIO(data))
+    field = table.schema.field("adapter")
+    assert field.type == pa.string() and field.nullable and table.column("adapter").to_pylist() == ["alpha", "alpha"]
+    assert pq.read_table(
+        io.BytesIO(encode_batch(mixed, uids, batch_id="m", prompt_length=4, response_length=4))
+    ).column("adapter").to_pylist() == ["alpha", None]
+    # A batch written before adapters (no column) reads as the base model's.
+    sink = io.BytesIO()
+    pq.write_table(table.drop_columns(["adapter"]), sink)
+    decoded, old_uids = decode_batch(sink.getvalue())
+    assert old_uids == uids and [t.adapter for t in decoded] == [None, None]
+    assert [t.model_copy(update={"adapter": "alpha"}) for t in decoded] == rows
