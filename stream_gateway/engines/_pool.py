@@ -10,6 +10,10 @@ request:
 * **Otherwise least outstanding.** The healthy server with the fewest requests in flight (ties:
   the one added first), which spreads load without knowing anything about the servers.
 
+LoRA adapters (``docs/engines.md``): each server records the versioned adapter names it holds
+(``NAME@vN``, loaded by :meth:`~.remote.RemoteEngine.load_adapter`) and how many requests are in
+flight on each; :meth:`UpstreamPool.pick` with ``adapter=`` only considers servers holding it.
+
 A server is unhealthy after a failed health check (``GET /health`` answering anything but 200,
 or not answering within ``health_timeout_s``) or a connection failure while serving a request,
 and healthy again after the next successful check. Checks run every ``health_interval_s`` for
@@ -66,6 +70,10 @@ class Upstream:
     model: str | None = None  # the model name the server serves (learned from it)
     max_model_len: int | None = None
     removed: bool = False
+    adapters: set[str] = field(default_factory=set)  # versioned LoRA adapter names loaded there (NAME@vN)
+    adapter_requests: dict[str, int] = field(default_factory=dict)  # versioned name -> requests in flight
+    # versioned name -> (when, why) its load failed there: not retried before a while (see .remote)
+    adapter_failures: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         """The JSON view of ``GET /admin/upstreams``."""
@@ -78,6 +86,9 @@ class Upstream:
             "last_error": self.last_error,
             "model": self.model,
             "max_model_len": self.max_model_len,
+            "adapters": sorted(self.adapters),
+            "adapter_requests": dict(sorted(self.adapter_requests.items())),
+            "adapter_failures": {name: why for name, (_, why) in sorted(self.adapter_failures.items())},
         }
 
 
@@ -124,21 +135,32 @@ class UpstreamPool:
             )  # fmt: skip
         return upstream
 
-    def pick(self, affinity: str | None = None, exclude: frozenset[Upstream] = frozenset()) -> Upstream:
-        """The server for the next request; raises :class:`EngineUnavailable` if none is healthy."""
+    def pick(
+        self, affinity: str | None = None, exclude: frozenset[Upstream] = frozenset(), *, adapter: str | None = None
+    ) -> Upstream:
+        """The server for the next request; raises :class:`EngineUnavailable` if none is healthy
+        (or, with ``adapter``, a versioned adapter name, if no healthy one holds it)."""
         if affinity is not None:
             sticky = self._affinity.get(affinity)
-            if sticky is not None and sticky.healthy and not sticky.removed and sticky not in exclude:
+            if (
+                sticky is not None
+                and sticky.healthy
+                and not sticky.removed
+                and sticky not in exclude
+                and (adapter is None or adapter in sticky.adapters)
+            ):
                 self._affinity.move_to_end(affinity)
                 return sticky
         best: Upstream | None = None
         for upstream in self._upstreams.values():
             if not upstream.healthy or upstream in exclude:
                 continue
+            if adapter is not None and adapter not in upstream.adapters:
+                continue
             if best is None or upstream.outstanding < best.outstanding:
                 best = upstream
         if best is None:
-            raise EngineUnavailable(self._unavailable_message())
+            raise EngineUnavailable(self._unavailable_message(adapter))
         if affinity is not None:
             self._affinity[affinity] = best
             self._affinity.move_to_end(affinity)
@@ -146,9 +168,16 @@ class UpstreamPool:
                 self._affinity.popitem(last=False)
         return best
 
-    def _unavailable_message(self) -> str:
+    def _unavailable_message(self, adapter: str | None = None) -> str:
         if not self._upstreams:
             return "No inference server is configured (add one with --upstream or POST /admin/upstreams)."
+        if adapter is not None and any(u.healthy for u in self._upstreams.values()):
+            states = "; ".join(
+                f"{u.url}: " + (u.adapter_failures[adapter][1] if adapter in u.adapter_failures else "not loaded yet")
+                for u in self._upstreams.values()
+                if u.healthy
+            )
+            return f"No healthy inference server holds the LoRA adapter {adapter} ({states})."
         states = "; ".join(f"{u.url}: {u.last_error or 'not checked yet'}" for u in self._upstreams.values())
         return f"No healthy inference server ({states})."
 

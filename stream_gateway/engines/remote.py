@@ -38,6 +38,17 @@ for the pool
 (``policy.updated`` on NATS, or ``POST /policy/weights``): :meth:`RemoteEngine.load_weights`
 records the announced version and never reads weights.
 
+LoRA adapters (``docs/engines.md``): :meth:`RemoteEngine.load_adapter` loads version N of adapter
+``NAME`` on every healthy server as the adapter ``NAME@vN`` (vLLM's ``/v1/load_lora_adapter``,
+SGLang's ``/load_lora_adapter``; the directory must be readable by the servers at that path), so
+no prefix cache computed under an older version is reused. Each server records which versioned
+names it holds and how many requests are in flight on each (:class:`~._pool.Upstream`); a request
+on an adapter names its current version as the model (SGLang: ``lora_path``) and goes only to a
+server that holds it, and its steps carry the adapter's version. A server whose load failed takes
+none of that adapter's requests until a retry (every 30 s) succeeds; older versions are unloaded
+from a server once none of this engine's requests uses them there; a server added later, or one
+that answers that it lacks the version (a restart), is given the current adapters again.
+
 Routed experts (Rollout Routing Replay, ``docs/moe.md``): built with ``routed_experts=True`` and a
 model whose config (``--model``, read for the tokenizer anyway) declares experts, the engine asks
 every server for the experts that routed each position, and the last step of a request carries
@@ -98,7 +109,7 @@ if TYPE_CHECKING:
     import torch
     from anyio.abc import TaskGroup
 
-__all__ = ["PROTOCOLS", "RemoteEngine"]
+__all__ = ["PROTOCOLS", "RemoteEngine", "adapter_model"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +117,12 @@ Protocol = Literal["vllm", "sglang"]
 PROTOCOLS: dict[str, Protocol] = {"vllm-http": "vllm", "sglang-http": "sglang"}
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "eos_token": "stop"}
+# LoRA adapters: (load, unload) routes of vLLM (VLLM_ALLOW_RUNTIME_LORA_UPDATING) and SGLang
+_ADAPTER_ROUTES: dict[Protocol, tuple[str, str]] = {
+    "vllm": ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"),
+    "sglang": ("/load_lora_adapter", "/unload_lora_adapter"),
+}
+_ADAPTER_RETRY_S = 30.0  # a server that failed to load an adapter version is asked again after this
 _EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts")  # as stream_gateway.moe reads them
 _TOP_K_NAMES = ("num_experts_per_tok", "top_k")
 
@@ -126,13 +143,16 @@ class _Retry(Exception):
     """The server failed before sending anything: the request may go to another one."""
 
 
+class _AdapterMissing(_Retry):
+    """The server does not hold the LoRA adapter version the request named (it restarted, say)."""
+
+
 class RemoteEngine:
     """Samples on a pool of vLLM (``vllm-http``) or SGLang (``sglang-http``) servers over HTTP."""
 
     remote = True
     constrained_decoding = False
     experts: ExpertShape | None = None
-    adapters: Mapping[str, int] = MappingProxyType({})  # no LoRA on this engine
 
     @property
     def upstreams(self) -> RemoteEngine:
@@ -181,6 +201,12 @@ class RemoteEngine:
         self._expert_config: ExpertShape | None = None  # the config's: layers are num_hidden_layers
         self._routeless: set[str] = set()  # servers that refused return_routed_experts
         self._silent: set[str] = set()  # servers that answered without routes (logged once each)
+        # LoRA adapters (docs/engines.md): name -> current version, and the directory it was loaded from.
+        self._adapter_versions: dict[str, int] = {}
+        self.adapters: Mapping[str, int] = MappingProxyType(self._adapter_versions)
+        self._adapter_paths: dict[str, str] = {}
+        self._adapter_locks: dict[Upstream, anyio.Lock] = {}  # one load/unload at a time per server
+        self._sync_pending: set[Upstream] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -240,6 +266,8 @@ class RemoteEngine:
         upstream, added = self.pool.add(url)
         if added and self._client is not None:
             await self.check(upstream)
+            if upstream.healthy and self._adapter_versions:
+                await self._sync_adapters(upstream)  # the current adapters, before the reply
         return upstream, added
 
     def remove_upstream(self, url: str) -> Upstream | None:
@@ -291,6 +319,9 @@ class RemoteEngine:
         while True:
             await anyio.sleep(self._health_interval)
             await self.check_all()
+            for upstream in self.pool:
+                if upstream.healthy and self._adapters_out_of_date(upstream):
+                    self._schedule_sync(upstream)
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -305,18 +336,29 @@ class RemoteEngine:
         tried: set[Upstream] = set()
         try:
             while True:
-                upstream = self.pool.pick(affinity, frozenset(tried))
+                # A LoRA adapter's request goes to a server holding its current version, named as the model.
+                model, version = self._adapter_model(params.adapter)
+                upstream = self.pool.pick(affinity, frozenset(tried), adapter=model)
                 tried.add(upstream)
                 upstream.outstanding += 1
                 upstream.served += 1
+                if model is not None:  # counted from the pick on: an old version is unloaded only once idle
+                    upstream.adapter_requests[model] = upstream.adapter_requests.get(model, 0) + 1
                 started = False
                 try:
-                    async with aclosing(self._stream(upstream, request_id, prompt_ids, params)) as steps:
+                    stream = self._stream(upstream, request_id, prompt_ids, params, model, version)
+                    async with aclosing(stream) as steps:
                         async for step in steps:
                             started = True
                             self._total_tokens += len(step.token_ids)
                             yield step
                     return
+                except _AdapterMissing as exc:  # the server lost it (restarted?): load it again, go elsewhere
+                    assert model is not None
+                    upstream.adapters.discard(model)
+                    self._schedule_sync(upstream)
+                    log.warning("request %s: %s does not hold %s (%s); trying another server",
+                                request_id, upstream.url, model, exc)  # fmt: skip
                 except _Retry as exc:
                     self.pool.mark_failed(upstream, str(exc))
                     log.warning("request %s: %s failed before the first token (%s); trying another server",
@@ -331,18 +373,26 @@ class RemoteEngine:
                                 request_id, upstream.url, _describe(exc))  # fmt: skip
                 finally:
                     upstream.outstanding -= 1
+                    if model is not None:
+                        self._release(upstream, model)
         finally:
             self._active -= 1
 
     async def _stream(
-        self, upstream: Upstream, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        upstream: Upstream,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        model: str | None = None,
+        version: int | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         wanted = None
         if self._expert_config is not None and upstream.url not in self._routeless:
             wanted = _Wanted(len(prompt_ids), params.routes_from)
         path = "/v1/completions" if self.protocol == "vllm" else "/generate"
         read = self._vllm_steps if self.protocol == "vllm" else self._sglang_steps
-        response = await self._send(upstream, path, request_id, prompt_ids, params, wanted)
+        response = await self._send(upstream, path, request_id, prompt_ids, params, wanted, model)
         try:
             if response.status_code == 400 and wanted is not None:
                 await response.aread()
@@ -352,20 +402,32 @@ class RemoteEngine:
                                 upstream.url, _error_message(response.content))  # fmt: skip
                     await response.aclose()
                     wanted = None
-                    response = await self._send(upstream, path, request_id, prompt_ids, params, None)
+                    response = await self._send(upstream, path, request_id, prompt_ids, params, None, model)
             if response.status_code != 200:
                 await response.aread()
                 message = _error_message(response.content) or f"HTTP {response.status_code}"
+                if model is not None and response.status_code in (400, 404) and model in message:
+                    # vLLM: 404 "The model `NAME@vN` does not exist."; SGLang: 400 "... not loaded: NAME@vN"
+                    raise _AdapterMissing(f"{upstream.url}{path} answered {response.status_code}: {message}")
                 if response.status_code >= 500 or response.status_code in (404, 408, 429):
                     raise _Retry(f"{upstream.url}{path} answered {response.status_code}: {message}")
                 raise InvalidRequest(f"The inference server refused the request: {message}")
             finished = False
-            async with aclosing(read(_sse_events(response), params.top_logprobs, upstream.url, wanted)) as steps:
-                async for step in steps:
-                    finished = step.finish_reason is not None
-                    yield step
-                    if finished:
-                        return
+            steps_read = read(_sse_events(response), params.top_logprobs, upstream.url, wanted, version)
+            sent = False
+            try:
+                async with aclosing(steps_read) as steps:
+                    async for step in steps:
+                        finished = step.finish_reason is not None
+                        sent = True
+                        yield step
+                        if finished:
+                            return
+            except UpstreamFailed as exc:
+                # SGLang streams an unknown adapter as an error frame: "... not loaded: NAME@vN"
+                if model is not None and not sent and model in exc.message:
+                    raise _AdapterMissing(exc.message) from exc
+                raise
             if not finished:
                 raise UpstreamFailed(
                     f"The inference server {upstream.url} ended the stream before the request finished."
@@ -381,12 +443,13 @@ class RemoteEngine:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         wanted: _Wanted | None,
+        model: str | None = None,
     ) -> httpx.Response:
         assert self._client is not None
         if self.protocol == "vllm":
-            body = self._vllm_body(upstream, request_id, prompt_ids, params)
+            body = self._vllm_body(upstream, request_id, prompt_ids, params, model)
         else:
-            body = self._sglang_body(request_id, prompt_ids, params)
+            body = self._sglang_body(request_id, prompt_ids, params, model)
         if wanted is not None:
             body["return_routed_experts"] = True
             if wanted.start:
@@ -425,10 +488,15 @@ class RemoteEngine:
     # -- vLLM ---------------------------------------------------------------------------------
 
     def _vllm_body(
-        self, upstream: Upstream, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        upstream: Upstream,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        model: str | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": upstream.model or self.model_id,
+            "model": model or upstream.model or self.model_id,  # a LoRA adapter is served as a model
             "prompt": list(prompt_ids),
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -450,8 +518,15 @@ class RemoteEngine:
         return body
 
     async def _vllm_steps(
-        self, events: AsyncIterator[dict[str, Any]], top_n: int, url: str, wanted: _Wanted | None
+        self,
+        events: AsyncIterator[dict[str, Any]],
+        top_n: int,
+        url: str,
+        wanted: _Wanted | None,
+        adapter_version: int | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
+        """Steps of a ``/v1/completions`` stream; a LoRA adapter's carry ``adapter_version`` (the
+        server's own labels count the base's versions, or its own of the adapter: both ignored)."""
         output = 0
         async for event in events:
             choices = event.get("choices")
@@ -484,15 +559,17 @@ class RemoteEngine:
                 tuple(-9999.0 if v is None else float(v) for v in values),
                 top,
                 reason,
-                self.policy_version,
-                _version_spans(choice.get("weight_versions")),
+                self.policy_version if adapter_version is None else adapter_version,
+                _version_spans(choice.get("weight_versions")) if adapter_version is None else None,
                 routes,
                 routes_start,
             )
 
     # -- SGLang -------------------------------------------------------------------------------
 
-    def _sglang_body(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
+    def _sglang_body(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, model: str | None = None
+    ) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             "max_new_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -505,7 +582,7 @@ class RemoteEngine:
             sampling["stop_token_ids"] = sorted(params.stop_token_ids)
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
-        return {
+        body: dict[str, Any] = {
             "input_ids": list(prompt_ids),
             "sampling_params": sampling,
             "return_logprob": True,
@@ -514,9 +591,17 @@ class RemoteEngine:
             "stream": True,
             "rid": request_id,
         }
+        if model is not None:
+            body["lora_path"] = model  # SGLang names a loaded adapter by its lora_name here
+        return body
 
     async def _sglang_steps(
-        self, events: AsyncIterator[dict[str, Any]], top_n: int, url: str, wanted: _Wanted | None
+        self,
+        events: AsyncIterator[dict[str, Any]],
+        top_n: int,
+        url: str,
+        wanted: _Wanted | None,
+        adapter_version: int | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         seen = 0  # output tokens already yielded
         last: EngineStep | None = None  # the finishing step, held for routes that come after it
@@ -540,7 +625,7 @@ class RemoteEngine:
                 continue
             seen += len(entries)
             top = tuple(_top_from_sglang(t, top_n) for t in top_entries) if top_n else None
-            version = _numeric_version(meta.get("weight_version"))
+            version = _numeric_version(meta.get("weight_version")) if adapter_version is None else adapter_version
             step = EngineStep(
                 tuple(int(e[1]) for e in entries),
                 tuple(float(e[0]) for e in entries),
@@ -574,6 +659,189 @@ class RemoteEngine:
         ids = _int32_routes(raw, config.layers, config.top_k, url)
         routes, start = self._routes(ids, wanted, output, url)
         return replace(step, routes=routes, routes_start=start)
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str, policy_version: int) -> WeightUpdateReport:
+        """Load the PEFT adapter directory ``path`` as version ``policy_version`` of LoRA adapter
+        ``name`` on every healthy server, as the adapter ``NAME@vN`` (vLLM's ``/v1/load_lora_adapter``,
+        SGLang's ``/load_lora_adapter``); ``path`` must be readable by the servers themselves.
+
+        A server that failed to load it takes no request of ``name`` until it holds this version
+        (asked again every 30 s, and a server added later or back from failing is brought up to
+        date); the others serve them at once, and each unloads the older versions once none of
+        this engine's requests uses them. Raises :class:`~stream_gateway.lora.AdapterRefused` when
+        no server loaded it (the current version stays), :class:`EngineUnavailable` with no
+        healthy server.
+        """
+        from stream_gateway.lora import AdapterRefused
+
+        if self._client is None:
+            raise EngineUnavailable("The engine is not running.")
+        model = adapter_model(name, policy_version)
+        targets = [u for u in self.pool if u.healthy]
+        if not targets:
+            raise EngineUnavailable(f"No healthy inference server to load the LoRA adapter {model} on.")
+        started = time.perf_counter()
+        outcomes: dict[str, tuple[int, str] | None] = {}  # url -> None (loaded) or (status, why)
+
+        async def load(upstream: Upstream) -> None:
+            outcomes[upstream.url] = await self._load_on(upstream, model, path)
+
+        async with anyio.create_task_group() as tg:
+            for upstream in targets:
+                tg.start_soon(load, upstream)
+        refused = {url: outcome for url, outcome in outcomes.items() if outcome is not None}
+        if len(refused) == len(targets):
+            for upstream in targets:
+                upstream.adapter_failures.pop(model, None)  # never current: nothing to retry
+            statuses = {status for status, _ in refused.values()}
+            reasons = "; ".join(f"{url}: {why}" for url, (_, why) in refused.items())
+            raise AdapterRefused(
+                "unreadable" if statuses == {404} else "unsupported",
+                f"no inference server loaded {model} from {path} ({reasons})",
+            )
+        previous = self._adapter_versions.get(name, 0)
+        self._adapter_versions[name] = policy_version
+        self._adapter_paths[name] = path
+        loaded_s = time.perf_counter() - started
+        in_flight = 0
+        for upstream in self.pool:
+            for held in list(upstream.adapter_failures):  # older versions' failures no longer matter
+                if held != model and _adapter_of(held) == name:
+                    del upstream.adapter_failures[held]
+            in_flight += sum(n for held, n in upstream.adapter_requests.items() if _adapter_of(held) == name)
+            if self._adapters_out_of_date(upstream):
+                self._schedule_sync(upstream)  # unload the versions before, where idle
+        log.info("adapter %s %d -> %d: loaded as %s on %d of %d servers in %.2f s%s",
+                 name, previous, policy_version, model, len(targets) - len(refused), len(targets), loaded_s,
+                 f" (refused by {', '.join(refused)})" if refused else "")  # fmt: skip
+        return WeightUpdateReport(policy_version, previous, 0, loaded_s, 0.0, in_flight)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name``: requests in flight on it finish, and each server
+        unloads its versions once idle. KeyError for a name not loaded."""
+        del self._adapter_versions[name]
+        self._adapter_paths.pop(name, None)
+        for upstream in self.pool:
+            for model in list(upstream.adapter_failures):
+                if _adapter_of(model) == name:
+                    del upstream.adapter_failures[model]
+            if self._adapters_out_of_date(upstream):
+                self._schedule_sync(upstream)
+
+    def _adapter_model(self, adapter: str | None) -> tuple[str | None, int | None]:
+        """The versioned model name a request on ``adapter`` names now, and that version."""
+        if adapter is None:
+            return None, None
+        version = self._adapter_versions.get(adapter)
+        if version is None:
+            raise EngineUnavailable(f"The LoRA adapter {adapter} is not loaded on the inference servers.")
+        return adapter_model(adapter, version), version
+
+    def _current_models(self) -> set[str]:
+        return {adapter_model(name, version) for name, version in self._adapter_versions.items()}
+
+    def _adapters_out_of_date(self, upstream: Upstream) -> bool:
+        """A current version missing there (not failed lately), or an older one idle there."""
+        current, now = self._current_models(), time.monotonic()
+        for model in current:
+            failed = upstream.adapter_failures.get(model)
+            if model not in upstream.adapters and (failed is None or now - failed[0] >= _ADAPTER_RETRY_S):
+                return True
+        return any(model not in current and not upstream.adapter_requests.get(model) for model in upstream.adapters)
+
+    def _release(self, upstream: Upstream, model: str) -> None:
+        """A request on ``model`` there is done; unload an old version once it is idle."""
+        left = upstream.adapter_requests.get(model, 0) - 1
+        if left > 0:
+            upstream.adapter_requests[model] = left
+            return
+        upstream.adapter_requests.pop(model, None)
+        if model in upstream.adapters and model not in self._current_models():
+            self._schedule_sync(upstream)
+
+    def _schedule_sync(self, upstream: Upstream) -> None:
+        if self._task_group is None or upstream in self._sync_pending:
+            return
+        self._sync_pending.add(upstream)
+        self._task_group.start_soon(self._sync_adapters, upstream)
+
+    async def _sync_adapters(self, upstream: Upstream) -> None:
+        """Load the current adapter versions a server lacks, and unload its idle old ones."""
+        self._sync_pending.discard(upstream)
+        if upstream.removed or not upstream.healthy:
+            return
+        try:
+            now = time.monotonic()
+            for name, version in list(self._adapter_versions.items()):
+                model, path = adapter_model(name, version), self._adapter_paths.get(name)
+                failed = upstream.adapter_failures.get(model)
+                if path is None or model in upstream.adapters or (failed and now - failed[0] < _ADAPTER_RETRY_S):
+                    continue
+                if self._adapter_versions.get(name) == version:  # not replaced or unloaded meanwhile
+                    await self._load_on(upstream, model, path)
+            current = self._current_models()
+            for model in sorted(upstream.adapters - current):
+                if not upstream.adapter_requests.get(model):
+                    await self._unload_on(upstream, model)
+        except Exception:  # never let it take the health checks down with it
+            log.exception("%s: bringing its LoRA adapters up to date failed", upstream.url)
+
+    def _adapter_lock(self, upstream: Upstream) -> anyio.Lock:
+        lock = self._adapter_locks.get(upstream)
+        if lock is None:
+            lock = self._adapter_locks[upstream] = anyio.Lock()
+        return lock
+
+    async def _load_on(self, upstream: Upstream, model: str, path: str) -> tuple[int, str] | None:
+        """Load adapter ``model`` from ``path`` on one server: ``None`` once it holds it, else
+        ``(HTTP status or 0, why)``, recorded as the server's failure."""
+        assert self._client is not None
+        async with self._adapter_lock(upstream):
+            if model in upstream.adapters:
+                return None
+            route = _ADAPTER_ROUTES[self.protocol][0]
+            try:
+                response = await self._client.post(upstream.url + route, json={"lora_name": model, "lora_path": path})
+                status, message = response.status_code, _error_message(response.content) or ""
+            except httpx.HTTPError as exc:
+                status, message = 0, _describe(exc)
+            # Loaded already (by another gateway of this pool, or before this one restarted): a
+            # versioned name is one set of weights, so it is held. vLLM: "... has already been
+            # loaded"; SGLang: "... because it is already loaded".
+            if status == 200 or (status == 400 and "already" in message and model in message):
+                upstream.adapters.add(model)
+                upstream.adapter_failures.pop(model, None)
+                log.info("%s holds LoRA adapter %s (%s)", upstream.url, model, path)
+                return None
+            why = f"{route} answered {status}: {message}" if status else message
+            first = model not in upstream.adapter_failures
+            upstream.adapter_failures[model] = (time.monotonic(), why)
+            (log.warning if first else log.debug)("%s could not load LoRA adapter %s from %s: %s; no requests of "
+                                                  "it go there", upstream.url, model, path, why)  # fmt: skip
+            return status, why
+
+    async def _unload_on(self, upstream: Upstream, model: str) -> None:
+        """Unload an old adapter version from one server (kept, and asked again later, on failure)."""
+        assert self._client is not None
+        async with self._adapter_lock(upstream):
+            if model not in upstream.adapters or upstream.adapter_requests.get(model):
+                return
+            route = _ADAPTER_ROUTES[self.protocol][1]
+            try:
+                response = await self._client.post(upstream.url + route, json={"lora_name": model})
+                status, message = response.status_code, _error_message(response.content) or ""
+            except httpx.HTTPError as exc:
+                log.warning("%s: unloading LoRA adapter %s failed (%s); asking again later",
+                            upstream.url, model, _describe(exc))  # fmt: skip
+                return
+            if status == 200 or status == 404 or (status == 400 and model in message):  # gone already
+                upstream.adapters.discard(model)
+                log.info("%s unloaded LoRA adapter %s", upstream.url, model)
+            else:
+                log.warning("%s: unloading LoRA adapter %s answered %d (%s); asking again later",
+                            upstream.url, model, status, message)  # fmt: skip
 
     # -- weights and statistics ---------------------------------------------------------------
 
@@ -626,6 +894,19 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]
                     where = f"{response.url.host}:{response.url.port}"
                     raise UpstreamFailed(f"The inference server {where} failed: {message}")
                 yield event
+
+
+def adapter_model(name: str, version: int) -> str:
+    """The model name of version ``version`` of LoRA adapter ``name`` on the servers: ``NAME@vN``.
+
+    A new version is a new name there, so no server reuses for it a prefix cache computed under
+    an older one (huggingface/trl#7017 names its adapter versions the same way)."""
+    return f"{name}@v{version}"
+
+
+def _adapter_of(model: str) -> str:
+    """The adapter name of a versioned model name (``NAME@vN`` -> ``NAME``)."""
+    return model.rsplit("@v", 1)[0]
 
 
 def _expert_config(path: str) -> ExpertShape | None:

@@ -56,7 +56,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from stream_gateway._errors import EngineError, EngineUnavailable
+from stream_gateway._errors import Conflict, EngineError, EngineUnavailable
 from stream_gateway.constraints import TokenMask, grammar_tokenizer
 from stream_gateway.engines._base import (
     EngineStatistics,
@@ -115,6 +115,13 @@ class _AdapterUpdate:
 
 
 @dataclass(slots=True)
+class _AdapterUnload:
+    name: str
+    done: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(slots=True)
 class _Batch:
     """The running batch: rows, a left-padded KV cache and its attention mask."""
 
@@ -163,7 +170,9 @@ class TransformersEngine:
         self.tokenizer: PreTrainedTokenizerBase
         self._model: Any = None
         self._eos_ids: frozenset[int] = frozenset()
-        self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | _AdapterUpdate | object] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | _AdapterUpdate | _AdapterUnload | object] = (
+            queue.SimpleQueue()
+        )
         self._backlog: deque[_Request] = deque()  # taken from the inbox, waiting for a free row
         self._targets: dict[str, torch.Tensor] = {}  # every state-dict name (tied ones too) -> tensor
         self._last_logits: dict[str, int] = {}
@@ -311,6 +320,23 @@ class TransformersEngine:
         self._inbox.put(update)
         return await update.done
 
+    async def unload_adapter(self, name: str) -> None:
+        """Remove LoRA adapter ``name`` between two decode steps (vLLM's and SGLang's
+        ``unload_lora_adapter``).
+
+        Refused while a request uses it, queued or running: :class:`~stream_gateway._errors.Conflict`
+        (409), nothing changed; unload it once they have finished (a remote engine unloads an old
+        version only once its own requests on it are done). KeyError for a name not loaded.
+        """
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineUnavailable("the transformers engine is not running") from self._failure
+        if self._bank is None or name not in self._adapter_versions:
+            raise KeyError(name)
+        loop = asyncio.get_running_loop()
+        unload = _AdapterUnload(name, loop.create_future(), loop)
+        self._inbox.put(unload)
+        await unload.done
+
     async def load_adapter(self, name: str, path: str, policy_version: int) -> WeightUpdateReport:
         """:meth:`update_adapter` with the PEFT adapter directory ``path``."""
         weights = await anyio.to_thread.run_sync(read_adapter, path)
@@ -363,7 +389,7 @@ class TransformersEngine:
                     break
                 if isinstance(item, _Request):
                     waiting.append(item)
-                elif isinstance(item, _WeightUpdate | _AdapterUpdate):
+                elif isinstance(item, _WeightUpdate | _AdapterUpdate | _AdapterUnload):
                     item.loop.call_soon_threadsafe(_resolve, item.done, exc)
             for row in waiting:
                 row.loop.call_soon_threadsafe(row.outbox.put_nowait, exc)
@@ -387,6 +413,8 @@ class TransformersEngine:
                 self._apply_weights(batch, item)
             elif isinstance(item, _AdapterUpdate):
                 self._apply_adapter(batch, item)
+            elif isinstance(item, _AdapterUnload):
+                self._unload_adapter(batch, item)
             else:
                 assert isinstance(item, _Request)
                 self._backlog.append(item)
@@ -582,6 +610,26 @@ class TransformersEngine:
             update.name, previous, update.policy_version, report.tensors, serving, report.pause_s * 1e3,
         )  # fmt: skip
         update.loop.call_soon_threadsafe(_resolve, update.done, report)
+
+    def _unload_adapter(self, batch: _Batch, unload: _AdapterUnload) -> None:
+        # Rows still in the batch count even when aborted: the next decode step names their adapter.
+        users = sum(1 for row in batch.rows if row.params.adapter == unload.name)
+        users += sum(1 for row in self._backlog if row.params.adapter == unload.name and not row.aborted)
+        outcome: BaseException | None = None
+        if users:
+            outcome = Conflict(
+                f"Adapter `{unload.name}` is in use by {users} requests; unload it once they have finished.",
+                code="adapter_in_use",
+            )
+        else:
+            try:
+                assert self._bank is not None
+                self._bank.unload(unload.name)
+                self._adapter_versions.pop(unload.name, None)
+                log.info("adapter %s unloaded", unload.name)
+            except Exception as exc:  # KeyError: unloaded already
+                outcome = exc
+        unload.loop.call_soon_threadsafe(_resolve, unload.done, outcome)
 
     def _synchronize(self) -> None:
         if self._device.type == "cuda":

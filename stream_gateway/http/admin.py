@@ -17,7 +17,15 @@ from stream_gateway.http._body import parse_body
 from stream_gateway.http._render import ORJSONResponse
 from stream_gateway.http._state import GatewayState, gateway_state
 
-__all__ = ["UpstreamsBody", "WeightsBody", "admin_bodies", "admin_router", "running_loop"]
+__all__ = [
+    "LoadLoraAdapterBody",
+    "UnloadLoraAdapterBody",
+    "UpstreamsBody",
+    "WeightsBody",
+    "admin_bodies",
+    "admin_router",
+    "running_loop",
+]
 
 admin_router = APIRouter()
 
@@ -47,7 +55,35 @@ class UpstreamsBody(BaseModel):
     remove: list[str] = Field(default_factory=list, max_length=256, description="server URLs to take out")
 
 
-admin_bodies: dict[str, type[BaseModel]] = {"/policy/weights": WeightsBody, "/admin/upstreams": UpstreamsBody}
+class LoadLoraAdapterBody(BaseModel):
+    """``POST /v1/load_lora_adapter``, vLLM's: load a PEFT adapter directory as adapter ``lora_name``."""
+
+    model_config = ConfigDict(extra="ignore")  # as vLLM: fields of other versions of its API pass
+
+    lora_name: str = Field("", max_length=256, description="the adapter's name: requests select it with model=")
+    lora_path: str = Field(
+        "", max_length=4096, description="a PEFT adapter directory (remote engines: at that path on every server too)"
+    )
+    load_inplace: bool = Field(
+        False, description="load over an adapter of that name (its next version); without it, a name in use is a 400"
+    )
+
+
+class UnloadLoraAdapterBody(BaseModel):
+    """``POST /v1/unload_lora_adapter``, vLLM's: remove adapter ``lora_name``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field("", max_length=256, description="the adapter to remove")
+    lora_int_id: int | None = Field(None, description="vLLM's internal id: accepted and not used")
+
+
+admin_bodies: dict[str, type[BaseModel]] = {
+    "/policy/weights": WeightsBody,
+    "/admin/upstreams": UpstreamsBody,
+    "/v1/load_lora_adapter": LoadLoraAdapterBody,
+    "/v1/unload_lora_adapter": UnloadLoraAdapterBody,
+}
 
 
 @admin_router.post("/policy/weights")
@@ -88,6 +124,70 @@ async def _load_adapter(state: GatewayState, body: WeightsBody, name: str) -> Re
     return ORJSONResponse(
         result | {"previous_version": report.previous_version, "pause_s": report.pause_s, "replica": state.replica}
     )
+
+
+# vLLM's dynamic LoRA routes (vllm/entrypoints/serve/lora/api_router.py and openai/models/serving.py):
+# a gateway is a vLLM-compatible server for trainers and for another gateway's vllm-http engine.
+# Their answers are vLLM's: 200 with a line of text, or vLLM's error body and status.
+
+
+def _vllm_error(message: str, kind: str, status: int) -> Response:
+    return ORJSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status
+    )
+
+
+@admin_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    from stream_gateway.lora import CONFIG_NAME, AdapterRefused
+
+    state = gateway_state(request)
+    state.auth.admin(request, "loading LoRA adapters")
+    body = await parse_body(request, LoadLoraAdapterBody, state.settings.max_request_bytes)
+    name, path, engine = body.lora_name, body.lora_path, state.engine
+    if not name or not path:
+        return _vllm_error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+    current = engine.adapters.get(name)
+    if current is not None and not body.load_inplace:
+        return _vllm_error(
+            f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+            "set 'load_inplace' to True.",
+            "InvalidUserInput",
+            400,
+        )
+    if name == engine.model_id:
+        return _vllm_error(f"'{name}' is the base model's name.", "InvalidUserInput", 400)
+    if not await anyio.Path(path, CONFIG_NAME).is_file():
+        return _vllm_error(f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError", 404)
+    # A new name is version 0 (as --lora loads them); loading in place makes the next version.
+    version = 0 if current is None else current + 1
+    try:
+        await state.applier.apply_adapter(name, path, version)
+    except PolicyNotNewer as exc:  # another load of this name came first
+        return _vllm_error(str(exc), "InvalidUserInput", 400)
+    except AdapterRefused as exc:  # vLLM answers 500 when the engine refuses an adapter
+        return _vllm_error(f"Loading lora {name} failed ({exc.reason}): {exc}", "InternalServerError", 500)
+    return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+
+@admin_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    state = gateway_state(request)
+    state.auth.admin(request, "unloading LoRA adapters")
+    body = await parse_body(request, UnloadLoraAdapterBody, state.settings.max_request_bytes)
+    name = body.lora_name
+    if not name:
+        return _vllm_error("'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput", 400)
+    unload = getattr(state.engine, "unload_adapter", None)
+    if unload is None or name not in state.engine.adapters:
+        return _vllm_error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+    try:
+        await unload(name)
+    except KeyError:
+        return _vllm_error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+    except Conflict as exc:  # requests still use it (the transformers engine)
+        return _vllm_error(exc.message, "ConflictError", 409)
+    return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
 
 def _upstreams(state: GatewayState) -> UpstreamControl:

@@ -25,6 +25,16 @@ documents and implements it (``python/sglang/srt/entrypoints/http_server.py``,
   sends none.
 * ``GET /health``, ``GET /get_model_info``, ``GET /v1/models``.
 * ``POST /update_weights_from_disk`` (``model_path``, ``weight_version``).
+* LoRA adapters, as SGLang's dynamic loading does (``http_server.py``'s ``/load_lora_adapter`` and
+  ``/unload_lora_adapter``, ``LoadLoRAAdapterReqInput``/``LoRAUpdateOutput`` in ``io_struct.py``,
+  ``lora/lora_registry.py``, ``LoRAManager.validate_new_adapter``): ``POST /load_lora_adapter``
+  ``{"lora_name", "lora_path"}`` and ``POST /unload_lora_adapter`` ``{"lora_name"}`` answer
+  ``{"success", "error_message", "loaded_adapters"}``, 200 or 400 (a name loaded already: "Failed to
+  load LoRA adapter NAME because it is already loaded"; an engine without LoRA: "LoRA is not
+  enabled..."). An unload first stops new requests on the adapter, then waits for those in flight.
+  ``/generate``'s ``lora_path`` names a loaded adapter; an unknown one ends the stream with SGLang's
+  error frame (``{"error": {"message": "The following requested LoRA adapters are not loaded:
+  ..."}}``, status 200). The engine must have been built with ``loras=`` to hold adapters.
 
 The sampling itself is our ``transformers`` engine, so what the gateway records through this
 server can be checked against a forward pass like any other engine's output.
@@ -32,6 +42,7 @@ server can be checked against a forward pass like any other engine's output.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -44,8 +55,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from stream_gateway._errors import Conflict
 from stream_gateway.engines import SamplingParams
 from stream_gateway.engines.transformers import TransformersEngine
+from stream_gateway.lora import AdapterRefused
 
 
 def create_sglang_app(
@@ -54,6 +67,7 @@ def create_sglang_app(
     """The app; ``abort_after`` makes every request end with ``finish_reason.type == "abort"``
     after that many tokens (as SGLang reports a request it aborted)."""
     state = {"weight_version": "default"}
+    adapters = _Adapters(engine)
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -94,12 +108,18 @@ def create_sglang_app(
             top_logprobs=top_n,
             stop_token_ids=frozenset(sampling.get("stop_token_ids") or ()),
             ignore_eos=bool(sampling.get("ignore_eos", False)),
+            adapter=body.get("lora_path"),  # a loaded adapter's lora_name
         )
         rid = str(body.get("rid") or "rid")
-        tokenizer = engine.tokenizer
         want_routes = bool(body.get("return_routed_experts"))
         routes_start = int(body.get("routed_experts_start_len") or 0)
-        bad_start = want_routes and not 0 <= routes_start <= len(prompt)
+        # Refused before running: an adapter not loaded (SGLang's LoRARegistry.acquire raises, the
+        # stream carries the error), a routes start outside the prompt (SGLang's scheduler aborts it).
+        refusal = adapters.refusal(params.adapter) or (
+            _aborted(rid, len(prompt), f"routed_experts_start_len={routes_start} is outside [0, {len(prompt)}]")
+            if want_routes and not 0 <= routes_start <= len(prompt)
+            else None
+        )
 
         async def frames() -> AsyncIterator[bytes]:
             ids: list[int] = []
@@ -107,10 +127,8 @@ def create_sglang_app(
             tops: list[list[list[Any]]] = []
             routes: list[np.ndarray] = []
             sent = 0
-            if bad_start:  # SGLang aborts the request before running it
-                yield _aborted(
-                    rid, len(prompt), f"routed_experts_start_len={routes_start} is outside [0, {len(prompt)}]"
-                )
+            if refusal is not None:
+                yield refusal
                 return
             async with aclosing(engine.generate(rid, prompt, params)) as steps:
                 async for step in steps:
@@ -141,7 +159,7 @@ def create_sglang_app(
                     if want_routes and finish is not None and routes:
                         rows = np.concatenate(routes)[routes_start:].astype("<i4")
                         meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
-                    text = tokenizer.decode(ids[start:], skip_special_tokens=True)
+                    text = engine.tokenizer.decode(ids[start:], skip_special_tokens=True)
                     frame = {"text": text, "output_ids": ids[start:], "meta_info": meta}
                     sent = len(ids)
                     yield b"data: " + orjson.dumps(frame) + b"\n\n"
@@ -156,9 +174,65 @@ def create_sglang_app(
         Route("/get_model_info", model_info),
         Route("/v1/models", models),
         Route("/update_weights_from_disk", update_weights, methods=["POST"]),
+        Route("/load_lora_adapter", adapters.load, methods=["POST"]),
+        Route("/unload_lora_adapter", adapters.unload, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+class _Adapters:
+    """SGLang's dynamic LoRA routes over the engine's adapters."""
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+        self.paths: dict[str, str] = {}  # loaded adapters -> their directories
+        self.closing: set[str] = set()  # adapters being unloaded: no new requests
+
+    def serves(self, name: str) -> bool:
+        return name in self.engine.adapters and name not in self.closing
+
+    def refusal(self, name: str | None) -> bytes | None:
+        """The error frame of a request on an adapter not loaded (None: the base, or a loaded one)."""
+        if name is None or self.serves(name):
+            return None
+        message = f"The following requested LoRA adapters are not loaded: {name}\nLoaded adapters: {list(self.paths)}."
+        return b"data: " + orjson.dumps({"error": {"message": message}}) + b"\n\ndata: [DONE]\n\n"
+
+    def result(self, success: bool, error: str = "") -> Response:
+        body = {"success": success, "error_message": error, "loaded_adapters": dict(self.paths)}
+        return Response(orjson.dumps(body), status_code=200 if success else 400, media_type="application/json")
+
+    async def load(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        name, path = str(body["lora_name"]), str(body["lora_path"])
+        if name in self.engine.adapters:
+            return self.result(False, f"Failed to load LoRA adapter {name} because it is already loaded")
+        try:
+            await self.engine.load_adapter(name, path, 0)
+        except AdapterRefused as exc:
+            if exc.reason == "unsupported" and "--lora" in str(exc):  # an engine built without loras=
+                return self.result(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+            return self.result(False, str(exc))
+        self.paths[name] = path
+        return self.result(True)
+
+    async def unload(self, request: Request) -> Response:
+        name = str(orjson.loads(await request.body())["lora_name"])
+        if not self.serves(name):
+            return self.result(False, f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.paths)}")
+        self.closing.add(name)  # SGLang unregisters it first, then waits for the requests in flight
+        try:
+            while True:
+                try:
+                    await self.engine.unload_adapter(name)
+                    break
+                except Conflict:
+                    await asyncio.sleep(0.05)
+        finally:
+            self.closing.discard(name)
+        self.paths.pop(name, None)
+        return self.result(True)
 
 
 def _aborted(rid: str, prompt_tokens: int, message: str) -> bytes:
