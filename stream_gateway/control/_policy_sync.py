@@ -75,10 +75,22 @@ class PolicyApplier:
         return self._engine.remote
 
     @property
+    def engine_name(self) -> str:
+        """The engine's name (``transformers``, ``vllm-http``...)."""
+        return self._engine.name
+
+    @property
     def serves_adapters(self) -> bool:
-        """The engine can load LoRA adapters (the transformers engine; it still refuses them
-        ``unsupported`` when started without ``--lora``)."""
-        return not self._engine.remote and callable(getattr(self._engine, "load_adapter", None))
+        """The engine can load LoRA adapters from a path: the transformers engine (which still
+        refuses them ``unsupported`` when started without ``--lora``), and the remote engines
+        (on their servers, from storage they share with the gateway)."""
+        return callable(getattr(self._engine, "load_adapter", None))
+
+    @property
+    def takes_downloaded_adapters(self) -> bool:
+        """The engine can load an adapter the NATS follower downloaded to a temporary directory of
+        this machine: not a remote engine, whose servers cannot read it."""
+        return self.serves_adapters and not self._engine.remote
 
     def adapter_version(self, name: str) -> int | None:
         """The version of adapter ``name`` in service; ``None``: not loaded."""
@@ -352,12 +364,18 @@ class PolicyFollower:
         if quiet_if_old and current is not None and event.policy_version <= current:
             return "skipped"
         self._handled.add(event.event_id)
-        if not applier.serves_adapters:  # reported by the applier as unsupported, nothing downloaded
+        if not applier.takes_downloaded_adapters:  # reported as unsupported, nothing downloaded
             log.warning(
-                "policy follower: adapter %s version %d skipped: no LoRA on this engine", name, event.policy_version
+                "policy follower: adapter %s version %d skipped: this engine cannot load a downloaded adapter",
+                name,
+                event.policy_version,
             )
-            with contextlib.suppress(AdapterRefused, PolicyNotNewer):
-                await applier.apply_adapter(name, "", event.policy_version, source="nats")
+            applier.reject(
+                event.policy_version,
+                "unsupported",
+                f"the {applier.engine_name} engine cannot load an adapter downloaded from NATS",
+                adapter=name,
+            )
             return "unsupported"
         directory = Path(tempfile.mkdtemp(prefix="sg-adapter-", dir=self._download_dir))
         try:

@@ -26,7 +26,6 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
 from stream_gateway import Settings
-from stream_gateway.control import PolicyApplier
 from stream_gateway.engines import build_engine
 from stream_gateway.engines.remote import RemoteEngine
 from stream_gateway.engines.transformers import TransformersEngine
@@ -44,23 +43,6 @@ class Pool:
     front: RunningGateway
     upstreams: list[RunningGateway]  # two tiny gateways that take adapters
     plain: RunningGateway  # a tiny gateway started without --lora: it refuses every adapter
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _remote_engines_take_adapter_paths() -> Iterator[None]:
-    # PolicyApplier.serves_adapters (ac6b8f0) answers False for every remote engine, which fits
-    # NATS (a downloaded copy in a temporary directory, deleted once applied, is no path for the
-    # servers) but not POST /policy/weights, whose path is on storage the servers share. Until
-    # the applier tells the two apart, let this module's gateways load adapters on remote engines.
-    original = PolicyApplier.serves_adapters.fget
-    assert original is not None
-
-    def serves_adapters(applier: PolicyApplier) -> bool:
-        return original(applier) or callable(getattr(applier._engine, "load_adapter", None))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PolicyApplier, "serves_adapters", property(serves_adapters))
-        yield
 
 
 @pytest.fixture(scope="module")
