@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
+from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.servers import RunningGateway, run_gateway
 
 KEYS = {"sk-alpha": "alpha", "sk-beta": "beta", "sk-base": None}  # key -> the adapter its tenant is bound to
@@ -73,7 +74,7 @@ def _reference(tiny_model_path: Path, adapters: dict[str, Path], adapter: str | 
     return base if adapter is None else peft.PeftModel.from_pretrained(base, adapters[adapter]).eval()
 
 
-def _make_adapter(tiny_model_path: Path, config: dict[str, Any], seed: int, target: Path) -> Path:
+def _make_adapter(tiny_model_path: Path, config: dict[str, Any], seed: int, target: Path, scale: float = 0.3) -> Path:
     model = peft.get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), peft.LoraConfig(**config)
     )
@@ -81,7 +82,7 @@ def _make_adapter(tiny_model_path: Path, config: dict[str, Any], seed: int, targ
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "lora_B" in param_name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
     model.save_pretrained(target)
     return target
 
@@ -263,3 +264,38 @@ def test_adapters_the_base_cannot_take_are_refused(
         assert response.status_code == 400 and reason in response.json()["error"]["message"], response.text
     listed = httpx.get(f"{lora_gateway.base_url}/v1/models", headers={"authorization": "Bearer sk-alpha"}).json()
     assert {m["id"]: m.get("policy_version") for m in listed["data"]}["alpha"] in (0, 1)  # unchanged by the refusals
+
+
+def test_a_tool_loop_on_an_adapter_is_one_exact_chain(agent_model_path: Path, tmp_path: Path) -> None:
+    """tiny-agent with a small adapter bound to a tenant: the tool loop and its follow-up are one
+    chain of turns recorded with the adapter, each logprob base + adapter's (PEFT's)."""
+    adapter = _make_adapter(agent_model_path, CONFIGS["alpha"], 3, tmp_path / "agent-alpha", scale=0.05)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-agent tenant-agent adapter=alpha\n")
+    settings = Settings(model=str(agent_model_path), served_model_name="tiny-agent", lora=(f"alpha={adapter}",),
+                        api_key_file=keys, default_temperature=0.0)  # fmt: skip
+    (tmp_path / "README.md").write_text("The secret word is lighthouse.\n")
+    session = f"tools{secrets.token_hex(4)}"
+    with run_gateway(build_engine(settings), settings) as gateway:
+        with OpenAI(base_url=f"{gateway.base_url}/sessions/{session}/v1", api_key="sk-agent", max_retries=0) as client:
+            drive_session(
+                client,
+                "tiny-agent",
+                [{"role": "user", "content": "What does the README say?"}],
+                follow_ups=["Read it once more."],
+                workdir=tmp_path,
+                tools=[READ_TOOL],
+                max_tokens=64,
+            )
+        turns = _turns(gateway, "sk-agent", session)
+    assert [t["finish_reason"] for t in turns] == ["tool_calls", "stop", "tool_calls", "stop"]
+    assert sum(t["parent_id"] is None for t in turns) == 1 and all(t["adapter"] == "alpha" for t in turns)
+    reference = _reference(agent_model_path, {"alpha": adapter}, "alpha")
+    base = _reference(agent_model_path, {}, None)
+    for turn in turns:
+        expected = _logprobs(reference, turn["prompt_ids"], turn["output_ids"])
+        torch.testing.assert_close(torch.tensor(turn["logprobs"]), expected, atol=2e-4, rtol=0)
+    ids = torch.tensor([turns[-1]["prompt_ids"] + turns[-1]["output_ids"]])
+    with torch.no_grad():
+        moved = (reference(input_ids=ids).logits - base(input_ids=ids).logits).abs().max()
+    assert moved > 1e-2  # the adapter is not the base (its sampled tokens are just very likely under both)
