@@ -34,8 +34,55 @@ as ``CheckpointEngineRegistry.new(checkpoint_engine.backend, is_master=<rank 0>,
               stream: SG_EVENTS
               bucket: sg_policies
               dtype: bfloat16                  # cast floating tensors before upload
+              adapter: alpha                   # LoRA actor: publish adapter "alpha", not the model
               auth: {user: trainer, tls_ca: /etc/nats/ca.pem}   # pipeline.connection.NatsAuth; the
                                                #   password from $STREAM_GATEWAY_NATS_PASSWORD
+
+LoRA (``engine_kwargs.nats.adapter: NAME``): the actor trains a LoRA adapter
+(``actor_rollout_ref.model.lora_rank > 0``) and each step publishes that adapter, not the model,
+as version ``global_steps`` of adapter ``NAME`` (:func:`publish_adapter`, through
+:func:`pipeline.policies.publish_policy` with ``adapter=NAME``); the gateways keep serving their
+base and swap that adapter's tensors. What verl 0.9.1 does with a LoRA actor, read for this
+(paths under ``verl/``, lines of the installed 0.9.1):
+
+* Configuration: ``workers/config/model.py`` ``HFModelConfig`` (122-135: ``lora_rank`` 0 = off,
+  ``lora_alpha`` 16, ``target_modules`` "all-linear", ``exclude_modules``, ``lora_adapter_path``,
+  and ``lora``, the Megatron dict whose ``merge`` the FSDP engine reads too;
+  ``trainer/config/model/hf_model.yaml`` 43-55 and 101-106, ``lora.merge: False``).
+* ``workers/engine/fsdp/transformer_impl.py``: ``FSDPEngine._build_lora_module`` (339-368) wraps
+  the model with ``get_peft_model(module, LoraConfig(task_type=CAUSAL_LM, r=lora_rank,
+  lora_alpha=lora_alpha, target_modules=, exclude_modules=, bias="none"))``, or loads
+  ``PeftModel.from_pretrained(lora_adapter_path, is_trainable=True)``.
+  ``get_per_tensor_param(layered_summon=False, base_sync_done=False)`` (977-1061) returns
+  ``(tensors, peft_config.to_dict())`` for a LoRA actor with ``lora.merge`` false. With
+  ``base_sync_done=True`` the tensors are ``collect_lora_params`` (``utils/fsdp_utils.py`` 715-789;
+  645-712 with ``layered_summon``, one FSDP unit at a time): PEFT's ``get_peft_model_state_dict``,
+  names ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``, gathered whole on CPU. With
+  ``base_sync_done=False``, the default, they are the *base* weights only (``lora_`` tensors skipped,
+  targeted modules renamed ``<module>.base_layer.weight`` by ``replace_lora_wrapper``, 792-817).
+  With ``lora.merge`` true, the merged full model and the config ``None``.
+* ``workers/engine/megatron/transformer_impl.py`` ``get_per_tensor_param`` (1033-1063): with
+  ``base_sync_done=True``, ``bridge.export_adapter_weights`` and ``build_peft_config_for_vllm``
+  (``utils/megatron_peft_utils.py`` 58-79: r, lora_alpha, ``target_modules="all-linear"``, bias none).
+* ``workers/engine_workers.py`` ``ActorRolloutRefWorker.update_weights`` (728-826). The ``naive``
+  path (verl's own colocated rollout, 785-806) asks ``base_sync_done=True`` for the adapter,
+  preceded once by a ``base_sync_done=False`` base sync when the rollout started on dummy weights
+  (``self.base_sync_done``, set in ``init_model``, 672-674). ``workers/rollout/vllm_rollout/utils.py``
+  ``_update_weights`` (367-384) then loads the adapter tensors and config as
+  ``TensorLoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH,
+  peft_config=, lora_tensors=)`` (constants at 40-42) with ``add_lora``; ``utils/vllm/utils.py``
+  (31-125) hijacks vLLM's ``_load_adapter`` to build the ``LoRAModel`` from those tensors. Any other
+  mode (757-766) calls ``get_per_tensor_param()`` with no arguments, so a LoRA actor hands a
+  checkpoint engine the base weights and no adapter; except ``mode="delta_sharded"`` (759-763), for
+  which it calls ``checkpoint_engine.send_weights(self.actor.engine, global_steps=)``, handing over
+  the training engine itself. With an adapter set, :class:`StreamCheckpointManager` calls
+  ``update_weights(mode="delta_sharded")`` (:data:`ENGINE_MODE`); verl's ``delta_sharded`` engine is
+  not involved (the engine is the one ``checkpoint_engine.backend`` built: this module's), and
+  :meth:`NatsCheckpointEngine.send_weights` asks the training engine, on every rank, for
+  ``get_per_tensor_param(layered_summon=, base_sync_done=True)``: the adapter tensors and config.
+* The base is never asked for (``base_sync_done`` is always ``True``): gateways load it from their
+  ``--model`` and share it between every adapter. A tensor that is not ``lora_A``/``lora_B`` in
+  what arrives (a base weight) is left out of the adapter, with a log line saying how many.
 
 Deliberate choices:
 
@@ -43,6 +90,12 @@ Deliberate choices:
   tensors with collectives (FSDP's ``full_tensor()``, Megatron's HF export), so every rank must
   iterate it to the end. Rank 0 copies each tensor to host memory; only when the iteration is
   over does it touch NATS, so a NATS failure cannot leave the other ranks stuck in a collective.
+* **One adapter directory per step.** Rank 0 writes what ``save_pretrained`` would: the config
+  verl's engine sends (sets as lists, ``inference_mode`` true) as ``adapter_config.json`` and the
+  tensors as ``adapter_model.safetensors``, in a temporary directory, and publishes it with
+  :func:`pipeline.policies.publish_policy` ``adapter=NAME``. Adapter versions are the adapter's own
+  (the base's are untouched); a step not above the adapter's newest published version is skipped
+  with a warning, as for the base.
 * **Versions only go up.** Version ``0`` is the weights a gateway starts with: ``update_weights(0)``
   (a fresh start) publishes nothing. A step this manager already published is not sent again (the
   same step's second call: ``_validate``'s "wake up" with a colocated reward model). Before
@@ -67,18 +120,30 @@ Deliberate choices:
 from __future__ import annotations
 
 import asyncio
+import enum
+import json
 import logging
+import re
+import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
 import anyio
 import torch
 from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import PolicyUpdated, decode_event
-from pipeline.policies import POLICY_BUCKET, policy_subject, publish_tensors
+from pipeline.policies import (
+    POLICY_BUCKET,
+    StalePolicyVersion,
+    newest_adapter_version,
+    policy_subject,
+    publish_policy,
+    publish_tensors,
+)
 from pipeline.streams import StreamSpec, ensure_stream
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.utils.ray_utils import auto_await
@@ -91,15 +156,26 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND",
+    "ENGINE_MODE",
     "ActorWorkerGroup",
     "NatsCheckpointEngine",
     "NatsWeightSettings",
     "StreamCheckpointManager",
+    "TrainingEngine",
     "WeightPublishError",
+    "publish_adapter",
     "publish_weights",
 ]
 
 BACKEND = "nats"
+# The update_weights mode for which verl 0.9.1's ActorRolloutRefWorker hands the checkpoint engine
+# the training engine itself (send_weights(self.actor.engine, ...)): used with an adapter, so that
+# the engine can ask for the LoRA tensors (base_sync_done=True), which no other mode yields.
+ENGINE_MODE = "delta_sharded"
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # as pipeline.policies and the gateways accept
+# A LoRA weight as PEFT names it (get_peft_model_state_dict drops the adapter name; a live module's
+# state dict keeps it, ".lora_A.default.weight").
+_LORA_KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight")
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +183,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _CLOSE_TIMEOUT_S = 5.0
+
+Weights = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
 
 
 def _auto_await(method: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Any]:
@@ -123,6 +201,15 @@ class ActorWorkerGroup(Protocol):
 
     def update_weights(self, *, global_steps: int, mode: str) -> list[Awaitable[Any]]:
         """Run the worker method on every rank; what each returns, to await."""
+        ...
+
+
+@runtime_checkable
+class TrainingEngine(Protocol):
+    """verl's training engine (``FSDPEngine``, ``MegatronEngine``), given to ``send_weights`` in ENGINE_MODE."""
+
+    def get_per_tensor_param(self, **kwargs: Any) -> tuple[Any, dict[str, Any] | None]:
+        """The weights (an iterable of ``(name, tensor)``) and, for a LoRA actor, its PEFT config dict."""
         ...
 
 
@@ -144,12 +231,16 @@ class NatsWeightSettings:
     dtype: str | None = None  # e.g. "bfloat16": floating tensors are cast before upload; None keeps the trainer's
     connect_timeout_s: float = 10.0
     publish_timeout_s: float = 1800.0  # one whole upload plus its event
+    adapter: str | None = None  # LoRA: publish the actor's adapter as this adapter's versions, not the model
+    layered_summon: bool = False  # LoRA on FSDP: gather the adapter one FSDP unit at a time (as rollout.layered_summon)
 
     def __post_init__(self) -> None:
         if not self.servers:
             raise ValueError("servers: at least one NATS URL")
         if self.keep_full < 1:
             raise ValueError("keep_full must be >= 1")
+        if self.adapter is not None and not _ADAPTER_NAME.fullmatch(self.adapter):
+            raise ValueError(f"adapter {self.adapter!r}: 1-128 of A-Z a-z 0-9 _ . -")
         self.torch_dtype()  # fail at construction, not at the first step
 
     @classmethod
@@ -217,23 +308,31 @@ class NatsCheckpointEngine(CheckpointEngine):
 
     async def send_weights(
         self,
-        weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        weights: Weights | TrainingEngine,
         global_steps: int | None = None,
     ) -> dict[str, float]:
         """Drain ``weights`` (every rank must); rank 0 then publishes them as version ``global_steps``.
 
-        Returns metrics for the trainer (``stream/*``; empty on other ranks).
+        ``weights`` is what verl's ``update_weights`` hands over: the per-tensor iterable, or with
+        :data:`ENGINE_MODE` the training engine, asked here for its weights (with an adapter, for the
+        LoRA tensors and config: ``base_sync_done=True``). With an adapter, rank 0 publishes the
+        adapter (:func:`publish_adapter`). Returns metrics for the trainer (``stream/*``; empty on other ranks).
         """
+        items, peft_config = self._exported(weights)
         if not self.is_master:
-            async for _ in _items(weights):
+            async for _ in _items(items):
                 pass  # the collectives inside the generator need every rank
             return {}
         started = time.monotonic()
-        tensors = await _collect(weights, self.settings.torch_dtype())
+        tensors = await _collect(items, self.settings.torch_dtype())
         if global_steps is None:
             raise ValueError("send_weights needs global_steps: it is the policy version")
         collect_s = time.monotonic() - started
-        event = await publish_weights(self.settings, tensors, global_steps)
+        if self.settings.adapter is not None:
+            tensors = _adapter_tensors(tensors, self.settings.adapter)
+            event = await publish_adapter(self.settings, tensors, peft_config, global_steps)
+        else:
+            event = await publish_weights(self.settings, tensors, global_steps)
         if event is None:
             return {"stream/policy_version_skipped": float(global_steps)}
         size = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -243,6 +342,20 @@ class NatsCheckpointEngine(CheckpointEngine):
             "stream/publish_s": time.monotonic() - started - collect_s,
             "stream/weights_gb": size / 1e9,
         }
+
+    def _exported(self, weights: Weights | TrainingEngine) -> tuple[Weights, dict[str, Any] | None]:
+        """The per-tensor weights and the PEFT config (``None`` unless handed a LoRA training engine)."""
+        if not isinstance(weights, TrainingEngine):
+            return weights, None
+        if self.settings.adapter is None:
+            items, _ = weights.get_per_tensor_param()  # what verl's own non-naive path asks
+            return cast("Weights", items), None
+        # The adapter alone (verl's naive path asks the same for vLLM's TensorLoRARequest); never
+        # the base (base_sync_done=False), which the gateways already hold.
+        items, peft_config = weights.get_per_tensor_param(
+            layered_summon=self.settings.layered_summon, base_sync_done=True
+        )
+        return cast("Weights", items), peft_config
 
     async def receive_weights(self, global_steps: int | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Not a receiver: gateways follow ``policy.updated`` on NATS."""
@@ -274,10 +387,14 @@ class StreamCheckpointManager:
         self.actor_wg = actor_wg
         self.replicas = list(replicas or [])
         self.synced_version = 0  # the newest step this manager has sent to the actor ranks
+        # With an adapter, verl must hand the training engine over (ENGINE_MODE): in verl 0.9.1 the
+        # iterable of mode=nats holds a LoRA actor's base weights only (see the module docstring).
+        self.mode = ENGINE_MODE if self.settings.adapter is not None else BACKEND
 
     @_auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
-        """Publish the actor's current weights as policy version ``global_steps``; the ranks' metrics."""
+        """Publish the actor's current weights (with ``adapter``: its LoRA adapter) as version
+        ``global_steps``; the ranks' metrics."""
         if global_steps is None or global_steps < 1:
             log.info(
                 "update_weights(%s): version 0 is the weights gateways start with; nothing published", global_steps
@@ -287,7 +404,7 @@ class StreamCheckpointManager:
             log.info("update_weights(%d): version %d already published", global_steps, self.synced_version)
             return {}
         # One ObjectRef per actor rank (ONE_TO_ALL, blocking=False in verl 0.9.1).
-        refs = self.actor_wg.update_weights(global_steps=global_steps, mode=BACKEND)
+        refs = self.actor_wg.update_weights(global_steps=global_steps, mode=self.mode)
         results = await asyncio.gather(*refs)
         self.synced_version = global_steps
         metrics: dict[str, float] = {}
@@ -378,6 +495,163 @@ async def publish_weights(
         "published policy version %d (%d tensors) on %s", policy_version, len(tensors), ", ".join(settings.servers)
     )
     return event
+
+
+async def publish_adapter(
+    settings: NatsWeightSettings,
+    tensors: Mapping[str, torch.Tensor],
+    peft_config: Mapping[str, Any] | None,
+    policy_version: int,
+) -> PolicyUpdated | None:
+    """Publish LoRA ``tensors`` with their PEFT ``peft_config`` as version ``policy_version`` of
+    adapter ``settings.adapter``, unless the stream already has that adapter at this version or above.
+
+    ``tensors``: ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``, as verl's engines
+    yield them (:func:`_adapter_tensors` makes them so). Written as a PEFT adapter directory
+    (``adapter_config.json``, ``adapter_model.safetensors``) and published with
+    :func:`pipeline.policies.publish_policy` ``adapter=``. The published event, or ``None`` when
+    skipped. Raises :class:`WeightPublishError`.
+    """
+    import nats.errors
+    import nats.js.errors
+
+    adapter = settings.adapter
+    if adapter is None:
+        raise ValueError("publish_adapter needs settings.adapter")
+    config = _adapter_config(peft_config, tensors, adapter)
+    spec = settings.spec
+    try:
+        with anyio.fail_after(settings.publish_timeout_s):
+            async with _connected(settings) as nc:
+                js = nc.jetstream()
+                await ensure_stream(js, spec)
+                newest = await newest_adapter_version(js, adapter, spec)
+                if policy_version <= newest:
+                    raise StalePolicyVersion(f"the stream already has version {newest}", newest)
+                with tempfile.TemporaryDirectory(prefix="sg-adapter-") as directory:
+                    await anyio.to_thread.run_sync(_write_adapter, Path(directory), config, tensors)
+                    event = await publish_policy(
+                        nc,
+                        directory,
+                        policy_version,
+                        spec=spec,
+                        bucket=settings.bucket,
+                        model=settings.model,
+                        weights=f"verl global_steps={policy_version} adapter={adapter}",
+                        previous_version=newest or None,
+                        keep_full=settings.keep_full,
+                        progress=log.info,
+                        adapter=adapter,
+                    )
+    except StalePolicyVersion as exc:  # ours above, or publish_policy's if another publisher raced us
+        log.warning(
+            "adapter %s version %d not published: %s (gateways refuse versions not above the one they serve)",
+            adapter,
+            policy_version,
+            exc,
+        )
+        return None
+    except TimeoutError as exc:
+        raise WeightPublishError(
+            f"adapter {adapter} version {policy_version}: not published within {settings.publish_timeout_s:g} s"
+        ) from exc
+    except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+        raise WeightPublishError(f"adapter {adapter} version {policy_version}: {type(exc).__name__}: {exc}") from exc
+    log.info(
+        "published adapter %s version %d (%d tensors, r=%s, lora_alpha=%s) on %s",
+        adapter,
+        policy_version,
+        len(tensors),
+        config.get("r"),
+        config.get("lora_alpha"),
+        ", ".join(settings.servers),
+    )
+    return event
+
+
+def _adapter_tensors(tensors: Mapping[str, torch.Tensor], adapter: str) -> dict[str, torch.Tensor]:
+    """The LoRA weights of ``tensors`` under PEFT's saved names; base weights are left out, with a log line.
+
+    verl hands LoRA tensors as ``base_model.model.<module>.lora_A.weight``; a ``.default`` adapter
+    segment or a missing ``base_model.model.`` prefix is normalized. Raises :class:`WeightPublishError`
+    for a LoRA tensor that is not an A/B weight (DoRA's magnitude, embedding adapters) or none at all.
+    """
+    lora: dict[str, torch.Tensor] = {}
+    ignored = 0
+    for name, tensor in tensors.items():
+        match = _LORA_KEY.fullmatch(name)
+        if match is not None:
+            lora[f"base_model.model.{match['module']}.lora_{match['which']}.weight"] = tensor
+        elif "lora_" in name:
+            raise WeightPublishError(f"adapter {adapter}: {name!r} is not a lora_A/lora_B weight (plain LoRA only)")
+        else:
+            ignored += 1
+    if ignored:
+        # The base weights (verl's base_sync_done=False export): the gateways already serve the
+        # shared base from their --model; an adapter version holds only its A/B matrices.
+        log.info("adapter %s: %d base-model tensors left out (the gateways serve the shared base)", adapter, ignored)
+    if not lora:
+        raise WeightPublishError(
+            f"adapter {adapter}: the actor yielded no LoRA tensors ({ignored} others): train LoRA "
+            "(actor_rollout_ref.model.lora_rank > 0) without merging (model.lora.merge false), with "
+            f"StreamCheckpointManager (it asks verl for mode={ENGINE_MODE}: mode={BACKEND} yields the base only)"
+        )
+    return lora
+
+
+def _adapter_config(
+    peft_config: Mapping[str, Any] | None, tensors: Mapping[str, torch.Tensor], adapter: str
+) -> dict[str, Any]:
+    """``adapter_config.json`` from verl's PEFT config dict, as ``save_pretrained`` writes it, checked."""
+    if peft_config is None:
+        raise WeightPublishError(
+            f"adapter {adapter}: the actor sent no LoRA config (verl's get_per_tensor_param returned None): "
+            "train LoRA (actor_rollout_ref.model.lora_rank > 0) without merging (model.lora.merge false)"
+        )
+    config = {str(key): _jsonable(value) for key, value in peft_config.items()}
+    config.setdefault("peft_type", "LORA")
+    config.setdefault("bias", "none")
+    config["inference_mode"] = True  # as PeftModel.save_pretrained writes it
+    if config["peft_type"] != "LORA" or config["bias"] != "none":
+        raise WeightPublishError(
+            f"adapter {adapter}: peft_type {config['peft_type']!r}, bias {config['bias']!r}: "
+            "the gateways apply plain LoRA (peft_type LORA, bias none)"
+        )
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        module, which = name.removesuffix(".weight").rsplit(".lora_", 1)
+        halves.setdefault(module, {})[which] = tensor
+    for module, pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"} or pair["A"].dim() != 2 or pair["B"].dim() != 2:
+            raise WeightPublishError(f"adapter {adapter}: {module}: needs a 2-D lora_A and lora_B")
+        if pair["A"].shape[0] != pair["B"].shape[1]:
+            raise WeightPublishError(
+                f"adapter {adapter}: {module}: lora_A {list(pair['A'].shape)} and lora_B "
+                f"{list(pair['B'].shape)} do not share a rank"
+            )
+    return config
+
+
+def _jsonable(value: Any) -> Any:
+    """A PEFT config value as JSON: enums as their value, sets as sorted lists (``save_pretrained`` lists them)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, set | frozenset):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _write_adapter(directory: Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+    """A PEFT adapter directory: ``adapter_config.json`` and ``adapter_model.safetensors``."""
+    from safetensors.torch import save_file
+
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    save_file(contiguous, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 @asynccontextmanager

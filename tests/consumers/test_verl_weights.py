@@ -13,22 +13,38 @@ Most tests also fake the actor ``RayWorkerGroup`` (:class:`_ActorGroup`: verl's 
 called on a stand-in rank, one coroutine per rank where Ray returns one ``ObjectRef`` per rank);
 ``test_through_verls_ray_worker_group_on_cpu`` uses verl's real ``RayWorkerGroup`` instead, two
 CPU Ray actors (:class:`_CpuActorWorker`) running verl's ``update_weights``.
+
+LoRA (``adapter``): :class:`_LoraEngine` is verl's own ``FSDPEngine.get_per_tensor_param`` run on a
+PEFT model of tiny that FSDP does not wrap (its ``fsdp_version == 0`` branch, on CPU; only verl's
+CUDA-only memory logging and device lookup are patched out): the adapter tensors and PEFT config
+dict exactly as verl exports them. The adapter is published against the real nats-server and
+applied by a real in-process gateway, whose logprobs are compared with PEFT's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import secrets
+import time
 import warnings
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import httpx
 import nats
+import peft
 import pytest
 import torch
 from omegaconf import DictConfig
+from openai import OpenAI
+from peft.utils.save_and_load import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -36,7 +52,12 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import PolicyUpdated
 from pipeline.policies import download_policy, policy_history
 from pipeline.streams import StreamSpec
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
+from stream_gateway.lora import read_adapter
+
+from ..support.servers import RunningGateway, run_gateway
 
 with warnings.catch_warnings():  # verl imports ray's deprecated ray.experimental state API
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -47,6 +68,11 @@ with warnings.catch_warnings():  # verl imports ray's deprecated ray.experimenta
     from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.import_utils import import_external_libs, load_class_from_fqn
     from verl.workers.config import CheckpointEngineConfig
+
+    # verl.workers.engine imports every engine and warns for each optional one not installed
+    # (torchtitan, veomni, automodel, ...): only its FSDP engine is used here.
+    warnings.filterwarnings("ignore", r"\w+ engine is not available", UserWarning)
+    from verl.workers.engine.fsdp import transformer_impl as fsdp_engine
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     from consumers.verl_weights import (
@@ -94,14 +120,17 @@ def _names() -> dict[str, str]:
     return {"prefix": f"t{tag}", "stream": f"W_{tag}", "bucket": f"pol_{tag}"}
 
 
-def _verl_config(tmp_path: Path, servers: str, *, dtype: str | None = None, form: str = "yaml") -> DictConfig:
+def _verl_config(
+    tmp_path: Path, servers: str, *, dtype: str | None = None, form: str = "yaml", adapter: str | None = None
+) -> DictConfig:
     """verl's full trainer config, composed by Hydra over ``ppo_trainer`` with our keys (YAML or CLI overrides)."""
     from hydra import compose, initialize_config_dir
 
     names = _names()
     overrides: list[str] = []
     if form == "yaml":
-        (tmp_path / "trainer.yaml").write_text(DOCS_YAML.format(servers=servers, dtype=dtype or "null", **names))
+        text = DOCS_YAML.format(servers=servers, dtype=dtype or "null", **names)
+        (tmp_path / "trainer.yaml").write_text(text + (f"          adapter: {adapter}\n" if adapter else ""))
     else:  # the Hydra command line of docs/verl-weights.md
         (tmp_path / "trainer.yaml").write_text(BASE_YAML)
         nats_key = "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.nats"
@@ -114,6 +143,8 @@ def _verl_config(tmp_path: Path, servers: str, *, dtype: str | None = None, form
         ]
         if dtype is not None:
             overrides.append(f"{nats_key}.dtype={dtype}")
+        if adapter is not None:
+            overrides.append(f"{nats_key}.adapter={adapter}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
@@ -166,7 +197,7 @@ class _ActorGroup:
         return [update(rank, global_steps=global_steps, mode=mode) for rank in self.ranks]
 
     @property
-    def engines(self) -> list[_TrainingEngine]:
+    def engines(self) -> list[Any]:
         return [rank.actor.engine for rank in self.ranks]
 
 
@@ -228,20 +259,27 @@ class _Replica:
         raise AssertionError(f"the manager touched a replica: {name}")
 
 
-def _actor_group(config: DictConfig, state: dict[str, torch.Tensor], world_size: int = 2) -> _ActorGroup:
-    """The checkpoint engines as ``ActorRolloutRefWorker.init_model`` (verl 0.9.1, step 4) builds them."""
+def _actor_group(
+    config: DictConfig,
+    state: dict[str, torch.Tensor],
+    world_size: int = 2,
+    engine: Callable[[], Any] | None = None,
+) -> _ActorGroup:
+    """The checkpoint engines as ``ActorRolloutRefWorker.init_model`` (verl 0.9.1, step 4) builds them;
+    each rank's training engine ``engine()``, by default a :class:`_TrainingEngine` of ``state``."""
     checkpoint_engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine)
     backend = checkpoint_engine_config.backend
     import_external_libs(checkpoint_engine_config.custom_backend_module or None)  # type: ignore[no-untyped-call]
     ranks = []
     for rank in range(world_size):
-        engine = CheckpointEngineRegistry.new(
+        checkpoint_engine = CheckpointEngineRegistry.new(
             backend,
             is_master=rank == 0,
             bucket_size=checkpoint_engine_config.update_weights_bucket_megabytes << 20,
             **checkpoint_engine_config.engine_kwargs.get(backend, {}),
         )
-        ranks.append(_ActorRank(config.actor_rollout_ref, _TrainingEngine(state), engine))
+        training = engine() if engine is not None else _TrainingEngine(state)
+        ranks.append(_ActorRank(config.actor_rollout_ref, training, checkpoint_engine))
     return _ActorGroup(ranks)
 
 
@@ -322,6 +360,8 @@ def test_wrong_backend_or_settings_fail_when_the_trainer_starts() -> None:
         StreamCheckpointManager(config=typo, actor_wg=_ActorGroup([]), replicas=[])
     with pytest.raises(ValueError, match="not a torch floating dtype"):
         NatsWeightSettings.from_options({"dtype": "int8"})
+    with pytest.raises(ValueError, match=r"adapter 'team a': 1-128 of"):
+        NatsWeightSettings.from_options({"adapter": "team a"})
     assert NatsWeightSettings.from_options(None).servers == ("nats://127.0.0.1:4222",)
     assert NatsWeightSettings.from_options({"servers": "nats://a:1, nats://b:2"}).servers == (
         "nats://a:1",
@@ -485,3 +525,224 @@ def test_through_verls_ray_worker_group_on_cpu(
         assert all(torch.equal(tensors[name], state[name]) for name in state)
     finally:
         ray.shutdown()
+
+
+# -- LoRA: one adapter per trainer ---------------------------------------------------------------
+
+ADAPTER = "alpha"
+LORA = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+
+
+class _LoraEngine:
+    """verl 0.9.1's ``FSDPEngine`` on a PEFT model that FSDP does not wrap: its own
+    ``get_per_tensor_param``, with the attributes that method reads (``lora.merge`` false, no
+    offload, no QAT; the FSDP2 CPU-offload flag skips ``load_fsdp_model_to_gpu``, which needs CUDA)."""
+
+    def __init__(self, model: Any) -> None:
+        self.module = model
+        self.model_config = SimpleNamespace(lora={}, hf_config=model.config)
+        self._uses_fsdp2_cpu_offload_policy = True
+        self._is_offload_param = False
+        self._qat_enabled = False
+        self.calls: list[dict[str, Any]] = []
+
+    def get_per_tensor_param(self, **kwargs: Any) -> tuple[Any, dict[str, Any] | None]:
+        self.calls.append(kwargs)
+        verls: Any = fsdp_engine.FSDPEngine.get_per_tensor_param  # unbound, on this stand-in
+        result: tuple[Any, dict[str, Any] | None] = verls(self, **kwargs)
+        return result
+
+
+@pytest.fixture
+def cpu_verl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's FSDP engine module on a CPU-only torch: its GPU memory log and device id need CUDA."""
+    monkeypatch.setattr(fsdp_engine, "log_gpu_memory_usage", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fsdp_engine, "get_device_id", lambda: "cpu")
+
+
+def _lora_model(tiny_model_path: Path) -> Any:
+    """The PEFT model verl's ``FSDPEngine._build_lora_module`` builds (``lora_rank: 4``, ``lora_alpha: 16``,
+    ``target_modules: [q_proj, v_proj]``), on tiny in float32."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    config = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, bias="none", **LORA)  # type: ignore[arg-type]
+    return peft.get_peft_model(base, config).eval()
+
+
+def _train(model: Any, seed: int) -> dict[str, torch.Tensor]:
+    """A training step: new random A and B (PEFT starts B at zero, which changes nothing); the adapter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return {name: t.clone() for name, t in get_peft_model_state_dict(model).items()}
+
+
+async def _adapter_events(url: str, spec: StreamSpec) -> list[PolicyUpdated]:
+    nc = await nats.connect(url)
+    try:
+        return await policy_history(nc.jetstream(), spec, adapters=True)
+    finally:
+        await nc.close()
+
+
+async def _download_adapter(url: str, event: PolicyUpdated, directory: Path) -> Path:
+    """The published adapter's files (``download_policy``: digests checked); the directory holding them."""
+    await anyio.Path(directory).mkdir()
+    nc = await nats.connect(url)
+    try:
+        paths = await download_policy(nc.jetstream(), event, directory)
+    finally:
+        await nc.close()
+    assert sorted(path.name for path in paths) == ["adapter_config.json", "adapter_model.safetensors"]
+    (parent,) = {path.parent for path in paths}
+    return parent
+
+
+def _served_logprobs_match(gateway: RunningGateway, model: Any, version: int) -> None:
+    """A request naming the adapter is served by ``version``, with PEFT's logprobs for ``model`` (atol 2e-4)."""
+    session = f"vw{secrets.token_hex(4)}"
+    with OpenAI(base_url=f"{gateway.base_url}/sessions/{session}/v1", api_key="k", max_retries=0) as client:
+        client.chat.completions.create(
+            model=ADAPTER, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=16
+        )
+    response = httpx.get(f"{gateway.base_url}/sessions/{session}", headers={"authorization": "Bearer k"})
+    response.raise_for_status()
+    (turn,) = response.json()["turns"]
+    assert turn["adapter"] == ADAPTER and turn["policy_versions"] == [[version, 0]]  # [version, first token]
+    prompt, output = turn["prompt_ids"], turn["output_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(turn["logprobs"]), expected, atol=2e-4, rtol=0)
+
+
+def _serves(gateway: RunningGateway, version: int) -> bool:
+    return gateway.engine.adapters.get(ADAPTER) == version
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.usefixtures("cpu_verl")
+def test_a_lora_actor_publishes_its_adapter_and_a_gateway_serves_it(
+    nats_server: EmbeddedNatsServer, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """``adapter: alpha``: each step's LoRA tensors, as verl's FSDP engine exports them, become
+    version ``step`` of adapter alpha; a gateway serving alpha applies it and scores as PEFT does."""
+    model = _lora_model(tiny_model_path)
+    _train(model, 0)
+    model.save_pretrained(tmp_path / "alpha-0")  # what the gateways serve as version 0 (--lora alpha=DIR)
+    config = _verl_config(tmp_path, nats_server.url, form="overrides", adapter=ADAPTER)
+    group = _actor_group(config, {}, engine=lambda: _LoraEngine(model))
+    manager = _init_workers(config, group, replicas=[])
+    assert (manager.settings.adapter, manager.mode) == (ADAPTER, "delta_sharded")
+    spec = _spec(manager)
+    settings = Settings(
+        model=str(tiny_model_path),
+        served_model_name="tiny",
+        lora=(f"{ADAPTER}={tmp_path / 'alpha-0'}",),
+        nats_url=nats_server.url,
+        subject_prefix=spec.prefix,
+        events_stream=spec.stream,
+        outbox_dir=tmp_path / "outbox",
+        replica_id="g1",
+    )
+    with run_gateway(build_engine(settings), settings) as gateway:
+        assert dict(gateway.engine.adapters) == {ADAPTER: 0}
+        assert manager.update_weights(0) == {}  # a fresh start: version 0 is the gateways' --lora directory
+
+        for step in (1, 2):
+            trained = _train(model, step)
+            metrics = manager.update_weights(step)
+            assert metrics["stream/policy_version"] == float(step) and metrics["stream/weights_gb"] > 0
+            # Every rank asked verl's engine for the adapter alone, never the base.
+            assert [e.calls for e in group.engines] == [[{"layered_summon": False, "base_sync_done": True}] * step] * 2
+
+            event = anyio.run(_adapter_events, nats_server.url, spec)[-1]
+            assert (event.adapter, event.policy_version, event.previous_version) == (ADAPTER, step, step - 1 or None)
+            assert event.weights == f"verl global_steps={step} adapter={ADAPTER}"
+            directory = anyio.run(_download_adapter, nats_server.url, event, tmp_path / f"downloaded-{step}")
+            written = json.loads((directory / "adapter_config.json").read_text())
+            assert {k: written[k] for k in ("peft_type", "r", "lora_alpha", "target_modules", "bias")} == {
+                "peft_type": "LORA",
+                "r": 4,
+                "lora_alpha": 16,
+                "target_modules": ["q_proj", "v_proj"],
+                "bias": "none",
+            }
+            assert load_file(directory / "adapter_model.safetensors").keys() == trained.keys()
+            adapter = read_adapter(directory)  # the gateway's own reader: the same tensors and scaling
+            assert len(adapter.modules) == len(trained) // 2
+            for module, (a, b, scaling) in adapter.modules.items():
+                assert torch.equal(a, trained[f"base_model.model.{module}.lora_A.weight"])
+                assert torch.equal(b, trained[f"base_model.model.{module}.lora_B.weight"])
+                assert scaling == 4.0
+
+            _wait_for(partial(_serves, gateway, step), f"alpha v{step} applied")
+            _served_logprobs_match(gateway, model, step)
+
+        # The base's own versions are untouched: nothing on its subject.
+        assert _sync_events(nats_server.url, spec) == []
+        assert gateway.engine.policy_version == 0
+
+    # A resumed trainer re-sending its checkpoint's step: every rank drains, nothing is published.
+    resumed_group = _actor_group(config, {}, engine=lambda: _LoraEngine(model))
+    resumed = _init_workers(config, resumed_group, replicas=[])
+    assert resumed.update_weights(2) == {"stream/policy_version_skipped": 2.0}
+    assert [len(e.calls) for e in resumed_group.engines] == [1, 1]
+    assert [e.policy_version for e in anyio.run(_adapter_events, nats_server.url, spec)] == [1, 2]
+
+
+@pytest.mark.usefixtures("cpu_verl")
+def test_a_lora_actors_base_weights_are_never_published_as_the_adapter(
+    nats_server: EmbeddedNatsServer, tiny_model_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """verl 0.9.1's ``mode=nats`` path hands a LoRA actor's base weights only (``get_per_tensor_param()``,
+    ``base_sync_done=False``): with an adapter set, every rank drains them and rank 0 refuses with a
+    clear error. Base tensors beside the adapter's are left out of it, with a log line."""
+    model = _lora_model(tiny_model_path)
+    trained = _train(model, 3)
+    config = _verl_config(tmp_path, nats_server.url, adapter=ADAPTER)
+    group = _actor_group(config, {}, engine=lambda: _LoraEngine(model))
+    spec = group.ranks[0].checkpoint_engine.settings.spec
+
+    base, peft_config = _LoraEngine(model).get_per_tensor_param()  # what verl's mode=nats sends
+    base = dict(base)
+    assert peft_config is not None and not any("lora_" in name for name in base)
+    assert "model.layers.0.self_attn.q_proj.base_layer.weight" in base  # verl's replace_lora_wrapper names
+
+    async def through_nats_mode() -> list[Any]:
+        refs = group.update_weights(global_steps=1, mode="nats")
+        return await asyncio.gather(*refs, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger="consumers.verl_weights"):
+        first, second = anyio.run(through_nats_mode)
+    assert isinstance(first, WeightPublishError) and second == {}
+    assert "no LoRA tensors" in str(first) and "mode=delta_sharded" in str(first)
+    assert f"{len(base)} base-model tensors left out" in caplog.text
+    assert [e.calls for e in group.engines] == [[{}], [{}]]
+
+    # An engine that yields base weights beside the adapter: only lora_A/lora_B are published.
+    class _BaseAndAdapter(_LoraEngine):
+        def get_per_tensor_param(self, **kwargs: Any) -> tuple[Any, dict[str, Any] | None]:
+            adapter, config = super().get_per_tensor_param(**kwargs)
+            return [*base.items(), *adapter], config
+
+    for rank in group.ranks:
+        rank.actor.engine = _BaseAndAdapter(model)  # type: ignore[assignment]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="consumers.verl_weights"):
+        metrics = anyio.run(lambda: asyncio.gather(*group.update_weights(global_steps=1, mode="delta_sharded")))
+    assert metrics[0]["stream/policy_version"] == 1.0
+    assert f"{len(base)} base-model tensors left out" in caplog.text
+    (event,) = anyio.run(_adapter_events, nats_server.url, spec)
+    directory = anyio.run(_download_adapter, nats_server.url, event, tmp_path / "downloaded")
+    tensors = load_file(directory / "adapter_model.safetensors")
+    assert tensors.keys() == trained.keys()
+    assert all(torch.equal(tensors[name], trained[name]) for name in trained)
