@@ -594,9 +594,10 @@ class TransformersEngine:
             copied = time.perf_counter()
             previous = self._adapter_versions.get(update.name, 0)
             self._adapter_versions[update.name] = update.policy_version
-            serving = sum(1 for row in batch.rows if row.params.adapter == update.name)
-            if serving and self._recompute_on_update:
-                self._recompute_cache(batch)  # all rows in one padded pass: the others' KV comes out the same
+            rows = [i for i, row in enumerate(batch.rows) if row.params.adapter == update.name]
+            serving = len(rows)
+            if rows and self._recompute_on_update:
+                self._recompute_rows(batch, rows)  # only this adapter's rows: the others do not pause for them
             self._synchronize()
         except Exception as exc:  # AdapterRefused, surfaced to the caller
             update.loop.call_soon_threadsafe(_resolve, update.done, exc)
@@ -670,6 +671,42 @@ class TransformersEngine:
             # next token): the recomputed cache's routes are not recorded (docs/moe.md).
             self._routes.discard()
         batch.cache, batch.mask = cache, mask
+
+    def _recompute_rows(self, batch: _Batch, indices: list[int]) -> None:
+        """Rebuild the KV cache of the rows ``indices`` alone (an adapter's, after its update).
+
+        One forward pass over just those rows, left-padded to the batch's width so that each
+        row's cache lands in the columns it already occupies; the other rows' cache is untouched.
+        """
+        assert batch.cache is not None and batch.mask is not None
+        width = batch.mask.shape[1]
+        rows = [batch.rows[i] for i in indices]
+        ids = torch.zeros((len(rows), width), dtype=torch.long, device=self._device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self._device)
+        for i, row in enumerate(rows):
+            sequence = row.prompt_ids + row.output_ids[:-1]
+            assert len(sequence) == row.length <= width, "a row's cache holds its prompt and all but its last token"
+            ids[i, width - len(sequence) :] = torch.tensor(sequence, device=self._device)
+            mask[i, width - len(sequence) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        if self._bank is not None:
+            self._bank.set_rows([row.params.adapter for row in rows])
+        cache = DynamicCache()
+        self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **self._last_logits,
+        )
+        if self._routes is not None:
+            self._routes.discard()
+        index = torch.tensor(indices, device=self._device)
+        for old, new in zip(_layers(batch.cache), _layers(cache), strict=True):
+            (old_keys, old_values), (new_keys, new_values) = _kv(old), _kv(new)
+            old_keys[index] = new_keys
+            old_values[index] = new_values
 
 
 def _deliver(deliveries: list[tuple[_Request, EngineStep]]) -> None:
