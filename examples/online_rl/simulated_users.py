@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,11 +162,17 @@ class UserTraffic:
         group_size: int,
         max_tokens: int,
         seed: int = 0,
+        api_key: str = _API_KEY,
+        reward: Callable[[str], float] = digit_fraction,
     ) -> None:
+        """``api_key``: the bearer key every user sends (its tenant); ``reward``: what a user scores a
+        session with, from everything the assistant said in it (its replies joined by newlines)."""
         self._base_url = base_url
         self._model = model
         self._users = users
         self._max_tokens = max_tokens
+        self._api_key = api_key
+        self._reward = reward
         self._dispenser = GroupDispenser(group_size, seed)
         self._rng = random.Random(seed + 1)
         self._counts = _Counters()
@@ -189,10 +196,10 @@ class UserTraffic:
     async def run(self, stop: anyio.Event) -> None:
         """Run every user until ``stop`` is set; each finishes the session it is in first."""
         # Sessions belong to the bearer key (the tenant): feedback and close must send the same one.
-        headers = {"Authorization": f"Bearer {_API_KEY}"}
+        headers = {"Authorization": f"Bearer {self._api_key}"}
         async with (
             httpx.AsyncClient(base_url=self._base_url, headers=headers, timeout=30.0) as http,
-            AsyncOpenAI(base_url=f"{self._base_url}/v1", api_key=_API_KEY, timeout=120.0, max_retries=0) as client,
+            AsyncOpenAI(base_url=f"{self._base_url}/v1", api_key=self._api_key, timeout=120.0, max_retries=0) as client,
             anyio.create_task_group() as tg,
         ):
             for _ in range(self._users):
@@ -239,7 +246,7 @@ class UserTraffic:
             messages.extend(_tool_results(reply))
         try:
             if rated:
-                await self._rate_and_close(http, session_id, digit_fraction("\n".join(said)))
+                await self._rate_and_close(http, session_id, self._reward("\n".join(said)))
             else:
                 # Unrated: the batcher drops it, and its group. A first request that failed left no session.
                 await self._close(http, session_id, missing_ok=True)
