@@ -645,32 +645,8 @@ class TransformersEngine:
         """
         if not batch.rows:
             return
-        sequences = [row.prompt_ids + row.output_ids[:-1] for row in batch.rows]
-        for row, sequence in zip(batch.rows, sequences, strict=True):
-            assert len(sequence) == row.length, "a row's cache holds its prompt and all but its last token"
-        width = max(len(sequence) for sequence in sequences)
-        ids = torch.zeros((len(sequences), width), dtype=torch.long, device=self._device)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long, device=self._device)
-        for i, sequence in enumerate(sequences):
-            ids[i, width - len(sequence) :] = torch.tensor(sequence, device=self._device)
-            mask[i, width - len(sequence) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        if self._bank is not None:
-            self._bank.set_rows([row.params.adapter for row in batch.rows])
-        cache = DynamicCache()
-        self._model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            **self._last_logits,
-        )
-        if self._routes is not None:
-            # A position keeps the experts that routed it when it was first run (and sampled the
-            # next token): the recomputed cache's routes are not recorded (docs/moe.md).
-            self._routes.discard()
-        batch.cache, batch.mask = cache, mask
+        width = max(row.length for row in batch.rows)
+        batch.cache, batch.mask = self._prefill_rows(batch.rows, width)
 
     def _recompute_rows(self, batch: _Batch, indices: list[int]) -> None:
         """Rebuild the KV cache of the rows ``indices`` alone (an adapter's, after its update).
@@ -679,8 +655,16 @@ class TransformersEngine:
         row's cache lands in the columns it already occupies; the other rows' cache is untouched.
         """
         assert batch.cache is not None and batch.mask is not None
-        width = batch.mask.shape[1]
-        rows = [batch.rows[i] for i in indices]
+        cache, _ = self._prefill_rows([batch.rows[i] for i in indices], batch.mask.shape[1])
+        index = torch.tensor(indices, device=self._device)
+        for old, new in zip(_layers(batch.cache), _layers(cache), strict=True):
+            (old_keys, old_values), (new_keys, new_values) = _kv(old), _kv(new)
+            old_keys[index] = new_keys
+            old_values[index] = new_values
+
+    def _prefill_rows(self, rows: list[_Request], width: int) -> tuple[DynamicCache, torch.Tensor]:
+        """A fresh KV cache of ``rows`` (each its prompt and all but its last sampled token),
+        left-padded to ``width`` columns, with its attention mask."""
         ids = torch.zeros((len(rows), width), dtype=torch.long, device=self._device)
         mask = torch.zeros((len(rows), width), dtype=torch.long, device=self._device)
         for i, row in enumerate(rows):
@@ -701,12 +685,10 @@ class TransformersEngine:
             **self._last_logits,
         )
         if self._routes is not None:
+            # A position keeps the experts that routed it when it was first run (and sampled the
+            # next token): the recomputed cache's routes are not recorded (docs/moe.md).
             self._routes.discard()
-        index = torch.tensor(indices, device=self._device)
-        for old, new in zip(_layers(batch.cache), _layers(cache), strict=True):
-            (old_keys, old_values), (new_keys, new_values) = _kv(old), _kv(new)
-            old_keys[index] = new_keys
-            old_values[index] = new_values
+        return cache, mask
 
 
 def _deliver(deliveries: list[tuple[_Request, EngineStep]]) -> None:

@@ -24,6 +24,7 @@ from stream_gateway.engines import build_engine
 from stream_gateway.models import resolve_model
 from stream_gateway.moe import RouterCapture, decode_routes, replay_routes
 
+from ..support.moe import free_routes, same_experts
 from ..support.servers import RunningGateway, run_gateway
 
 MODEL = "tiny-moe"
@@ -58,19 +59,6 @@ def moe_gateway(moe_path: Path) -> Iterator[RunningGateway]:
 @pytest.fixture(scope="module")
 def reference(moe_path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
-
-
-def _free_routes(model: Any, ids: list[int]) -> np.ndarray:
-    """The experts an independent forward pass over ``ids`` picks: [len(ids) - 1, layers, top_k]."""
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
-    top_k = model.config.num_experts_per_tok
-    return np.stack([logits.topk(top_k, dim=-1).indices.numpy() for logits in out.router_logits], axis=1)[:-1]
-
-
-def _same_sets(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per (position, layer): whether both chose the same experts (in any order)."""
-    return np.asarray((np.sort(a, axis=-1) == np.sort(b, axis=-1)).all(axis=-1))
 
 
 def _session(gateway: RunningGateway, session: str, include: str | None = "routed_experts") -> httpx.Response:
@@ -119,7 +107,7 @@ def test_every_position_is_routed_as_an_independent_forward_pass_routes_it(
         routes = decode_routes(turn["routed_experts"])
         ids = turn["prompt_ids"] + turn["output_ids"]
         assert routes.dtype == np.uint8 and routes.shape == (len(ids) - 1, 3, 2)
-        same = _same_sets(routes, _free_routes(reference, ids))
+        same = same_experts(routes, free_routes(reference, ids))
         agree, total = agree + int(same.sum()), total + same.size
         parent = turns.get(turn["parent_id"])
         if parent is not None:
@@ -178,8 +166,8 @@ def test_replaying_the_recorded_routes_reproduces_the_recorded_logprobs(
         for name, param in moved.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.3)
-    free_now = _free_routes(moved, ids)
-    changed = 1 - _same_sets(free_now, routes).mean()
+    free_now = free_routes(moved, ids)
+    changed = 1 - same_experts(free_now, routes).mean()
     assert changed > 0.01, changed
     capture = RouterCapture.attach(moved)
     assert capture is not None

@@ -49,6 +49,7 @@ from stream_gateway.moe import decode_routes
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.capture import of_session, wait_for
 from ..support.fidelity import assert_chain_logprobs
+from ..support.moe import free_routes
 from ..support.servers import RunningGateway, free_port, run_gateway, serve_app, wait_healthy
 from ..support.sglang_server import create_sglang_app
 
@@ -458,14 +459,6 @@ def moe_reference(moe_path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
 
 
-def _free_routes(model: Any, ids: list[int]) -> np.ndarray:
-    """The experts an independent forward pass over ``ids`` picks: [len(ids) - 1, layers, top_k]."""
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
-    top_k = model.config.num_experts_per_tok
-    return np.stack([logits.topk(top_k, dim=-1).indices.numpy() for logits in out.router_logits], axis=1)[:-1]
-
-
 def _moe_conversation(front: RunningGateway, session_id: str) -> list[dict[str, Any]]:
     """Two chained chat turns on the front; its session's turns with their routes."""
     client = _client(front, session_id)
@@ -535,7 +528,7 @@ def test_vllm_http_records_the_routes_its_upstream_gateway_recorded(moe_path: Pa
             value = chunks[-1]["choices"][0]["routed_experts"]
             ids = body["prompt"] + [t for c in chunks for t in c["choices"][0]["token_ids"]]  # type: ignore[operator]
             routes = np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
-            free = _free_routes(moe_reference, ids)[2:]
+            free = free_routes(moe_reference, ids)[2:]
             assert routes.shape == free.shape
             assert (np.sort(routes, axis=-1) == np.sort(free, axis=-1)).all(axis=-1).mean() >= 0.999
 
@@ -578,7 +571,7 @@ def test_sglang_http_records_the_stand_ins_routes(moe_path: Path, moe_reference:
                 routes = decode_routes(turn["routed_experts"])
                 ids = turn["prompt_ids"] + turn["output_ids"]
                 assert routes.dtype == np.uint8 and routes.shape == (len(ids) - 1, 3, 2)
-                same = (np.sort(routes, axis=-1) == np.sort(_free_routes(moe_reference, ids), axis=-1)).all(axis=-1)
+                same = (np.sort(routes, axis=-1) == np.sort(free_routes(moe_reference, ids), axis=-1)).all(axis=-1)
                 agree, total = agree + int(same.sum()), total + same.size
             assert agree / total >= 0.999, f"{total - agree} of {total} (position, layer) routes differ"
             experts = front.engine.experts

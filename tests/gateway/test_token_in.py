@@ -28,6 +28,7 @@ from stream_gateway.engines import build_engine
 from stream_gateway.models import resolve_model
 
 from ..support.fidelity import assert_chain_logprobs
+from ..support.moe import free_routes
 from ..support.servers import RunningGateway, run_gateway
 
 # vLLM's response models and how it writes them, field by field: vLLM 0.33.0 (the PyPI wheel,
@@ -242,14 +243,6 @@ def moe_reference(moe_path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
 
 
-def _free_routes(model: Any, ids: list[int]) -> np.ndarray:
-    """The experts an independent forward pass over ``ids`` picks: [len(ids) - 1, layers, top_k]."""
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
-    top_k = model.config.num_experts_per_tok
-    return np.stack([logits.topk(top_k, dim=-1).indices.numpy() for logits in out.router_logits], axis=1)[:-1]
-
-
 def _npy(value: str) -> np.ndarray:
     """vLLM's decoding of ``routed_experts``."""
     routes: np.ndarray = np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
@@ -258,7 +251,7 @@ def _npy(value: str) -> np.ndarray:
 
 def _agreement(model: Any, ids: list[int], routes: np.ndarray, start: int = 0) -> tuple[int, int]:
     """(agreeing, all) (position, layer) expert sets of ``routes`` (rows from ``start``) and a forward pass."""
-    free = _free_routes(model, ids)[start:]
+    free = free_routes(model, ids)[start:]
     assert routes.shape == free.shape, (routes.shape, free.shape)
     same = (np.sort(routes, axis=-1) == np.sort(free, axis=-1)).all(axis=-1)
     return int(same.sum()), same.size
