@@ -27,7 +27,6 @@ import asyncio
 import json
 import logging
 import secrets
-import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
@@ -58,6 +57,7 @@ from stream_gateway.engines._weights import check_tensors, read_checkpoint
 from stream_gateway.lora import read_adapter
 
 from ..support.servers import RunningGateway, run_gateway
+from ..support.waiting import wait_until
 
 with warnings.catch_warnings():  # verl imports ray's deprecated ray.experimental state API
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -621,14 +621,6 @@ def _serves(gateway: RunningGateway, version: int) -> bool:
     return gateway.engine.adapters.get(ADAPTER) == version
 
 
-def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.mark.usefixtures("cpu_verl")
 def test_a_lora_actor_publishes_its_adapter_and_a_gateway_serves_it(
     nats_server: EmbeddedNatsServer, tiny_model_path: Path, tmp_path: Path
@@ -684,7 +676,7 @@ def test_a_lora_actor_publishes_its_adapter_and_a_gateway_serves_it(
                 assert torch.equal(b, trained[f"base_model.model.{module}.lora_B.weight"])
                 assert scaling == 4.0
 
-            _wait_for(partial(_serves, gateway, step), f"alpha v{step} applied")
+            wait_until(partial(_serves, gateway, step), f"alpha v{step} applied")
             _served_logprobs_match(gateway, model, step)
 
         # The base's own versions are untouched: nothing on its subject.

@@ -22,6 +22,7 @@ from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
 from ..support.agent_loop import READ_TOOL, drive_session
+from ..support.lora import make_adapter, mis_shaped
 from ..support.servers import RunningGateway, run_gateway
 
 KEYS = {"sk-alpha": "alpha", "sk-beta": "beta", "sk-base": None}  # key -> the adapter its tenant is bound to
@@ -41,7 +42,7 @@ def adapters(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """Two PEFT adapters of tiny, their lora_B drawn at random (PEFT starts it at zero: no change)."""
     out = tmp_path_factory.mktemp("adapters")
     return {
-        name: _make_adapter(tiny_model_path, config, seed, out / name)
+        name: make_adapter(tiny_model_path, config, seed, out / name)
         for seed, (name, config) in enumerate(CONFIGS.items())
     }
 
@@ -72,19 +73,6 @@ def lora_gateway(
 def _reference(tiny_model_path: Path, adapters: dict[str, Path], adapter: str | None) -> Any:
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     return base if adapter is None else peft.PeftModel.from_pretrained(base, adapters[adapter]).eval()
-
-
-def _make_adapter(tiny_model_path: Path, config: dict[str, Any], seed: int, target: Path, scale: float = 0.3) -> Path:
-    model = peft.get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), peft.LoraConfig(**config)
-    )
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if "lora_B" in param_name:
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
-    model.save_pretrained(target)
-    return target
 
 
 def _logprobs(model: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -176,7 +164,7 @@ def test_a_new_version_of_one_adapter_changes_its_rows_mid_stream_and_no_others(
 ) -> None:
     """alpha@0 -> alpha@1 while three streams run: alpha's turn is labelled with both versions,
     each token scored by its own version; beta's and the base's stay exactly as before."""
-    new_alpha = _make_adapter(tiny_model_path, CONFIGS["alpha"], 7, tmp_path / "alpha-v1")
+    new_alpha = make_adapter(tiny_model_path, CONFIGS["alpha"], 7, tmp_path / "alpha-v1")
     started = threading.Barrier(4)
     sessions: dict[str, str] = {}
 
@@ -239,16 +227,7 @@ def test_adapters_the_base_cannot_take_are_refused(
 ) -> None:
     """A rank/shape that does not fit the base, a missing directory, an unreadable one: a 4xx, and
     the adapters in service unchanged."""
-    from safetensors.torch import load_file, save_file
-
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "adapter_config.json").write_text((adapters["alpha"] / "adapter_config.json").read_text())
-    tensors = load_file(adapters["alpha"] / "adapter_model.safetensors")
-    save_file(
-        {k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in tensors.items()},
-        bad / "adapter_model.safetensors",
-    )
+    bad = mis_shaped(adapters["alpha"], tmp_path / "bad")
     empty = tmp_path / "empty"
     empty.mkdir()
 
@@ -269,7 +248,7 @@ def test_adapters_the_base_cannot_take_are_refused(
 def test_a_tool_loop_on_an_adapter_is_one_exact_chain(agent_model_path: Path, tmp_path: Path) -> None:
     """tiny-agent with a small adapter bound to a tenant: the tool loop and its follow-up are one
     chain of turns recorded with the adapter, each logprob base + adapter's (PEFT's)."""
-    adapter = _make_adapter(agent_model_path, CONFIGS["alpha"], 3, tmp_path / "agent-alpha", scale=0.05)
+    adapter = make_adapter(agent_model_path, CONFIGS["alpha"], 3, tmp_path / "agent-alpha", scale=0.05)
     keys = tmp_path / "keys"
     keys.write_text("sk-agent tenant-agent adapter=alpha\n")
     settings = Settings(model=str(agent_model_path), served_model_name="tiny-agent", lora=(f"alpha={adapter}",),

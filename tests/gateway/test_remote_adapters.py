@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ from stream_gateway.engines import build_engine
 from stream_gateway.engines.remote import RemoteEngine
 from stream_gateway.engines.transformers import TransformersEngine
 
+from ..support.lora import make_adapter
 from ..support.servers import RunningGateway, run_gateway, serve_app
 from ..support.sglang_server import create_sglang_app
+from ..support.waiting import wait_until
 
 ADMIN = "sk-admin"
 HEADERS = {"authorization": f"Bearer {ADMIN}"}
@@ -49,7 +50,9 @@ class Pool:
 def adapter_dirs(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """PEFT adapters of tiny: ``boot`` (what the upstreams start with, --lora), alpha's v1 and v2."""
     out = tmp_path_factory.mktemp("remote-adapters")
-    return {name: _make_adapter(tiny_model_path, seed, out / name) for seed, name in enumerate(("boot", "v1", "v2"))}
+    return {
+        name: make_adapter(tiny_model_path, CONFIG, seed, out / name) for seed, name in enumerate(("boot", "v1", "v2"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,19 +89,6 @@ def references(tiny_model_path: Path, adapter_dirs: dict[str, Path]) -> dict[int
     }
 
 
-def _make_adapter(tiny_model_path: Path, seed: int, target: Path) -> Path:
-    model = peft.get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), peft.LoraConfig(**CONFIG)
-    )
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:  # PEFT starts B at zero: the adapter would change nothing
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    model.save_pretrained(target)
-    return target
-
-
 def _post(base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(base_url + path, json=body, headers=HEADERS, timeout=60)
 
@@ -119,13 +109,6 @@ def _pool_state(front: RunningGateway) -> dict[str, dict[str, Any]]:
 
 def _served(server: RunningGateway) -> int:
     return int(server.health()["total_requests"])
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def _chat(front: RunningGateway, model: str, **options: Any) -> dict[str, Any]:
@@ -275,7 +258,7 @@ def test_a_new_version_loads_beside_the_old_one_which_is_unloaded_once_idle(
     assert len(turn["output_ids"]) == 1500 and [tuple(s) for s in turn["policy_versions"]] == [(1, 0)]
     _assert_scored_by(references[1], turn)
     # Idle now: v1 is unloaded everywhere, on the servers themselves too.
-    _wait(lambda: all(u["adapters"] == ["alpha@v2"] for u in _pool_state(pool.front).values()), "v1 unloaded")
+    wait_until(lambda: all(u["adapters"] == ["alpha@v2"] for u in _pool_state(pool.front).values()), "v1 unloaded")
     for upstream in pool.upstreams:
         models = _models(upstream)
         assert "alpha@v2" in models and "alpha@v1" not in models, models
@@ -343,7 +326,7 @@ def test_sglang_http_loads_adapters_on_its_servers(
             assert set(engine.adapters) == {"boot", "alpha@v1"}
             _assert_scored_by(references[1], _chat(front, "alpha"))
             assert _load(front, adapter_dirs["v2"], 2).status_code == 200
-            _wait(lambda: set(engine.adapters) == {"boot", "alpha@v2"}, "alpha@v1 unloaded from the stand-in")
+            wait_until(lambda: set(engine.adapters) == {"boot", "alpha@v2"}, "alpha@v1 unloaded from the stand-in")
             turn = _chat(front, "alpha")
             assert [tuple(s) for s in turn["policy_versions"]] == [(2, 0)]
             _assert_scored_by(references[2], turn)
@@ -358,5 +341,5 @@ def test_sglang_http_loads_adapters_on_its_servers(
                 timeout=60,
             )
             assert lost.status_code == 503, lost.text
-            _wait(lambda: "alpha@v2" in engine.adapters, "alpha@v2 loaded again")
+            wait_until(lambda: "alpha@v2" in engine.adapters, "alpha@v2 loaded again")
             _assert_scored_by(references[2], _chat(front, "alpha"))

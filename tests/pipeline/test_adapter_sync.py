@@ -15,19 +15,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import nats
-import peft
 import pytest
-import torch
 from openai import OpenAI
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import PolicyApplied, PolicyRejected, PolicyUpdated
@@ -36,7 +32,9 @@ from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
 from ..support.capture import read_stream
+from ..support.lora import make_adapter, mis_shaped
 from ..support.servers import RunningGateway, run_gateway
+from ..support.waiting import wait_until
 
 ALPHA = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 BETA = {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "o_proj"]}
@@ -47,29 +45,6 @@ def adapter_nats() -> Iterator[EmbeddedNatsServer]:
     """A nats-server for this module only (other modules' gateways follow their own)."""
     with EmbeddedNatsServer() as server:
         yield server
-
-
-def _make_adapter(tiny_model_path: Path, config: dict[str, Any], seed: int, target: Path) -> Path:
-    model = peft.get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), peft.LoraConfig(**config)
-    )
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    model.save_pretrained(target)
-    return target
-
-
-def _mis_shaped(good: Path, target: Path) -> Path:
-    """``good`` with every lora_A twice as wide as the base's Linear: ``shape_mismatch``."""
-    target.mkdir(parents=True)
-    (target / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
-    tensors = load_file(good / "adapter_model.safetensors")
-    wide = {k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in tensors.items()}
-    save_file(wide, target / "adapter_model.safetensors")
-    return target
 
 
 def _publish(url: str, directory: Path, version: int, adapter: str) -> PolicyUpdated:
@@ -86,14 +61,6 @@ def _publish(url: str, directory: Path, version: int, adapter: str) -> PolicyUpd
 def _cli(url: str, directory: Path, version: int, adapter: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "stream_stack", "publish-weights", "--nats-url", url, "--adapter", adapter]
     return subprocess.run([*command, "--policy-version", str(version), str(directory)], capture_output=True, text=True)
-
-
-def _wait_until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @contextmanager
@@ -129,9 +96,9 @@ def test_adapters_published_on_nats_reach_every_replica_and_late_ones_catch_up(
     adapter_nats: EmbeddedNatsServer, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     url = adapter_nats.url
-    alpha = {v: _make_adapter(tiny_model_path, ALPHA, v, tmp_path / f"alpha-{v}") for v in (0, 1, 3)}
-    beta = _make_adapter(tiny_model_path, BETA, 11, tmp_path / "beta-1")
-    bad = _mis_shaped(alpha[1], tmp_path / "alpha-bad")
+    alpha = {v: make_adapter(tiny_model_path, ALPHA, v, tmp_path / f"alpha-{v}") for v in (0, 1, 3)}
+    beta = make_adapter(tiny_model_path, BETA, 11, tmp_path / "beta-1")
+    bad = mis_shaped(alpha[1], tmp_path / "alpha-bad")
     latencies: list[tuple[str, PolicyUpdated, float, dict[str, float]]] = []  # what, event, publish call, applied
 
     def settings(replica: str, engine: str = "transformers") -> Settings:
@@ -188,7 +155,7 @@ def test_adapters_published_on_nats_reach_every_replica_and_late_ones_catch_up(
             events = {e.replica: e for e in _events(url, PolicyRejected, "alpha") if e.rejected_version == version}
             return {r: events[r] for r in replicas if r in events}
 
-        _wait_until(lambda: len(refused(("g1", "g2", "gs"), 2)) == 3, "every replica to refuse alpha v2")
+        wait_until(lambda: len(refused(("g1", "g2", "gs"), 2)) == 3, "every replica to refuse alpha v2", timeout=120)
         for replica, rejection in refused(("g1", "g2"), 2).items():
             assert (rejection.reason, rejection.policy_version) == ("shape_mismatch", 1), (replica, rejection)
         assert dict(g1.engine.adapters) == dict(g2.engine.adapters) == {"alpha": 1, "beta": 1}
@@ -212,7 +179,7 @@ def test_adapters_published_on_nats_reach_every_replica_and_late_ones_catch_up(
                 )
                 assert reply.choices[0].finish_reason in ("stop", "length")
         assert gs.engine.adapters == {} and gs.engine.policy_version == 0
-        _wait_until(lambda: len(refused(("gs",), 3)) == 1, "the synthetic replica to refuse alpha v3")
+        wait_until(lambda: len(refused(("gs",), 3)) == 1, "the synthetic replica to refuse alpha v3", timeout=120)
 
     applied = [e for e in _events(url, PolicyApplied) if e.adapter is not None]
     assert sorted((e.replica, e.adapter, e.previous_version, e.policy_version) for e in applied) == [

@@ -36,6 +36,7 @@ from stream_gateway.engines import build_engine
 from ..support.capture import read_stream
 from ..support.fidelity import assert_chain_logprobs
 from ..support.servers import free_port, run_gateway, wait_healthy
+from ..support.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +81,6 @@ def _publish(url: str, directory: Path, version: int, **options: Any) -> PolicyU
     return anyio.run(run)
 
 
-def _wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def _version(base_url: str) -> int:
     return int(httpx.get(base_url + "/health", timeout=10).json()["policy_version"])
 
@@ -120,7 +113,7 @@ def test_a_stream_in_flight_crosses_two_published_updates(
         chunks = [next(stream)]  # the role chunk: the request is decoding
         for version in (1, 2):
             _publish(policy_nats.url, directories[version], version)
-            _wait_until(lambda v=version: _version(gateway.base_url) == v, f"policy {version} applied")  # type: ignore[misc]
+            wait_until(lambda v=version: _version(gateway.base_url) == v, f"policy {version} applied")  # type: ignore[misc]
         chunks.extend(stream)
         assert chunks[-1].choices[0].finish_reason == "length"
         body = httpx.get(f"{gateway.base_url}/sessions/{session_id}", headers={"authorization": "Bearer k"}).json()
@@ -238,9 +231,9 @@ def test_replicas_converge_late_ones_catch_up_and_bad_policies_are_refused(
     ):
         assert _version(g1) == _version(g2) == start  # both caught up with what was there
         _publish(url, full, v_full)
-        _wait_until(lambda: _version(g1) == _version(g2) == v_full, "both replicas on the full version")
+        wait_until(lambda: _version(g1) == _version(g2) == v_full, "both replicas on the full version")
         _publish(url, partial, v_partial, full=False)
-        _wait_until(lambda: _version(g1) == _version(g2) == v_partial, "both replicas on the partial version")
+        wait_until(lambda: _version(g1) == _version(g2) == v_partial, "both replicas on the partial version")
 
         with _gateway_process(tiny_model_path, url, "g3", tmp_path) as g3:
             # Ready means caught up: the newest full version, then the partial one after it.
@@ -265,7 +258,7 @@ def test_replicas_converge_late_ones_catch_up_and_bad_policies_are_refused(
                 events = [e for _, e in read_stream(url) if isinstance(e, PolicyRejected)]
                 return {(e.replica, e.rejected_version): e for e in events}
 
-            _wait_until(lambda: len(rejections()) >= 3 * len(expected), "every replica to refuse every bad policy")
+            wait_until(lambda: len(rejections()) >= 3 * len(expected), "every replica to refuse every bad policy")
             for (replica, version), event in rejections().items():
                 assert event.reason == expected[version], (replica, event)
                 assert event.policy_version == v_partial  # what it keeps serving
