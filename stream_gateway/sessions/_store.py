@@ -439,14 +439,12 @@ def session_body(session: Session, *, routed_experts: bool = False) -> dict[str,
     if routed_experts:
         from stream_gateway.moe import encode_routes
 
-        def encoded(turn: Turn) -> dict[str, Any] | None:
-            routes = turn_routes(session, turn)
-            return encode_routes(routes) if routes is not None else None
-
+        by_turn: dict[str, dict[str, Any] | None] = {}
         for view, turn in zip(body["turns"], session.turns.values(), strict=True):
-            view["routed_experts"] = encoded(turn)
-        for view in body["chains"]:
-            view["routed_experts"] = encoded(session.turns[view["turn_ids"][-1]])
+            routes = turn_routes(session, turn)
+            view["routed_experts"] = by_turn[turn.turn_id] = encode_routes(routes) if routes is not None else None
+        for view in body["chains"]:  # a chain's routes are its leaf turn's
+            view["routed_experts"] = by_turn[view["turn_ids"][-1]]
     return body
 
 
