@@ -39,6 +39,7 @@ from stream_gateway.models import resolve_model
 from stream_gateway.moe import replay_routes
 
 from ..support.agent_loop import READ_TOOL, drive_session
+from ..support.lora import make_adapter
 from ..support.servers import RunningGateway, run_gateway
 
 ATOL = 2e-4
@@ -212,3 +213,43 @@ def test_moe_traffic_becomes_a_verl_batch_whose_routes_replay_the_recorded_logpr
     replayed = response_logprobs(routes.to(torch.int64))
     assert mask.sum() > 20
     torch.testing.assert_close(replayed[mask], recorded[mask], atol=1e-5, rtol=0)
+
+
+def test_adapter_traffic_becomes_a_verl_batch_of_that_adapter_whose_logprobs_peft_reproduces(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Sessions served by a LoRA adapter through NATS, the assembler and the batcher: the batch
+    names the adapter, and base + adapter (PEFT) reproduces every sampled logprob from it alone."""
+    import peft
+
+    adapter = make_adapter(tiny_model_path, {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}, 5,
+                           tmp_path / "alpha")  # fmt: skip
+    batch_dir = tmp_path / "batches"
+    with EmbeddedNatsServer() as server, consumers(server, batch_dir):
+        settings = Settings(model=str(tiny_model_path), served_model_name="tiny", lora=(f"alpha={adapter}",),
+                            nats_url=server.url, outbox_dir=tmp_path / "o")  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as gateway:
+            sessions = [
+                _run_session(gateway, "alpha", group, seed, reward, tmp_path)
+                for group in ("chat", "story")
+                for seed, reward in ((11, 1.0), (12, -1.0))
+            ]
+        deadline = time.monotonic() + 120
+        while not list(batch_dir.glob("*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    [batch_file] = list(batch_dir.glob("*.parquet"))
+    trajectories, uids = decode_batch(batch_file.read_bytes())
+    assert sorted(t.session_id for t in trajectories) == sorted(sessions)
+    assert {t.adapter for t in trajectories} == {"alpha"}
+    proto = to_data_proto(padded_batch(trajectories, uids, prompt_length=512, response_length=512, pad_token_id=0))
+    assert list(proto.non_tensor_batch["adapter"]) == ["alpha"] * 4
+    tensors = proto.batch
+    p, r = tensors["prompts"].shape[1], tensors["responses"].shape[1]
+    mask = tensors["response_mask"].bool()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        logits = model(**{k: tensors[k] for k in ("input_ids", "attention_mask", "position_ids")}).logits
+    logprobs = torch.log_softmax(logits[:, p - 1 : p + r - 1], -1).gather(2, tensors["responses"].unsqueeze(2))
+    assert mask.sum() > 20
+    torch.testing.assert_close(logprobs.squeeze(2)[mask], tensors["rollout_log_probs"][mask], atol=ATOL, rtol=0)

@@ -232,3 +232,47 @@ def _report(latencies: list[tuple[str, PolicyUpdated, float, dict[str, float]]],
                 f"decoding paused {mine.pause_s * 1e3:.2f} ms]"
             )
         assert all(at >= update.time for at in seen.values())
+
+
+def test_a_replica_continues_an_adapter_session_with_its_adapter(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Turn 1 on replica a names adapter alpha; turn 2 reaches replica b naming the base model: b
+    learns the session (and its adapter) from the stream, continues the chain on alpha, and its
+    logprobs are base + alpha's (PEFT)."""
+    import httpx
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    alpha = make_adapter(tiny_model_path, config, 11, tmp_path / "alpha")
+    session = "replicated-alpha"
+    with EmbeddedNatsServer() as server, ExitStack() as stack:
+        replicas = []
+        for name in ("a", "b"):
+            settings = Settings(
+                model=str(tiny_model_path),
+                served_model_name="tiny",
+                lora=(f"alpha={alpha}",),
+                nats_url=server.url,
+                outbox_dir=tmp_path / f"outbox-{name}",
+                replica_id=name,
+            )
+            replicas.append(stack.enter_context(run_gateway(build_engine(settings), settings)))
+        messages: list[Any] = [{"role": "user", "content": "Tell me about the sea."}]
+        for gateway, model in zip(replicas, ("alpha", "tiny"), strict=True):
+            with OpenAI(base_url=f"{gateway.base_url}/sessions/{session}/v1", api_key="sk-r", max_retries=0) as client:
+                reply = client.chat.completions.create(model=model, messages=messages, max_tokens=12)
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "More."},
+            ]
+        headers = {"authorization": "Bearer sk-r"}
+        turns = httpx.get(f"{replicas[1].base_url}/sessions/{session}", headers=headers).json()["turns"]
+    assert len(turns) == 2 and turns[1]["parent_id"] == turns[0]["turn_id"]
+    assert [t["adapter"] for t in turns] == ["alpha", "alpha"]
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), alpha).eval()
+    prompt, output = turns[1]["prompt_ids"], turns[1]["output_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(turns[1]["logprobs"]), expected, atol=2e-4, rtol=0)
