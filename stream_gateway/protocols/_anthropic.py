@@ -7,17 +7,29 @@ this module knows which protocol a request came in.
 
 Requests (as Anthropic documents them, read for this from its API reference):
 
-* ``system``: a string or text blocks → one system message (blocks joined by blank lines);
-* ``messages``: ``user`` content (a string, ``text`` and ``tool_result`` blocks) → ``tool``
-  messages for the results (in order), then one user message with the text; ``assistant``
-  content (``text`` and ``tool_use`` blocks) → one assistant message with its tool calls (the
+* ``system``: a string or text blocks → one system message (blocks joined by blank lines); any
+  other block (an image) is a 400 naming it (``system.1``), as at Anthropic.
+* ``messages``: ``user`` content (a string, ``text``, ``image`` and ``tool_result`` blocks) →
+  ``tool`` messages for the results (in order), then one user message with the text and images as
+  chat parts in their order (``[text, image, text]`` stays three parts); ``assistant`` content
+  (``text`` and ``tool_use`` blocks) → one assistant message with its tool calls (the
   ``tool_use`` id is the call id, ``input`` the JSON arguments). ``thinking`` blocks are history
   the chain does not need (the recorded ids stand in, docs/reasoning.md): one signed here is
   recognised, a foreign one is accepted (its text becomes the message's ``reasoning_content``
   for a template to render), one without a signature is a 400 as at Anthropic;
-  ``redacted_thinking`` is accepted and ignored. Images and documents: a clear 400.
+  ``redacted_thinking`` is accepted and ignored. Documents: a clear 400.
+* ``image`` blocks → ``image_url`` parts: a ``base64`` source (``image/png``, ``image/jpeg``,
+  ``image/webp`` or ``image/gif``, Anthropic's four) → a ``data:`` URL, a ``url`` source → its
+  URL (the core fetches it only from allowed hosts, docs/images.md). A ``file`` source (the Files
+  API: nothing here holds files), another media type, ``data`` that is not base64, or an image in
+  an assistant message: a 400 naming the block (``messages.3.content.1``). The edge checks only
+  what names its own fields better than the core could; decoding, limits and whether the served
+  model reads images are the core's.
+* ``tool_result`` content: a string or ``text`` blocks → the tool message's text (joined, as
+  before); once it holds an ``image`` block (Claude Code returns screenshots so) → the tool
+  message's content as text and image parts in order. Other blocks in it: a 400.
 * ``role: "system"`` messages inside ``messages`` (Claude Code sends them) → system messages
-  there.
+  there (text only).
 * ``tools`` (``name``, ``description``, ``input_schema``) → function tools; Anthropic's server
   tools (``web_search_20250305`` ...) run on Anthropic's servers: this gateway runs no tools, so
   they are not offered to the model (a ``tool_choice`` naming one is refused); ``tool_choice`` ``auto`` / ``any`` /
@@ -44,8 +56,10 @@ sampled. Errors: ``{"type": "error", "error": {"type", "message"}}``, in a strea
 
 from __future__ import annotations
 
+import binascii
 import logging
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -88,6 +102,9 @@ _ERROR_TYPES = {
     529: "overloaded_error",
 }
 
+# The media types Anthropic accepts in a base64 image source (its Messages API reference).
+_IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 
 
@@ -122,6 +139,13 @@ class ThinkingBlock(_In):
     signature: str | None = None
 
 
+class ImageBlock(_In):
+    # The source is checked by hand (_image_part), so that a bad one is refused by the block's name
+    # rather than falling through to OtherBlock as an unknown block.
+    type: Literal["image"]
+    source: Any = None
+
+
 class OtherBlock(_In):
     """Any other block type: ``redacted_thinking`` is ignored, the rest refused."""
 
@@ -130,8 +154,10 @@ class OtherBlock(_In):
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | OtherBlock, Field(union_mode="left_to_right")
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ImageBlock | OtherBlock,
+    Field(union_mode="left_to_right"),
 ]
+SystemBlock = Annotated[TextBlock | OtherBlock, Field(union_mode="left_to_right")]
 
 
 class MessageParam(_In):
@@ -170,7 +196,7 @@ class OutputConfig(_In):
 class CountTokensRequest(_In):
     model: str
     messages: Annotated[list[MessageParam], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
+    system: str | list[SystemBlock] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
 
@@ -188,24 +214,80 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
 
 
-def _text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
+def _is_base64(data: str) -> bool:
+    try:
+        binascii.a2b_base64(data, strict_mode=True)
+    except (binascii.Error, ValueError):  # ValueError: not ASCII
+        return False
+    return True
+
+
+def _image_part(source: Any, where: str) -> dict[str, Any]:
+    """The chat ``image_url`` part of an image block's ``source`` (``where``: the block, for a 400)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in _IMAGE_MEDIA_TYPES:
+            allowed = ", ".join(_IMAGE_MEDIA_TYPES)
+            raise InvalidRequest(
+                f"{where}: source.media_type must be one of {allowed}, not {media_type!r}.", param=where
+            )
+        if not isinstance(data, str) or not data or not _is_base64(data):
+            raise InvalidRequest(f"{where}: source.data must be the image's bytes in base64.", param=where)
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidRequest(f"{where}: source.url must be an http(s) URL.", param=where)
+        return {"type": "image_url", "image_url": {"url": url}}
+    if kind == "file":
+        raise InvalidRequest(
+            f"{where}: image sources of type 'file' are not supported (this gateway holds no files): "
+            "send the image as base64 or a url.",
+            param=where,
+        )
+    raise InvalidRequest(
+        f"{where}: an image block's source must be of type 'base64' or 'url', not {kind!r}.", param=where
+    )
+
+
+def _tool_result_content(content: str | list[dict[str, Any]] | None, where: str) -> str | list[dict[str, Any]]:
+    """A tool result's text (joined, as for text alone), or its text and image parts in order
+    once it holds an image."""
     if content is None or isinstance(content, str):
         return content or ""
-    parts = []
-    for block in content:
-        if block.get("type") != "text":
-            raise InvalidRequest(f"{where}: only text content is supported, not {block.get('type')!r}.", param=where)
-        parts.append(str(block.get("text", "")))
-    return "".join(parts)
+    parts: list[dict[str, Any]] = []
+    for k, block in enumerate(content):
+        at = f"{where}.content.{k}"
+        kind = block.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": str(block.get("text", ""))})
+        elif kind == "image":
+            parts.append(_image_part(block.get("source"), at))
+        else:
+            raise InvalidRequest(f"{at}: a tool result holds text and image blocks only, not {kind!r}.", param=at)
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def _system_text(blocks: Sequence[Any], where: str) -> str:
+    """A system prompt's text blocks joined by blank lines; any other block (an image) is a 400."""
+    for j, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            kind = getattr(block, "type", None)
+            raise InvalidRequest(
+                f"{where}.{j}: a system prompt holds text blocks (with their text) only, not {kind!r}.",
+                param=f"{where}.{j}",
+            )
+    return "\n\n".join(block.text for block in blocks)
 
 
 def _refuse_block(block: OtherBlock, where: str) -> None:
     if block.type in ("thinking", "redacted_thinking"):
         return  # a thinking block that failed ThinkingBlock's shape is refused by _thought
-    if block.type in ("image", "document"):
-        raise InvalidRequest(
-            f"{where}: {block.type} blocks are not supported: the served model reads text only.", param=where
-        )
+    if block.type == "document":
+        raise InvalidRequest(f"{where}: document blocks are not supported.", param=where)
     raise InvalidRequest(f"{where}: unsupported content block type {block.type!r}.", param=where)
 
 
@@ -225,7 +307,7 @@ def _thought(block: ThinkingBlock | OtherBlock, where: str, signer: ThinkingSign
 def _messages(body: CountTokensRequest, signer: ThinkingSigner | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if body.system:
-        system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system)
+        system = body.system if isinstance(body.system, str) else _system_text(body.system, "system")
         out.append({"role": "system", "content": system})
     for i, message in enumerate(body.messages):
         where = f"messages.{i}.content"
@@ -233,10 +315,7 @@ def _messages(body: CountTokensRequest, signer: ThinkingSigner | None = None) ->
             [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
         )
         if message.role == "system":
-            for block in blocks:
-                if not isinstance(block, TextBlock):
-                    raise InvalidRequest(f"{where}: a system message holds text only.", param=where)
-            out.append({"role": "system", "content": "\n\n".join(b.text for b in blocks)})
+            out.append({"role": "system", "content": _system_text(blocks, where)})
         elif message.role == "assistant":
             out.append(_assistant_message(blocks, where, signer))
         else:
@@ -249,7 +328,7 @@ def _assistant_message(blocks: list[Any], where: str, signer: ThinkingSigner | N
     texts: list[str] = []
     calls = []
     thoughts: list[str] = []
-    for block in blocks:
+    for j, block in enumerate(blocks):
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ThinkingBlock) or (isinstance(block, OtherBlock) and "thinking" in block.type):
@@ -260,8 +339,11 @@ def _assistant_message(blocks: list[Any], where: str, signer: ThinkingSigner | N
             calls.append({"id": block.id, "type": "function", "function": function})
         elif isinstance(block, ToolResultBlock):
             raise InvalidRequest(f"{where}: tool_result blocks belong in user messages.", param=where)
+        elif isinstance(block, ImageBlock):
+            at = f"{where}.{j}"
+            raise InvalidRequest(f"{at}: image blocks belong in user messages, not the assistant's.", param=at)
         else:
-            _refuse_block(block, where)
+            _refuse_block(block, f"{where}.{j}")
     assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if any(thoughts):
         assistant["reasoning_content"] = "\n\n".join(t for t in thoughts if t)
@@ -271,23 +353,26 @@ def _assistant_message(blocks: list[Any], where: str, signer: ThinkingSigner | N
 
 
 def _user_messages(blocks: list[Any], where: str) -> list[dict[str, Any]]:
-    """A user message's tool results (as ``tool`` messages, in order), then its text."""
+    """A user message's tool results (as ``tool`` messages, in order), then its text and images
+    (as parts, in order)."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
-    for block in blocks:
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
         if isinstance(block, ToolResultBlock):
-            content = _text_of(block.content, f"{where}.tool_result")
+            content = _tool_result_content(block.content, f"{where}.{j}")
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
         elif isinstance(block, TextBlock):
-            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            parts.append(_image_part(block.source, f"{where}.{j}"))
         elif isinstance(block, ToolUseBlock):
             raise InvalidRequest(f"{where}: tool_use blocks belong in assistant messages.", param=where)
         elif isinstance(block, ThinkingBlock):
             raise InvalidRequest(f"{where}: thinking blocks belong in assistant messages.", param=where)
         else:
-            _refuse_block(block, where)
-    if texts:
-        out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
+            _refuse_block(block, f"{where}.{j}")
+    if parts:
+        out.append({"role": "user", "content": parts})
     return out
 
 

@@ -7,14 +7,23 @@ engine's updates become Responses events as they are sampled.
 Requests (OpenAI's API reference for ``responses.create``, and the ``openai`` SDK's types):
 
 * ``input``: a string (one user message) or items: messages (``role`` ``user`` / ``system`` /
-  ``developer`` / ``assistant``; content a string or ``input_text`` / ``output_text`` parts;
-  images and files: a clear 400), ``function_call`` (``call_id``, ``name``, ``arguments``),
-  ``function_call_output`` (``call_id``, ``output``). An assistant message and the function
-  calls after it are one assistant turn. ``reasoning`` items are history the chain does not need
-  (the recorded ids stand in, docs/reasoning.md): their text (``content``, else ``summary``) goes
-  with the next assistant turn as ``reasoning_content``, for a template to render a foreign one;
-  an ``encrypted_content`` from this gateway is recognised. ``instructions`` → a system message
-  first.
+  ``developer`` / ``assistant``; content a string or ``input_text`` / ``output_text`` /
+  ``input_image`` parts; ``input_file`` and ``input_audio``: a clear 400), ``function_call``
+  (``call_id``, ``name``, ``arguments``), ``function_call_output`` (``call_id``, ``output``: a
+  string, or ``input_text`` / ``input_image`` items as newer clients send a tool's screenshot).
+  Content of text alone is joined into one string, as before images; content with an image stays
+  a list of chat parts in its order (text, ``image_url``, text ...). An ``input_image``'s
+  ``image_url`` (a ``data:`` URL, or an ``http(s)`` one that the core fetches only from allowed
+  hosts, docs/images.md) becomes the part's URL, its ``detail`` passed on when it is ``auto`` /
+  ``low`` / ``high`` (``original`` is dropped: the model's processor decides the size). A
+  ``file_id`` instead (nothing here holds files), another kind of URL, or an image in an
+  assistant message: a 400 naming the part (``input.2.content.1``, the dotted form every param of
+  this module takes). Decoding, limits and whether the served model reads images are the core's.
+  An assistant message and the function calls after it are one assistant turn. ``reasoning``
+  items are history the chain does not need (the recorded ids stand in, docs/reasoning.md): their
+  text (``content``, else ``summary``) goes with the next assistant turn as ``reasoning_content``,
+  for a template to render a foreign one; an ``encrypted_content`` from this gateway is
+  recognised. ``instructions`` → a system message first.
 * ``tools`` (``type: function``) and ``tool_choice``; hosted tools (``web_search``, ``file_search``,
   ``mcp`` ...), ``namespace`` and ``custom`` tools are not offered to the model (this gateway
   runs no tools; Codex sends several by default); ``text.format`` ``json_schema`` /
@@ -77,6 +86,7 @@ __all__ = [
 ]
 
 _KEEP = 10_000  # responses held for previous_response_id, per process
+_IMAGE_DETAILS = ("auto", "low", "high")  # the chat image part's; Responses' "original" is dropped
 
 
 class _In(BaseModel):
@@ -123,23 +133,50 @@ class ResponsesRequest(_In):
     truncation: str | None = None
 
 
-def _content_text(content: Any, where: str) -> str:
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """The chat ``image_url`` part of an ``input_image`` (``where``: the part, for a 400)."""
+    if part.get("file_id") is not None:
+        raise InvalidRequest(
+            f"{where}: file ids are not supported (this gateway holds no files): send the image as image_url, "
+            "a data: URL.",
+            param=where,
+        )
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
+        raise InvalidRequest(
+            f"{where}: an input_image needs its image_url: a data: URL or an http(s) URL.", param=where
+        )
+    image = {"url": url}
+    if part.get("detail") in _IMAGE_DETAILS:
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image}
+
+
+def _content(content: Any, where: str, images: bool = True) -> str | list[dict[str, Any]]:
+    """Message (or function output) content in chat form: its text joined into one string, as
+    for text alone, or its text and image parts in order once it holds an image (``images``:
+    whether it may)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}: content must be a string or a list of parts.", param=where)
-    parts = []
-    for part in content:
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}.{j}"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
-            parts.append(str(part.get("text", "")))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise InvalidRequest(
-                f"{where}: {kind} parts are not supported: the served model reads text only.", param=where
-            )
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "input_image" and images:
+            parts.append(_image_part(part, at))
+        elif kind == "input_image":
+            raise InvalidRequest(f"{at}: an assistant message carries no images.", param=at)
+        elif kind in ("input_file", "input_audio"):
+            raise InvalidRequest(f"{at}: {kind} parts are not supported (text and images are).", param=at)
         else:
-            raise InvalidRequest(f"{where}: unsupported content part {kind!r}.", param=where)
-    return "".join(parts)
+            raise InvalidRequest(f"{at}: unsupported content part {kind!r}.", param=at)
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _reasoning_text(item: dict[str, Any], where: str, signer: ThinkingSigner | None) -> str:
@@ -173,8 +210,8 @@ def _messages(
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise InvalidRequest(f"{where}: unknown role {role!r}.", param=f"{where}.role")
-            text = _content_text(item.get("content", ""), f"{where}.content")
-            out.append({"role": role, "content": text})
+            content = _content(item.get("content", ""), f"{where}.content", images=role != "assistant")
+            out.append({"role": role, "content": content})
             if role == "assistant" and thought:
                 out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
@@ -193,9 +230,8 @@ def _messages(
                 if thought:
                     out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call_output":
-            output = item.get("output", "")
-            text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
+            output = _content(item.get("output", ""), f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": output})
         elif kind == "reasoning":
             thought = _reasoning_text(item, where, signer)
         else:
