@@ -64,8 +64,8 @@ class Settings(BaseSettings):
 
     model: str = Field(
         "smollm2",
-        description="'smollm2', 'tiny', 'tiny-agent', 'tiny-reasoning', 'tiny-moe', a local HF model directory "
-        "or a hub id",
+        description="'smollm2', 'tiny', 'tiny-agent', 'tiny-reasoning', 'tiny-moe', 'tiny-vl', a local HF model "
+        "directory or a hub id",
     )
     engine: Annotated[str, Flag(choices=_engine_names)] = Field(
         "transformers", description="what samples the tokens (see docs/engines.md)"

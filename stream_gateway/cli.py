@@ -3,7 +3,7 @@
 * ``serve``: the OpenAI-compatible gateway on one engine; ``--nats-url`` captures its events
   to an existing NATS server or cluster (credentials and TLS: :mod:`pipeline.connection`).
 * ``prepare-model``: build or convert a local model (``tiny``, ``tiny-agent``, ``tiny-reasoning``,
-  ``tiny-moe``, ``smollm2``) and print its path.
+  ``tiny-moe``, ``tiny-vl``, ``smollm2``) and print its path.
 
 :func:`add_commands` registers them on the ``stream-gateway`` command, which
 :mod:`stream_stack.cli` composes with the pipeline's and the consumers' commands and ``up``;

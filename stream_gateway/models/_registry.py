@@ -10,6 +10,7 @@ from stream_gateway.models._tiny import TINY_BUILDER_VERSION, _build_tiny
 from stream_gateway.models._tiny_agent import TINY_AGENT_BUILDER_VERSION, build_tiny_agent
 from stream_gateway.models._tiny_moe import TINY_MOE_BUILDER_VERSION, build_tiny_moe
 from stream_gateway.models._tiny_reasoning import TINY_REASONING_BUILDER_VERSION, build_tiny_reasoning
+from stream_gateway.models._tiny_vl import TINY_VL_BUILDER_VERSION, build_tiny_vl
 
 __all__ = [
     "AGENT_VARIANTS",
@@ -19,6 +20,7 @@ __all__ = [
     "build_tiny_model",
     "build_tiny_moe_model",
     "build_tiny_reasoning_model",
+    "build_tiny_vl_model",
     "resolve_model",
     "smollm2_path",
 ]
@@ -40,8 +42,8 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
 
     ``"tiny"``, ``"tiny-agent"`` (and its variants ``"tiny-agent-claude"``, ``"tiny-agent-codex"``),
     ``"tiny-reasoning"`` (and ``"tiny-reasoning-claude"``, ``"tiny-reasoning-codex"``),
-    ``"tiny-moe"`` and ``"smollm2"`` name the local models (built on first use), an existing directory becomes its
-    absolute path, and anything else (a hub id) is returned unchanged.
+    ``"tiny-moe"``, ``"tiny-vl"`` and ``"smollm2"`` name the local models (built on first use), an existing
+    directory becomes its absolute path, and anything else (a hub id) is returned unchanged.
     """
     if spec == "tiny":
         return str(build_tiny_model(cache_dir))
@@ -51,6 +53,8 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
         return str(build_tiny_reasoning_model(cache_dir, spec))
     if spec == "tiny-moe":
         return str(build_tiny_moe_model(cache_dir))
+    if spec == "tiny-vl":
+        return str(build_tiny_vl_model(cache_dir))
     if spec == DEFAULT_MODEL:
         return str(smollm2_path(cache_dir))
     path = Path(spec).expanduser()
@@ -110,6 +114,18 @@ def build_tiny_moe_model(cache_dir: Path | None = None) -> Path:
     tiny = build_tiny_model(cache_dir)
     name = f"tiny-moe-v{TINY_MOE_BUILDER_VERSION}"
     return _cached_build(cache_dir, name, TINY_MOE_BUILDER_VERSION, lambda target: build_tiny_moe(tiny, target))
+
+
+def build_tiny_vl_model(cache_dir: Path | None = None) -> Path:
+    """The directory of the tiny vision-language test model, built on first use.
+
+    A Qwen2-VL model whose language model is tiny-agent's (built first if need be) and whose small
+    vision tower is fine-tuned with it to name an image's dominant colour (``vl_answer``); without
+    an image it is tiny-agent. Its directory holds the image processor too (see ``_tiny_vl``).
+    """
+    agent = build_tiny_agent_model(cache_dir)
+    name = f"tiny-vl-v{TINY_VL_BUILDER_VERSION}"
+    return _cached_build(cache_dir, name, TINY_VL_BUILDER_VERSION, lambda target: build_tiny_vl(agent, target))
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:

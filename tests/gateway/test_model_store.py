@@ -83,15 +83,19 @@ def test_models_exports() -> None:
         "REASONING_WITHOUT_TOOLS",
         "REASONING_WITHOUT_TOOLS_THOUGHT",
         "SmolLM2NotInstalled",
+        "VL_COLOURS",
         "agent_tool_call",
         "build_tiny_agent_model",
         "build_tiny_model",
         "build_tiny_moe_model",
         "build_tiny_reasoning_model",
+        "build_tiny_vl_model",
         "default_cache_dir",
         "reasoning_reply",
         "resolve_model",
         "smollm2_path",
+        "vl_answer",
+        "vl_image",
     }
     assert all(hasattr(stream_gateway.models, name) for name in stream_gateway.models.__all__)
 

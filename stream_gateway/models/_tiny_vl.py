@@ -1,0 +1,246 @@
+"""tiny-vl: tiny-agent with eyes, a Qwen2-VL model that names the dominant colour of an image.
+
+Image input (OpenAI ``image_url`` parts, Responses ``input_image``, images in tool results) needs a
+real vision-language model to run against, and none may be downloaded, so one is built here: a
+``Qwen2VLForConditionalGeneration`` whose language model is tiny-agent's (its Qwen2 weights copied
+over; with text-only positions Qwen2-VL's mRoPE is the ordinary RoPE, so tiny-agent's behaviour
+carries over) and whose vision tower is small and seeded, then both are fine-tuned together on CPU
+(``_tiny_vl_training.py``). It answers :func:`vl_answer` of an image's dominant colour (one of
+:data:`VL_COLOURS`; :func:`vl_image` draws such images) when the last user turn or tool result holds
+an image, and is tiny-agent otherwise.
+
+Shapes. Language model: tiny-agent's (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16,
+MLP 128, tied embeddings), ``mrope_section`` [2, 3, 3] (the 8 rotary frequencies of head_dim 16
+split over time, height, width). Vision tower: 14-pixel patches, 2 frames a temporal patch (an image
+is its frame twice), 2x2 patches merged into one LM token, embed 32, 2 blocks of 2 heads, MLP
+ratio 2, output 64. Tokenizer: tiny-agent's plus the special tokens ``<|vision_start|>``,
+``<|vision_end|>``, ``<|image_pad|>`` and ``<|video_pad|>`` (ids 2000-2003).
+
+Image processor: Qwen2-VL's, resizing every image to multiples of 28 pixels with ``min_pixels`` =
+4*28*28 and ``max_pixels`` = 16*28*28: between 16 and 64 patches, so 4 to 16 ``<|image_pad|>``
+tokens after the 2x2 merge; a square image of 112 pixels or more is 16 tokens, a 200x300 one 12
+(grid 8x6 patches).
+
+Deliberate choices:
+
+* The template renders an image part (``image``, ``image_url``, ``input_image``) as one
+  ``<|vision_start|><|image_pad|><|vision_end|>``, wherever it is (user, system and tool
+  messages): one pad per image, as Qwen2-VL's own template, and whoever feeds the model expands it
+  to ``image_grid_thw.prod() // 4`` pads. Otherwise it is tiny's template byte for byte.
+* ``preprocessor_config.json`` names ``Qwen2VLImageProcessorPil`` both as the image processor and
+  as the processor class. Without torchvision (not a dependency), transformers 5 cannot load a
+  ``Qwen2VLProcessor`` at all (its video processor needs torchvision), ``Qwen2VLImageProcessor``
+  falls back to the PIL class with a warning, and ``transformers.AutoImageProcessor`` itself is a
+  placeholder demanding torchvision. Naming the PIL class makes ``AutoProcessor.from_pretrained``
+  return that image processor, with or without torchvision and without a warning (the tokenizer is
+  ``AutoTokenizer``'s); vLLM loads ``Qwen2VLProcessor`` by class, which ignores the name.
+* Qwen2-VL's configs keep the token ids in ``text_config`` only: ``config.eos_token_id`` does not
+  exist, ``config.get_text_config().eos_token_id`` and the generation config hold them.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stream_gateway.models._corpus import ENDOFTEXT, IM_END, _token_id
+from stream_gateway.models._tiny import TINY_CHAT_TEMPLATE, _chat_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2VLForConditionalGeneration
+
+__all__ = [
+    "IMAGE_PAD",
+    "TINY_VL_BUILDER_VERSION",
+    "TINY_VL_CHAT_TEMPLATE",
+    "VIDEO_PAD",
+    "VISION_END",
+    "VISION_START",
+    "VL_COLOURS",
+    "build_tiny_vl",
+    "vl_answer",
+    "vl_image",
+]
+
+TINY_VL_BUILDER_VERSION = 1
+
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+IMAGE_PARTS = ("image", "image_url", "input_image")  # content part types the template renders as an image
+
+# The colours tiny-vl tells apart: each image is mostly one of them (see vl_image).
+VL_COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 70, 220),
+    "yellow": (235, 205, 40),
+}
+# The others an image's shapes may take, besides the other colours of VL_COLOURS.
+_SHAPE_COLOURS = ((245, 245, 245), (20, 20, 20), (128, 128, 128), (150, 90, 40), (160, 60, 190))
+
+# tiny's template, an image part rendered as Qwen2-VL's placeholder.
+_TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+_TEXT_OR_IMAGE_PART = (
+    "{%- if part.type == 'text' -%}{{- part.text -}}"
+    f"{{%- elif part.type in {list(IMAGE_PARTS)!r} -%}}{{{{- '{VISION_START}{IMAGE_PAD}{VISION_END}' -}}}}"
+    "{%- endif -%}"
+)
+TINY_VL_CHAT_TEMPLATE = TINY_CHAT_TEMPLATE.replace(_TEXT_PART, _TEXT_OR_IMAGE_PART)
+
+# The image processor's bounds (see the module docstring): 4 to 16 image tokens an image.
+_MIN_PIXELS, _MAX_PIXELS = 4 * 28 * 28, 16 * 28 * 28
+_MROPE_SECTION = [2, 3, 3]
+_VL_SEED = 20240605  # the vision tower's weights and the new embedding rows
+_VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64}
+
+
+def vl_answer(colour: str) -> str:
+    """What tiny-vl says about an image whose dominant colour is ``colour`` (less ``<|im_end|>``)."""
+    return f"The image is {colour}."
+
+
+def vl_image(colour: str, size: tuple[int, int] = (224, 224), seed: int = 0) -> Image.Image:
+    """An RGB image of ``size`` (width, height) that is mostly ``colour``, a key of :data:`VL_COLOURS`.
+
+    The background is the colour with per-pixel noise; up to three rectangles, ellipses or lines
+    in other colours (the other colours of ``VL_COLOURS`` among them) cover at most about a third
+    of it. The same arguments give the same image.
+    """
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    width, height = size
+    rng = random.Random(f"tiny-vl/{colour}/{width}x{height}/{seed}")
+    noise = np.random.default_rng(rng.getrandbits(64)).normal(0.0, 14.0, (height, width, 3))
+    pixels = np.clip(np.array(VL_COLOURS[colour], dtype=np.float64) + noise, 0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    draw = ImageDraw.Draw(image)
+    others = [rgb for name, rgb in VL_COLOURS.items() if name != colour] + list(_SHAPE_COLOURS)
+    for _ in range(rng.randint(0, 3)):
+        fill = rng.choice(others)
+        w, h = max(1, int(width * rng.uniform(0.08, 0.33))), max(1, int(height * rng.uniform(0.08, 0.33)))
+        x, y = rng.randint(0, width - w), rng.randint(0, height - h)
+        kind = rng.random()
+        if kind < 0.4:
+            draw.rectangle((x, y, x + w - 1, y + h - 1), fill=fill)
+        elif kind < 0.8:
+            draw.ellipse((x, y, x + w - 1, y + h - 1), fill=fill)
+        else:
+            draw.line((x, y, x + w - 1, y + h - 1), fill=fill, width=max(1, min(width, height) // 25))
+    return image
+
+
+def build_tiny_vl(agent: Path, target: Path) -> None:
+    """tiny-agent (the directory ``agent``) as the language model of a Qwen2-VL model, fine-tuned to see.
+
+    Saves the weights and configs, the tokenizer with :data:`TINY_VL_CHAT_TEMPLATE`, and the image
+    processor's ``preprocessor_config.json`` into ``target``.
+    """
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = _vl_tokenizer(agent)
+    text = Qwen2ForCausalLM.from_pretrained(agent, local_files_only=True, dtype=torch.float32)
+    model = _vl_model(text, tokenizer)
+    _save(model, tokenizer, target)
+
+
+def _vl_tokenizer(agent: Path) -> PreTrainedTokenizerBase:
+    """tiny-agent's tokenizer (tiny's) plus the vision tokens, with tiny-vl's template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    backend = Tokenizer.from_file(str(agent / "tokenizer.json"))
+    tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    tokenizer = _chat_tokenizer(backend, TINY_VL_CHAT_TEMPLATE)
+    for token in tokens:
+        _token_id(tokenizer, token)  # one token each, or this raises
+    return tokenizer
+
+
+def _vl_model(text: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLForConditionalGeneration:
+    """A Qwen2-VL model around ``text``'s weights (a Qwen2 model), its vision tower seeded afresh."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    source = text.config
+    eos, pad = _token_id(tokenizer, IM_END), _token_id(tokenizer, ENDOFTEXT)
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": source.hidden_size,
+        "intermediate_size": source.intermediate_size,
+        "num_hidden_layers": source.num_hidden_layers,
+        "num_attention_heads": source.num_attention_heads,
+        "num_key_value_heads": source.num_key_value_heads,
+        "rms_norm_eps": source.rms_norm_eps,
+        "max_position_embeddings": source.max_position_embeddings,
+        "rope_parameters": {**source.rope_parameters, "mrope_section": _MROPE_SECTION},
+        "bos_token_id": source.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "tie_word_embeddings": True,
+    }
+    config = Qwen2VLConfig(
+        text_config=text_config,
+        vision_config={**_VISION, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2},
+        image_token_id=_token_id(tokenizer, IMAGE_PAD),
+        video_token_id=_token_id(tokenizer, VIDEO_PAD),
+        vision_start_token_id=_token_id(tokenizer, VISION_START),
+        vision_end_token_id=_token_id(tokenizer, VISION_END),
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    model = Qwen2VLForConditionalGeneration(config)  # type: ignore[no-untyped-call]
+    generator = torch.Generator().manual_seed(_VL_SEED)
+    network: Any = model
+    _seed_vision(network.model.visual, generator)
+    language = network.model.language_model
+    state = {name.removeprefix("model."): p for name, p in text.state_dict().items() if name.startswith("model.")}
+    old = state["embed_tokens.weight"]
+    with torch.no_grad():
+        # The vision tokens' rows: the old rows' mean plus a seeded offset scaled by their spread.
+        new = old.mean(dim=0) + old.std(dim=0) * torch.randn(
+            (len(tokenizer) - old.shape[0], old.shape[1]), generator=generator
+        )
+        state["embed_tokens.weight"] = torch.cat([old, new])
+    language.load_state_dict(state, strict=True)
+    model.tie_weights()
+    return model
+
+
+def _seed_vision(visual: Any, generator: torch.Generator) -> None:
+    """Draw the vision tower's weights from ``generator``, in name order: norms 1, biases 0, others N(0, 1/fan_in)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in sorted(visual.named_parameters()):
+            if param.dim() == 1:
+                param.fill_(1.0 if name.endswith("weight") and ("norm" in name or "ln_q" in name) else 0.0)
+            else:
+                fan_in = param[0].numel()
+                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+
+
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """The checkpoint, ChatML stops as tiny's, and the image processor naming its PIL class."""
+    import json
+
+    from transformers import GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    eos, pad = _token_id(tokenizer, IM_END), _token_id(tokenizer, ENDOFTEXT)
+    tokenizer.eos_token, tokenizer.pad_token = IM_END, ENDOFTEXT
+    text_config = model.config.get_text_config()
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+        bos_token_id=text_config.bos_token_id, eos_token_id=[eos, pad], pad_token_id=pad
+    )
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    processor = Qwen2VLImageProcessorPil(min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS)
+    processor.save_pretrained(target)
+    path = target / "preprocessor_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["image_processor_type"] = config["processor_class"] = type(processor).__name__
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
