@@ -51,6 +51,13 @@ Deliberate choices:
   Qwen3-30B-A3B) goes to the object store whole, as any large event (:mod:`pipeline.publisher`).
   Older events and dense models have none. The same schema names the LoRA adapter that sampled a
   turn (``adapter``; null: the base model), whose versions its ``policy_versions`` are.
+* **Images** (schema 5). A vision-language model's turn lists every image of its prompt in
+  ``images``, in order (the reused prefix's too): the SHA-256 of its bytes (stored once, before
+  the event, as ``images/<sha256>`` in the image bucket), where its placeholder tokens sit in the
+  prompt, the processor's grid, the SHA-256 of the ``pixel_values`` the model consumed and the
+  processor's fingerprint (``processors/<fingerprint>`` in the same bucket holds its
+  configuration). A consumer rebuilds the vision inputs from those and checks the pixel digest
+  (docs/images.md). Older events and text-only turns have none.
 * Models are frozen; the gateway builds them with ``model_construct`` (its data is already
   valid), consumers decode them with full validation (:func:`decode_event`).
 """
@@ -73,6 +80,7 @@ __all__ = [
     "AnyEvent",
     "Event",
     "FeedbackRecorded",
+    "ImageRecord",
     "PolicyApplied",
     "PolicyObject",
     "PolicyRejected",
@@ -97,7 +105,7 @@ __all__ = [
     "tenant_id",
 ]
 
-SCHEMA_VERSION: Literal[4] = 4
+SCHEMA_VERSION: Literal[5] = 5
 
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Serialization-mode JSON Schemas mark defaulted fields required: the wire always carries them.
@@ -128,10 +136,10 @@ class Event(BaseModel):
 
     model_config = _MODEL_CONFIG
 
-    schema_version: Literal[1, 2, 3, 4] = Field(
+    schema_version: Literal[1, 2, 3, 4, 5] = Field(
         SCHEMA_VERSION,
         description="bumped when the contract changes (2: per-token policy versions; 3: thinking spans and "
-        "predecessor links; 4: routed experts and LoRA adapters)",
+        "predecessor links; 4: routed experts and LoRA adapters; 5: images)",
     )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
@@ -258,6 +266,26 @@ class RoutedExperts(BaseModel):
         return self
 
 
+class ImageRecord(BaseModel):
+    """One image of a turn's prompt (vision-language models, docs/images.md)."""
+
+    model_config = _MODEL_CONFIG
+
+    sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="of the image's bytes: `images/<sha256>` in the image bucket"
+    )
+    media_type: str = Field(description="image/png, image/jpeg, image/webp or image/gif (its first frame)")
+    width: int = Field(ge=1, description="pixels, as sent")
+    height: int = Field(ge=1, description="pixels, as sent")
+    start: int = Field(ge=0, description="position of its first placeholder token in the whole prompt")
+    tokens: int = Field(ge=1, description="placeholder tokens it takes in the prompt")
+    grid_thw: tuple[int, int, int] = Field(description="the processor's patch grid: time, height, width")
+    pixels_sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="of the float32 pixel values the model consumed (C order)"
+    )
+    processor: str = Field(description="fingerprint of the image processor: `processors/<fingerprint>` in the bucket")
+
+
 class TurnRecord(Event):
     """A generation, token-exact: what ``turn.completed`` and ``turn.aborted`` share."""
 
@@ -307,6 +335,11 @@ class TurnRecord(Event):
         description="mixture-of-experts models: the experts that routed the positions this turn ran first, "
         "from `start` to its last-but-one token (earlier rows are its ancestors'); null: a dense model",
     )
+    images: list[ImageRecord] = Field(
+        default_factory=list,
+        description="vision-language models: every image of the prompt in order, the reused prefix's too "
+        "(schema 5; empty: none)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -340,6 +373,12 @@ class TurnRecord(Event):
                     f"routed_experts must cover positions {max(self.reused_prompt_tokens - 1, 0)} to {end}, "
                     f"not {routes.start} to {routes.start + routes.shape[0]}"
                 )
+        prompt = self.reused_prompt_tokens + len(self.prompt_ids)
+        end = 0
+        for image in self.images:
+            if image.start < end or image.start + image.tokens > prompt:
+                raise ValueError("images must be in prompt order, each within the prompt")
+            end = image.start + image.tokens
         return self
 
     def token_policy_versions(self) -> list[int]:

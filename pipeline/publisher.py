@@ -26,6 +26,10 @@ awaits, so a slow or dead NATS cannot slow a client's tokens. One drain task pub
   JetStream object store under their event id, and a small pointer message with header
   ``Sg-Payload-Object: <bucket>/<event id>`` takes their place on the stream;
   :func:`pipeline.subscriber.message_payload` resolves it.
+* **Objects** (:meth:`EventPublisher.put_object_nowait`: images, keyed by their SHA-256) travel
+  in the same ordered queue and outbox as the events, so an object is stored before any event
+  published after it (the turn that refers to it) and survives NATS being away just the same.
+  Content-addressed: an object already in the bucket is not written again.
 * **Live deltas** (``turn.delta``) are published on core NATS from a small ring of their own;
   when it is full, or NATS is not connected, they are dropped and counted: they are a live view,
   the durable ``turn.completed`` carries the same tokens.
@@ -56,7 +60,15 @@ from ._outbox import Outbox, OutboxRecord
 from .connection import NatsAuth, NatsRefused, connect
 from .durable import PAYLOAD_HEADROOM, put_oversized
 from .events import Event, encode_event
-from .streams import PAYLOAD_OBJECT_HEADER, StreamSpec, delta_subject, ensure_object_store, ensure_stream, event_subject
+from .streams import (
+    PAYLOAD_OBJECT_HEADER,
+    StreamSpec,
+    delta_subject,
+    ensure_bucket,
+    ensure_object_store,
+    ensure_stream,
+    event_subject,
+)
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -71,6 +83,8 @@ __all__ = ["EventPublisher", "PublisherConfig", "PublisherStatistics"]
 log = logging.getLogger(__name__)
 
 _ENDINGS = frozenset({"turn.completed", "turn.aborted", "session.closed"})
+# The subject of an outbox record that is an object to store, not a message: "$object.<bucket>".
+_OBJECT_SUBJECT = "$object."
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +118,7 @@ class PublisherStatistics:
     spilled: int  # durable events written to the outbox
     replayed: int  # durable events published from the outbox
     large: int  # durable events sent through the object store
+    objects: int  # objects stored (put_object_nowait; those already in their bucket are not counted)
     failures: int  # failed publish attempts (each retried)
     deltas_published: int
     deltas_dropped: int
@@ -135,6 +150,8 @@ class EventPublisher:
         self._closing = False
         self._tg: TaskGroup | None = None
         self._store: ObjectStore | None = None
+        self._buckets: dict[str, ObjectStore] = {}
+        self._objects = 0
         self._published = self._spilled = self._replayed = self._large = self._failures = 0
         self._deltas_published = self._deltas_dropped = 0
         if self._spilling:
@@ -152,6 +169,14 @@ class EventPublisher:
             self._delta_wake.set()
             return
         record = OutboxRecord(event_subject(self._subject_prefix, event), event.event_id, encode_event(event))
+        self._queue(record, urgent=event.kind in _ENDINGS)
+
+    def put_object_nowait(self, name: str, data: bytes) -> None:
+        """Queue ``data`` for the object store as ``name`` (in the image bucket), before every event
+        queued after it; never blocks. Content-addressed names only: an existing object is kept."""
+        self._queue(OutboxRecord(_OBJECT_SUBJECT + self._config.stream.image_bucket, name, data), urgent=False)
+
+    def _queue(self, record: OutboxRecord, *, urgent: bool) -> None:
         if self._closing:
             self._spill([record])
         elif self._spilling or len(self._buffer) >= self._config.buffer_size or self._down_too_long():
@@ -163,7 +188,7 @@ class EventPublisher:
             self._buffer.append(record)
         if self._drained.is_set():
             self._drained = anyio.Event()
-        if event.kind in _ENDINGS:
+        if urgent:
             self._urgent.set()
         self._wake.set()
 
@@ -200,6 +225,7 @@ class EventPublisher:
             spilled=self._spilled,
             replayed=self._replayed,
             large=self._large,
+            objects=self._objects,
             failures=self._failures,
             deltas_published=self._deltas_published,
             deltas_dropped=self._deltas_dropped,
@@ -369,6 +395,9 @@ class EventPublisher:
             with anyio.fail_after(self._config.ack_timeout_s):
                 for record in window:
                     subject, payload = record.subject, record.payload
+                    if subject.startswith(_OBJECT_SUBJECT):
+                        await self._put_object(subject[len(_OBJECT_SUBJECT) :], record.msg_id, payload)
+                        continue
                     headers = {"Nats-Msg-Id": record.msg_id}
                     if len(payload) > limit:
                         payload = await self._store_large(record)
@@ -391,7 +420,7 @@ class EventPublisher:
                     future.cancel()  # frees nats-py's pending slot; a late ack is simply ignored
                 elif not future.cancelled():
                     future.exception()  # seen, so asyncio does not log the rest of a failed window
-        self._published += len(window)
+        self._published += sum(1 for record in window if not record.subject.startswith(_OBJECT_SUBJECT))
         self._large += large
         self._failing_since = None
         return True
@@ -403,6 +432,25 @@ class EventPublisher:
             self._store = await ensure_object_store(self._js, self._config.stream)
         bucket = self._config.stream.payload_bucket
         return await put_oversized(self._nc, self._store, bucket, record.msg_id, record.payload)
+
+    async def _put_object(self, bucket: str, name: str, data: bytes) -> None:
+        """Store object ``name`` unless the bucket has it already (names are content hashes)."""
+        from nats.js.errors import NotFoundError
+
+        assert self._nc is not None and self._js is not None
+        store = self._buckets.get(bucket)
+        if store is None:
+            spec = self._config.stream
+            store = self._buckets[bucket] = await ensure_bucket(
+                self._js, bucket, replicas=spec.replicas, max_bytes=spec.max_bytes, max_age_s=spec.max_age_s
+            )
+        try:
+            await store.get_info(name)
+            return
+        except NotFoundError:
+            pass
+        await put_oversized(self._nc, store, bucket, name, data)
+        self._objects += 1
 
     def _note_failure(self) -> None:
         self._failures += 1

@@ -53,6 +53,7 @@ class StreamSpec:
     prefix: str = "sg"
     stream: str = "SG_EVENTS"
     payload_bucket: str = "sg_payloads"
+    image_bucket: str = "sg_images"  # images by the SHA-256 of their bytes, and their processors (docs/images.md)
     replicas: int = 1
     max_bytes: int = -1  # -1: unlimited
     max_age_s: float = 0.0  # 0: forever

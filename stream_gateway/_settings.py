@@ -234,6 +234,27 @@ class Settings(BaseSettings):
         8 * 1024 * 1024, ge=1024, description="largest request body in bytes; larger ones get 413 before they are read"
     )
     max_messages: int = Field(4096, ge=1, description="most messages in one chat request")
+    max_images_per_request: int = Field(
+        32, ge=0, description="vision-language models: most images in one request (docs/images.md)"
+    )
+    max_image_bytes: int = Field(
+        10 * 1024 * 1024, ge=1024, description="largest image, in bytes once decoded from base64"
+    )
+    max_image_pixels: int = Field(
+        40_000_000, ge=64, description="largest image, in pixels (width x height) as its header says, before decoding"
+    )
+    allow_image_urls: Annotated[tuple[str, ...], Flag(name="--allow-image-url")] = Field(
+        (),
+        description="a host whose http(s) image URLs the gateway may fetch (repeatable; none: only data: URLs; "
+        "a private or loopback address only when named)",
+    )
+    image_fetch_timeout_seconds: float = Field(10.0, gt=0, description="an image URL not fetched this fast is refused")
+    image_cache_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="processed images kept in memory, by hash (a conversation's images "
+        "are processed once, not once per turn)",
+    )
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")
     sse_send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing this long is dropped")
     log_level: str = Field("info", description="log level of the gateway and uvicorn")

@@ -213,7 +213,7 @@ async def _capturing(state: GatewayState, tg: TaskGroup) -> AsyncIterator[None]:
     config = publisher_config(settings)
     async with EventPublisher(config) as publisher:
         durable = publisher.publish_durable if settings.durable_wait_seconds > 0 else None
-        recorder.attach(publisher.publish_nowait, durable)
+        recorder.attach(publisher.publish_nowait, durable, publisher.put_object_nowait)
         state.metrics.watch_publisher(publisher.statistics)
         log.info("capturing events to %s (outbox %s)", ", ".join(config.servers), config.outbox_dir)
         if settings.follow_policies:

@@ -28,10 +28,12 @@ Deliberate choices:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import orjson
 from pipeline.events import (
     SCHEMA_VERSION,
     Event,
@@ -50,10 +52,15 @@ from pipeline.events import (
 from stream_gateway.sessions import turn_to_event
 
 if TYPE_CHECKING:
+    from pipeline.vision import ProcessedImage, VisionProcessor
+
     from stream_gateway.engines import SamplingParams, WeightUpdateReport
     from stream_gateway.sessions import Session, Turn
 
 __all__ = ["DeltaCoalescer", "EventRecorder"]
+
+
+_STORED_KEPT = 65536  # image hashes remembered as stored (beyond, the publisher asks the bucket)
 
 
 class DeltaCoalescer:
@@ -105,6 +112,8 @@ class EventRecorder:
     ) -> None:
         self._publish = publish
         self._publish_durable: Callable[[Event], anyio.Event] | None = None
+        self._store: Callable[[str, bytes], None] | None = None
+        self._stored: OrderedDict[str, None] = OrderedDict()  # names queued for the object store
         self._model = model
         self._live_wanted = live_deltas
         self._live = live_deltas and publish is not None
@@ -112,16 +121,40 @@ class EventRecorder:
         self._delta_interval = delta_interval_s
 
     def attach(
-        self, publish: Callable[[Event], None] | None, durable: Callable[[Event], anyio.Event] | None = None
+        self,
+        publish: Callable[[Event], None] | None,
+        durable: Callable[[Event], anyio.Event] | None = None,
+        store: Callable[[str, bytes], None] | None = None,
     ) -> None:
         """Start (or, with ``None``, stop) publishing: the publisher lives in the app's lifespan.
 
         ``durable`` publishes an event and returns what is set once it is durable
-        (``EventPublisher.publish_durable``); without it, nothing waits for that.
+        (``EventPublisher.publish_durable``); without it, nothing waits for that. ``store`` queues
+        an object (``EventPublisher.put_object_nowait``: images, before the turns that use them).
         """
         self._publish = publish
         self._publish_durable = durable if publish is not None else None
+        self._store = store if publish is not None else None
         self._live = self._live_wanted and publish is not None
+
+    def images_used(self, images: Sequence[ProcessedImage], processor: VisionProcessor | None) -> None:
+        """Store the bytes of every image not stored yet (``images/<sha256>``) and the processor
+        that made them (``processors/<fingerprint>``), before the events that refer to them."""
+        store = self._store
+        if store is None or processor is None:
+            return
+        stored = self._stored
+        if processor.fingerprint not in stored:
+            store(f"processors/{processor.fingerprint}", orjson.dumps(processor.record()))
+            stored[processor.fingerprint] = None
+        for image in images:
+            if image.sha256 in stored:
+                stored.move_to_end(image.sha256)
+                continue
+            store(f"images/{image.sha256}", image.data)
+            stored[image.sha256] = None
+            if len(stored) > _STORED_KEPT:
+                stored.popitem(last=False)  # forgotten here: the publisher still skips what the bucket has
 
     @property
     def enabled(self) -> bool:

@@ -44,6 +44,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from stream_gateway._errors import InvalidRequest
+from stream_gateway.completion._images import RequestImages, expand_placeholders, placeholder_spans
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import Message, Tool
 from stream_gateway.reasoning import ReasoningFormat
@@ -96,11 +97,14 @@ class ContextBuilder:
         parent: Turn | None,
         lineage: Mapping[int, Turn] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        images: RequestImages | None = None,
     ) -> Context:
         """The prompt for ``messages``, continuing ``parent`` (a turn they extend) when possible.
 
         ``lineage`` maps the position of each assistant message of the chain to its recorded turn
-        (the parent and its ancestors), whose thinking the history is rendered with.
+        (the parent and its ancestors), whose thinking the history is rendered with. ``images``:
+        the messages' processed images; each placeholder the template renders is expanded to its
+        image's tokens (the parent's, already expanded in its ids, are not expanded again).
         """
         specs = _tool_specs(tools)
         rendered = [template_message(m) for m in messages]
@@ -116,6 +120,13 @@ class ContextBuilder:
         kwargs = dict(template_kwargs or {})
         full = self._render(rendered, specs, generation=True, **kwargs)
         full_ids = self._encode(full)
+        if images is not None:
+            try:
+                full_ids = expand_placeholders(full_ids, images.all(), images.token_id)
+            except ValueError as exc:
+                raise InvalidRequest(
+                    f"{exc}: a message's text spells the model's image placeholder", param="messages"
+                ) from exc
         if parent is None:
             return Context(full_ids, None, 0, True)
         k = parent.context_length
@@ -147,6 +158,8 @@ class ContextBuilder:
                 bridge = self._turn_end[len(end_text) :]
         reused = len(parent.prompt_ids) + len(sampled)
         prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + tail)]
+        if images is not None and not _expand_new_images(prompt, reused, images, k):
+            return new_root("the conversation's images do not line up with the template's placeholders")
         return Context(prompt, parent, reused, prompt == full_ids)
 
     def thought(self, turn: Turn) -> str:
@@ -176,9 +189,19 @@ class ContextBuilder:
         tail = long[len(short) :]
         return tail if full.endswith(tail) else None
 
-    def render_ids(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> list[int]:
-        """A fresh full render of ``messages`` with the generation prompt, tokenized."""
-        return self._encode(self._render([template_message(m) for m in messages], _tool_specs(tools), generation=True))
+    def render_ids(
+        self, messages: Sequence[Message], tools: Sequence[Tool] | None, images: RequestImages | None = None
+    ) -> list[int]:
+        """A fresh full render of ``messages`` with the generation prompt, tokenized (images expanded)."""
+        ids = self._encode(self._render([template_message(m) for m in messages], _tool_specs(tools), generation=True))
+        if images is None:
+            return ids
+        try:
+            return expand_placeholders(ids, images.all(), images.token_id)
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"{exc}: a message's text spells the model's image placeholder", param="messages"
+            ) from exc
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, *, generation: bool, **kwargs: Any) -> str:
         try:
@@ -200,6 +223,18 @@ class ContextBuilder:
         conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
         text = self._render(conversation, None, generation=False)
         return text[text.rindex(_PROBE) + len(_PROBE) :]
+
+
+def _expand_new_images(prompt: list[int], reused: int, images: RequestImages, position: int) -> bool:
+    """Expand, in place, the placeholders after ``reused`` (those of the messages after ``position``;
+    the reused ids hold theirs expanded already); whether every image then has its run of tokens."""
+    try:
+        prompt[reused:] = expand_placeholders(prompt[reused:], images.after(position), images.token_id)
+    except ValueError:
+        return False
+    spans = placeholder_spans(prompt, images.token_id)
+    expected = images.all()
+    return len(spans) == len(expected) and all(n == image.tokens for (_, n), image in zip(spans, expected, strict=True))
 
 
 _THOUGHTS_KEPT = 8192  # decoded thoughts kept by ContextBuilder.thought

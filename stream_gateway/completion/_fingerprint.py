@@ -11,6 +11,9 @@ Agents re-serialise the history they echo back. These differences are not differ
   summarised or re-shaped: never compared (the sampled ids stand in for it);
 * ``developer`` vs ``system``.
 
+Images are compared by their place among a message's parts and a digest of their URL: for the
+``data:`` URLs clients send, the image's bytes; another image is another conversation.
+
 Everything else (roles, text, tool names, argument values, order) is compared exactly.
 A fingerprint is a short digest, and a conversation prefix is identified by a rolling digest
 of its messages' fingerprints, so a lookup costs one hash per message.
@@ -51,6 +54,10 @@ def message_fingerprint(message: Message) -> Fingerprint:
         calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
         return assistant_fingerprint(message.text(), calls)
     role = "system" if message.role == "developer" else message.role
+    images = message.images()
+    if images:  # each image by its place among the parts and a digest of its URL (its bytes, for data: URLs)
+        where = [[j, hashlib.blake2b(part.image_url.url.encode(), digest_size=16).hexdigest()] for j, part in images]
+        return _digest([role, message.text().strip(), message.name or "", where])
     return _digest([role, message.text().strip(), message.name or ""])
 
 

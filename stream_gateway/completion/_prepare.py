@@ -27,6 +27,7 @@ from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._admission import Admission, SamplingRequest
 from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build, template_variables
 from stream_gateway.completion._fingerprint import message_fingerprint, prefix_keys, tools_fingerprint
+from stream_gateway.completion._images import ImageResolver, PromptImage, RequestImages, prompt_images
 from stream_gateway.completion._request import ChatCompletionRequest
 from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
 from stream_gateway.constraints import check as check_grammar
@@ -69,6 +70,7 @@ class PreparedCompletion:
     split_reasoning: bool = True  # thinking streams apart from the answer (token-in: raw text, split only recorded)
     return_routes: bool = False  # the final update carries the routed experts (token-in ``return_routed_experts``)
     routes_from: int = 0  # ... from this position on
+    images: tuple[PromptImage, ...] = ()  # vision-language models: the prompt's images and where they sit
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,12 @@ class Preparer:
         return ContextBuilder(self._engine.tokenizer, self.reasoning, self._settings.reasoning_history)
 
     @cached_property
+    def images(self) -> ImageResolver:
+        """The request's images, processed by the served model's own processor (lazily, like the
+        context builder: the engine's processor exists once it has started)."""
+        return ImageResolver(self._engine.vision, self._settings, self._engine.model_id)
+
+    @cached_property
     def reasoning(self) -> ReasoningFormat | None:
         """The served model's thinking format (``--reasoning-parser``; ``auto`` is chosen and logged
         here). Resolved once the engine has started; the app asks at start so a bad choice fails it."""
@@ -140,13 +148,14 @@ class Preparer:
         adapter = self.admission.check_model_and_n(body.model, body.n, tenant=tenant, bound=adapter)
         body.check_supported()
         await self._check_size(body)
+        images = await self.images.resolve(body.messages)
         constraint = None
         if body.response_format is not None or isinstance(body.tool_choice, dict) or body.tool_choice == "required":
             constraint = await anyio.to_thread.run_sync(self._constraint, body)
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
         session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id)
         adapter = _session_adapter(session, adapter)
-        context = await self._build_context(body, session, parent, unavailable, session_id)
+        context = await self._build_context(body, session, parent, unavailable, session_id, images)
         if constraint is not None and (fmt := self.reasoning) is not None:  # the answer is held, not the thinking
             opened = fmt.thinking_at_start(context.prompt_ids)
             constraint = constraint.after_thinking(fmt.start_id, fmt.end_id, opened=opened)
@@ -155,6 +164,9 @@ class Preparer:
         room = self.admission.fit(len(context.prompt_ids), requested, noun="messages", max_param=max_param)
         # Only a request that will run gets a session: failed ones leave nothing behind.
         session = await self._admit_session(session, session_id, tenant, agent, body.metadata or {})
+        placed = prompt_images(context.prompt_ids, images)
+        if placed:  # their bytes are stored before the turn's events refer to them
+            self._recorder.images_used([p.image for p in placed], self._engine.vision)
         sampling = SamplingRequest(
             max_tokens=requested,
             temperature=body.temperature,
@@ -184,6 +196,7 @@ class Preparer:
             tool_names=frozenset(t.function.name for t in body.tools or ()),
             legacy_functions=body.legacy_functions,
             reasoning=self.reasoning,
+            images=placed,
         )
 
     async def _find_conversation(
@@ -212,14 +225,17 @@ class Preparer:
         parent: Turn | None,
         unavailable: str | None,
         session_id: str | None,
+        images: RequestImages | None = None,
     ) -> Context:
         builder = self._context_builder
         kwargs = self._template_kwargs(body)
         lineage = _lineage(session, parent) if self.reasoning is not None else None
-        if cheap_to_build(body.messages, body.tools, parent):
+        if images is None and cheap_to_build(body.messages, body.tools, parent):
             context = builder.build(body.messages, body.tools, parent, lineage, kwargs)
         else:
-            context = await anyio.to_thread.run_sync(builder.build, body.messages, body.tools, parent, lineage, kwargs)
+            context = await anyio.to_thread.run_sync(
+                builder.build, body.messages, body.tools, parent, lineage, kwargs, images
+            )
         if unavailable is not None and context.fallback_reason is None:
             context = replace(context, fallback_reason=unavailable)
         if context.fallback_reason is not None:
@@ -254,8 +270,9 @@ class Preparer:
         """The prompt tokens ``body`` would take: a full render of its messages and tools."""
         self.admission.check_model_and_n(body.model, body.n)
         await self._check_size(body)
+        images = await self.images.resolve(body.messages)
         builder = self._context_builder
-        return len(await anyio.to_thread.run_sync(builder.render_ids, body.messages, body.tools))
+        return len(await anyio.to_thread.run_sync(builder.render_ids, body.messages, body.tools, images))
 
     async def _check_size(self, body: ChatCompletionRequest) -> None:
         """Refuse at once what cannot fit, before fingerprinting, rendering or tokenizing all of it."""

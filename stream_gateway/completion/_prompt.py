@@ -1,7 +1,8 @@
 """Chat messages as the model's chat template expects them.
 
 Messages are normalised before rendering the way chat templates expect them: ``developer``
-becomes ``system`` (few templates know ``developer``), content parts are joined into one string,
+becomes ``system`` (few templates know ``developer``), text parts are joined into one string (a
+message with images keeps its parts: the template renders each image),
 and tool-call ``arguments`` are parsed from the JSON string OpenAI clients send into the mapping
 that Hugging Face templates render with ``tojson`` (a string would be double-encoded).
 """
@@ -12,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from stream_gateway.completion._request import Message
+from stream_gateway.completion._request import ImagePart, Message
 
 
 def template_message(message: Message) -> dict[str, Any]:
@@ -21,6 +22,12 @@ def template_message(message: Message) -> dict[str, Any]:
         "role": "system" if message.role == "developer" else message.role,
         "content": message.text(),
     }
+    if message.images() and isinstance(message.content, list):
+        # Vision-language templates render each image part as its placeholder (docs/images.md).
+        out["content"] = [
+            {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+            for part in message.content
+        ]
     if message.tool_calls:
         out["tool_calls"] = [
             {

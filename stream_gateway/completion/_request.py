@@ -73,6 +73,24 @@ class TextPart(_Wire):
     cache_control: dict[str, Any] | None = None
 
 
+class ImageUrl(_Wire):
+    """``image_url`` of an image part: a ``data:`` URL (or an ``http(s)`` one, see docs/images.md)."""
+
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides
+
+
+class ImagePart(_Wire):
+    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part (docs/images.md)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+    cache_control: dict[str, Any] | None = None
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(_Wire):
     """The function of an assistant tool call, as the client echoes it."""
 
@@ -94,7 +112,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -105,6 +123,8 @@ class Message(BaseModel):
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "assistant" and self.images():
+            raise ValueError("assistant messages cannot carry images")
         return self
 
     def text(self) -> str:
@@ -113,7 +133,13 @@ class Message(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """The image parts and their indices in ``content``."""
+        if self.content is None or isinstance(self.content, str):
+            return []
+        return [(i, part) for i, part in enumerate(self.content) if isinstance(part, ImagePart)]
 
 
 class FunctionDefinition(_Wire):

@@ -159,8 +159,11 @@ class CompletionService:
         abort_detail: str | None = None
         perf_counter = time.perf_counter
         try:
+            images = {"images": [i.image for i in prepared.images]} if prepared.images else {}
             async with aclosing(
-                self._engine.generate(request_id, prepared.prompt_ids, params, affinity=prepared.session.session_id)
+                self._engine.generate(
+                    request_id, prepared.prompt_ids, params, affinity=prepared.session.session_id, **images
+                )
             ) as steps:
                 async for step in steps:
                     if not spans or spans[-1][0] != step.policy_version:

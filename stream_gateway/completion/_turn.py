@@ -27,9 +27,10 @@ from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._fingerprint import assistant_fingerprint, extend_key
 from stream_gateway.completion._updates import ChoiceResult
 from stream_gateway.engines import SamplingParams
-from stream_gateway.sessions import SessionDirectory, Turn, turn_routes
+from stream_gateway.sessions import SessionDirectory, Turn, TurnImage, turn_routes
 
 if TYPE_CHECKING:
+    from stream_gateway.completion._images import PromptImage
     from stream_gateway.completion._prepare import PreparedCompletion
 
 __all__ = ["TurnLifecycle", "Turns"]
@@ -47,6 +48,21 @@ def _own_routes(result: ChoiceResult, reused: int) -> dict[str, Any]:
     start = max(reused - 1, 0)
     rows = result.routes_from(start)
     return {} if rows is None else {"routes": rows, "routes_start": start}
+
+
+def _turn_image(placed: PromptImage) -> TurnImage:
+    image = placed.image
+    return TurnImage(
+        image.sha256,
+        image.media_type,
+        image.width,
+        image.height,
+        placed.start,
+        image.tokens,
+        image.grid_thw,
+        image.pixels_sha256,
+        image.processor,
+    )
 
 
 Spend = Callable[[str, int], None]
@@ -189,6 +205,7 @@ class TurnLifecycle:
             answer_start=result.answer_start,
             **_own_routes(result, context.reused_prompt_tokens if context.parent is not None else 0),
             adapter=self.params.adapter,
+            images=tuple(_turn_image(placed) for placed in prepared.images),
         )
         if turn.routes is not None and context.parent is not None:
             self._compare_prefill(result, context.parent)

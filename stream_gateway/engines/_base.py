@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
     import torch
+    from pipeline.vision import ProcessedImage, VisionProcessor
 
     from stream_gateway.constraints import Constraint
 
@@ -204,6 +205,8 @@ class Engine(Protocol):
     # LoRA adapters served beside the base (docs/adapters.md): name -> its policy version. A
     # request's steps carry its adapter's version; the base has ``policy_version``. Empty: none.
     adapters: Mapping[str, int]
+    # Vision-language models (docs/images.md): the model's own image processor; None: text only.
+    vision: VisionProcessor | None
 
     @property
     def upstreams(self) -> UpstreamControl | None:
@@ -215,9 +218,18 @@ class Engine(Protocol):
     async def __aexit__(self, *exc_info: object) -> None: ...
 
     def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        affinity: str | None = None,
+        images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
         """Start sampling; the returned iterator yields steps until one has a finish reason.
+
+        ``images``: a vision-language model's images (only when :attr:`vision` is set), processed,
+        in the order their placeholder runs appear in ``prompt_ids``.
 
         Closing the iterator early aborts the request. ``affinity`` (the session id) is a hint for
         engines that spread requests over several servers: the same key goes to the same server

@@ -91,6 +91,7 @@ import anyio
 import httpx
 import numpy as np
 import orjson
+from pipeline.vision import ProcessedImage, VisionProcessor
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_gateway._errors import EngineError, EngineUnavailable, GatewayError, InvalidRequest
@@ -153,6 +154,7 @@ class RemoteEngine:
     remote = True
     constrained_decoding = False
     experts: ExpertShape | None = None
+    vision: VisionProcessor | None = None  # text only (docs/images.md)
 
     @property
     def upstreams(self) -> RemoteEngine:
@@ -326,9 +328,17 @@ class RemoteEngine:
     # -- generation ---------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        affinity: str | None = None,
+        images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
         """Stream one request from a healthy server (failing over until the first token arrives)."""
+        if images:  # the preparer refuses them first (vision is None): never sample without them
+            raise EngineError(f"the {self.name} engine does not take images")
         if self._client is None:
             raise EngineUnavailable("The engine is not running.")
         self._active += 1

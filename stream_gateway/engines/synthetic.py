@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
+from pipeline.vision import ProcessedImage, VisionProcessor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from stream_gateway._errors import EngineError
 from stream_gateway.engines._base import (
     EngineStatistics,
     EngineStep,
@@ -49,6 +51,7 @@ class SyntheticEngine:
     remote = False
     constrained_decoding = False
     experts: ExpertShape | None = None
+    vision: VisionProcessor | None = None  # text only (docs/images.md)
     adapters: Mapping[str, int] = MappingProxyType({})  # no LoRA on this engine
     upstreams: UpstreamControl | None = None
 
@@ -83,10 +86,18 @@ class SyntheticEngine:
         return None
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        affinity: str | None = None,
+        images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
         """Yield ``max_tokens`` passage tokens (fewer if the context fills up), one per step; a
         thinking model's first half of them between its thinking tags."""
+        if images:  # the preparer refuses them first (vision is None): never sample without them
+            raise EngineError(f"the {self.name} engine does not take images")
         self._active += 1
         self._total_requests += 1
         try:

@@ -53,7 +53,8 @@ from typing import Any, cast
 import anyio
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from pipeline.vision import ProcessedImage, VisionProcessor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from stream_gateway._errors import Conflict, EngineError, EngineUnavailable
@@ -95,6 +96,10 @@ class _Request:
     length: int = 0  # real (unpadded) tokens in this row's cache
     output_ids: list[int] = field(default_factory=list)  # to rebuild the cache after a weight update
     mask: TokenMask | None = None  # the grammar of a constrained request (built by the worker)
+    # Vision-language models: the prompt's images, in order, and their multimodal rotary positions.
+    images: tuple[ProcessedImage, ...] = ()
+    mrope: torch.Tensor | None = None  # [3, prompt] positions of the prompt (None: text positions)
+    rope_delta: int = 0  # a position after the prompt is its index plus this (images take fewer positions)
 
 
 @dataclass(slots=True)
@@ -178,6 +183,8 @@ class TransformersEngine:
         self._last_logits: dict[str, int] = {}
         self._routes: RouterCapture | None = None  # hooks on the routers of a mixture of experts
         self.experts: ExpertShape | None = None
+        self.vision: VisionProcessor | None = None  # a vision-language model's image processor
+        self._rope_index: Any = None  # its multimodal rotary positions (Qwen2-VL's get_rope_index)
         self._adapter_versions: dict[str, int] = {}  # LoRA adapters (stream_gateway.lora): name -> version
         self.adapters: Mapping[str, int] = self._adapter_versions
         self._thread: threading.Thread | None = None
@@ -206,7 +213,7 @@ class TransformersEngine:
 
     def _load(self) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(self._model_path)
-        model: Any = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self._dtype)
+        model: Any = self._load_model()
         threads = self._num_threads
         if threads is None and self._device.type == "cpu" and getattr(model.config, "hidden_size", 0) < 256:
             # Matrices this small finish faster than intra-op threads wake up: with two threads a
@@ -220,7 +227,7 @@ class TransformersEngine:
         # for every position cost more than the layers on the tiny model (most HF causal LMs take it).
         if "logits_to_keep" in inspect.signature(self._model.forward).parameters:
             self._last_logits = {"logits_to_keep": 1}
-        config = model.config
+        config = model.config.get_text_config()
         limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
         self.max_model_len = min(self._requested_max_len or limit, limit)
         self._eos_ids = end_of_turn_ids(model, self.tokenizer)
@@ -241,12 +248,33 @@ class TransformersEngine:
         if self._routes is not None:
             self.experts = ExpertShape(self._routes.layers, self._routes.top_k, self._routes.num_experts)
 
+    def _load_model(self) -> Any:
+        """The causal LM, or a vision-language model with its image processor (docs/images.md)."""
+        config = AutoConfig.from_pretrained(self._model_path)
+        if getattr(config, "vision_config", None) is None:
+            return AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self._dtype)
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(self._model_path, dtype=self._dtype)
+        self._rope_index = getattr(model.model, "get_rope_index", None)
+        if self._rope_index is None:
+            raise EngineUnavailable(f"{self._model_path}: a vision-language model without multimodal positions")
+        self.vision = VisionProcessor.from_model(self._model_path, int(config.image_token_id))
+        return model
+
     # -- public API ------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        affinity: str | None = None,
+        images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
-        """Queue a request and yield its steps as the worker samples them."""
+        """Queue a request and yield its steps as the worker samples them (``images``: a
+        vision-language model's, in the order of their placeholders in ``prompt_ids``)."""
         if self._thread is None or not self._thread.is_alive():
             raise EngineUnavailable("the transformers engine is not running") from self._failure
         generator = torch.Generator()
@@ -260,6 +288,7 @@ class TransformersEngine:
             outbox=asyncio.Queue(),
             generator=generator,
             stop_ids=stop_ids,
+            images=tuple(images),
         )
         self._waiting += 1
         self._total_requests += 1
@@ -444,7 +473,11 @@ class TransformersEngine:
             self._bank.set_rows((request.params.adapter,))
         cache = DynamicCache()
         ids = torch.tensor([request.prompt_ids], device=self._device)
-        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_logits)
+        vision: dict[str, Any] = {}
+        if self.vision is not None:
+            vision = self._vision_inputs([request], ids)
+            request.mrope = vision["position_ids"][:, 0, :] if request.images else None
+        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, **vision, **self._last_logits)
         request.length = len(request.prompt_ids)
         routes = [self._routes.take()[0]] if self._routes is not None else None  # [prompt, layers, top_k]
         finished = self._emit([request], out.logits[:, -1, :], [request.params], [request.generator], routes)
@@ -469,7 +502,7 @@ class TransformersEngine:
         assert batch.cache is not None and batch.mask is not None
         rows = batch.rows
         ids = torch.tensor([[r.pending_token] for r in rows], device=self._device)
-        positions = torch.tensor([[r.length] for r in rows], device=self._device)
+        positions = torch.tensor([[r.length + r.rope_delta] for r in rows], device=self._device)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(rows), 1))], dim=1)
         if self._bank is not None:
             self._bank.set_rows([r.params.adapter for r in rows])
@@ -673,15 +706,18 @@ class TransformersEngine:
             ids[i, width - len(sequence) :] = torch.tensor(sequence, device=self._device)
             mask[i, width - len(sequence) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        vision: dict[str, Any] = {"position_ids": positions}
+        if any(row.images for row in rows):
+            vision = self._vision_inputs(rows, ids, positions)
         if self._bank is not None:
             self._bank.set_rows([row.params.adapter for row in rows])
         cache = DynamicCache()
         self._model(
             input_ids=ids,
             attention_mask=mask,
-            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
+            **vision,
             **self._last_logits,
         )
         if self._routes is not None:
@@ -689,6 +725,45 @@ class TransformersEngine:
             # next token): the recomputed cache's routes are not recorded (docs/moe.md).
             self._routes.discard()
         return cache, mask
+
+    def _vision_inputs(
+        self, rows: list[_Request], ids: torch.Tensor, text_positions: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Pixel values, grids and multimodal positions for a forward pass over ``ids``.
+
+        One row (a prefill, ``text_positions`` None): its prompt, positioned by the model's own
+        ``get_rope_index``, whose delta the row keeps for every later position. Several (a cache
+        recomputed after a weight update; ``ids`` left-padded, ``text_positions`` their 1-D
+        positions): each row's prompt positions as its prefill computed them, its outputs after.
+        """
+        images = [image for row in rows for image in row.images]
+        inputs: dict[str, Any] = {}
+        if images:
+            pixels = np.concatenate([image.pixel_values for image in images])
+            inputs["pixel_values"] = torch.from_numpy(pixels).to(device=self._device, dtype=self._dtype)
+            inputs["image_grid_thw"] = torch.tensor([image.grid_thw for image in images], device=self._device)
+        if text_positions is None:
+            (row,) = rows
+            if not row.images:
+                inputs["position_ids"] = torch.arange(ids.shape[1], device=self._device).view(1, -1)
+                return inputs
+            assert self.vision is not None
+            kinds = (ids == self.vision.token_id).int()
+            positions, deltas = self._rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=inputs["image_grid_thw"])
+            row.rope_delta = int(deltas.view(-1)[0])
+            inputs["position_ids"] = positions
+            return inputs
+        width = ids.shape[1]
+        positions = text_positions.unsqueeze(0).repeat(3, 1, 1)
+        for i, row in enumerate(rows):
+            if row.mrope is None:
+                continue
+            prompt = row.mrope.shape[1]
+            start = width - row.length
+            positions[:, i, start : start + prompt] = row.mrope
+            positions[:, i, start + prompt :] += row.rope_delta
+        inputs["position_ids"] = positions
+        return inputs
 
 
 def _deliver(deliveries: list[tuple[_Request, EngineStep]]) -> None:
@@ -730,7 +805,8 @@ def end_of_turn_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset
     """The tokens that end a turn: the generation config's, the model config's and the tokenizer's
     end-of-sequence ids (what a grammar of :mod:`stream_gateway.constraints` allows at its end)."""
     eos: set[int] = set()
-    for source in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+    config = model.config.get_text_config()  # a vision-language model's end ids are its language model's
+    for source in (model.generation_config.eos_token_id, config.eos_token_id, tokenizer.eos_token_id):
         if isinstance(source, int):
             eos.add(source)
         elif source:

@@ -36,6 +36,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from pipeline.vision import ProcessedImage, VisionProcessor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_gateway._errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
@@ -75,6 +76,7 @@ class VLLMEngine:
     remote = False
     constrained_decoding = False
     experts: ExpertShape | None = None
+    vision: VisionProcessor | None = None  # text only (docs/images.md)
     adapters: Mapping[str, int] = MappingProxyType({})  # no LoRA on this engine
     upstreams: UpstreamControl | None = None
 
@@ -154,9 +156,17 @@ class VLLMEngine:
             llm.shutdown()
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, affinity: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        affinity: str | None = None,
+        images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
         """Stream vLLM's DELTA outputs as steps; closing this iterator aborts the vLLM request."""
+        if images:  # the preparer refuses them first (vision is None): never sample without them
+            raise EngineError(f"the {self.name} engine does not take images")
         llm = self._llm
         if llm is None:
             raise EngineUnavailable("the vllm engine is not running")

@@ -19,7 +19,16 @@ from stream_gateway.sessions._directory import SessionDirectory, SharingConfig
 from stream_gateway.sessions._events import TurnEvent, turn_from_event, turn_to_event
 from stream_gateway.sessions._record import SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
-from stream_gateway.sessions._store import SEQ_BLOCK, Chain, Session, SessionStore, Turn, session_body, turn_routes
+from stream_gateway.sessions._store import (
+    SEQ_BLOCK,
+    Chain,
+    Session,
+    SessionStore,
+    Turn,
+    TurnImage,
+    session_body,
+    turn_routes,
+)
 
 __all__ = [
     "Chain",
@@ -34,6 +43,7 @@ __all__ = [
     "Turn",
     "TurnEntry",
     "TurnEvent",
+    "TurnImage",
     "expected_seqs",
     "merge_record",
     "session_body",

@@ -20,10 +20,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.events import RoutedExperts, SamplingRecord, ToolCallRecord, TurnAborted, TurnCompleted, Usage
+from pipeline.events import (
+    ImageRecord,
+    RoutedExperts,
+    SamplingRecord,
+    ToolCallRecord,
+    TurnAborted,
+    TurnCompleted,
+    Usage,
+)
 
 from stream_gateway.moe import decode_routes, encode_routes
-from stream_gateway.sessions._store import Turn
+from stream_gateway.sessions._store import Turn, TurnImage
 from stream_gateway.tool_parsers import ToolCall
 
 __all__ = ["TurnEvent", "turn_from_event", "turn_to_event"]
@@ -70,6 +78,7 @@ def turn_to_event(
         "answer_start": turn.answer_start,
         "routed_experts": _routes_record(turn),
         "adapter": turn.adapter,
+        "images": [ImageRecord.model_construct(**_image_fields(image)) for image in turn.images],
     }
     if turn.finish_reason is not None:
         return TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
@@ -116,7 +125,12 @@ def turn_from_event(
         answer_start=event.answer_start,
         **_routes_of(event.routed_experts),
         adapter=event.adapter,
+        images=tuple(TurnImage(**record.model_dump()) for record in event.images),
     )
+
+
+def _image_fields(image: TurnImage) -> dict[str, Any]:
+    return {name: getattr(image, name) for name in TurnImage.__dataclass_fields__}
 
 
 def _routes_record(turn: Turn) -> RoutedExperts | None:

@@ -49,6 +49,22 @@ SEQ_BLOCK = 4096  # durable event numbers one replica reserves for one session a
 
 
 @dataclass(frozen=True, slots=True)
+class TurnImage:
+    """An image of a turn's prompt (vision-language models, docs/images.md): which bytes, where its
+    placeholder tokens sit, and what the model's processor made of it."""
+
+    sha256: str  # of the image's bytes: its name in the image store (``images/<sha256>``)
+    media_type: str
+    width: int
+    height: int
+    start: int  # its first placeholder token in the prompt
+    tokens: int  # placeholder tokens
+    grid_thw: tuple[int, int, int]  # the processor's patch grid
+    pixels_sha256: str  # of the float32 pixel values the model consumed
+    processor: str  # the processor's fingerprint (``processors/<fingerprint>`` in the image store)
+
+
+@dataclass(frozen=True, slots=True)
 class Turn:
     """One generation, token-exact."""
 
@@ -80,6 +96,7 @@ class Turn:
     routes: np.ndarray | None = field(default=None, compare=False)
     routes_start: int = 0
     adapter: str | None = None  # the LoRA adapter that sampled it (docs/adapters.md); None: the base model
+    images: tuple[TurnImage, ...] = ()  # every image of the prompt, in order (the reused prefix's too)
 
 
 Chain = TokenChain

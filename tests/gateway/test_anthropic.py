@@ -95,7 +95,7 @@ def test_errors_take_anthropics_shape(gateway: RunningGateway) -> None:
         assert missing.value.body["type"] == "error"  # type: ignore[index]
         assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
         image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
-        with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
+        with pytest.raises(anthropic.BadRequestError, match="does not take images"):
             client.messages.create(
                 model="tiny",
                 max_tokens=4,

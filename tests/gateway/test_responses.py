@@ -70,7 +70,7 @@ def test_bad_responses_requests_are_refused_clearly(gateway: RunningGateway) -> 
             client.responses.create(model="tiny", input=SEA, tools=[{"type": "web_search"}],  # type: ignore[list-item]
                                     tool_choice={"type": "function", "name": "web_search"})  # fmt: skip
         image = [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/x.png"}]}]
-        with pytest.raises(openai.BadRequestError, match="input_image parts are not supported"):
+        with pytest.raises(openai.BadRequestError, match="does not take images"):
             client.responses.create(model="tiny", input=image)  # type: ignore[arg-type]
         with pytest.raises(openai.BadRequestError) as unknown:
             client.responses.create(model="tiny", input="more", previous_response_id="resp_nope")
