@@ -54,6 +54,16 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.images = Counter(
+            "gateway_images",
+            "Images in admitted requests (a conversation's images count once per request that sends them)",
+            registry=self.registry,
+        )
+        self.images_processed = Counter(
+            "gateway_images_processed",
+            "Images run through the model's image processor (the others were processed before, by hash)",
+            registry=self.registry,
+        )
         self.route_rows_compared = Counter(
             "gateway_route_rows_compared",
             "Mixture of experts: (position, layer) rows a turn's prefill ran again over its ancestors' positions",

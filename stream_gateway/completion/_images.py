@@ -37,6 +37,7 @@ import numpy as np
 from pipeline.vision import ImageLimits, ImageRefused, ProcessedImage, VisionProcessor, image_digest
 
 from stream_gateway._errors import InvalidRequest
+from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.completion._request import Message
 
@@ -114,8 +115,11 @@ def placeholder_spans(ids: Sequence[int], token_id: int) -> list[tuple[int, int]
 class ImageResolver:
     """Turns a request's image parts into processed images, for one served model."""
 
-    def __init__(self, processor: VisionProcessor | None, settings: Settings, model: str) -> None:
+    def __init__(
+        self, processor: VisionProcessor | None, settings: Settings, model: str, metrics: GatewayMetrics
+    ) -> None:
         self._processor = processor
+        self._metrics = metrics
         self._model = model
         self._limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
         self._max_images = settings.max_images_per_request
@@ -151,6 +155,7 @@ class ImageResolver:
             )
         raw = [[(where, await self._bytes(where, url)) for where, url in p] for p in parts]
         by_message = await anyio.to_thread.run_sync(self._process_all, raw, limiter=self._threads)
+        self._metrics.images.inc(count)
         return RequestImages(by_message, self._processor.token_id)
 
     def statistics(self) -> dict[str, int]:
@@ -250,6 +255,7 @@ class ImageResolver:
             image = self._processor.process(data, self._limits)
         except ImageRefused as exc:
             raise InvalidRequest(f"{where}: {exc}", param=where, code="invalid_image") from exc
+        self._metrics.images_processed.inc()
         with self._lock:
             self.processed += 1
             if image.nbytes <= self._cache_budget and digest not in self._cache:

@@ -465,6 +465,10 @@ def session_body(session: Session, *, routed_experts: bool = False) -> dict[str,
     return body
 
 
+def _image_view(image: TurnImage) -> dict[str, Any]:
+    return {name: getattr(image, name) for name in TurnImage.__dataclass_fields__}
+
+
 def _session_body(session: Session) -> dict[str, Any]:
     return {
         "session_id": session.session_id,
@@ -500,6 +504,7 @@ def _session_body(session: Session) -> dict[str, Any]:
                 "reasoning_tokens": t.reasoning_tokens,
                 "answer_start": t.answer_start,
                 "adapter": t.adapter,
+                "images": [_image_view(image) for image in t.images],
             }
             for t in session.turns.values()
         ],

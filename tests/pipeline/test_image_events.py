@@ -1,0 +1,149 @@
+"""Images through NATS: stored once by hash before the turns that refer to them, carried by the
+turns' events, kept by the outbox while NATS is away, and enough for another replica to continue
+an image conversation token-exactly.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+import pytest
+from openai import OpenAI
+
+from pipeline.connection import connect
+from pipeline.embedded import EmbeddedNatsServer
+from pipeline.events import Event, TurnCompleted
+from pipeline.vision import VisionProcessor, image_digest
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+from stream_gateway.models import resolve_model
+
+from ..support.capture import KEY, of_session, wait_for
+from ..support.servers import RunningGateway, run_gateway
+from ..support.vision import image_part, solid
+
+MODEL = "tiny-vl"
+RED, GREEN = solid((220, 30, 30), (90, 60)), solid((30, 200, 30), (60, 90))
+
+
+@pytest.fixture
+def vl_settings(tmp_path: Path) -> Callable[..., Settings]:
+    def make(url: str, name: str = "a", **overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "model": resolve_model(MODEL),
+            "served_model_name": MODEL,
+            "nats_url": url,
+            "outbox_dir": tmp_path / f"outbox-{name}",
+            "replica_id": name,
+            **overrides,
+        }
+        return Settings(**values)
+
+    return make
+
+
+def _turn(gateway: RunningGateway, session: str, messages: list[dict[str, Any]]) -> None:
+    """One turn; appends the assistant message as received."""
+    with OpenAI(base_url=f"{gateway.base_url}/sessions/{session}/v1", api_key=KEY, max_retries=0) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)  # type: ignore[arg-type]
+    messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+
+
+def _turns(gateway: RunningGateway, session: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{gateway.base_url}/sessions/{session}", headers={"authorization": f"Bearer {KEY}"})
+    response.raise_for_status()
+    turns: list[dict[str, Any]] = response.json()["turns"]
+    return turns
+
+
+def _completed(events: list[Event], session: str) -> list[TurnCompleted]:
+    done = [e for e in of_session(events, session) if isinstance(e, TurnCompleted)]
+    return sorted(done, key=lambda e: e.started_at)
+
+
+def _objects(url: str) -> dict[str, bytes]:
+    """Every object of the image bucket, by name."""
+
+    async def read() -> dict[str, bytes]:
+        nc = await connect(url, None)
+        try:
+            store = await nc.jetstream().object_store("sg_images")
+            names = [info.name for info in await store.list()]
+            return {name: (await store.get(name)).data or b"" for name in names}
+        finally:
+            await nc.close()
+
+    return anyio.run(read)
+
+
+def test_images_are_stored_once_and_a_replica_continues_the_conversation(
+    vl_settings: Callable[..., Settings],
+) -> None:
+    with EmbeddedNatsServer() as server:
+        first, second = vl_settings(server.url, "a"), vl_settings(server.url, "b")
+        session = f"vl{secrets.token_hex(4)}"
+        messages: list[dict[str, Any]] = [{"role": "user", "content": [image_part(RED), {"type": "text", "text": "?"}]}]
+        with run_gateway(build_engine(first), first) as a, run_gateway(build_engine(second), second) as b:
+            _turn(a, session, messages)
+            messages.append({"role": "user", "content": [{"type": "text", "text": "and"}, image_part(GREEN)]})
+            _turn(b, session, messages)  # another replica continues: it reads turn 1 from the stream
+            messages.append({"role": "user", "content": "so?"})
+            _turn(a, session, messages)  # and back: the red image is sent for the third time
+            on_b = _turns(b, session)
+            events = wait_for(server.url, lambda es: len(_completed(es, session)) >= 3, timeout=60)
+            processor = a.engine.vision
+        objects = _objects(server.url)
+    assert processor is not None
+    turns = _completed(events, session)
+    assert [t.parent_turn_id for t in turns] == [None, turns[0].turn_id, turns[1].turn_id]
+    red, green = image_digest(RED), image_digest(GREEN)
+    assert [[i.sha256 for i in t.images] for t in turns] == [[red], [red, green], [red, green]]
+    # Stored once each, by hash, whatever the number of turns and replicas that sent them.
+    assert objects[f"images/{red}"] == RED and objects[f"images/{green}"] == GREEN
+    assert sorted(objects) == sorted([f"images/{red}", f"images/{green}", f"processors/{processor.fingerprint}"])
+    # A trainer rebuilds the processor from its record and gets the very pixels the model saw.
+    rebuilt = VisionProcessor.from_record(orjson.loads(objects[f"processors/{processor.fingerprint}"]))
+    for turn in turns:
+        for record in turn.images:
+            image = rebuilt.process(objects[f"images/{record.sha256}"], _limits())
+            assert (image.pixels_sha256, image.grid_thw, image.tokens) == (
+                record.pixels_sha256,
+                record.grid_thw,
+                record.tokens,
+            )
+    # Replica b's copy of turn 2 is the one it served: the prompt holds turn 1's ids as recorded.
+    mine = {t["turn_id"]: t for t in on_b}
+    second_turn = mine[turns[1].turn_id]
+    assert second_turn["reused_prompt_tokens"] == turns[1].reused_prompt_tokens > 0
+    assert [i["sha256"] for i in second_turn["images"]] == [red, green]
+
+
+def _limits() -> Any:
+    from pipeline.vision import ImageLimits
+
+    return ImageLimits()
+
+
+def test_images_wait_in_the_outbox_while_nats_is_away(vl_settings: Callable[..., Settings]) -> None:
+    with EmbeddedNatsServer() as server:
+        settings = vl_settings(server.url)
+        session = f"away{secrets.token_hex(4)}"
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        with run_gateway(build_engine(settings), settings) as gateway:
+            server.kill()
+            try:
+                messages = [{"role": "user", "content": [image_part(GREEN), {"type": "text", "text": "?"}]}]
+                _turn(gateway, session, messages)
+            finally:
+                server.restart()
+            events = wait_for(server.url, lambda es: len(_completed(es, session)) >= 1, timeout=90)
+        objects = _objects(server.url)
+    (turn,) = _completed(events, session)
+    assert [i.sha256 for i in turn.images] == [image_digest(GREEN)]
+    assert objects[f"images/{image_digest(GREEN)}"] == GREEN
