@@ -118,10 +118,10 @@ class PublisherStatistics:
     spilled: int  # durable events written to the outbox
     replayed: int  # durable events published from the outbox
     large: int  # durable events sent through the object store
-    objects: int  # objects stored (put_object_nowait; those already in their bucket are not counted)
     failures: int  # failed publish attempts (each retried)
     deltas_published: int
     deltas_dropped: int
+    objects: int = 0  # objects stored (put_object_nowait; those already in their bucket are not counted)
 
 
 class EventPublisher:
@@ -225,10 +225,10 @@ class EventPublisher:
             spilled=self._spilled,
             replayed=self._replayed,
             large=self._large,
-            objects=self._objects,
             failures=self._failures,
             deltas_published=self._deltas_published,
             deltas_dropped=self._deltas_dropped,
+            objects=self._objects,
         )
 
     async def wait_published(self) -> None:
