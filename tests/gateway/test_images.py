@@ -7,6 +7,7 @@ the recorded ids and the original image bytes, processed again, through a plain 
 
 from __future__ import annotations
 
+import base64
 import http.server
 import itertools
 import secrets
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -26,10 +28,10 @@ from transformers import AutoModelForImageTextToText
 from pipeline.vision import VisionProcessor, image_digest
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_gateway.models import resolve_model
+from stream_gateway.models import VL_COLOURS, resolve_model, vl_answer, vl_image
 
 from ..support.servers import RunningGateway, run_gateway
-from ..support.vision import encode, forward_logprobs, image_part, noise, solid
+from ..support.vision import data_url, encode, forward_logprobs, image_part, noise, solid
 
 MODEL = "tiny-vl"
 KEY = "sk-vision"
@@ -299,3 +301,62 @@ def test_each_image_is_processed_once_across_a_conversation(vl_gateway: RunningG
 def _metric(gateway: RunningGateway, name: str) -> float:
     text = httpx.get(f"{gateway.base_url}/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+# -- every protocol, every colour --------------------------------------------------------------------
+
+
+def _png(colour: str, seed: int) -> bytes:
+    return encode(vl_image(colour, (72 + 37 * seed, 150 - 21 * seed), seed=1000 + seed))
+
+
+@pytest.mark.parametrize("protocol", ["chat", "messages", "responses"])
+def test_different_images_get_different_answers_on_every_protocol(vl_gateway: RunningGateway, protocol: str) -> None:
+    """tiny-vl names an image's colour; each protocol's own SDK sends the image its own way."""
+    answers = {}
+    for seed, colour in enumerate(sorted(VL_COLOURS)):
+        data = _png(colour, seed)
+        question = "What colour is this image?"
+        if protocol == "chat":
+            with _client(vl_gateway) as client:
+                reply = client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": [image_part(data), {"type": "text", "text": question}]}],
+                    max_tokens=16,
+                    temperature=0,
+                )
+            answers[colour] = reply.choices[0].message.content
+        elif protocol == "messages":
+            source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()}
+            with anthropic.Anthropic(base_url=vl_gateway.base_url, api_key=KEY, max_retries=0) as claude:
+                message = claude.messages.create(
+                    model=MODEL,
+                    max_tokens=16,
+                    extra_body={"temperature": 0},  # not in the anthropic SDK 2.x signature
+                    messages=[
+                        {
+                            "role": "user",
+                            "content": [{"type": "image", "source": source}, {"type": "text", "text": question}],
+                        }
+                    ],  # type: ignore[list-item]
+                )
+            answers[colour] = "".join(b.text for b in message.content if b.type == "text")
+        else:
+            with _client(vl_gateway) as client:
+                response = client.responses.create(
+                    model=MODEL,
+                    input=[
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "input_image", "image_url": data_url(data), "detail": "auto"},
+                                {"type": "input_text", "text": question},
+                            ],
+                        }
+                    ],
+                    max_output_tokens=16,
+                    temperature=0,
+                    store=False,
+                )
+            answers[colour] = response.output_text
+    assert answers == {colour: vl_answer(colour) for colour in VL_COLOURS}
