@@ -116,11 +116,23 @@ class ImageResolver:
     """Turns a request's image parts into processed images, for one served model."""
 
     def __init__(
-        self, processor: VisionProcessor | None, settings: Settings, model: str, metrics: GatewayMetrics
+        self,
+        processor: VisionProcessor | None,
+        settings: Settings,
+        model: str,
+        metrics: GatewayMetrics,
+        engine_name: str = "transformers",
     ) -> None:
         self._processor = processor
         self._metrics = metrics
-        self._model = model
+        self._why_not = f"the served model `{model}` does not take images (a text-only model)"
+        if engine_name not in ("transformers", "synthetic"):
+            # vLLM's /v1/completions takes prompt ids or images, never both; the gateway will not let
+            # a server re-render the conversation (docs/images.md, "Remote engines").
+            self._why_not = (
+                f"the {engine_name} engine sends no images to its servers: their token-in APIs take no "
+                "images with the prompt ids the gateway builds (docs/images.md)"
+            )
         self._limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
         self._max_images = settings.max_images_per_request
         self._hosts = frozenset(h.lower() for h in settings.allow_image_urls)
@@ -144,7 +156,7 @@ class ImageResolver:
         first = next(where for p in parts for where, _ in p)
         if self._processor is None:
             raise InvalidRequest(
-                f"{first}: the served model `{self._model}` does not take images (a text-only model)",
+                f"{first}: {self._why_not}",
                 param=first,
                 code="images_not_supported",
             )

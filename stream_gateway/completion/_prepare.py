@@ -118,7 +118,8 @@ class Preparer:
     def images(self) -> ImageResolver:
         """The request's images, processed by the served model's own processor (lazily, like the
         context builder: the engine's processor exists once it has started)."""
-        return ImageResolver(self._engine.vision, self._settings, self._engine.model_id, self._metrics)
+        engine = self._engine
+        return ImageResolver(engine.vision, self._settings, engine.model_id, self._metrics, engine.name)
 
     @cached_property
     def reasoning(self) -> ReasoningFormat | None:

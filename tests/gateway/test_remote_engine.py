@@ -622,3 +622,18 @@ def test_routes_in_the_other_documented_shapes_are_read(moe_path: Path) -> None:
     short = {**choice, "token_ids": [11], "logprobs": {"token_logprobs": [-0.5]}}
     (step,) = anyio.run(read, [{"choices": [short]}], "vllm")  # 4 rows for 3 positions: not kept
     assert step.routes is None
+
+
+def test_images_through_a_remote_engine_are_refused_saying_why(front: RunningGateway) -> None:
+    """vLLM's token-in API takes no images with prompt ids: a clear 400, never a re-rendered prompt."""
+    png = (
+        "data:image/png;base64,"
+        + "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    )
+    content = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": png}}]
+    with (
+        OpenAI(base_url=f"{front.base_url}/v1", api_key="sk-remote", max_retries=0) as client,
+        pytest.raises(openai.BadRequestError, match="sends no images to its servers") as refused,
+    ):
+        client.chat.completions.create(model="tiny-agent", messages=[{"role": "user", "content": content}])
+    assert refused.value.body["param"] == "messages[0].content[1]"  # type: ignore[index]
