@@ -38,7 +38,9 @@ A mixture-of-experts session's routes (``routed_experts`` of its turn events) be
 trajectory's :attr:`~consumers.trajectory.Trajectory.routed_experts`
 (:func:`consumers.trajectories.chain_routes`); large events were put in the object store by the
 publisher and are resolved on reading. A chain whose routes do not join up is emitted without
-routes, logged and counted (``unrouted``), never refused.
+routes, logged and counted (``unrouted``), never refused. A vision-language chain carries its
+images (:func:`consumers.trajectories.chain_images`); one whose images do not line up with its
+ids is left out, logged and counted (``images_refused``): it could not be trained on.
 
 The pull loop is the batcher's too (:mod:`consumers._runner`); programmatic rewards are
 :mod:`consumers.rewards`.
@@ -110,6 +112,7 @@ class AssemblerStatistics:
     rewards_pending: int  # closed sessions waiting for feedback
     conflicts: int  # compare-and-set retries (another instance wrote first)
     unrouted: int = 0  # trajectories emitted without routes although some of their turns had them
+    images_refused: int = 0  # chains left out because their images do not line up with their ids
 
 
 class Assembler:
@@ -123,6 +126,7 @@ class Assembler:
         self._waiting_reward: set[str] = set()
         self._limiter = anyio.CapacityLimiter(32)  # sessions of one fetch handled at once
         self._events = self._emitted = self._trajectories = self._late = self._conflicts = self._unrouted = 0
+        self._images_refused = 0
         self._last_report = time.monotonic()
         spec = PullSpec(
             stream=config.names.events,
@@ -149,6 +153,7 @@ class Assembler:
             rewards_pending=len(self._waiting_reward),
             conflicts=self._conflicts,
             unrouted=self._unrouted,
+            images_refused=self._images_refused,
         )
 
     async def run(self) -> None:
@@ -172,7 +177,9 @@ class Assembler:
             self._progress(
                 f"assembler: {s.events} events, {s.sessions_waiting} sessions open, "
                 f"{s.sessions_emitted} emitted ({s.trajectories} trajectories), "
-                f"{s.rewards_pending} waiting for rewards" + (f", {s.unrouted} without routes" if s.unrouted else "")
+                f"{s.rewards_pending} waiting for rewards"
+                + (f", {s.unrouted} without routes" if s.unrouted else "")
+                + (f", {s.images_refused} left out for their images" if s.images_refused else "")
             )
 
     # -- consuming -------------------------------------------------------------------------------
@@ -271,6 +278,9 @@ class Assembler:
     def _count_unrouted(self, reason: str) -> None:
         self._unrouted += 1
 
+    def _count_refused_images(self, reason: str) -> None:
+        self._images_refused += 1
+
     async def _emit_if_due(
         self,
         work: _Work,
@@ -338,6 +348,7 @@ class Assembler:
             max_tokens=config.max_tokens,
             default_reward=None if self._reward_function is not None else config.default_reward,
             on_unrouted=self._count_unrouted,
+            on_refused_images=self._count_refused_images,
         )
         if self._reward_function is not None:  # only set with config.reward_function
             name, timeout_s = config.reward_function or "", config.reward_timeout_s

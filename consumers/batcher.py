@@ -32,6 +32,14 @@ adapters each receive every trajectory: each acknowledges the other adapters' at
 untouched (``other_adapter`` in :meth:`Batcher.statistics`), on its own consumer only, before
 looking up any batch binding. They may share ``state_bucket``: their batches' members are
 disjoint.
+
+Images: a vision-language trajectory's images are rebuilt before it is admitted
+(:class:`consumers.images.ImageStore`: bytes and processor fetched from ``sg_images``, processed
+again, the pixel digest compared with the one recorded while sampling). One that cannot be rebuilt
+exactly (an object missing, or pixels that differ: another transformers or Pillow) is dropped with
+its reason logged and counted (``dropped_images``), never batched; its group is released like any
+group with a dropped member. The trainer rebuilds them again from the same bucket
+(:mod:`consumers.verl_adapter`): the parquet carries references, not pixels.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from ._runner import DurableRunner, PullSpec
 from .batch_record import BatchRecord
 from .grouping import (
     AdapterFilter,
+    Drop,
     DroppedGroup,
     GroupingPolicy,
     GroupPlanner,
@@ -62,6 +71,7 @@ from .grouping import (
     check_batch_shape,
     prepare_trajectory,
 )
+from .images import ImagesRefused, ImageStore
 from .parquet import require_pyarrow
 from .streams import ConsumerStreams
 from .trajectory import Trajectory
@@ -100,6 +110,7 @@ class BatcherConfig:
     max_pending: int = 4096  # trajectories held unacknowledged (the consumer's max_ack_pending)
     group_timeout_s: float | None = None  # drop a group still incomplete after this long
     state_bucket: str = "sg_batcher"  # the KV bucket of batch assignments
+    image_cache_bytes: int = 256 << 20  # processed images kept for the image check (consumers.images)
     fetch_batch: int = 256
     policy_poll_s: float = 2.0
     progress_interval_s: float = 10.0
@@ -157,6 +168,7 @@ class BatcherStatistics:
     duplicates_skipped: int  # already in a published batch, or a second copy of a held one
     policy_version: int | None  # of the adapter taken (only_adapter/only_base), else of the base model
     other_adapter: int = 0  # trajectories of an adapter this batcher does not take, acknowledged untouched
+    dropped_images: int = 0  # images missing from sg_images, or processed to other pixels than the policy saw
     adapter_versions: dict[str | None, int] = field(default_factory=dict)  # newest known per adapter (None: base)
 
 
@@ -216,6 +228,7 @@ class Batcher:
         )
         self._js: JetStreamContext | None = None
         self._writer: BatchWriter | None = None
+        self._images: ImageStore | None = None
 
     def statistics(self) -> BatcherStatistics:
         """A snapshot of the counters."""
@@ -238,6 +251,7 @@ class Batcher:
             kv = await open_state_bucket(js, config.state_bucket, config.names.replicas)
             subscription = await self._runner.bind(js)
             self._js = js
+            self._images = ImageStore(js, config.names.image_bucket, cache_bytes=config.image_cache_bytes)
             self._writer = BatchWriter(nc, js, kv, names=config.names, output_dir=config.output_dir, log=log)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat_loop)
@@ -299,7 +313,19 @@ class Batcher:
                 return
             self._hold_bound(batch, msg, sequence, trajectory)
             return
-        self._admit(msg, sequence, trajectory)
+        self._admit(msg, sequence, trajectory, await self._check_images(trajectory))
+
+    async def _check_images(self, trajectory: Trajectory) -> Drop | None:
+        """``"images"`` if the trajectory's images cannot be rebuilt exactly (logged); ``None``: fine, or none."""
+        if not trajectory.images:
+            return None
+        assert self._images is not None
+        try:
+            await self._images.resolve(trajectory)
+        except ImagesRefused as exc:
+            log.error("batcher: %s dropped, its images cannot be trained on: %s", exc.trajectory_id, exc.reason)
+            return "images"
+        return None
 
     async def _binding(self, tid: str) -> _Batch | None:
         """The batch ``tid`` is bound to (see :mod:`consumers.batch_record`), if any."""
@@ -328,8 +354,8 @@ class Batcher:
             raise RuntimeError(f"trajectory {raw.trajectory_id} of assigned batch {batch.batch_id} now {prepared}")
         self._held[raw.trajectory_id] = _Held(msg, sequence, prepared)
 
-    def _admit(self, msg: Msg, sequence: int, raw: Trajectory) -> None:
-        admission = self._planner.admit(raw)
+    def _admit(self, msg: Msg, sequence: int, raw: Trajectory, refused: Drop | None = None) -> None:
+        admission = self._planner.admit(raw, refused)
         outcome = admission.outcome
         if isinstance(outcome, str):
             self._counts[f"dropped_{outcome}"] += 1
@@ -475,7 +501,8 @@ class Batcher:
             line = (
                 f"batcher: {s.received} received, {s.batches} batches, {s.held} held "
                 f"({s.open_groups} open groups), dropped {s.dropped_stale} stale / {s.dropped_length} length / "
-                f"{s.dropped_no_reward} no reward / {s.dropped_incomplete_group} in incomplete groups, "
+                f"{s.dropped_no_reward} no reward / {s.dropped_images} images / "
+                f"{s.dropped_incomplete_group} in incomplete groups, "
                 f"{s.truncated} truncated, {s.duplicates_skipped} duplicates skipped"
             )
             if self._adapters is not None:

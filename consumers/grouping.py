@@ -16,13 +16,18 @@ Policies, checked in this order except that a too-long *response* is judged afte
   5 makes nothing of the base's, or of another adapter's, stale;
 * **malformed**: ids, mask, logprobs and reasoning mask of different lengths, a mask value other
   than 0/1, a sampled id inside the first prompt (which verl's layout would lose), thinking
-  marked on an id that was not sampled, or routed experts that are not one row per id but the
-  last: dropped, so that a batch never fails to build in the trainer;
+  marked on an id that was not sampled, routed experts that are not one row per id but the
+  last, or images off their placeholder runs: dropped, so that a batch never fails to build in
+  the trainer;
 * **length**: a prompt over ``prompt_length`` is dropped; a response over ``response_length`` is
   cut there (``overlong="truncate"``: ids, masks and logprobs cut, routed experts to one row
-  per kept id but the last, turns clipped (their thinking too), marked ``truncated``) or dropped
+  per kept id but the last, turns clipped (their thinking too), marked ``truncated``; a cut that
+  would split an image's placeholder run moves before it, and the images after go) or dropped
   (``"drop"``); an empty prompt or response is dropped (verl needs both);
-* **reward**: a trajectory without one is dropped (``no_reward="drop"``) or gets 0.0 (``"zero"``).
+* **reward**: a trajectory without one is dropped (``no_reward="drop"``) or gets 0.0 (``"zero"``);
+* **images**: a trajectory whose images the batcher could not rebuild exactly
+  (:mod:`consumers.images`: an object missing, or pixels that differ from those the policy saw) is
+  dropped (``images``): the batcher decides that, and tells :meth:`GroupPlanner.admit`.
 
 Groups: a trajectory's group is its :func:`~consumers.verl_batch.group_uid` by ``group_key``; a
 ``metadata:<name>`` key that the session lacks falls back to the prompt. A group with a dropped
@@ -55,7 +60,7 @@ from typing import Literal
 
 from pipeline.events import subject_token
 
-from .trajectory import Trajectory, TurnSummary
+from .trajectory import Trajectory, TurnSummary, image_cut, images_problem
 
 __all__ = [
     "AdapterFilter",
@@ -70,7 +75,7 @@ __all__ = [
     "prepare_trajectory",
 ]
 
-Drop = Literal["stale", "length", "no_reward", "malformed"]
+Drop = Literal["stale", "length", "no_reward", "malformed", "images"]
 
 
 def check_batch_shape(batch_size: int, group_size: int) -> None:
@@ -166,7 +171,9 @@ def prepare_trajectory(
     if trajectory.response_length > response_length:
         if overlong == "drop":
             return "length"
-        cut = trajectory.prompt_length + response_length
+        cut = image_cut(trajectory.images, trajectory.prompt_length + response_length)  # never half an image
+        if cut <= trajectory.prompt_length:
+            return "length"
         turns = [_clip_turn(turn, cut - turn.start) for turn in trajectory.turns if turn.start < cut]
         trajectory = trajectory.model_copy(
             update={
@@ -175,6 +182,7 @@ def prepare_trajectory(
                 "logprobs": trajectory.logprobs[:cut],
                 "reasoning_mask": trajectory.reasoning_mask[:cut],
                 "routed_experts": routes.head(cut - 1) if (routes := trajectory.routed_experts) is not None else None,
+                "images": [image for image in trajectory.images if image.end <= cut],
                 "turns": turns,
                 "num_turns": max(1, len(turns)) if trajectory.turns else trajectory.num_turns,
                 "truncated": True,
@@ -192,6 +200,7 @@ def _malformed(trajectory: Trajectory) -> bool:
         or any(mask[: trajectory.prompt_length])
         or any(r not in (0, 1) or (r and not m) for r, m in zip(reasoning, mask, strict=True))
         or (trajectory.routed_experts is not None and trajectory.routed_experts.problem(len(ids)) is not None)
+        or images_problem(ids, trajectory.images) is not None
     )
 
 
@@ -304,8 +313,11 @@ class GroupPlanner:
         version = trajectory.max_policy_version
         lane.seen_version = version if lane.seen_version is None else max(lane.seen_version, version)
 
-    def admit(self, trajectory: Trajectory) -> Admission:
-        """Decide one trajectory that is not bound to a batch: drop it, or hold it in its adapter's group."""
+    def admit(self, trajectory: Trajectory, refused: Drop | None = None) -> Admission:
+        """Decide one trajectory that is not bound to a batch: drop it, or hold it in its adapter's group.
+
+        ``refused``: the caller's own reason to drop it (the batcher's image check), after staleness.
+        """
         policy = self._policy
         lane = self._lane(trajectory.adapter)
         outcome: Trajectory | Drop
@@ -316,6 +328,8 @@ class GroupPlanner:
             stale = False
         if stale:
             outcome = "stale"
+        elif refused is not None:
+            outcome = refused
         else:
             outcome = prepare_trajectory(
                 trajectory,

@@ -22,6 +22,10 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     routed_experts_dtype   string (nullable)        ``uint8`` or ``uint16``
     token_policy_versions  list<int32>  the policy version that sampled each id (-1 where not sampled),
                    derived from ``turns`` (whose spans are the record) for readers of the parquet alone
+    images         list<struct>  a vision-language model's images in prompt order (empty: none), each
+                   {sha256, media_type, width, height, start, tokens, grid_thw list<int32>,
+                   pixels_sha256, processor}: :class:`~consumers.trajectory.TrajectoryImage`; the
+                   bytes stay in the ``sg_images`` bucket (:mod:`consumers.images`)
     prompt_length, num_turns, min_policy_version, max_policy_version   int64
     reward           double (nullable)
     aborted, truncated, complete   bool
@@ -34,7 +38,8 @@ The file's key-value metadata carries ``sg.batch_id``, ``sg.prompt_length`` and
 trajectory it came from; the padded tensors are cast when the batch is built. A file written
 before ``reasoning_mask`` (trajectory schema 2) still reads, with no thinking (all 0), and one
 written before ``routed_experts`` (schema 3) with no routes, and one written before ``adapter``
-with the base model's rows (null). A batch holds one adapter's rows (the batcher never mixes
+with the base model's rows (null), and one written before ``images`` (schema 4) with none. A
+batch holds one adapter's rows (the batcher never mixes
 them), and its manifest names that adapter (``adapter``, left out for the base model, so a base
 model's manifest is what it was before adapters and still reads in an older trainer).
 
@@ -125,6 +130,7 @@ def _schema() -> pa.Schema:
             ("loss_mask", pa.list_(pa.int8())),
             ("logprobs", pa.list_(pa.float64())),
             ("reasoning_mask", pa.list_(pa.int8())),
+            ("images", pa.list_(_image_struct())),
             ("routed_experts", pa.large_binary()),  # large: a batch's routes can pass 2 GiB
             ("routed_experts_shape", pa.list_(pa.int32())),
             ("routed_experts_dtype", pa.string()),
@@ -145,6 +151,24 @@ def _schema() -> pa.Schema:
             ("metadata", pa.string()),
             ("turns", pa.string()),
             ("schema_version", pa.int8()),
+        ]
+    )
+
+
+def _image_struct() -> pa.DataType:
+    import pyarrow as pa
+
+    return pa.struct(
+        [
+            ("sha256", pa.string()),
+            ("media_type", pa.string()),
+            ("width", pa.int32()),
+            ("height", pa.int32()),
+            ("start", pa.int64()),
+            ("tokens", pa.int64()),
+            ("grid_thw", pa.list_(pa.int32())),
+            ("pixels_sha256", pa.string()),
+            ("processor", pa.string()),
         ]
     )
 
@@ -190,6 +214,7 @@ def decode_batch(data: bytes) -> tuple[list[Trajectory], list[str]]:
     for row in table.to_pylist():
         uids.append(row.pop("uid"))
         row.pop("token_policy_versions", None)  # derived; absent from batches written before it
+        row["images"] = row.get("images") or []  # absent from batches written before images
         row["routed_experts"] = _routes(*(row.pop(column, None) for column in _ROUTE_COLUMNS))
         for column in _JSON_COLUMNS:
             row[column] = orjson.loads(row[column])

@@ -5,6 +5,8 @@
     sg.trajectories.<tenant>.<session>   SG_TRAJECTORIES   one message per trajectory (Nats-Msg-Id = its id)
     sg.batches.ready                     SG_BATCHES        one manifest per training batch (Nats-Msg-Id = batch id)
     object store sg_batches              <batch id>.parquet, the batch itself
+    object store sg_images               read only: images/<sha256> and processors/<fingerprint>, the
+                                         gateway's (consumers.images); never created here
 
 Trajectories over the server's max payload travel like oversized events: in the
 ``sg_payloads`` object store, with a pointer message (``pipeline.durable.publish_durable``).
@@ -37,6 +39,7 @@ class ConsumerStreams:
     payload_bucket: str = "sg_payloads"  # oversized messages (shared with the gateway's events)
     batch_bucket: str = "sg_batches"
     state_bucket: str = "sg_assembler"  # the assembler's per-session state (JetStream KV)
+    image_bucket: str = "sg_images"  # the gateway's images and their processors (pipeline.streams.StreamSpec)
     replicas: int = 1
     duplicate_window_s: float = 600.0
 

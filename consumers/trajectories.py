@@ -22,6 +22,14 @@ A chain's LoRA adapter (:attr:`Trajectory.adapter`, null: the base model) is its
 whose turns name several anyway takes its leaf's, logged as a warning, and its
 ``min_policy_version``/``max_policy_version`` count only the tokens that adapter sampled (the
 others' versions are another sequence's numbers).
+
+A vision-language chain's images (:attr:`Trajectory.images`) are its leaf turn's ``images``: the
+leaf's prompt is a prefix of the chain's ids, so their positions carry over. Each earlier turn's
+``images`` must be the leaf's that lie in that turn's prompt, and the runs must be placeholder runs
+(:func:`~consumers.trajectory.images_problem`). A chain where they are not cannot be trained on (the
+vision tower's features would not fill the prompt's image slots): it is left out, logged and
+reported through ``on_refused_images``, like a turn that cannot be rebuilt; never emitted without
+its images. ``max_tokens`` never cuts an image in two: the cut moves before it.
 """
 
 from __future__ import annotations
@@ -34,12 +42,21 @@ from typing import TYPE_CHECKING, Any, Literal
 from pipeline.chains import chain_tokens
 from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnRecord
 
-from .trajectory import ExpertRoutes, Trajectory, TurnSummary, token_policy_versions, trajectory_id
+from .trajectory import (
+    ExpertRoutes,
+    Trajectory,
+    TrajectoryImage,
+    TurnSummary,
+    image_cut,
+    images_problem,
+    token_policy_versions,
+    trajectory_id,
+)
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-__all__ = ["SessionEvents", "build_trajectories", "chain_routes"]
+__all__ = ["SessionEvents", "build_trajectories", "chain_images", "chain_routes"]
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +89,13 @@ def build_trajectories(
     max_tokens: int | None = None,
     default_reward: float | None = None,
     on_unrouted: Callable[[str], None] | None = None,
+    on_refused_images: Callable[[str], None] | None = None,
 ) -> list[Trajectory]:
     """Every chain of the session's turn tree as a trajectory (see the module docstring).
 
     ``on_unrouted(reason)`` is called for each chain whose routes were dropped (partial or not
-    joining up): the assembler counts them.
+    joining up), ``on_refused_images(reason)`` for each chain left out because its images do not
+    line up: the assembler counts them.
     """
     events = session.events
     opened = next((e for e in events if isinstance(e, SessionOpened)), None)
@@ -113,8 +132,8 @@ def build_trajectories(
             path.append(up)
         path.reverse()
         chain = [turns[t] for t in path]
-        trajectories.append(
-            _trajectory(
+        try:
+            trajectory = _trajectory(
                 chain,
                 opened,
                 turn_rewards,
@@ -126,7 +145,17 @@ def build_trajectories(
                 max_tokens,
                 on_unrouted,
             )
-        )
+        except _ImagesRefused as exc:
+            log.warning(
+                "session %s: chain ending in turn %s left out, its images do not line up: %s",
+                chain[-1].session_id,
+                leaf,
+                exc,
+            )
+            if on_refused_images is not None:
+                on_refused_images(str(exc))
+            continue
+        trajectories.append(trajectory)
     trajectories.sort(key=lambda t: (t.started_at, t.trajectory_id))
     return trajectories
 
@@ -155,6 +184,10 @@ def _trajectory(
         log.warning("session %s: chain ending in turn %s has no routes: %s", root.session_id, chain[-1].turn_id, exc)
         if on_unrouted is not None:
             on_unrouted(str(exc))
+    try:
+        images = chain_images(chain, tokens)
+    except ValueError as exc:
+        raise _ImagesRefused(str(exc)) from exc
     summaries = [
         TurnSummary(
             turn_id=turn.turn_id,
@@ -173,10 +206,12 @@ def _trajectory(
     ]
     truncated = capped
     if max_tokens is not None and len(tokens) > max_tokens:
-        tokens, mask, logprobs = tokens[:max_tokens], mask[:max_tokens], logprobs[:max_tokens]
-        reasoning = reasoning[:max_tokens]
-        routes = routes.head(max_tokens - 1) if routes is not None else None
-        summaries = [s for s in summaries if s.start < max_tokens]
+        cut = image_cut(images, max_tokens)  # never half an image
+        tokens, mask, logprobs = tokens[:cut], mask[:cut], logprobs[:cut]
+        reasoning = reasoning[:cut]
+        routes = routes.head(cut - 1) if routes is not None else None
+        summaries = [s for s in summaries if s.start < cut]
+        images = [image for image in images if image.end <= cut]
         truncated = True
     adapter = _chain_adapter(chain)
     # Every kept token's version counts: a turn that spans a weight update holds several. Only
@@ -197,6 +232,7 @@ def _trajectory(
         reasoning_mask=reasoning,
         routed_experts=routes,
         adapter=adapter,
+        images=images,
         prompt_length=prompt_length,
         turns=summaries,
         num_turns=len(summaries),
@@ -211,6 +247,31 @@ def _trajectory(
         started_at=root.started_at,
         ended_at=chain[-1].started_at + chain[-1].duration_s,
     )
+
+
+class _ImagesRefused(ValueError):
+    """A chain whose images do not line up: it is left out."""
+
+
+def chain_images(chain: list[TurnRecord], token_ids: list[int]) -> list[TrajectoryImage]:
+    """The images of a chain whose ids are ``token_ids``: its leaf turn's, checked.
+
+    A :class:`ValueError` says why they cannot be the chain's: an earlier turn whose ``images``
+    are not the leaf's that lie in its prompt, or runs that are not placeholder runs
+    (:func:`~consumers.trajectory.images_problem`).
+    """
+    leaf = chain[-1]
+    images = [TrajectoryImage(**record.model_dump()) for record in leaf.images]
+    for turn in chain[:-1]:
+        prompt = turn.reused_prompt_tokens + len(turn.prompt_ids)
+        own = [TrajectoryImage(**record.model_dump()) for record in turn.images]
+        if own != [image for image in images if image.start < prompt]:
+            raise ValueError(
+                f"turn {turn.turn_id} lists {len(own)} images, not those of turn {leaf.turn_id} that lie in its prompt"
+            )
+    if (problem := images_problem(token_ids, images)) is not None:
+        raise ValueError(problem)
+    return images
 
 
 def _chain_adapter(chain: list[TurnRecord]) -> str | None:

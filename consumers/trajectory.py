@@ -35,6 +35,17 @@ A trajectory is one chain of turns of a session (root to leaf of its turn tree),
   mixes adapters anyway (events edited or merged by hand) takes its leaf's, with a warning, and
   its min/max versions count only that adapter's tokens. A trajectory written before schema 4
   decodes with ``adapter`` null: the base.
+* a vision-language model's images (schema 5): ``images``, every image of the chain's prompts in
+  order (:class:`TrajectoryImage`): the SHA-256 of its bytes (``images/<sha256>`` in the image
+  bucket, ``sg_images``), ``start`` (the index in ``token_ids`` of its first placeholder token),
+  ``tokens`` (its run of placeholder ids), the processor's ``grid_thw``, the SHA-256 of the pixel
+  values the policy consumed (``pixels_sha256``) and the processor's fingerprint
+  (``processors/<fingerprint>`` in the same bucket). It is the leaf turn's ``images``
+  (:class:`pipeline.events.ImageRecord`): that turn's prompt is a prefix of ``token_ids``, so its
+  positions are the trajectory's. Validated on construction (:func:`images_problem`): in order,
+  within ``token_ids``, each run ``tokens`` copies of one placeholder id that appears nowhere else
+  (a sampled placeholder would leave the vision tower's features and the prompt's slots unequal).
+  Empty: a text-only chain, or a trajectory written before schema 5.
 
 A turn that did not extend its parent (a new root) starts a trajectory of its own; the gateway
 never splices, so neither does the assembler. The trajectory id is a digest of the session id
@@ -58,14 +69,17 @@ __all__ = [
     "ExpertRoutes",
     "TRAJECTORY_SCHEMA_VERSION",
     "Trajectory",
+    "TrajectoryImage",
     "TurnSummary",
+    "image_cut",
+    "images_problem",
     "token_policy_versions",
     "trajectory_id",
 ]
 
 # 2: per-token policy versions (turns' policy_versions); 3: thinking (reasoning_mask, turns' reasoning_tokens);
-# 4: routed experts (routed_experts) and the LoRA adapter (adapter)
-TRAJECTORY_SCHEMA_VERSION: Literal[4] = 4
+# 4: routed experts (routed_experts) and the LoRA adapter (adapter); 5: images (images)
+TRAJECTORY_SCHEMA_VERSION: Literal[5] = 5
 
 
 def trajectory_id(session_id: str, turn_ids: list[str]) -> str:
@@ -147,6 +161,67 @@ class ExpertRoutes(BaseModel):
         return ExpertRoutes.of(self.array()[: max(rows, 0)])
 
 
+class TrajectoryImage(BaseModel):
+    """One image of a trajectory's prompts (schema 5): its bytes' name, its place in ``token_ids``,
+    and what the model's processor made of it (:class:`pipeline.events.ImageRecord`'s fields)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="of the image's bytes: `images/<sha256>` in sg_images")
+    media_type: str = Field(description="image/png, image/jpeg, image/webp or image/gif")
+    width: int = Field(ge=1, description="pixels, as sent")
+    height: int = Field(ge=1, description="pixels, as sent")
+    start: int = Field(ge=0, description="index in token_ids of its first placeholder token")
+    tokens: int = Field(ge=1, description="placeholder tokens it takes")
+    grid_thw: tuple[int, int, int] = Field(description="the processor's patch grid: time, height, width")
+    pixels_sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="of the float32 pixel values the policy consumed (C order)"
+    )
+    processor: str = Field(description="the image processor's fingerprint: `processors/<fingerprint>` in sg_images")
+
+    @property
+    def end(self) -> int:
+        """The index in ``token_ids`` just after its placeholder run."""
+        return self.start + self.tokens
+
+
+def images_problem(token_ids: list[int], images: list[TrajectoryImage]) -> str | None:
+    """What is wrong with ``images`` as the images of ``token_ids``; ``None``: nothing.
+
+    In order, apart (a template puts text between images, and the model's ``get_rope_index`` takes
+    one run of placeholders for one image) and within the ids; each run ``tokens`` copies of one
+    placeholder id, the same for every image, which appears nowhere else in ``token_ids`` (so the
+    runs are whole, and no sampled or tool id is taken for an image's slot). Which id that is the processor's record
+    says (``token_id``); the batcher checks it there.
+    """
+    if not images:
+        return None
+    placeholder = token_ids[images[0].start] if images[0].start < len(token_ids) else None
+    end = 0
+    for i, image in enumerate(images):
+        if image.start < end or (i and image.start == end) or image.end > len(token_ids):
+            return (
+                f"images[{i}] at {image.start}..{image.end} overlaps or touches the one before, or is outside "
+                f"the {len(token_ids)} token ids"
+            )
+        if any(token != placeholder for token in token_ids[image.start : image.end]):
+            return f"images[{i}]: token ids {image.start}..{image.end} are not {image.tokens} placeholder ids"
+        end = image.end
+    found = sum(token == placeholder for token in token_ids)
+    expected = sum(image.tokens for image in images)
+    if found != expected:
+        return f"the placeholder id {placeholder} appears {found} times in token_ids for images of {expected} tokens"
+    return None
+
+
+def image_cut(images: list[TrajectoryImage], cut: int) -> int:
+    """Where to cut token ids at ``cut`` or before without splitting an image's run: before it."""
+    for image in images:
+        if image.start < cut < image.end:
+            return image.start
+    return cut
+
+
 class TurnSummary(BaseModel):
     """Where one turn sits in a trajectory, and what it was."""
 
@@ -179,7 +254,7 @@ class Trajectory(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1, 2, 3, 4] = TRAJECTORY_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5] = TRAJECTORY_SCHEMA_VERSION
     trajectory_id: str
     session_id: str
     tenant: str
@@ -202,6 +277,11 @@ class Trajectory(BaseModel):
         None,
         description="the LoRA adapter that sampled the chain, whose versions the policy versions are; "
         "null: the base model (and every trajectory written before schema 4)",
+    )
+    images: list[TrajectoryImage] = Field(
+        default_factory=list,
+        description="vision-language models: every image of the prompts, in order, placed in token_ids; "
+        "empty: none (a text-only chain, or before schema 5)",
     )
     prompt_length: int = Field(ge=0)
     turns: list[TurnSummary]
@@ -227,6 +307,12 @@ class Trajectory(BaseModel):
     @model_validator(mode="after")
     def _one_route_per_fed_token(self) -> Trajectory:
         if self.routed_experts is not None and (problem := self.routed_experts.problem(len(self.token_ids))):
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _images_on_their_placeholders(self) -> Trajectory:
+        if (problem := images_problem(self.token_ids, self.images)) is not None:
             raise ValueError(problem)
         return self
 

@@ -59,6 +59,15 @@ Deliberate choices:
   durable consumer of its own, ``<durable>-adapter-<name>`` (``<durable>-base``), and acknowledges
   the other adapters' manifests there untouched, so trainers of different adapters each see
   every manifest and take their own. Without either it serves every batch, as before adapters.
+* **Images.** A batch of a vision-language model carries references to its images, not pixels
+  (:mod:`consumers.parquet`). They are fetched from the ``sg_images`` bucket, processed again by
+  the recorded processor and checked against the pixel digests recorded while sampling
+  (:class:`consumers.images.ImageStore`, its cache bounded by ``image_cache_bytes``), then laid
+  out as verl lays them out (:mod:`consumers.verl_vision`). A row whose images cannot be rebuilt
+  exactly refuses the whole batch with :class:`~consumers.images.ImagesRefused` naming the row and
+  why (the manifest is not acknowledged): the batcher has already dropped the rows it could not
+  rebuild, so this means the trainer's transformers or Pillow process images differently from
+  the gateway's, and a trainer cannot leave one row out of a batch whose groups are fixed.
 * **No validation from the stream**: a ``validate`` request raises (set ``trainer.test_freq=-1``
   and ``trainer.val_before_train=False``); stream batches are training data.
 * **Which trainers.** verl's main PPO/GRPO trainer (``RayPPOTrainer``, ``verl.trainer.main_ppo``)
@@ -86,6 +95,7 @@ from pipeline.connection import NatsAuth, NatsRefused, connect, split_servers
 from pipeline.subscriber import message_payload
 
 from .grouping import AdapterFilter, adapter_filter
+from .images import ImagesRefused, ImageStore
 from .parquet import BatchManifest, decode_batch
 from .streams import ConsumerStreams, ensure_consumer_streams
 
@@ -95,6 +105,7 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from verl.protocol import DataProto
 
+    from .images import ResolvedImage
     from .trajectory import Trajectory
 
 __all__ = ["StreamAgentLoopManager", "StreamSettings"]
@@ -125,6 +136,7 @@ class StreamSettings:
     response_length: int = 2048
     pad_token_id: int = 0
     ack_wait_s: float = 120.0  # fetch to ack of one manifest
+    image_cache_bytes: int = 256 << 20  # processed images kept between batches (consumers.images)
     connect_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -188,6 +200,7 @@ class StreamAgentLoopManager:
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._subscription: Any = None
+        self._images: ImageStore | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -214,6 +227,7 @@ class StreamAgentLoopManager:
                 if len(data) != manifest.size or hashlib.sha256(data).hexdigest() != manifest.sha256:
                     raise ValueError(f"batch {manifest.batch_id}: the object does not match its manifest")
                 trajectories, uids = decode_batch(data)
+                images = loop.call(self._resolve_images(trajectories))
                 output = to_data_proto(
                     padded_batch(
                         trajectories,
@@ -221,6 +235,7 @@ class StreamAgentLoopManager:
                         prompt_length=settings.prompt_length,
                         response_length=settings.response_length,
                         pad_token_id=settings.pad_token_id,
+                        images=images,
                     )
                 )
                 _fit_to_request(output, prompts, manifest, trajectories)
@@ -313,6 +328,20 @@ class StreamAgentLoopManager:
             if loaded is not None:
                 return msg, *loaded
 
+    async def _resolve_images(self, trajectories: list[Trajectory]) -> list[list[ResolvedImage]] | None:
+        """Every row's images, rebuilt and checked (``None``: the batch has none)."""
+        if not any(t.images for t in trajectories):
+            return None
+        if self._images is None:
+            assert self._js is not None  # connected: a batch was just read
+            settings = self.settings
+            self._images = ImageStore(self._js, settings.names.image_bucket, cache_bytes=settings.image_cache_bytes)
+        try:
+            return await self._images.resolve_all(trajectories)
+        except ImagesRefused as exc:
+            log.error("a batch cannot be trained on: %s", exc)
+            raise
+
     async def _load(self, msg: Msg) -> tuple[BatchManifest, bytes] | None:
         """The manifest and the parquet; ``None`` when there is none to serve (logged, or retried)."""
         import nats.errors
@@ -383,6 +412,7 @@ class StreamAgentLoopManager:
 
     async def _disconnect(self) -> None:
         nc, self._nc, self._js, self._subscription = self._nc, None, None, None
+        self._images = None  # bound to the connection's JetStream context
         if nc is not None and not nc.is_closed:
             with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
                 await nc.close()

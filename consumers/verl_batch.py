@@ -71,6 +71,19 @@ model), a per-row non-tensor like ``uid`` in both layouts, so that a trainer can
 batch is its adapter's (the batcher never mixes adapters in a batch; these functions do not
 refuse a mix, which a multi-adapter trainer may build on purpose).
 
+Images (vision-language models), as verl 0.9.1's agent loop lays them out for a Qwen2-VL-style
+model (the lines followed are in :mod:`consumers.verl_vision`): given each row's images, resolved
+from the image bucket and checked against their pixel digests (:mod:`consumers.images`),
+``non_tensor_batch["multi_modal_inputs"]`` holds per row ``pixel_values`` (float32 [patches,
+dim]), ``image_grid_thw`` (int64 [images, 3]) and ``images_seqlens``, or ``{}`` for a row without
+images; ``position_ids`` become ``[B, 4, P+R]`` (padded; jagged: ``[4, len]`` per row) for the
+whole batch as soon as one row has an image: text positions (1 on padding), then the model's
+three rotary axes from ``get_rope_index`` over the row's attention mask. A batch without images is
+laid out exactly as before (2-D positions, empty dicts). No ``multi_modal_data``: verl's padded
+``_postprocess`` (agent_loop.py 1057-1140) never puts it into the batch, and the v1 per-sample
+layout drops it (``verl/trainer/ppo/v1/agent_loop_tq.py`` 197: "do not store raw image/video");
+only the rollout and teacher paths, which a stream batch skips, read it.
+
 verl and tensordict are optional (the ``verl`` extra): they are imported inside the functions
 that need them. ``import verl`` pulls in ray, sets up the root logger
 (``logging.basicConfig``) and takes seconds, so nothing here imports it at module import time.
@@ -88,10 +101,13 @@ import numpy.typing as npt
 import torch
 
 from .trajectory import Trajectory
+from .verl_vision import mrope_position_ids, multi_modal_inputs
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
     from verl.protocol import DataProto
+
+    from .images import ResolvedImage
 
 __all__ = [
     "PaddedBatch",
@@ -113,14 +129,16 @@ class PaddedBatch:
     ``tensors`` (B rows, P = ``prompt_length``, R = ``response_length``): ``prompts`` [B,P] and
     ``responses`` [B,R] int64; ``response_mask`` and ``reasoning_mask`` (1 on thinking ids, a
     subset of ``response_mask``) [B,R] int64; ``input_ids``, ``attention_mask``, ``position_ids``
-    [B,P+R] int64; ``rollout_log_probs`` and ``rm_scores`` [B,R] float32; when every row has
-    routes, ``routed_experts`` [B,P+R,layers,top_k] int16 aligned with ``input_ids`` (see the
-    module docstring).
+    [B,P+R] int64 (``position_ids`` [B,4,P+R] when a row has images: text positions, then the
+    three multimodal rotary axes, :mod:`consumers.verl_vision`); ``rollout_log_probs`` and
+    ``rm_scores`` [B,R] float32; when every row has routes, ``routed_experts``
+    [B,P+R,layers,top_k] int16 aligned with ``input_ids`` (see the module docstring).
 
     ``non_tensors``: one-dimensional arrays of length B: ``uid``, ``trajectory_id``,
     ``session_id`` (str, dtype object); ``adapter`` (the LoRA adapter's name, ``None`` for the base
     model, dtype object); ``__num_turns__`` (int32, as verl); ``multi_modal_inputs``
-    (empty dicts: verl's trainer iterates it unconditionally); ``turn_scores`` (turn-level
+    (per row a dict: ``pixel_values``, ``image_grid_thw`` and ``images_seqlens`` for a row with
+    images, empty otherwise; verl's trainer iterates it unconditionally); ``turn_scores`` (turn-level
     rewards in turn order), ``tool_rewards`` (empty lists), ``min_global_steps`` and
     ``max_global_steps`` (the policy versions the trajectory spans), ``extras`` (None), all
     dtype object as verl's ``extra_fields``; ``policy_versions``: per row an int64 array of length R,
@@ -179,16 +197,19 @@ def padded_batch(
     prompt_length: int,
     response_length: int,
     pad_token_id: int,
+    images: Sequence[Sequence[ResolvedImage]] | None = None,
 ) -> PaddedBatch:
     """The padded layout of verl's agent loop (see the module docstring) for ``trajectories``.
 
     ``uids[i]`` is row i's group id (GRPO's ``index``). A prompt longer than ``prompt_length`` or
     a response longer than ``response_length`` is a :class:`ValueError`: truncating or dropping
-    is the batcher's decision, made before this.
+    is the batcher's decision, made before this. ``images[i]``: row i's images as
+    :meth:`consumers.images.ImageStore.resolve` returns them, needed when a row has any.
     """
     if prompt_length < 1 or response_length < 1:
         raise ValueError(f"prompt_length and response_length must be >= 1, got {prompt_length}, {response_length}")
     rows = _rows(trajectories, uids)
+    resolved = _resolved(trajectories, images)
     size = len(rows)
     versions = np.full((size, response_length), -1, dtype=np.int64)
     prompts = torch.full((size, prompt_length), pad_token_id, dtype=torch.int64)
@@ -222,8 +243,18 @@ def padded_batch(
         rollout_log_probs[i, :r] = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
         versions[i, :r] = trajectory.token_policy_versions()[len(row.prompt) :]
     attention_mask = torch.cat([prompt_attention, response_attention], dim=1)
-    # verl.utils.model.compute_position_id_with_mask, as the agent loop uses for text-only models.
-    position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    input_ids = torch.cat([prompts, responses], dim=1)
+    if resolved is None:
+        # verl.utils.model.compute_position_id_with_mask, as the agent loop uses for text-only models.
+        position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    else:  # AgentLoopWorker._compute_position_ids per row, concatenated by _postprocess: [B, 4, P+R]
+        merge = _merge_size(resolved)
+        position_ids = torch.cat(
+            [
+                mrope_position_ids(input_ids[i : i + 1], attention_mask[i : i + 1], row_images, merge)
+                for i, row_images in enumerate(resolved)
+            ]
+        )
     # AgentLoopWorker._postprocess: the score sits at the last valid response position.
     rm_scores = torch.zeros((size, response_length), dtype=torch.float32)
     last = response_attention.sum(dim=1) - 1
@@ -233,7 +264,7 @@ def padded_batch(
         "responses": responses,
         "response_mask": response_mask,
         "reasoning_mask": reasoning_mask,
-        "input_ids": torch.cat([prompts, responses], dim=1),
+        "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids,
         "rollout_log_probs": rollout_log_probs,
@@ -253,7 +284,7 @@ def padded_batch(
         "trajectory_id": _objects([t.trajectory_id for t in trajectories]),
         "session_id": _objects([t.session_id for t in trajectories]),
         "adapter": _objects([t.adapter for t in trajectories]),
-        "multi_modal_inputs": _objects([{} for _ in trajectories]),
+        "multi_modal_inputs": _objects([multi_modal_inputs(r) for r in resolved or [()] * size]),
         "policy_versions": _objects(list(versions)),
     }
     extra = [_extra_fields(t) for t in trajectories]
@@ -275,7 +306,9 @@ def to_data_proto(batch: PaddedBatch) -> DataProto:
     return proto
 
 
-def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]) -> TensorDict:
+def to_jagged_tensordict(
+    trajectories: Sequence[Trajectory], uids: Sequence[str], images: Sequence[Sequence[ResolvedImage]] | None = None
+) -> TensorDict:
     """The trajectories in the per-sample, no-padding layout of verl's v1 trainers.
 
     Nested (``torch.jagged``) tensors, one component per row at its real length: ``prompts``,
@@ -288,14 +321,18 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
     uses a ``session_id`` of its own, the rollout index, only to build TransferQueue keys),
     ``adapter`` (the LoRA adapter's name, ``None`` for the base model), ``extra_fields`` (a dict
     with ``turn_scores``, ``tool_rewards``, ``min_global_steps``, ``max_global_steps``,
-    ``extras``) and ``multi_modal_inputs`` (empty dicts); ``policy_versions``
+    ``extras``) and ``multi_modal_inputs`` (a dict per row, as in :class:`PaddedBatch`; ``images``
+    as for :func:`padded_batch`); ``policy_versions``
     (nested int64, per response token: the version that sampled it, -1 where nothing was). When
     every row has routes, ``routed_experts``: nested int16, per row ``[len(input_ids), layers,
-    top_k]``, the last row zero (see the module docstring). No length limits: nothing is padded.
+    top_k]``, the last row zero (see the module docstring). When a row has images, ``position_ids``
+    is per row ``[4, len]`` (``AgentLoopWorkerTQ._agent_loop_postprocess``: ``_compute_position_ids``
+    of the whole unpadded row, squeezed). No length limits: nothing is padded.
     """
     from tensordict import NonTensorData, NonTensorStack, TensorDict
 
     rows = _rows(trajectories, uids)
+    resolved = _resolved(trajectories, images)
 
     def nested(values: list[list[int]] | list[list[float]], dtype: torch.dtype) -> torch.Tensor:
         return torch.nested.as_nested_tensor([torch.tensor(v, dtype=dtype) for v in values], layout=torch.jagged)
@@ -311,7 +348,7 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
         "loss_mask": nested(masks, torch.int64),
         "reasoning_mask": nested([row.reasoning for row in rows], torch.int64),
         "input_ids": nested([row.prompt + row.response for row in rows], torch.int64),
-        "position_ids": nested([list(range(len(row.prompt) + len(row.response))) for row in rows], torch.int64),
+        "position_ids": _jagged_positions(rows, resolved),
         "rollout_log_probs": nested(
             [[lp if m else 0.0 for lp, m in zip(row.logprobs, row.mask, strict=True)] for row in rows],
             torch.float32,
@@ -330,7 +367,7 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
         "session_id": stack([t.session_id for t in trajectories]),
         "adapter": stack([t.adapter for t in trajectories]),
         "extra_fields": stack([_extra_fields(t) for t in trajectories]),
-        "multi_modal_inputs": stack([{} for _ in trajectories]),
+        "multi_modal_inputs": stack([multi_modal_inputs(r) for r in resolved or [()] * len(rows)]),
     }
     if (routes := _routes(trajectories, rows)) is not None:
         # AgentLoopOutput.as_dict: aligned to the whole sequence, the rows it has not (the last) zero.
@@ -338,6 +375,41 @@ def to_jagged_tensordict(trajectories: Sequence[Trajectory], uids: Sequence[str]
             [torch.cat([r, r.new_zeros((1, *r.shape[1:]))]) for r in routes], layout=torch.jagged
         )
     return TensorDict(source, batch_size=[len(rows)])
+
+
+def _jagged_positions(rows: Sequence[_Row], resolved: list[Sequence[ResolvedImage]] | None) -> torch.Tensor:
+    lengths = [len(row.prompt) + len(row.response) for row in rows]
+    if resolved is None:
+        values = [torch.arange(n, dtype=torch.int64) for n in lengths]
+    else:
+        merge = _merge_size(resolved)
+        values = []
+        for row, row_images in zip(rows, resolved, strict=True):
+            ids = torch.tensor([row.prompt + row.response], dtype=torch.int64)
+            values.append(mrope_position_ids(ids, torch.ones_like(ids), row_images, merge)[0])
+    return torch.nested.as_nested_tensor(values, layout=torch.jagged)
+
+
+def _resolved(
+    trajectories: Sequence[Trajectory], images: Sequence[Sequence[ResolvedImage]] | None
+) -> list[Sequence[ResolvedImage]] | None:
+    """Each row's resolved images, checked against its trajectory; ``None``: no row has any."""
+    if images is None:
+        if any(t.images for t in trajectories):
+            raise ValueError(
+                "a row has images but none were given: resolve them first (consumers.images.ImageStore.resolve_all)"
+            )
+        return None
+    if len(images) != len(trajectories):
+        raise ValueError(f"images for {len(images)} rows, not {len(trajectories)}")
+    for trajectory, row_images in zip(trajectories, images, strict=True):
+        if [image.record for image in row_images] != trajectory.images:
+            raise ValueError(f"trajectory {trajectory.trajectory_id}: the images given are not its images")
+    return list(images) if any(images) else None
+
+
+def _merge_size(resolved: Sequence[Sequence[ResolvedImage]]) -> int:
+    return next(image.merge_size for row in resolved for image in row)
 
 
 def _rows(trajectories: Sequence[Trajectory], uids: Sequence[str]) -> list[_Row]:

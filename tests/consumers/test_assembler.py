@@ -233,7 +233,7 @@ def _thinking_session() -> list[Event]:
 def test_thinking_turns_mark_the_trajectorys_reasoning_mask() -> None:
     """Each turn's first ``reasoning_tokens`` sampled ids are 1 in ``reasoning_mask``; they stay in the loss mask."""
     [trajectory] = build_trajectories(SessionEvents.of(_thinking_session()), emitted_because="closed")
-    assert trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION == 4
+    assert trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION == 5
     assert trajectory.token_ids == [1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 13, 14, 15]
     assert trajectory.loss_mask == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]
     assert trajectory.reasoning_mask == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
@@ -409,7 +409,7 @@ def test_a_chains_routes_are_its_turns_rows_end_to_end() -> None:
     assert len(trajectories) == 2 and not unrouted
     for trajectory in trajectories:
         routes = trajectory.routed_experts
-        assert trajectory.schema_version == 4 and routes is not None
+        assert trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION and routes is not None
         assert routes.shape == (len(trajectory.token_ids) - 1, LAYERS, TOP_K) and routes.dtype == "uint8"
         assert np.array_equal(routes.array(), expected[trajectory.turns[-1].turn_id])
         assert Trajectory.decode(trajectory.encode()) == trajectory
@@ -461,7 +461,12 @@ def test_schema_3_trajectories_decode_with_no_routes_and_wrong_row_counts_are_re
     old = {k: v for k, v in wire.items() if k != "routed_experts"} | {"schema_version": 3}
     decoded = Trajectory.decode(orjson.dumps(old))
     assert decoded.schema_version == 3 and decoded.routed_experts is None
-    assert decoded.model_copy(update={"schema_version": 4, "routed_experts": trajectory.routed_experts}) == trajectory
+    assert (
+        decoded.model_copy(
+            update={"schema_version": TRAJECTORY_SCHEMA_VERSION, "routed_experts": trajectory.routed_experts}
+        )
+        == trajectory
+    )
     # One row too few (the last id's row is never recorded, so len(token_ids) - 1 exactly), or bad data.
     short = ExpertRoutes.of(trajectory.routed_experts.array()[:-1]).model_dump()  # type: ignore[union-attr]
     with pytest.raises(pydantic.ValidationError, match="10 rows for 12 token ids"):

@@ -38,7 +38,7 @@ from verl.utils.model import compute_position_id_with_mask
 from verl.workers.config import ActorConfig
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from consumers.trajectory import ExpertRoutes, Trajectory, TurnSummary
+from consumers.trajectory import TRAJECTORY_SCHEMA_VERSION, ExpertRoutes, Trajectory, TurnSummary
 from consumers.verl_batch import PaddedBatch, group_uid, padded_batch, to_data_proto, to_jagged_tensordict
 
 from ..support.agent_loop import READ_TOOL, drive_session
@@ -920,7 +920,7 @@ def test_routed_experts_round_trip_the_parquet_and_old_files_read_without() -> N
     decoded, old_uids = decode_batch(sink.getvalue())
     assert old_uids == uids and all(t.routed_experts is None and t.schema_version == 3 for t in decoded)
     assert [
-        t.model_copy(update={"schema_version": 4, "routed_experts": r.routed_experts})
+        t.model_copy(update={"schema_version": TRAJECTORY_SCHEMA_VERSION, "routed_experts": r.routed_experts})
         for t, r in zip(decoded, rows, strict=True)
     ] == rows
 
