@@ -22,9 +22,8 @@ from pipeline.events import Event, TurnCompleted
 from pipeline.vision import VisionProcessor, image_digest
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_gateway.models import resolve_model
 
-from ..support.capture import KEY, of_session, wait_for
+from ..support.capture import KEY, of_session, replica_settings, wait_for
 from ..support.servers import RunningGateway, run_gateway
 from ..support.vision import image_part, solid
 
@@ -34,18 +33,7 @@ RED, GREEN = solid((220, 30, 30), (90, 60)), solid((30, 200, 30), (60, 90))
 
 @pytest.fixture
 def vl_settings(tmp_path: Path) -> Callable[..., Settings]:
-    def make(url: str, name: str = "a", **overrides: Any) -> Settings:
-        values: dict[str, Any] = {
-            "model": resolve_model(MODEL),
-            "served_model_name": MODEL,
-            "nats_url": url,
-            "outbox_dir": tmp_path / f"outbox-{name}",
-            "replica_id": name,
-            **overrides,
-        }
-        return Settings(**values)
-
-    return make
+    return replica_settings(MODEL, tmp_path)
 
 
 def _turn(gateway: RunningGateway, session: str, messages: list[dict[str, Any]]) -> None:

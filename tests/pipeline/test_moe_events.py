@@ -22,10 +22,9 @@ from pipeline.events import Event, TurnCompleted
 from pipeline.streams import PAYLOAD_OBJECT_HEADER
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_gateway.models import resolve_model
 from stream_gateway.moe import decode_routes
 
-from ..support.capture import KEY, of_session, wait_for
+from ..support.capture import KEY, of_session, replica_settings, wait_for
 from ..support.servers import RunningGateway, run_gateway
 
 MODEL = "tiny-moe"
@@ -36,18 +35,7 @@ LONG = " ".join(f"line {i}: the lighthouse keeper counts the ships." for i in ra
 
 @pytest.fixture
 def moe_settings(tmp_path: Path) -> Callable[..., Settings]:
-    def make(url: str, name: str = "a", **overrides: Any) -> Settings:
-        values: dict[str, Any] = {
-            "model": resolve_model(MODEL),
-            "served_model_name": MODEL,
-            "nats_url": url,
-            "outbox_dir": tmp_path / f"outbox-{name}",
-            "replica_id": name,
-            **overrides,
-        }
-        return Settings(**values)
-
-    return make
+    return replica_settings(MODEL, tmp_path)
 
 
 def _turn(gateway: RunningGateway, session: str, messages: list[dict[str, Any]], max_tokens: int = 24) -> None:

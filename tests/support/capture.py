@@ -66,6 +66,25 @@ def of_session(events: list[Event], session_id: str) -> list[Event]:
     return [e for e in events if e.session_id == session_id]
 
 
+def replica_settings(model: str, tmp_path: Path) -> Callable[..., Settings]:
+    """``make(url, name, **overrides)``: settings of replica ``name`` serving the built-in ``model``,
+    capturing to ``url`` with an outbox of its own under ``tmp_path``."""
+    from stream_gateway.models import resolve_model
+
+    def make(url: str, name: str = "a", **overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "model": resolve_model(model),
+            "served_model_name": model,
+            "nats_url": url,
+            "outbox_dir": tmp_path / f"outbox-{name}",
+            "replica_id": name,
+            **overrides,
+        }
+        return Settings(**values)
+
+    return make
+
+
 @pytest.fixture
 def capture_settings(tiny_model_path: Path, tmp_path: Path) -> Callable[..., Settings]:
     def make(url: str, **overrides: Any) -> Settings:
