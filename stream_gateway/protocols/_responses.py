@@ -85,6 +85,7 @@ __all__ = [
     "to_chat_request",
 ]
 
+_KEEP_BYTES = 256 * 1024 * 1024  # of held conversations, JSON-encoded (images are base64 in them)
 _KEEP = 10_000  # responses held for previous_response_id, per process
 _IMAGE_DETAILS = ("auto", "low", "high")  # the chat image part's; Responses' "original" is dropped
 
@@ -292,14 +293,22 @@ def to_chat_request(
 class ResponseStore:
     """The last responses of this process, for ``previous_response_id``: id → (tenant, messages)."""
 
-    def __init__(self, keep: int = _KEEP) -> None:
+    def __init__(self, keep: int = _KEEP, budget_bytes: int = _KEEP_BYTES) -> None:
         self._keep = keep
-        self._held: OrderedDict[str, tuple[str, list[dict[str, Any]]]] = OrderedDict()
+        self._budget = budget_bytes
+        self._bytes = 0
+        self._held: OrderedDict[str, tuple[str, list[dict[str, Any]], int]] = OrderedDict()
 
     def put(self, response_id: str, tenant: str, messages: list[dict[str, Any]]) -> None:
-        self._held[response_id] = (tenant, messages)
-        while len(self._held) > self._keep:
-            self._held.popitem(last=False)
+        # Bounded by count and by size: a conversation of screenshots holds megabytes of base64.
+        size = len(orjson.dumps(messages))
+        old = self._held.pop(response_id, None)
+        if old is not None:
+            self._bytes -= old[2]
+        self._held[response_id] = (tenant, messages, size)
+        self._bytes += size
+        while len(self._held) > self._keep or (self._bytes > self._budget and len(self._held) > 1):
+            self._bytes -= self._held.popitem(last=False)[1][2]
 
     def history(self, response_id: str, tenant: str) -> list[dict[str, Any]]:
         """The whole conversation of a held response of ``tenant`` (its own output last); else 400."""

@@ -268,3 +268,16 @@ def test_responses_images_outside_user_content_are_refused() -> None:
     result = {"type": "function_call_output", "call_id": "c1", "output": output}
     refused = _responses_refusal([EARLIER_ITEMS[0], call, result])
     assert refused.param == "input.2.output.1"
+
+
+def test_held_responses_are_bounded_by_size_too() -> None:
+    """Conversations of screenshots are megabytes each: the store keeps the newest within its budget."""
+    from stream_gateway.protocols._responses import ResponseStore
+
+    store = ResponseStore(keep=100, budget_bytes=3_000)
+    big = [{"role": "user", "content": "x" * 1_000}]
+    for i in range(5):
+        store.put(f"resp_{i}", "t", big)
+    assert store.history("resp_4", "t") == big and store.history("resp_3", "t") == big
+    with pytest.raises(InvalidRequest):
+        store.history("resp_0", "t")
