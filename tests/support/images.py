@@ -152,3 +152,33 @@ def vl_trajectory(
         started_at=1_750_000_000.0,
         ended_at=1_750_000_001.0,
     )
+
+
+def verl_processor(model_dir: Path) -> Any:
+    """tiny-vl's Qwen2-VL processor with the model's rotary index bound to it, as verl's ``hf_processor``
+    makes one (``verl/utils/tokenizer/tokenizer.py`` 205-241: ``processor.config``, then
+    ``Qwen2VLModel.get_rope_index`` and ``get_vision_position_ids`` bound to the processor).
+
+    Built here rather than by ``hf_processor``: the model directory holds an image processor, not a
+    whole ``Qwen2VLProcessor``, and transformers' Qwen2-VL video processor (which that class asks
+    for) needs torchvision, which this environment lacks; images never touch it.
+    """
+    import types
+
+    from transformers import AutoConfig, AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    class ImagesOnly(Qwen2VLProcessor):  # type: ignore[misc]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    processor = ImagesOnly(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_dir),
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+    )
+    processor.config = AutoConfig.from_pretrained(model_dir)
+    processor.get_rope_index = types.MethodType(Qwen2VLModel.get_rope_index, processor)
+    processor.get_vision_position_ids = types.MethodType(Qwen2VLModel.get_vision_position_ids, processor)
+    return processor
