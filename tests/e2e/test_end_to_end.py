@@ -25,20 +25,23 @@ import httpx
 import pytest
 import torch
 from openai import OpenAI
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
 from consumers.assembler import AssemblerConfig, run_assembler
 from consumers.batcher import BatcherConfig, run_batcher
 from consumers.parquet import decode_batch
+from consumers.verl_adapter import StreamAgentLoopManager, StreamSettings
 from consumers.verl_batch import padded_batch, to_data_proto
 from pipeline.embedded import EmbeddedNatsServer
+from pipeline.vision import image_digest
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 from stream_gateway.models import resolve_model
 from stream_gateway.moe import replay_routes
 
 from ..support.agent_loop import READ_TOOL, drive_session
+from ..support.images import image_part, png
 from ..support.lora import make_adapter
 from ..support.servers import RunningGateway, run_gateway
 
@@ -253,3 +256,85 @@ def test_adapter_traffic_becomes_a_verl_batch_of_that_adapter_whose_logprobs_pef
     logprobs = torch.log_softmax(logits[:, p - 1 : p + r - 1], -1).gather(2, tensors["responses"].unsqueeze(2))
     assert mask.sum() > 20
     torch.testing.assert_close(logprobs.squeeze(2)[mask], tensors["rollout_log_probs"][mask], atol=ATOL, rtol=0)
+
+
+def _run_image_session(gateway: RunningGateway, group: str, seed: int, reward: float, images: list[bytes]) -> str:
+    """A two-turn chat on tiny-vl: an image and a question, then another image and a question (the
+    first image sent again with the history), sampled at temperature 1, top_p 1; rated and closed."""
+    session = f"vl{secrets.token_hex(4)}"
+    base = f"{gateway.base_url}/sessions/{session}"
+    sampling: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "seed": seed, "max_tokens": 12}
+    messages: list[Any] = []
+    with OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=120, max_retries=0) as client:
+        for image, question in zip(images, ("What colour is this?", "And this one?"), strict=True):
+            messages.append({"role": "user", "content": [image_part(image), {"type": "text", "text": question}]})
+            reply = client.chat.completions.create(
+                model="tiny-vl", messages=messages, metadata={"group": group}, **sampling
+            )
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    headers = {"authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{base}/feedback", json={"score": reward}, headers=headers).is_success
+    assert httpx.post(f"{base}/close", headers=headers).is_success
+    return session
+
+
+async def _stored_objects(url: str) -> list[str]:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        store = await nc.jetstream().object_store("sg_images")
+        return sorted(info.name for info in await store.list())
+    finally:
+        await nc.close()
+
+
+def test_the_verl_batch_of_an_image_session_reproduces_every_recorded_logprob_from_the_batch_alone(
+    tmp_path: Path,
+) -> None:
+    """tiny-vl chats with images through NATS, the assembler, the batcher and the verl manager
+    (which fetches each image from ``sg_images``, processes it again and checks its pixel digest):
+    a forward pass of the Hugging Face model over only the batch's ``input_ids``, ``attention_mask``,
+    ``position_ids`` (rows 1-3: the multimodal rotary positions) and its rows' ``multi_modal_inputs``
+    reproduces every sampled logprob; the bucket holds each distinct image once."""
+    path = Path(resolve_model("tiny-vl"))
+    red, blue = png((230, 20, 20)), png((20, 20, 230), (64, 120))
+    with EmbeddedNatsServer() as server, consumers(server, tmp_path / "batches"):
+        settings = Settings(
+            model=str(path), served_model_name="tiny-vl", nats_url=server.url, outbox_dir=tmp_path / "o"
+        )
+        with run_gateway(build_engine(settings), settings) as gateway:
+            sessions = [
+                _run_image_session(gateway, group, seed, reward, images)
+                for group, images in (("red-first", [red, blue]), ("blue-first", [blue, red]))
+                for seed, reward in ((11, 1.0), (12, -1.0))
+            ]
+        pad = AutoTokenizer.from_pretrained(path).pad_token_id
+        with StreamAgentLoopManager(
+            settings=StreamSettings(nats_url=server.url, prompt_length=512, response_length=512, pad_token_id=pad)
+        ) as manager:
+            proto = manager.generate_sequences()
+        stored = anyio.run(_stored_objects, server.url)
+    assert [name for name in stored if name.startswith("images/")] == sorted(
+        f"images/{image_digest(data)}" for data in (red, blue)
+    )
+    assert len(stored) == 3 and stored[-1].startswith("processors/")  # and the processor that made them
+    assert sorted(proto.non_tensor_batch["session_id"]) == sorted(sessions)
+    assert list(proto.non_tensor_batch["__num_turns__"]) == [4] * 4  # each chat one chain: turn 2 continued turn 1
+    tensors, rows = proto.batch, list(proto.non_tensor_batch["multi_modal_inputs"])
+    assert tensors["position_ids"].shape == (4, 4, 1024)
+    assert [len(row["image_grid_thw"]) for row in rows] == [2, 2, 2, 2]
+    p, r = tensors["prompts"].shape[1], tensors["responses"].shape[1]
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=tensors["input_ids"],
+            attention_mask=tensors["attention_mask"],
+            position_ids=tensors["position_ids"][:, 1:].transpose(0, 1),  # [3, B, P+R]: the rotary axes
+            pixel_values=torch.cat([row["pixel_values"] for row in rows]),
+            image_grid_thw=torch.cat([row["image_grid_thw"] for row in rows]),
+        ).logits[:, p - 1 : p + r - 1]
+    logprobs = torch.log_softmax(logits, dim=-1).gather(2, tensors["responses"].unsqueeze(2)).squeeze(2)
+    mask = tensors["response_mask"].bool()
+    assert mask.sum() > 10
+    torch.testing.assert_close(logprobs[mask], tensors["rollout_log_probs"][mask], atol=1e-4, rtol=0)
