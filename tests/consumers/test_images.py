@@ -344,3 +344,46 @@ async def test_the_batcher_drops_a_trajectory_whose_images_cannot_be_rebuilt(
             trajectories, _ = decode_batch(await read_object(js, manifest))
             assert trajectories == good and [len(t.images) for t in trajectories] == [1, 1]
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_the_trainer_lays_out_checked_images_and_refuses_a_batch_whose_images_fail_there(
+    nats_server: EmbeddedNatsServer, processor: VisionProcessor, tokenizer: Any
+) -> None:
+    """``StreamAgentLoopManager`` rebuilds each batch's images from the bucket: a batch whose images
+    check out becomes a DataProto with ``multi_modal_inputs`` and 4-row positions; one whose image
+    was changed after batching is refused, naming the row, and stays unacknowledged."""
+    from consumers.verl_adapter import StreamAgentLoopManager, StreamSettings
+
+    red, blue, green = (process(processor, data) for data in (RED, BLUE, GREEN))
+    first = [vl_trajectory(tokenizer, processor, [red, "?"], "red", follow_up=[blue], group="a") for _ in range(2)]
+    second = [vl_trajectory(tokenizer, processor, [green, "?"], "green", group="b") for _ in range(2)]
+    names = unique_names(image_bucket=_bucket())
+    settings = StreamSettings(
+        nats_url=nats_server.url, names=names, prompt_length=64, response_length=32, pad_token_id=0, timeout_s=20
+    )
+    config = batcher_config(nats_server.url, names, batch_size=2, group_size=2, prompt_length=64, response_length=32)
+    with anyio.fail_after(60):
+        async with jetstream(nats_server.url, names) as (nc, js):
+            await store_images(js, names.image_bucket, processor, [RED, BLUE, GREEN])
+            async with anyio.create_task_group() as tg:
+                batcher = Batcher(config)
+                await tg.start(batcher.run)
+                await publish(nc, js, names, *first, *second)
+                await wait_until(lambda: batcher.statistics().batches == 2)
+                tg.cancel_scope.cancel()
+            store = await ensure_bucket(js, names.image_bucket)
+            await store.put(f"images/{green.sha256}", BLUE)  # changed after the batcher checked it
+
+            with StreamAgentLoopManager(settings=settings) as manager:
+                output = await anyio.to_thread.run_sync(manager.generate_sequences)
+                assert list(output.non_tensor_batch["trajectory_id"]) == [t.trajectory_id for t in first]
+                assert output.batch["position_ids"].shape == (2, 4, 96)
+                inputs = output.non_tensor_batch["multi_modal_inputs"]
+                grids = [list(red.grid_thw), list(blue.grid_thw)]
+                assert [row["image_grid_thw"].tolist() for row in inputs] == [grids, grids]
+                pixels = np.concatenate([red.pixel_values, blue.pixel_values])
+                assert np.array_equal(inputs[0]["pixel_values"].numpy(), pixels)
+                for _ in range(2):  # refused, and not acknowledged: the same batch comes again
+                    with pytest.raises(ImagesRefused, match=f"trajectory {second[0].trajectory_id}: images\\[0\\]"):
+                        await anyio.to_thread.run_sync(manager.generate_sequences)
