@@ -7,7 +7,10 @@
 * :mod:`consumers.batcher`: groups trajectories into training batches (parquet + manifest);
 * :mod:`consumers.grouping`: the batcher's policies and grouping, without I/O (:class:`GroupPlanner`);
 * :mod:`consumers.batch_record`: the batcher's durable record of a batch, and why it makes exactly once;
+* :mod:`consumers.images`: a trajectory's images, rebuilt from the image bucket and checked against
+  the pixel digests recorded while sampling (the batcher and the trainer run it);
 * :mod:`consumers.verl_batch`: verl's padded ``DataProto`` and jagged ``TensorDict`` layouts;
+* :mod:`consumers.verl_vision`: their vision part (``multi_modal_inputs``, multimodal rotary positions);
 * :mod:`consumers.verl_adapter`: a verl 0.9 agent loop manager that trains on the stream;
 * :mod:`consumers.verl_weights`: a verl 0.9 checkpoint manager that publishes each step's weights;
 * :mod:`consumers.streams`, :mod:`consumers.parquet`: names, provisioning, the batch artifact.

@@ -159,7 +159,7 @@ class ImageStore:
             limits = ImageLimits(max_bytes=len(data), max_pixels=image.width * image.height)
             try:
                 processed = await anyio.to_thread.run_sync(processor.process, data, limits, limiter=self._threads)
-            except ImageRefused as exc:
+            except (ImageRefused, TypeError, ImportError) as exc:  # a configuration this transformers runs otherwise
                 raise _Mismatch(f"images/{image.sha256} cannot be processed again: {exc}") from exc
             self._counts["processed"] += 1
             self._keep(key, processed)
@@ -175,7 +175,8 @@ class ImageStore:
         try:
             record: dict[str, Any] = orjson.loads(raw)
             processor = VisionProcessor.from_record(record)
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # ImageRefused is a ValueError
+        # ImageRefused is a ValueError; ImportError: a class that needs a library missing here (torchvision)
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, ImportError) as exc:
             raise _Mismatch(f"processors/{fingerprint} cannot be rebuilt here: {exc}") from exc
         self._processors[fingerprint] = processor
         if len(self._processors) > PROCESSORS_KEPT:
