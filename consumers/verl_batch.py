@@ -248,10 +248,9 @@ def padded_batch(
         # verl.utils.model.compute_position_id_with_mask, as the agent loop uses for text-only models.
         position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
     else:  # AgentLoopWorker._compute_position_ids per row, concatenated by _postprocess: [B, 4, P+R]
-        merge = _merge_size(resolved)
         position_ids = torch.cat(
             [
-                mrope_position_ids(input_ids[i : i + 1], attention_mask[i : i + 1], row_images, merge)
+                mrope_position_ids(input_ids[i : i + 1], attention_mask[i : i + 1], row_images, _merge_size(row_images))
                 for i, row_images in enumerate(resolved)
             ]
         )
@@ -382,11 +381,10 @@ def _jagged_positions(rows: Sequence[_Row], resolved: list[Sequence[ResolvedImag
     if resolved is None:
         values = [torch.arange(n, dtype=torch.int64) for n in lengths]
     else:
-        merge = _merge_size(resolved)
         values = []
         for row, row_images in zip(rows, resolved, strict=True):
             ids = torch.tensor([row.prompt + row.response], dtype=torch.int64)
-            values.append(mrope_position_ids(ids, torch.ones_like(ids), row_images, merge)[0])
+            values.append(mrope_position_ids(ids, torch.ones_like(ids), row_images, _merge_size(row_images))[0])
     return torch.nested.as_nested_tensor(values, layout=torch.jagged)
 
 
@@ -408,8 +406,9 @@ def _resolved(
     return list(images) if any(images) else None
 
 
-def _merge_size(resolved: Sequence[Sequence[ResolvedImage]]) -> int:
-    return next(image.merge_size for row in resolved for image in row)
+def _merge_size(row_images: Sequence[ResolvedImage]) -> int:
+    """A row's spatial merge: its images' processor's (any number for a row without images)."""
+    return row_images[0].merge_size if row_images else 1
 
 
 def _rows(trajectories: Sequence[Trajectory], uids: Sequence[str]) -> list[_Row]:
