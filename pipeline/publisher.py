@@ -440,10 +440,9 @@ class EventPublisher:
         assert self._nc is not None and self._js is not None
         store = self._buckets.get(bucket)
         if store is None:
-            spec = self._config.stream
-            store = self._buckets[bucket] = await ensure_bucket(
-                self._js, bucket, replicas=spec.replicas, max_bytes=spec.max_bytes, max_age_s=spec.max_age_s
-            )
+            # No age or size limit: an object is written once and referred to by every later turn
+            # that uses it, so an expiry of its own would pull it from under them (docs/images.md).
+            store = self._buckets[bucket] = await ensure_bucket(self._js, bucket, replicas=self._config.stream.replicas)
         try:
             await store.get_info(name)
             return

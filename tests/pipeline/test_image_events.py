@@ -135,3 +135,27 @@ def test_images_wait_in_the_outbox_while_nats_is_away(vl_settings: Callable[...,
     (turn,) = _completed(events, session)
     assert [i.sha256 for i in turn.images] == [image_digest(GREEN)]
     assert objects[f"images/{image_digest(GREEN)}"] == GREEN
+
+
+def test_the_image_bucket_never_expires_what_later_turns_refer_to(tmp_path: Path) -> None:
+    """Events may age out (``max_age_s``); an image stored once and referred to again must not."""
+    from pipeline.publisher import EventPublisher, PublisherConfig
+    from pipeline.streams import StreamSpec
+
+    async def run(url: str) -> tuple[float, bytes]:
+        spec = StreamSpec(max_age_s=3600.0)
+        config = PublisherConfig(servers=(url,), outbox_dir=tmp_path / "outbox", stream=spec)
+        async with EventPublisher(config) as publisher:
+            publisher.put_object_nowait("images/abc", b"pixels")
+            await publisher.wait_published()
+        nc = await connect(url, None)
+        try:
+            store = await nc.jetstream().object_store("sg_images")
+            status = await store.status()
+            return float(status.ttl or 0), (await store.get("images/abc")).data or b""
+        finally:
+            await nc.close()
+
+    with EmbeddedNatsServer() as server:
+        ttl, data = anyio.run(run, server.url)
+    assert (ttl, data) == (0.0, b"pixels")
