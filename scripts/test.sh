@@ -8,10 +8,10 @@ bash scripts/install.sh
 bash scripts/check
 # The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, the
 # thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~40-60 s,
-# cached), the routing tests tiny-moe (under a second): built here, with a progress line each,
-# rather than inside one test's time limit.
+# cached), the routing tests tiny-moe (under a second), the image tests tiny-vl (tiny-agent taught
+# to see, ~1-2 min): built here, with a progress line each, rather than inside one test's time limit.
 for model in tiny-agent tiny-agent-claude tiny-agent-codex \
-    tiny-reasoning tiny-reasoning-claude tiny-reasoning-codex tiny-moe; do
+    tiny-reasoning tiny-reasoning-claude tiny-reasoning-codex tiny-moe tiny-vl; do
     echo "test set-up: $model model at $(.venv/bin/stream-gateway prepare-model --model $model)"
 done
 exec .venv/bin/python -m pytest "$@"
