@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import logging
 import random
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -31,33 +30,15 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import ImageRecord, TurnCompleted
 from pipeline.streams import ensure_bucket
 from pipeline.vision import VisionProcessor, image_digest
-from stream_gateway.models import resolve_model
 
 from ..support.events import turn_completed
-from ..support.images import png, process, store_images, vl_processor, vl_trajectory
+from ..support.images import png, process, store_images, vl_trajectory
 from ..support.trajectories import make_trajectory
 from .test_batcher import batcher_config, jetstream, publish, read_manifests, read_object, unique_names, wait_until
 
 PAD = 2002  # tiny-vl's <|image_pad|>
 START, END = 2000, 2001
 RED, BLUE, GREEN = png((230, 20, 20)), png((20, 20, 230), (64, 120)), png((20, 200, 20), (56, 56))
-
-
-@pytest.fixture(scope="module")
-def vl_path() -> Path:
-    return Path(resolve_model("tiny-vl"))
-
-
-@pytest.fixture(scope="module")
-def processor(vl_path: Path) -> VisionProcessor:
-    return vl_processor(vl_path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(vl_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(vl_path)
 
 
 # -- trajectories from events ---------------------------------------------------------------------

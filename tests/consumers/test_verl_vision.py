@@ -31,32 +31,14 @@ from consumers.trajectory import Trajectory, TrajectoryImage
 from consumers.verl_batch import padded_batch, to_data_proto, to_jagged_tensordict
 from consumers.verl_vision import mrope_position_ids
 from pipeline.vision import ProcessedImage, VisionProcessor
-from stream_gateway.models import resolve_model
 
-from ..support.images import png, process, verl_processor, vl_processor, vl_trajectory
+from ..support.images import png, process, verl_processor, vl_trajectory
 
 RAY_STATE_API_WARNING = "ignore:Ray state API is no longer experimental:DeprecationWarning"
 # transformers' processor (create_mm_token_type_ids) calls np.array on the torch tensors verl has it return.
 NUMPY_COPY_WARNING = "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 PAD = 2002
 RED, BLUE, GREEN = png((230, 20, 20)), png((20, 20, 230), (64, 120)), png((20, 200, 20), (120, 40))
-
-
-@pytest.fixture(scope="module")
-def vl_path() -> Path:
-    return Path(resolve_model("tiny-vl"))
-
-
-@pytest.fixture(scope="module")
-def processor(vl_path: Path) -> VisionProcessor:
-    return vl_processor(vl_path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(vl_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(vl_path)
 
 
 def _resolved(image: TrajectoryImage, processed: ProcessedImage | None = None) -> ResolvedImage:
