@@ -67,12 +67,14 @@ __all__ = [
     "adapter_subject",
     "announce_policy",
     "download_policy",
+    "mark_refused",
     "newest_adapter_version",
     "policy_history",
     "policy_subject",
     "policy_subjects",
     "publish_policy",
     "publish_tensors",
+    "refusal_mark",
 ]
 
 POLICY_BUCKET = "sg_policies"
@@ -82,6 +84,11 @@ _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # as PolicyUpdated.adapt
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT adapter directory, as published
 
 log = logging.getLogger(__name__)
+
+# On the first object of a policy version that a gateway refused for good (a corrupt upload, a
+# checkpoint the engine's checks reject): the reason, the replica that refused it first, and what
+# was wrong. Values are lists, as NATS headers are in every client's object-store metadata.
+REFUSED_HEADERS = ("Sg-Refused", "Sg-Refused-By", "Sg-Refused-Detail")
 
 
 class PolicyDownloadError(Exception):
@@ -420,3 +427,40 @@ async def policy_history(
                 return events
     finally:
         await subscription.unsubscribe()
+
+
+async def mark_refused(js: JetStreamContext, event: PolicyUpdated, reason: str, detail: str, replica: str) -> bool:
+    """Mark ``event``'s version refused in its first object's metadata, unless another replica did
+    first; whether this call marked it. Publishers and replicas started later read it back with
+    :func:`refusal_mark` (a late replica then skips the version without downloading it)."""
+    from nats.js.api import ObjectMeta
+
+    if not event.objects or event.bucket is None:
+        return False
+    store = await js.object_store(event.bucket)
+    name = event.objects[0].name
+    info = await store.get_info(name)
+    headers = dict(info.headers or {})
+    if headers.get(REFUSED_HEADERS[0]):
+        return False
+    headers.update(zip(REFUSED_HEADERS, ([reason], [replica], [detail[:500]]), strict=True))
+    await store.update_meta(name, ObjectMeta(name=name, description=info.description, headers=headers))
+    return True
+
+
+async def refusal_mark(js: JetStreamContext, event: PolicyUpdated) -> tuple[str, str, str] | None:
+    """``(reason, replica, detail)`` if a replica marked ``event``'s version refused; else ``None``."""
+    import nats.js.errors
+
+    if not event.objects or event.bucket is None:
+        return None
+    try:
+        info = await (await js.object_store(event.bucket)).get_info(event.objects[0].name)
+    except nats.js.errors.NotFoundError:
+        return None
+    headers = info.headers or {}
+    values = [headers.get(key) for key in REFUSED_HEADERS]
+    if not values[0]:
+        return None
+    reason, replica, detail = (v[0] if isinstance(v, list) and v else str(v or "") for v in values)
+    return reason, replica, detail

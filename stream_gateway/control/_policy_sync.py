@@ -6,8 +6,11 @@ engine refuses leaves the old weights serving, and every outcome is a ``policy.a
 :class:`PolicyFollower` both go through it.
 
 :class:`PolicyFollower` (gateways started with ``--nats-url``) follows ``policy.updated`` on the
-events stream. On start it replays the stream's history and applies the newest full version and
-the partial ones after it, so a replica started late comes up on the latest policy (the app
+events stream. On start it replays the stream's history as a replica that saw it live would have
+(:func:`replay_plan`) and applies the newest full version and the partial ones after it; a version
+refused on the way (here, or marked refused in the policy store by the replica that refused it
+first) is left out and the history replayed again, so a replica started late comes up on the
+version its peers serve, never on the base because the newest upload was bad (the app
 waits for this, up to ``policy_sync_timeout_seconds``, before taking requests); then it applies
 each new one as it arrives. Downloading, checking digests, reading the safetensors and checking
 names and shapes all happen while decoding goes on; decoding stops only for the copy into the
@@ -23,7 +26,6 @@ reported, and the version before it tried). Engines without LoRA report each ada
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import tempfile
@@ -34,7 +36,14 @@ from typing import TYPE_CHECKING
 import anyio
 from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import PolicyUpdated, decode_event
-from pipeline.policies import PolicyDownloadError, download_policy, policy_history, policy_subjects
+from pipeline.policies import (
+    PolicyDownloadError,
+    download_policy,
+    mark_refused,
+    policy_history,
+    policy_subjects,
+    refusal_mark,
+)
 from pipeline.streams import StreamSpec
 
 from stream_gateway._metrics import GatewayMetrics
@@ -44,9 +53,36 @@ from stream_gateway.engines import Engine, WeightsRejected, WeightUpdateReport
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
-__all__ = ["PolicyApplier", "PolicyFollower", "PolicyNotNewer"]
+__all__ = ["PolicyApplier", "PolicyFollower", "PolicyNotNewer", "replay_plan"]
 
 log = logging.getLogger(__name__)
+
+# Refusals that no retry can change: the version is marked refused for every later replica. (A
+# failed download may be a network's fault; ``not_newer`` depends on the replica.)
+_REFUSED_FOR_GOOD = frozenset({"digest_mismatch", "unreadable", "unknown_tensors", "shape_mismatch"})
+
+
+def replay_plan(history: list[PolicyUpdated], start: int, refused: set[str]) -> list[PolicyUpdated]:
+    """What a replica serving ``start`` that saw ``history`` (oldest first) live would have applied
+    last, taking every version not refused: the newest full version it took and the partial ones
+    after it (all it took, when it took no full one)."""
+    taken: list[PolicyUpdated] = []
+    current = start
+    for event in history:
+        if event.event_id in refused or event.policy_version <= current:
+            continue
+        taken.append(event)
+        current = event.policy_version
+    fulls = [i for i, e in enumerate(taken) if e.full]
+    return taken[fulls[-1] :] if fulls else taken
+
+
+async def _marked_refused(js: JetStreamContext, event: PolicyUpdated) -> tuple[str, str, str] | None:
+    try:
+        return await refusal_mark(js, event)
+    except Exception as exc:  # an unreadable mark is no mark: the version is tried
+        log.debug("policy follower: cannot read the refusal mark of version %d: %s", event.policy_version, exc)
+        return None
 
 
 class PolicyNotNewer(ValueError):
@@ -280,36 +316,52 @@ class PolicyFollower:
                 await nc.close()
 
     async def _catch_up(self, js: JetStreamContext) -> None:
+        """Come up on what the replicas that saw every update serve: replay the history as they did
+        (in publication order, skipping versions not above the current one and those refused), apply
+        the newest full version of that replay and the partial ones after it, and when one of those
+        is refused here (or marked refused by another replica), replay again without it."""
         try:
             history = await policy_history(js, self._spec)
         except Exception as exc:  # no stream yet, or NATS went away: follow live updates only
             log.warning("policy follower: could not read the policy history (%s); following new updates", exc)
             return
-        current = self._applier.policy_version
-        newer = [e for e in history if e.adapter is None and e.policy_version > current]
-        if not newer:
-            return
-        # The newest full version, then the partial ones published after it with higher versions.
-        fulls = [i for i, e in enumerate(newer) if e.full]
-        start = fulls[-1] if fulls else 0
-        plan: list[PolicyUpdated] = []
-        for event in newer[start:]:
-            if not plan or event.policy_version > plan[-1].policy_version:
-                plan.append(event)
-        log.info("policy follower: catching up with versions %s", [e.policy_version for e in plan])
-        for event in plan:
-            await self._apply(js, event, quiet_if_old=True)
+        history = [e for e in history if e.adapter is None]
+        start = self._applier.policy_version
+        refused: set[str] = set()  # event ids refused here or marked refused by another replica
+        while True:
+            plan = [e for e in replay_plan(history, start, refused) if e.policy_version > self._applier.policy_version]
+            if not plan:
+                return
+            log.info("policy follower: catching up with versions %s", [e.policy_version for e in plan])
+            for event in plan:
+                mark = await _marked_refused(js, event)
+                if mark is not None:
+                    log.info(
+                        "policy follower: version %d skipped: refused by replica %s (%s: %s)",
+                        event.policy_version, mark[1], mark[0], mark[2],
+                    )  # fmt: skip
+                    refused.add(event.event_id)
+                    break
+                if await self._apply(js, event, quiet_if_old=True) != "applied":
+                    refused.add(event.event_id)
+                    break
+            else:
+                return
 
-    async def _apply(self, js: JetStreamContext, event: PolicyUpdated, *, quiet_if_old: bool = False) -> None:
+    async def _apply(self, js: JetStreamContext, event: PolicyUpdated, *, quiet_if_old: bool = False) -> str:
+        """Download and apply one base version: ``"applied"``, ``"rejected"`` or ``"skipped"`` (old,
+        seen before). A version refused for good is marked refused in the object store."""
         applier = self._applier
         if quiet_if_old and event.policy_version <= applier.policy_version:
-            return
+            return "skipped"
         self._handled.add(event.event_id)
         if applier.remote:
             # The servers' weights are the trainer's to change: follow the version, download nothing.
-            with contextlib.suppress(PolicyNotNewer, WeightsRejected):  # both reported by the applier
+            try:
                 await applier.apply_directory(event.weights or "", event.policy_version, source="nats")
-            return
+            except (PolicyNotNewer, WeightsRejected):  # both reported by the applier
+                return "rejected"
+            return "applied"
         directory = Path(tempfile.mkdtemp(prefix="sg-policy-", dir=self._download_dir))
         try:
             started = time.perf_counter()
@@ -317,16 +369,31 @@ class PolicyFollower:
                 await download_policy(js, event, directory)
             except PolicyDownloadError as exc:
                 applier.reject(event.policy_version, exc.reason, str(exc))
-                return
+                if exc.reason in _REFUSED_FOR_GOOD:
+                    await self._mark(js, event, exc.reason, str(exc))
+                return "rejected"
             download_s = time.perf_counter() - started
             try:
                 await applier.apply_directory(directory, event.policy_version, source="nats", download_s=download_s)
-            except (PolicyNotNewer, WeightsRejected):
-                return  # reported by the applier
+            except PolicyNotNewer:
+                return "rejected"  # reported by the applier
+            except WeightsRejected as exc:  # reported by the applier
+                if exc.reason in _REFUSED_FOR_GOOD:
+                    await self._mark(js, event, exc.reason, str(exc))
+                return "rejected"
             except Exception as exc:  # the engine failed: keep following, say so
                 applier.reject(event.policy_version, "engine", f"{type(exc).__name__}: {exc}")
+                return "rejected"
+            return "applied"
         finally:
             await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
+
+    async def _mark(self, js: JetStreamContext, event: PolicyUpdated, reason: str, detail: str) -> None:
+        try:
+            if await mark_refused(js, event, reason, detail, self._applier.replica):
+                log.info("policy follower: version %d marked refused in the policy store", event.policy_version)
+        except Exception as exc:  # best effort: the refusal itself is reported already
+            log.warning("policy follower: could not mark version %d refused: %s", event.policy_version, exc)
 
     async def _catch_up_adapters(self, js: JetStreamContext) -> None:
         """Every adapter in the history to its newest version that applies: the newest first, then

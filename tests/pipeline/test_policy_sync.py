@@ -268,16 +268,75 @@ def test_replicas_converge_late_ones_catch_up_and_bad_policies_are_refused(
                     model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
                 )
                 assert reply.choices[0].finish_reason in ("stop", "length")
+            # The first replica to refuse a version for good marked it in the policy store.
+            marks = _refusal_marks(url)
+            assert {v: m[0] for v, m in marks.items()} == {v: r for v, r in expected.items() if r != "not_newer"}
+            assert all(m[1] in ("g1", "g2", "g3") for m in marks.values())
 
-    applied = [e for _, e in read_stream(url) if isinstance(e, PolicyApplied) and e.replica in ("g1", "g2", "g3")]
+        # A replica started after all that comes up on what its peers serve: not the newest upload
+        # (truncated), not the last full one published (refused as not newer by the others), not the base.
+        with _gateway_process(tiny_model_path, url, "g4", tmp_path) as g4:
+            assert _version(g4) == v_partial == _version(g1)
+            wait_until(
+                lambda: (
+                    len([e for _, e in read_stream(url) if isinstance(e, PolicyApplied) and e.replica == "g4"]) >= 2
+                ),
+                "the late replica's policy.applied events",
+            )
+
+    applied = [e for _, e in read_stream(url) if isinstance(e, PolicyApplied) and e.replica in ("g1", "g2", "g3", "g4")]
     by_replica: dict[str, list[int]] = {}
     for event in applied:
         by_replica.setdefault(event.replica, []).append(event.policy_version)
     caught_up = [start] if start else []  # g1 and g2 came up on what the first test had published
     assert by_replica == {"g1": [*caught_up, v_full, v_partial], "g2": [*caught_up, v_full, v_partial]} | {
-        "g3": [v_full, v_partial]  # the newest full version, then the partial one after it
+        "g3": [v_full, v_partial],  # the newest full version, then the partial one after it
+        "g4": [v_full, v_partial],  # the same, once the marked versions were left out
     }
+    late = [e for _, e in read_stream(url) if isinstance(e, PolicyRejected) and e.replica == "g4"]
+    assert late == []  # the marked versions were skipped, not downloaded and refused again
     assert all(e.download_s > 0 and e.pause_s > 0 for e in applied)
+
+
+def _refusal_marks(url: str) -> dict[int, tuple[str, str, str]]:
+    """Every policy version marked refused in the policy store, by version."""
+    from pipeline.policies import policy_history, refusal_mark
+
+    async def run() -> dict[int, tuple[str, str, str]]:
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            marks = {}
+            for event in await policy_history(js):
+                mark = await refusal_mark(js, event)
+                if mark is not None:
+                    marks[event.policy_version] = mark
+            return marks
+        finally:
+            await nc.close()
+
+    return anyio.run(run)
+
+
+def test_a_replay_plan_is_what_a_replica_that_saw_everything_took() -> None:
+    from stream_gateway.control._policy_sync import replay_plan
+
+    def event(version: int, full: bool, name: str) -> PolicyUpdated:
+        return PolicyUpdated.model_construct(event_id=name, policy_version=version, full=full, adapter=None)
+
+    f1, p3, f5, p6, f2 = (
+        event(1, True, "f1"),
+        event(3, False, "p3"),
+        event(5, True, "f5"),
+        event(6, False, "p6"),
+        event(2, True, "f2"),
+    )
+    history = [f1, p3, f5, p6, f2]
+    assert replay_plan(history, 0, set()) == [f5, p6]
+    assert replay_plan(history, 0, {"f5"}) == [f1, p3, p6]  # p6 is tried on top of p3: live replicas did
+    assert replay_plan(history, 0, {"f5", "p6"}) == [f1, p3]  # f2 is not above 3: refused as not newer
+    assert replay_plan(history, 0, {"f1", "f5", "p6"}) == [p3]  # on the base, as they did
+    assert replay_plan(history, 6, set()) == []
 
 
 def test_publish_weights_cli_refuses_a_directory_without_safetensors(
