@@ -142,7 +142,6 @@ class ImageResolver:
         self._cached_bytes = 0
         self._lock = threading.Lock()  # the cache is shared by the processing threads
         self._threads = anyio.CapacityLimiter(PROCESSING_THREADS)
-        self.processed = 0  # images run through the processor (cache misses)
 
     async def resolve(self, messages: Sequence[Message]) -> RequestImages | None:
         """The request's images (``None``: it has none); an :class:`InvalidRequest` names a bad part."""
@@ -169,10 +168,6 @@ class ImageResolver:
         by_message = await anyio.to_thread.run_sync(self._process_all, raw, limiter=self._threads)
         self._metrics.images.inc(count)
         return RequestImages(by_message, self._processor.token_id)
-
-    def statistics(self) -> dict[str, int]:
-        """Cache and processing counters."""
-        return {"processed": self.processed, "cached": len(self._cache), "cached_bytes": self._cached_bytes}
 
     # -- bytes -------------------------------------------------------------------------------
 
@@ -269,7 +264,6 @@ class ImageResolver:
             raise InvalidRequest(f"{where}: {exc}", param=where, code="invalid_image") from exc
         self._metrics.images_processed.inc()
         with self._lock:
-            self.processed += 1
             if image.nbytes <= self._cache_budget and digest not in self._cache:
                 self._cache[digest] = image
                 self._cached_bytes += image.nbytes
