@@ -201,7 +201,6 @@ def burst(url: str, pid: int, count: int, seed: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     stop.set()
     watcher.join()
-    time.sleep(1.0)
     errors = [r for r in results if r is not None]
     return {
         "requests": count,
@@ -213,6 +212,13 @@ def burst(url: str, pid: int, count: int, seed: int) -> dict[str, Any]:
         "rss_peak_mb": max(peak),
         "rss_after_mb": rss_mb(pid),
     }
+
+
+def wait_published(url: str, timeout: float = 60.0) -> None:
+    """Until the gateway has nothing left to publish (its events and image objects are in NATS)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health", timeout=10).json()["events"]["pending"] and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def stored_objects(nats_url: str) -> dict[str, int]:
@@ -251,7 +257,7 @@ def main() -> None:
             wait_http(url + "/health", process, timeout=300)
             results["per_request"] = per_request(url, process.pid, args.requests, args.repeats, args.seed)
             results["burst"] = burst(url, process.pid, args.burst, args.seed + 10_000)
-            time.sleep(2.0)
+            wait_published(url)
             objects = stored_objects(server.url)
             images = {k: v for k, v in objects.items() if k.startswith("images/")}
             results["image_store"] = {

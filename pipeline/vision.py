@@ -168,8 +168,7 @@ class VisionProcessor:
         kind = getattr(transformers, str(record["class"]), None)
         if kind is None:
             raise ImageRefused(f"this transformers has no image processor {record['class']!r}")
-        processor = cls(kind.from_dict(dict(record["config"])), int(record["token_id"]))
-        return processor
+        return cls(kind.from_dict(dict(record["config"])), int(record["token_id"]))
 
     def record(self) -> dict[str, Any]:
         """Everything needed to run this processor again: class, configuration, versions."""

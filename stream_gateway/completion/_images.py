@@ -121,17 +121,17 @@ class ImageResolver:
         settings: Settings,
         model: str,
         metrics: GatewayMetrics,
-        engine_name: str = "transformers",
+        remote: bool = False,
     ) -> None:
         self._processor = processor
         self._metrics = metrics
-        self._why_not = f"the served model `{model}` does not take images (a text-only model)"
-        if engine_name not in ("transformers", "synthetic"):
+        self._why_not = f"the served model `{model}` does not take images here (a text-only model; docs/images.md)"
+        if remote:
             # vLLM's /v1/completions takes prompt ids or images, never both; the gateway will not let
             # a server re-render the conversation (docs/images.md, "Remote engines").
             self._why_not = (
-                f"the {engine_name} engine sends no images to its servers: their token-in APIs take no "
-                "images with the prompt ids the gateway builds (docs/images.md)"
+                "this engine sends no images to its servers: their token-in APIs take no images with the "
+                "prompt ids the gateway builds (docs/images.md)"
             )
         self._limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
         self._max_images = settings.max_images_per_request

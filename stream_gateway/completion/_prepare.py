@@ -119,7 +119,7 @@ class Preparer:
         """The request's images, processed by the served model's own processor (lazily, like the
         context builder: the engine's processor exists once it has started)."""
         engine = self._engine
-        return ImageResolver(engine.vision, self._settings, engine.model_id, self._metrics, engine.name)
+        return ImageResolver(engine.vision, self._settings, engine.model_id, self._metrics, engine.remote)
 
     @cached_property
     def reasoning(self) -> ReasoningFormat | None:

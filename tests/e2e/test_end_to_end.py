@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.images import image_part, png
 from ..support.lora import make_adapter
 from ..support.servers import RunningGateway, run_gateway
+from ..support.waiting import wait_until
 
 ATOL = 2e-4
 KEY = "sk-e2e"
@@ -117,9 +117,7 @@ def test_agent_traffic_becomes_a_verl_batch_whose_logprobs_a_forward_pass_reprod
             with run_gateway(build_engine(settings), settings) as gateway:
                 for seed, reward in ((11, 1.0), (12, -1.0)):
                     sessions.append(_run_session(gateway, name, group, seed, reward, workdir))
-        deadline = time.monotonic() + 120
-        while not list(batch_dir.glob("*.parquet")) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: any(batch_dir.glob("*.parquet")), "the batcher's parquet batch", timeout=120)
     [batch_file] = list(batch_dir.glob("*.parquet"))
     trajectories, uids = decode_batch(batch_file.read_bytes())
     assert sorted(t.session_id for t in trajectories) == sorted(sessions)
@@ -190,9 +188,7 @@ def test_moe_traffic_becomes_a_verl_batch_whose_routes_replay_the_recorded_logpr
                 for group in ("chat", "story")
                 for seed, reward in ((11, 1.0), (12, -1.0))
             ]
-        deadline = time.monotonic() + 120
-        while not list(batch_dir.glob("*.parquet")) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: any(batch_dir.glob("*.parquet")), "the batcher's parquet batch", timeout=120)
     [batch_file] = list(batch_dir.glob("*.parquet"))
     trajectories, uids = decode_batch(batch_file.read_bytes())
     assert sorted(t.session_id for t in trajectories) == sorted(sessions)
@@ -237,9 +233,7 @@ def test_adapter_traffic_becomes_a_verl_batch_of_that_adapter_whose_logprobs_pef
                 for group in ("chat", "story")
                 for seed, reward in ((11, 1.0), (12, -1.0))
             ]
-        deadline = time.monotonic() + 120
-        while not list(batch_dir.glob("*.parquet")) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: any(batch_dir.glob("*.parquet")), "the batcher's parquet batch", timeout=120)
     [batch_file] = list(batch_dir.glob("*.parquet"))
     trajectories, uids = decode_batch(batch_file.read_bytes())
     assert sorted(t.session_id for t in trajectories) == sorted(sessions)

@@ -26,7 +26,7 @@ from openai import OpenAI
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from pipeline.vision import VisionProcessor, image_digest
+from pipeline.vision import ImageLimits, VisionProcessor, image_digest
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 from stream_gateway.models import VL_COLOURS, resolve_model, vl_answer, vl_image
@@ -168,7 +168,7 @@ def test_recorded_turns_equal_a_forward_pass_over_their_ids_and_images(
     for turn, sent in zip(turns, ([RED], [RED], [RED, BLUE]), strict=True):
         prompt = turn["prompt_ids"]
         for record, data in zip(turn["images"], sent, strict=True):
-            expected = processor.process(data, _limits())
+            expected = processor.process(data, ImageLimits())
             assert record["pixels_sha256"] == expected.pixels_sha256
             assert record["tokens"] == expected.tokens == expected.grid_thw[1] * expected.grid_thw[2] // 4
             run = prompt[record["start"] : record["start"] + record["tokens"]]
@@ -179,12 +179,6 @@ def test_recorded_turns_equal_a_forward_pass_over_their_ids_and_images(
         ids = prompt + turn["output_ids"]
         again = forward_logprobs(reference, processor, ids, sent, len(prompt))
         assert again == pytest.approx(turn["logprobs"], abs=1e-4)
-
-
-def _limits() -> Any:
-    from pipeline.vision import ImageLimits
-
-    return ImageLimits()
 
 
 def test_another_image_is_another_prompt(vl_gateway: RunningGateway) -> None:

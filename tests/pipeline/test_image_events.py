@@ -19,7 +19,7 @@ from openai import OpenAI
 from pipeline.connection import connect
 from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import Event, TurnCompleted
-from pipeline.vision import VisionProcessor, image_digest
+from pipeline.vision import ImageLimits, VisionProcessor, image_digest
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
@@ -99,7 +99,7 @@ def test_images_are_stored_once_and_a_replica_continues_the_conversation(
     rebuilt = VisionProcessor.from_record(orjson.loads(objects[f"processors/{processor.fingerprint}"]))
     for turn in turns:
         for record in turn.images:
-            image = rebuilt.process(objects[f"images/{record.sha256}"], _limits())
+            image = rebuilt.process(objects[f"images/{record.sha256}"], ImageLimits())
             assert (image.pixels_sha256, image.grid_thw, image.tokens) == (
                 record.pixels_sha256,
                 record.grid_thw,
@@ -110,12 +110,6 @@ def test_images_are_stored_once_and_a_replica_continues_the_conversation(
     second_turn = mine[turns[1].turn_id]
     assert second_turn["reused_prompt_tokens"] == turns[1].reused_prompt_tokens > 0
     assert [i["sha256"] for i in second_turn["images"]] == [red, green]
-
-
-def _limits() -> Any:
-    from pipeline.vision import ImageLimits
-
-    return ImageLimits()
 
 
 def test_images_wait_in_the_outbox_while_nats_is_away(vl_settings: Callable[..., Settings]) -> None:
