@@ -1,13 +1,14 @@
 """The deployment artefacts under deploy/: the image, the Kubernetes manifests, the NATS chart's
 values and the Grafana dashboard (docs/deploy.md).
 
-No cluster, no kustomize binary, no image build here. The kustomizations are rendered by
-:func:`render`, which knows the features deploy/ uses (resources, namespace, images, strategic
-merge patches) and fails on any other key; every object is validated against the Kubernetes 1.37
-schema by kubernetes-validate, strictly (an unknown field is an error). Then the facts that tie the
-files together: probes on /health at the container port, container arguments that
-``stream-gateway`` parses, a ConfigMap of real settings, the Secrets the manifests read, the
-Dockerfile's user, volumes and health check, and dashboard queries on metrics the gateway exports.
+No cluster and no image build here. The kustomizations are rendered by :func:`render`, which
+knows the features deploy/ uses (resources, namespace, images, strategic merge patches) and fails
+on any other key; where ``kubectl`` is installed, its ``kubectl kustomize`` must print the same
+objects. Every object is validated against the Kubernetes 1.37 schema by kubernetes-validate,
+strictly (an unknown field is an error). Then the facts that tie the files together: probes on
+/health at the container port, container arguments that ``stream-gateway`` parses, a ConfigMap of
+real settings, the Secrets the manifests read, the Dockerfile's user, volumes and health check,
+and dashboard queries on metrics the gateway exports.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -143,6 +145,15 @@ def test_every_object_is_valid_kubernetes(overlay: Path) -> None:
     ]
     for o in objects:
         kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl here (its kustomize is the reference)")
+@pytest.mark.parametrize("overlay", [BASE, PRODUCTION], ids=["base", "production"])
+def test_render_gives_what_kubectl_kustomize_gives(overlay: Path) -> None:
+    done = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    real = [o for o in yaml.safe_load_all(done.stdout) if o]
+    assert sorted(real, key=_identity) == sorted(render(overlay), key=_identity)
 
 
 def test_the_secrets_template_is_valid_and_never_applied(base: list[dict[str, Any]]) -> None:
