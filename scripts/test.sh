@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # The rules that run (ruff, mypy strict) before a test does: a finding fails the run.
 bash scripts/check
+# pip install 'stream-gateway[vllm]' resolves, and the newest vLLM on the registry fits this
+# project's ranges (dry runs, ~30-40 s; "not checked" when the registry cannot be reached).
+bash scripts/check-vllm-resolves
 # The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, the
 # thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~40-60 s,
 # cached), the routing tests tiny-moe (under a second), the image tests tiny-vl (tiny-agent taught

@@ -4,9 +4,13 @@ vLLM is an optional extra (``pip install 'stream-gateway[vllm]'``) and needs a G
 here imports it at module import time; :class:`VLLMEngine` looks for it when constructed and
 imports it when entered.
 
-Written against vLLM's own source, 0.10.2 to 0.33.0 (``vllm/v1/engine/async_llm.py``,
-``vllm/sampling_params.py``, ``vllm/v1/engine/logprobs.py``, ``vllm/v1/worker/gpu_worker.py``);
-with this project's torch and transformers pins, pip can only install 0.27.1 to 0.31.0.
+Every vLLM call here was checked against vLLM 0.33.0's source (the newest release; its wheel's
+``vllm/v1/engine/async_llm.py``, ``vllm/engine/arg_utils.py``, ``vllm/sampling_params.py``,
+``vllm/inputs/engine.py``, ``vllm/outputs.py``, ``vllm/v1/worker/gpu_worker.py``) and against
+0.27.1's, the oldest the ``vllm`` extra allows. tests/unit/vllm_api/ records both surfaces with
+file and line (``scripts/record_vllm_api.py``) and tests/unit/test_vllm_calls.py drives this
+engine against each; ``scripts/check-vllm-resolves`` checks that pip can still install the newest
+vLLM beside this project. The pre-0.16 reload path was written against 0.10.2 and is not tested.
 Where this module deliberately differs from how vLLM's OpenAI server drives the same engine:
 
 - ``logprobs_mode="processed_logprobs"``: vLLM defaults to raw logprobs (before temperature and
@@ -62,6 +66,9 @@ _MISSING = "the vllm engine needs `pip install 'stream-gateway[vllm]'` and a GPU
 # weights) from 0.13.
 _RELOAD_FROM_PATH = (0, 16)
 _RESET_RUNNING = (0, 13)
+# ``AsyncLLM.generate`` takes a rendered engine input (``vllm.inputs.tokens_input``) in 0.27.1 and
+# 0.33.0; the releases between 0.16 and 0.27 were not read.
+_ENGINE_INPUT = (0, 27)
 
 
 class VLLMEngine:
@@ -114,6 +121,7 @@ class VLLMEngine:
         self._version = (0, 0)
         self._client_errors: tuple[type[BaseException], ...] = (ValueError,)
         self._dead_errors: tuple[type[BaseException], ...] = ()
+        self._busy_errors: tuple[type[BaseException], ...] = ()
         self._reload_lock = anyio.Lock()
         self._active = 0
         self._waiting = 0
@@ -129,12 +137,15 @@ class VLLMEngine:
         except ImportError as exc:
             raise EngineUnavailable(_MISSING) from exc
         try:
-            # Request validation errors are ValueErrors up to ~0.2x, VLLMClientError after.
-            from vllm.exceptions import VLLMClientError
-
-            self._client_errors = (ValueError, VLLMClientError)
+            from vllm import exceptions as vllm_errors
         except ImportError:
-            self._client_errors = (ValueError,)
+            vllm_errors = None
+        # Request validation errors are ValueErrors up to ~0.2x, VLLMClientError after.
+        self._client_errors = (ValueError, *_classes(vllm_errors, "VLLMClientError"))
+        # 0.33 raises these from generate() as they are (0.27 wraps every server-side error in
+        # EngineGenerateError): a full queue (max_num_queued_reqs/tokens, off by default) and a
+        # request refused while paused in "abort"/"wait" mode, 503s that the client may retry.
+        self._busy_errors = _classes(vllm_errors, "GracefulHTTPError", "RetryableRequestError")
         self._dead_errors = (EngineDeadError,)
         self._version = _release(vllm.__version__)
 
@@ -177,9 +188,7 @@ class VLLMEngine:
             )
         if params.top_logprobs > self._max_logprobs:
             raise InvalidRequest(f"top_logprobs may be at most {self._max_logprobs}", param="top_logprobs")
-        from vllm.inputs import TokensPrompt
-
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        prompt = self._vllm_prompt(prompt_ids)
         self._total_requests += 1
         self._waiting += 1
         started = False
@@ -196,6 +205,8 @@ class VLLMEngine:
                         raise InvalidRequest(str(exc)) from exc
                     except self._dead_errors as exc:
                         raise EngineUnavailable(f"the vLLM engine died: {exc}") from exc
+                    except self._busy_errors as exc:
+                        raise EngineUnavailable(f"vLLM refused request {request_id} for now: {exc}") from exc
                     except Exception as exc:  # EngineGenerateError and anything unforeseen
                         raise EngineError(f"vLLM failed request {request_id}: {exc!r}") from exc
                     if not started:
@@ -286,6 +297,22 @@ class VLLMEngine:
             total_generated_tokens=self._total_tokens,
         )
 
+    def _vllm_prompt(self, prompt_ids: Sequence[int]) -> Any:
+        """The prompt as vLLM's engine input: an already tokenized ``tokens_input`` from 0.27.
+
+        A ``TokensPrompt`` (a "raw prompt") still works but goes through vLLM's renderer, which
+        0.27.1 and 0.33.0 log as deprecated ("Passing raw prompts to InputProcessor is deprecated");
+        a ``{"type": "token", ...}`` input skips it, and the token ids and the prompt length are
+        validated the same way (``InputProcessor._validate_model_input``).
+        """
+        if self._version >= _ENGINE_INPUT:
+            from vllm.inputs import tokens_input
+
+            return tokens_input(list(prompt_ids))
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=list(prompt_ids))
+
     def _vllm_params(self, params: SamplingParams) -> Any:
         from vllm.sampling_params import RequestOutputKind
         from vllm.sampling_params import SamplingParams as VLLMSamplingParams
@@ -304,6 +331,11 @@ class VLLMEngine:
             detokenize=False,
             skip_special_tokens=False,
         )
+
+
+def _classes(module: Any, *names: str) -> tuple[type[BaseException], ...]:
+    """The exception classes of ``names`` that ``module`` defines (a release may lack some)."""
+    return tuple(getattr(module, name) for name in names if hasattr(module, name))
 
 
 def _release(version: str) -> tuple[int, int]:

@@ -172,3 +172,18 @@ async def test_closing_the_iterator_aborts_the_request(engine: VLLMEngine, promp
     # The engine is still healthy, and the same request id can be used again once aborted.
     again = await collect(engine, "closed-early", prompt, SamplingParams(max_tokens=2, temperature=0.0))
     assert again[-1].finish_reason is not None
+
+
+async def test_load_weights_reloads_in_place_and_bumps_the_policy_version(
+    engine: VLLMEngine, tiny_model: Path, prompt: list[int]
+) -> None:
+    # Last in this module: the module's engine serves policy version 1 afterwards.
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    before, _ = flatten(await collect(engine, "before-reload", prompt, params))
+    # The same checkpoint again: vLLM's pause(keep) / reload_weights(weights_path) / prefix-cache
+    # reset / resume path runs for real, and greedy decoding must not change.
+    report = await engine.load_weights(str(tiny_model), policy_version=1)
+    assert (report.policy_version, report.previous_version, engine.policy_version) == (1, 0, 1)
+    steps = await collect(engine, "after-reload", prompt, params)
+    assert flatten(steps)[0] == before
+    assert {s.policy_version for s in steps} == {1}
