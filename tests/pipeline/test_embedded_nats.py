@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -142,11 +141,12 @@ def test_taken_port_fails_fast_with_the_server_log() -> None:
 def test_stop_ends_a_paused_server_gracefully() -> None:
     server = EmbeddedNatsServer()
     server.start()
+    process = server._process  # its exit status tells a SIGTERM it acted on from a SIGKILL
+    assert process is not None
     server.pause()
-    started = time.monotonic()
-    server.stop(timeout=5.0)
-    # Well under the SIGTERM grace period: the server was continued, not left to be SIGKILLed.
-    assert time.monotonic() - started < 2.0
+    server.stop(timeout=60.0)
+    # The server was continued and exited on the SIGTERM, within the grace period, not SIGKILLed after it.
+    assert process.returncode == 0
     assert server.pid is None
 
 

@@ -39,17 +39,26 @@ class RunningGateway:
 
 
 @contextmanager
-def run_gateway(engine: Engine, settings: Settings, *, startup_timeout: float = 120.0) -> Iterator[RunningGateway]:
-    """Serve ``engine`` on 127.0.0.1:<free port> until the block exits."""
-    with serve_app(create_app(engine, settings), startup_timeout=startup_timeout) as base_url:
+def run_gateway(
+    engine: Engine, settings: Settings, *, startup_timeout: float = 120.0, send_buffer: int | None = None
+) -> Iterator[RunningGateway]:
+    """Serve ``engine`` on 127.0.0.1:<free port> until the block exits (``send_buffer``: see :func:`serve_app`)."""
+    with serve_app(create_app(engine, settings), startup_timeout=startup_timeout, send_buffer=send_buffer) as base_url:
         yield RunningGateway(base_url, engine)
 
 
 @contextmanager
-def serve_app(app: Any, *, startup_timeout: float = 120.0) -> Iterator[str]:
-    """Serve an ASGI ``app`` on 127.0.0.1:<free port> until the block exits; yields its base URL."""
+def serve_app(app: Any, *, startup_timeout: float = 120.0, send_buffer: int | None = None) -> Iterator[str]:
+    """Serve an ASGI ``app`` on 127.0.0.1:<free port> until the block exits; yields its base URL.
+
+    ``send_buffer``: the kernel send buffer of every connection, in bytes, fixed. Unset, Linux grows a
+    loopback connection's to megabytes as it sends, so a server's writes wait only for a very slow
+    reader of a very long response.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:  # accepted connections inherit it; a size that was set is never grown
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on")
