@@ -57,16 +57,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 import anyio
 import anyio.to_thread
 
 __all__ = [
+    "EmbeddedNatsCluster",
     "EmbeddedNatsServer",
     "NatsServerConfig",
     "NatsServerError",
@@ -102,6 +104,12 @@ class NatsServerConfig:
     server_name: str = "stream-gateway"
     config_lines: tuple[str, ...] = ()
     """Extra nats-server configuration (``authorization {...}``, ``tls {...}``), one block per item."""
+    cluster_name: str | None = None
+    """Join a JetStream cluster of this name (``None``: a single server); see :class:`EmbeddedNatsCluster`."""
+    cluster_port: int = 0
+    """The route listener's port with ``cluster_name``; 0: pick a free one."""
+    routes: tuple[str, ...] = ()
+    """The cluster's route URLs (``nats://host:port``, this server's own may be among them)."""
 
 
 _DEFAULT_CONFIG = NatsServerConfig()
@@ -308,6 +316,29 @@ class EmbeddedNatsServer:
         where = self.url if self._config.port else "not started"
         return f"<EmbeddedNatsServer {where} pid={self.pid}>"
 
+    # -- monitoring ----------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        """Whether ``/healthz`` answers 200: JetStream up and, in a cluster, in contact with its meta
+        leader and current on every stream it holds. ``False`` while stopped or paused."""
+        if not self.running or self.monitor_url is None:
+            return False
+        try:
+            with _DIRECT_OPENER.open(f"{self.monitor_url}/healthz", timeout=_PROBE_TIMEOUT_S) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def monitor(self, path: str) -> dict[str, Any]:
+        """A JSON document of the monitoring port, e.g. ``monitor("jsz?accounts=true&streams=true")``."""
+        if self.monitor_url is None:
+            raise NatsServerError("monitoring is off for this server")
+        with _DIRECT_OPENER.open(f"{self.monitor_url}/{path}", timeout=_PROBE_TIMEOUT_S) as response:
+            document = json.loads(response.read())
+        if not isinstance(document, dict):
+            raise NatsServerError(f"/{path} did not answer a JSON object")
+        return document
+
     # -- internals -----------------------------------------------------------------------------
 
     def _ensure_run_dir(self) -> Path:
@@ -336,6 +367,11 @@ class EmbeddedNatsServer:
         lines = list(config.config_lines)
         if config.max_payload is not None:
             lines.append(f"max_payload: {config.max_payload}")
+        if config.cluster_name is not None:
+            # In the file: a route listener on "any free port" is ``-1``, which --cluster's URL cannot say.
+            routes = ", ".join(json.dumps(route) for route in config.routes)
+            listen = json.dumps(f"{_connect_host(config.host)}:{config.cluster_port or -1}")
+            lines.append(f"cluster {{ name: {json.dumps(config.cluster_name)}, listen: {listen}, routes: [{routes}] }}")
         if lines:
             config_file = run_dir / "nats-server.conf"
             config_file.write_text("\n".join(lines) + "\n")
@@ -378,9 +414,14 @@ class EmbeddedNatsServer:
         monitor_port = self._config.monitor_port
         if monitor_port is not None:
             monitor_port = urlsplit(ports["monitoring"][0]).port
-        if port is None or monitor_port == 0:
+        cluster_port = self._config.cluster_port
+        if self._config.cluster_name is not None:
+            cluster_port = urlsplit(ports["cluster"][0]).port or 0
+        if port is None or monitor_port == 0 or (self._config.cluster_name is not None and not cluster_port):
             raise NatsServerStartError(f"cannot read the bound ports from {ports_file}: {ports}")
-        self._config = dataclasses.replace(self._config, port=port, monitor_port=monitor_port)
+        self._config = dataclasses.replace(
+            self._config, port=port, monitor_port=monitor_port, cluster_port=cluster_port
+        )
         return True
 
     def _jetstream_ready(self) -> bool:
@@ -440,6 +481,194 @@ class EmbeddedNatsServer:
                 process.kill()
                 process.wait(_KILL_WAIT_S)
         self._process = None
+
+
+class EmbeddedNatsCluster:
+    """``size`` clustered ``nats-server -js`` processes on one host, for tests, benchmarks and ``up --cluster``.
+
+    Every server routes to every other; streams, KV and object buckets created with ``replicas``
+    up to ``size`` are replicated by JetStream. :attr:`url` lists every server's client URL, comma
+    separated, as ``--nats-url`` takes it: a client whose server dies reconnects to another.
+
+    The route ports are chosen before the servers start (each must name the others'); they are
+    taken by binding port 0 and releasing it, and a start that loses one of them to another process
+    in between is tried again on new ports. :meth:`kill`, :meth:`pause`, :meth:`resume` and
+    :meth:`restart` act on one server, for fault tests; the others go on.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        name: str = "stream-gateway",
+        host: str = "127.0.0.1",
+        store_root: Path | None = None,
+        max_payload: int | None = None,
+        config_lines: tuple[str, ...] = (),
+    ) -> None:
+        if size < 1:
+            raise ValueError("a cluster has at least one server")
+        self._size, self._name, self._host = size, name, host
+        self._store_root, self._max_payload, self._config_lines = store_root, max_payload, config_lines
+        self._servers: list[EmbeddedNatsServer] = []
+
+    @property
+    def servers(self) -> tuple[EmbeddedNatsServer, ...]:
+        """The servers, in order (known once started)."""
+        return tuple(self._servers)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every server's client URL."""
+        return tuple(server.url for server in self._servers)
+
+    @property
+    def url(self) -> str:
+        """Every server's client URL, comma separated (``--nats-url``)."""
+        if not self._servers:
+            raise NatsServerError("the cluster's URLs are not known until it has started")
+        return ",".join(self.urls)
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start every server and wait until each is :meth:`~EmbeddedNatsServer.healthy` (a meta leader is elected)."""
+        if any(server.running for server in self._servers):
+            raise NatsServerError("the cluster is already running")
+        for attempt in range(3):
+            ports = _reserve_ports(self._size, _connect_host(self._host))
+            routes = tuple(f"nats://{_url_host(self._host)}:{port}" for port in ports)
+            self._servers = [EmbeddedNatsServer(self._node_config(i, port, routes)) for i, port in enumerate(ports)]
+            try:
+                for server in self._servers:
+                    server.start(timeout)
+            except NatsServerStartError as exc:
+                self.stop()
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                continue
+            self.wait_healthy(timeout)
+            return
+
+    def wait_healthy(self, timeout: float = 30.0, *, only: int | None = None) -> None:
+        """Wait until every running server (or server ``only``) is healthy; if not in time, NatsServerStartError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = [
+                i
+                for i, server in enumerate(self._servers)
+                if (only is None or i == only) and server.running and not server.healthy()
+            ]
+            if not waiting:
+                return
+            if time.monotonic() >= deadline:
+                tails = "\n".join(f"server {i}: {self._servers[i]._log_tail(0)[-1000:]}" for i in waiting)
+                raise NatsServerStartError(f"cluster servers {waiting} not healthy within {timeout} s:\n{tails}")
+            time.sleep(_POLL_INTERVAL_S * 5)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every server (idempotent); temp stores are removed."""
+        for server in self._servers:
+            server.stop(timeout)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL server ``index``; its store and ports are kept for :meth:`restart`."""
+        self._servers[index].kill()
+
+    def pause(self, index: int) -> None:
+        """SIGSTOP server ``index`` (a partition, as its peers see it)."""
+        self._servers[index].pause()
+
+    def resume(self, index: int) -> None:
+        """SIGCONT server ``index``."""
+        self._servers[index].resume()
+
+    def restart(self, index: int, timeout: float = 30.0) -> None:
+        """Start server ``index`` again (stopping it gracefully first if running) and wait until it is healthy."""
+        self._servers[index].restart(timeout)
+        self.wait_healthy(timeout, only=index)
+
+    def leader(self, stream: str) -> int | None:
+        """The index of the server leading ``stream`` (a KV bucket's is ``KV_<bucket>``), ``None``: none now."""
+        return self._leader_named(lambda jsz: _stream_leader(jsz, stream))
+
+    def meta_leader(self) -> int | None:
+        """The index of the JetStream meta leader, ``None``: none now."""
+        return self._leader_named(lambda jsz: (jsz.get("meta_cluster") or {}).get("leader"))
+
+    def _leader_named(self, pick: Callable[[dict[str, Any]], str | None]) -> int | None:
+        names = [server.config.server_name for server in self._servers]
+        for server in self._servers:
+            if not server.running:
+                continue
+            try:
+                leader = pick(server.monitor("jsz?accounts=true&streams=true"))
+            except (urllib.error.URLError, OSError, ValueError):
+                continue  # paused or going away: ask the next
+            if leader in names:
+                return names.index(leader)
+        return None
+
+    def _node_config(self, index: int, cluster_port: int, routes: tuple[str, ...]) -> NatsServerConfig:
+        return NatsServerConfig(
+            host=self._host,
+            store_dir=self._store_root / f"node-{index}" if self._store_root is not None else None,
+            max_payload=self._max_payload,
+            server_name=f"{self._name}-{index}",
+            config_lines=self._config_lines,
+            cluster_name=self._name,
+            cluster_port=cluster_port,
+            routes=routes,
+        )
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await anyio.to_thread.run_sync(self.start)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.stop)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.stop)
+
+    def __repr__(self) -> str:
+        return f"<EmbeddedNatsCluster {self._name} x{self._size} {list(self._servers)}>"
+
+
+def _reserve_ports(count: int, host: str) -> list[int]:
+    """``count`` ports that were free a moment ago (all held at once, so they differ)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [
+            stack.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)) for _ in range(count)
+        ]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def _stream_leader(jsz: dict[str, Any], stream: str) -> str | None:
+    for account in jsz.get("account_details") or ():
+        for detail in account.get("stream_detail") or ():
+            if detail.get("name") == stream:
+                leader = (detail.get("cluster") or {}).get("leader")
+                return leader if isinstance(leader, str) else None
+    return None
 
 
 def _connect_host(host: str) -> str:

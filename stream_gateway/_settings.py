@@ -176,6 +176,12 @@ class Settings(BaseSettings):
     session_sync_timeout_seconds: float = Field(
         1.0, gt=0, description="longest wait for one read or write of the shared session state before falling back"
     )
+    session_handoff_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="on a NATS cluster, longest a turn's end waits for its shared session entry to be stored, "
+        "and a request for another replica's turn to become readable, while a new leader is elected",
+    )
     session_state_ttl_seconds: float = Field(
         7 * 24 * 3600.0, ge=0, description="shared session state unused this long expires (0: never)"
     )

@@ -163,6 +163,7 @@ def _sharing(settings: Settings) -> SharingConfig | None:
         subject_prefix=settings.subject_prefix,
         replicas=settings.stream_replicas,
         timeout_s=settings.session_sync_timeout_seconds,
+        handoff_s=settings.session_handoff_seconds,
         record_ttl_s=settings.session_state_ttl_seconds,
     )
 

@@ -9,6 +9,7 @@ and feedback; it decides what is local and what goes to the shared state.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -22,6 +23,10 @@ from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Tur
 
 __all__ = ["SessionDirectory", "SharingConfig"]
 
+log = logging.getLogger(__name__)
+
+_RECHECK_S = 0.25  # how often a wait for the shared state checks that NATS may still answer
+
 
 @dataclass(frozen=True, slots=True)
 class SharingConfig:
@@ -34,6 +39,7 @@ class SharingConfig:
     subject_prefix: str
     replicas: int = 1
     timeout_s: float = 1.0
+    handoff_s: float = 30.0
     record_ttl_s: float = 0.0
 
 
@@ -95,9 +101,9 @@ class SessionDirectory:
             return session
         try:
             if session is not None:
-                await shared.refresh(session)
+                await shared.patiently(lambda: shared.refresh(session))
                 return session
-            loaded = await shared.load(session_id, tenant)
+            loaded = await shared.patiently(lambda: shared.load(session_id, tenant))
         except SharedUnavailable:
             return session
         return self.store.insert(loaded) if loaded is not None else None
@@ -130,11 +136,19 @@ class SessionDirectory:
         shared = self.shared
         if shared is None or not positions or at == positions[-1]:
             return turn, None
-        try:
+
+        async def deeper() -> Turn | None:
             await shared.refresh(session)
+            turn, at = session.match(keys, positions)
+            if at != positions[-1] and (unread := shared.unread(session)):
+                # The record names turns not readable yet: the one continued may be among them.
+                raise SharedUnavailable(f"turns {sorted(unread)} could not be read back from the stream yet")
+            return turn
+
+        try:
+            return await shared.patiently(deeper), None
         except SharedUnavailable as exc:
-            return turn, str(exc)
-        return session.match(keys, positions)[0], None
+            return session.match(keys, positions)[0], str(exc)
 
     async def find(
         self, tenant: str, keys: list[bytes], positions: list[int]
@@ -147,10 +161,11 @@ class SessionDirectory:
         found = (local[0], local[1]) if local is not None else None
         if shared is None or not deeper:
             return found, None
-        try:
+
+        async def indexed() -> tuple[Session, Turn] | None:
             hit = await shared.probe(tenant, [keys[i] for i in deeper])
             if hit is None:
-                return found, None
+                return None
             _, session_id, turn_id = hit
             session = self.store.cached(session_id)
             if session is not None and turn_id not in session.turns:
@@ -158,23 +173,30 @@ class SessionDirectory:
             elif session is None:
                 loaded = await shared.load(session_id, tenant)
                 session = self.store.insert(loaded) if loaded is not None else None
+            if session is None or session.closed or session.tenant != tenant:
+                return None
+            if turn_id not in session.turns:  # indexed, but its event is not readable yet
+                raise SharedUnavailable(
+                    f"turn {turn_id} of session {session_id} could not be read back from the stream"
+                )
+            turn, _ = session.match(keys, positions)
+            return (session, turn) if turn is not None else None
+
+        try:
+            hit = await shared.patiently(indexed)
         except SharedUnavailable as exc:
             return found, str(exc)
         except NotFound:
             return found, None
-        if session is None or session.closed or session.tenant != tenant:
-            return found, None
-        turn, _ = session.match(keys, positions)
-        if turn is None:
-            return found, f"turn {turn_id} of session {session_id} could not be read back from the stream"
-        return (session, turn), None
+        return (hit, None) if hit is not None else (found, None)
 
     async def match_tokens(self, session: Session, ids: list[int]) -> Turn | None:
         """The deepest finished turn of ``session`` that ``ids`` extend, refreshing it on a miss."""
         turn = session.match_tokens(ids)
-        if turn is None and self.shared is not None and session.shared is not None:
+        shared = self.shared
+        if turn is None and shared is not None and session.shared is not None:
             try:
-                await self.shared.refresh(session)
+                await shared.patiently(lambda: shared.refresh(session))
             except SharedUnavailable:
                 return None
             turn = session.match_tokens(ids)
@@ -194,12 +216,19 @@ class SessionDirectory:
         return self.shared.turn_recorded(session, turn)
 
     async def wait_shared(self, done: anyio.Event | None) -> None:
-        """Wait (bounded) until a turn is stored in the shared state; not at all while NATS is away."""
+        """Wait until a turn is stored in the shared state, so that any replica finds it next:
+        while NATS may answer soon (connected, or reconnecting to another server), within
+        ``--session-handoff-seconds`` on a cluster (two ``--session-sync-timeout-seconds`` on one
+        server); not at all while NATS is away."""
         shared = self.shared
-        if done is None or shared is None or not shared.available:
+        if done is None or shared is None:
             return
-        with anyio.move_on_after(shared.timeout_s * 2):
-            await done.wait()
+        with anyio.move_on_after(shared.wait_limit):
+            while not done.is_set() and shared.worth_waiting:
+                with anyio.move_on_after(_RECHECK_S):
+                    await done.wait()
+        if not done.is_set():
+            log.warning("a turn's end did not wait longer for the shared session state (NATS away or too slow)")
 
     def feedback_recorded(self, session: Session, record: dict[str, Any]) -> None:
         session.feedback.append(record)

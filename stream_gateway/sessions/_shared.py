@@ -22,12 +22,20 @@ A streamed response sends its last frames (usage, ``[DONE]``) once that is store
 next request finds the turn on any replica; bounded by ``--session-sync-timeout-seconds``, and not
 at all while NATS is away.
 
+A cluster healing (a node lost, a stream electing a new leader: seconds in which reads and writes
+time out or find no leader while the connection is up, or is being re-made to another node) is
+waited out, within ``--session-handoff-seconds``: a request that needs the shared state retries
+its reads until they answer, and a turn's last frames wait until its entry is stored, so a
+conversation handed to another replica right after a node loss continues its chain. Only NATS
+away for longer than the reconnect grace (``_RECONNECT_GRACE_S``: no server to reconnect to) or a
+wait past that bound gives up.
+
 NATS away (connection lost, server paused): requests are served from the cache; a request that
 needs the shared state (a session this replica does not hold, or a turn newer than its copy)
-starts a new root turn with a ``fallback_reason`` instead of failing. Writes wait in memory and
-are retried until NATS is back: then the index heals. What a replica that dies during an outage
-held unwritten is lost from the index (its events are still in its disk outbox), so a later turn
-continuing one of its turns starts a new root.
+starts a new root turn with a ``fallback_reason`` (saying how long it waited) instead of
+failing. Writes wait in memory and are retried until NATS is back: then the index heals. What a
+replica that dies during an outage held unwritten is lost from the index (its events are still
+in its disk outbox), so a later turn continuing one of its turns starts a new root.
 
 Event numbers: each replica numbers a session's durable events from a block of ``seq`` values it
 reserved in the record (the creator holds ``[0, SEQ_BLOCK)``), and ``session.closed`` lists the
@@ -46,7 +54,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import orjson
@@ -66,9 +74,12 @@ if TYPE_CHECKING:
 __all__ = ["SharedSessions", "SharedUnavailable", "expected_seqs"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _BACKOFF = (0.2, 5.0)  # first and largest wait between retries of a write
-_RETRY_AFTER_FAILURE_S = 2.0  # after a failed read, go straight to the fallback this long
+_BACKOFF_CONNECTED_S = 1.0  # the largest while connected (an election ends any moment)
+_RECONNECT_GRACE_S = 3.0  # a lost connection is being re-made to another server this long
+_RETRY_READ_S = (0.05, 1.0)  # first and largest wait between retries of a read, within the handoff bound
 
 
 class SharedUnavailable(Exception):
@@ -240,6 +251,7 @@ class SharedSessions:
         subject_prefix: str,
         replicas: int = 1,
         timeout_s: float = 1.0,
+        handoff_s: float = 30.0,
         record_ttl_s: float = 0.0,
         idle_seconds: float = 3600.0,
         on_remote_close: Callable[[Session, str], Awaitable[object]] | None = None,
@@ -250,13 +262,14 @@ class SharedSessions:
         self._bucket_name = bucket
         self._replicas = replicas
         self.timeout_s = timeout_s
+        self.handoff_s = handoff_s
         self._ttl = record_ttl_s
         self._idle_seconds = idle_seconds
         self._replay = TurnReplay(store, stream=events_stream, subject_prefix=subject_prefix, timeout_s=timeout_s)
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._bucket: SessionsBucket | None = None  # once provisioned
-        self._failed_at = 0.0
+        self._disconnected_at: float | None = None  # when the connection was lost; None: connected
         self._backoff = _BACKOFF[0]  # before the next retry of a failed write
         self._me = secrets.token_hex(8)  # tells this replica's close markers from others'
         self._dirty: dict[str, Session] = {}
@@ -272,9 +285,11 @@ class SharedSessions:
 
         async def disconnected() -> None:
             if not nc.is_closed:
+                self._disconnected_at = time.monotonic()
                 log.warning("shared sessions: NATS connection lost; serving from the cache")
 
         async def reconnected() -> None:
+            self._disconnected_at = None
             log.info("shared sessions: NATS connection back")
             self._wake.set()
 
@@ -298,7 +313,6 @@ class SharedSessions:
                 break
             except NatsRefused as exc:  # a misconfiguration: requests fall back meanwhile
                 log.error("shared sessions: %s; serving without shared state, retrying", exc)
-                self._failed_at = time.monotonic()
                 self.ready.set()
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF[1])
@@ -350,18 +364,50 @@ class SharedSessions:
 
     @property
     def available(self) -> bool:
-        """Whether reads are worth trying now (connected, provisioned, and no read just failed)."""
+        """Whether reads are worth trying now (connected and provisioned)."""
         nc = self._nc
-        return (
-            self._bucket is not None
-            and nc is not None
-            and nc.is_connected
-            and time.monotonic() - self._failed_at >= _RETRY_AFTER_FAILURE_S
-        )
+        return self._bucket is not None and nc is not None and nc.is_connected
+
+    @property
+    def clustered(self) -> bool:
+        """Whether NATS is a cluster (more than one server known, named or announced): only then
+        can another server take over, and a wait for an election be worth it."""
+        return self._nc is not None and len(self._nc.servers) > 1
+
+    @property
+    def wait_limit(self) -> float:
+        """The longest wait for the shared state: ``handoff_s`` on a cluster, else two read timeouts."""
+        return self.handoff_s if self.clustered else self.timeout_s * 2
+
+    @property
+    def worth_waiting(self) -> bool:
+        """Whether the shared state may answer soon: provisioned, and connected or, on a cluster,
+        reconnecting within the grace (the connection moving to another server)."""
+        if self._bucket is None or self._nc is None or self._nc.is_closed:
+            return False
+        lost = self._disconnected_at
+        reconnecting = self.clustered and lost is not None and time.monotonic() - lost < _RECONNECT_GRACE_S
+        return self._nc.is_connected or reconnecting
+
+    async def patiently(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()``, tried again while it raises :class:`SharedUnavailable` and the shared state
+        is :attr:`worth_waiting`, within :attr:`wait_limit`; the last failure says how long it waited."""
+        started = time.monotonic()
+        pause = _RETRY_READ_S[0]
+        while True:
+            try:
+                return await attempt()
+            except SharedUnavailable as exc:
+                waited = time.monotonic() - started
+                if not self.worth_waiting or waited + pause > self.wait_limit:
+                    if waited < pause:
+                        raise
+                    raise SharedUnavailable(f"{exc} (waited {waited:.1f} s)") from exc
+            await anyio.sleep(pause)
+            pause = min(pause * 2, _RETRY_READ_S[1])
 
     def _unavailable(self, exc: BaseException) -> SharedUnavailable:
-        self._failed_at = time.monotonic()
-        log.warning("shared sessions: NATS did not answer (%r); falling back to the cache", exc)
+        log.warning("shared sessions: NATS did not answer (%r)", exc)
         return SharedUnavailable(f"the shared session state (NATS) is unreachable: {exc!r}")
 
     def _check(self) -> SessionsBucket:
@@ -414,12 +460,20 @@ class SharedSessions:
         """Bring a cached session up to its record (new turns, feedback, closed)."""
         state = self._state(session)
         record, revision = await self._get_record(session.session_id)
-        if record is None or revision == state.revision:
+        if record is None or (revision == state.revision and not self.unread(session)):
             return
         state.revision, state.record = revision, record
         await self._absorb(session, record)
         if record.closed and not session.closed:
             self._store.mark_closed(session)
+
+    def unread(self, session: Session) -> set[str]:
+        """The turns the shared record names whose events could not be read back yet (still on
+        their way from another replica's publisher, or the events stream between leaders)."""
+        state = session.shared
+        if state is None:
+            return set()
+        return {turn_id for turn_id in state.known_turns if turn_id not in session.turns}
 
     async def create_named(self, session: Session) -> Session:
         """Store a new named session's record; if another replica created it first, that one."""
@@ -539,7 +593,8 @@ class SharedSessions:
                 self._backoff = _BACKOFF[0]
             except SharedUnavailable:
                 await anyio.sleep(self._backoff)  # NATS away or slow: retried after a growing pause
-                self._backoff = min(self._backoff * 2, _BACKOFF[1])
+                largest = _BACKOFF_CONNECTED_S if self.worth_waiting else _BACKOFF[1]
+                self._backoff = min(self._backoff * 2, largest)
             finally:
                 writing.discard(session.session_id)
                 if session.session_id in self._dirty:

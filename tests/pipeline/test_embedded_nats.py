@@ -13,12 +13,15 @@ from pathlib import Path
 import anyio
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 from pipeline import embedded
 from pipeline.embedded import (
+    EmbeddedNatsCluster,
     EmbeddedNatsServer,
     NatsServerConfig,
     NatsServerError,
@@ -44,6 +47,7 @@ async def connected(url: str) -> AsyncIterator[Client]:
 def test_public_names() -> None:
     assert embedded.__all__ == sorted(embedded.__all__)
     assert set(embedded.__all__) == {
+        "EmbeddedNatsCluster",
         "EmbeddedNatsServer",
         "NatsServerConfig",
         "NatsServerError",
@@ -210,3 +214,54 @@ def test_interpreter_exit_stops_the_child() -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid), 0)
     assert not Path(store).exists()
+
+
+async def _publish_once_a_leader_takes_it(js: JetStreamContext, subject: str, data: bytes) -> None:
+    with anyio.fail_after(60):
+        while True:
+            try:
+                await js.publish(subject, data, timeout=2)
+                return
+            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.APIError):
+                await anyio.sleep(0.2)
+
+
+@pytest.mark.anyio
+async def test_a_cluster_replicates_and_survives_its_leaders_death(tmp_path: Path) -> None:
+    async with EmbeddedNatsCluster(3, store_root=tmp_path) as cluster:
+        assert len(cluster.urls) == 3 and cluster.url == ",".join(cluster.urls)
+        assert all(server.healthy() for server in cluster.servers)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["node-0", "node-1", "node-2"]  # noqa: ASYNC240
+        client = await nats.connect(list(cluster.urls), error_cb=_ignore_error, reconnect_time_wait=0.1)
+        try:
+            js = client.jetstream()
+            await js.add_stream(StreamConfig(name="R3", subjects=["r3.>"], num_replicas=3))
+            await _publish_once_a_leader_takes_it(js, "r3.a", b"one")  # a new stream elects its leader first
+            leader = cluster.leader("R3")
+            assert leader is not None
+            info = await js.stream_info("R3")
+            assert info.cluster is not None and len(info.cluster.replicas or []) == 2  # two followers
+
+            await anyio.to_thread.run_sync(cluster.kill, leader)
+            assert not cluster.servers[leader].running
+            # A new leader among the survivors takes the write; nothing written before is lost.
+            await _publish_once_a_leader_takes_it(js, "r3.b", b"two")
+            assert cluster.leader("R3") not in (None, leader)
+
+            await anyio.to_thread.run_sync(cluster.restart, leader)  # back, and current: healthy
+            assert cluster.servers[leader].healthy()
+            assert (await js.get_msg("R3", 1)).data == b"one"
+            assert (await js.stream_info("R3")).state.messages == 2
+        finally:
+            await client.close()
+    assert not any(server.running for server in cluster.servers)
+
+
+def test_a_cluster_routes_to_every_member() -> None:
+    with EmbeddedNatsCluster(3) as cluster:
+        routes = {server.config.cluster_port for server in cluster.servers}
+        assert len(routes) == 3 and 0 not in routes
+        for server in cluster.servers:
+            assert sorted(server.config.routes) == sorted(f"nats://127.0.0.1:{port}" for port in routes)
+            assert server.monitor("routez")["num_routes"] >= 2  # connected to both others
+        assert cluster.meta_leader() is not None
