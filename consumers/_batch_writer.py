@@ -33,6 +33,7 @@ import anyio
 import orjson
 from pipeline.durable import publish_durable
 from pipeline.events import subject_token
+from pipeline.streams import ensure_key_value
 
 from .batch_record import BatchRecord
 from .parquet import BatchManifest, encode_batch
@@ -52,16 +53,13 @@ _RETRY_FIRST_S = 0.5
 _RETRY_MAX_S = 10.0
 
 
-async def open_state_bucket(js: JetStreamContext, bucket: str, replicas: int) -> KeyValue:
-    """The KV bucket of batch records, created (file storage, history 1) if missing."""
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import BucketNotFoundError, NotFoundError
+async def open_state_bucket(js: JetStreamContext, bucket: str, replicas: int | None) -> KeyValue:
+    """The KV bucket of batch records, created (file storage, history 1) if missing.
 
-    try:
-        return await js.key_value(bucket)
-    except (BucketNotFoundError, NotFoundError):
-        config = KeyValueConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas, history=1)
-        return await js.create_key_value(config=config)
+    ``replicas``: as :class:`~consumers.streams.ConsumerStreams`' (``None``: one for a new bucket,
+    an existing one's count kept).
+    """
+    return await ensure_key_value(js, bucket, replicas=replicas, history=1)
 
 
 class BatchWriter:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli import nats_from_args, progress, standalone
+from pipeline.cli import add_stream_replicas_flag, nats_from_args, progress, standalone
 from pipeline.connection import NatsAuth, NatsRefused, add_nats_arguments
 
 from .streams import ConsumerStreams
@@ -36,7 +36,7 @@ def _assemble(args: argparse.Namespace) -> int:
     config = AssemblerConfig(
         servers=servers,
         auth=auth,
-        names=ConsumerStreams(prefix=args.subject_prefix, events=args.events_stream),
+        names=ConsumerStreams(prefix=args.subject_prefix, events=args.events_stream, replicas=args.stream_replicas),
         durable=args.durable,
         idle_timeout_s=args.idle_timeout,
         close_grace_s=args.close_grace,
@@ -54,16 +54,29 @@ def _assemble(args: argparse.Namespace) -> int:
 
 
 def batcher_config(
-    args: argparse.Namespace, servers: tuple[str, ...], auth: NatsAuth, output_dir: Path | None, **more: Any
+    args: argparse.Namespace,
+    servers: tuple[str, ...],
+    auth: NatsAuth,
+    output_dir: Path | None,
+    *,
+    replicas: int | None = None,
+    **more: Any,
 ) -> BatcherConfig:
-    """The batcher's configuration from :func:`add_batch_flags`' flags (and ``more`` fields)."""
+    """The batcher's configuration from :func:`add_batch_flags`' flags (and ``more`` fields).
+
+    ``replicas``: of its streams and buckets (``ConsumerStreams.replicas``): ``batch``'s
+    ``--stream-replicas``, ``up``'s one server's 1; ``None`` changes no existing count.
+    """
     from .batcher import BatcherConfig
 
+    names = ConsumerStreams(
+        prefix=args.subject_prefix or "sg", events=args.events_stream or "SG_EVENTS", replicas=replicas
+    )
     return BatcherConfig(
         **more,
         servers=servers,
         auth=auth,
-        names=ConsumerStreams(prefix=args.subject_prefix or "sg", events=args.events_stream or "SG_EVENTS"),
+        names=names,
         batch_size=args.batch_size,
         group_size=args.group_size,
         group_key=args.group_key,
@@ -86,7 +99,9 @@ def _batch(args: argparse.Namespace) -> int:
     servers, auth = nats
     output_dir = Path(args.output_dir).expanduser() if args.output_dir else None
     try:
-        config = batcher_config(args, servers, auth, output_dir, ack_wait_s=args.ack_wait)
+        config = batcher_config(
+            args, servers, auth, output_dir, replicas=args.stream_replicas, ack_wait_s=args.ack_wait
+        )
     except ValueError as exc:
         print(f"stream-gateway batch: {exc}", file=sys.stderr)
         return 2
@@ -143,6 +158,7 @@ def add_commands(commands: Any) -> None:
     assemble.add_argument("--max-turns", type=int, help="emit a session (truncated) at this many turns")
     assemble.add_argument("--max-tokens", type=int, help="cut trajectories at this many tokens")
     assemble.add_argument("--ack-wait", type=float, default=60.0, help="redelivery delay after a crash (s)")
+    add_stream_replicas_flag(assemble, "the streams and buckets it provisions")
     assemble.set_defaults(run=_assemble)
 
     batch = commands.add_parser("batch", help="group trajectories into verl training batches (a durable consumer)")
@@ -151,6 +167,7 @@ def add_commands(commands: Any) -> None:
     batch.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (for policy.updated)")
     batch.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
     batch.add_argument("--ack-wait", type=float, default=30.0, help="redelivery delay after a crash (s)")
+    add_stream_replicas_flag(batch, "the streams and buckets it provisions")
     add_batch_flags(batch)
     batch.set_defaults(run=_batch)
 

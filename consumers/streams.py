@@ -10,6 +10,11 @@
 
 Trajectories over the server's max payload travel like oversized events: in the
 ``sg_payloads`` object store, with a pointer message (``pipeline.durable.publish_durable``).
+
+``replicas`` (``--stream-replicas``): each stream and bucket above is created with, and an existing
+one brought to, that many replicas; ``None`` creates what is missing with one and leaves the count
+of what exists alone (``pipeline.streams``), so that a consumer started without the flag never
+scales a cluster's streams down. The events stream is only created here, never changed.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeline.events import subject_token
-from pipeline.streams import StreamSpec, ensure_bucket, ensure_named_stream, ensure_stream
+from pipeline.streams import StreamSpec, ensure_bucket, ensure_key_value, ensure_named_stream, ensure_stream
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -40,7 +45,7 @@ class ConsumerStreams:
     batch_bucket: str = "sg_batches"
     state_bucket: str = "sg_assembler"  # the assembler's per-session state (JetStream KV)
     image_bucket: str = "sg_images"  # the gateway's images and their processors (pipeline.streams.StreamSpec)
-    replicas: int = 1
+    replicas: int | None = None  # None: one for what is created, what exists keeps its own (module docstring)
     duplicate_window_s: float = 600.0
 
     @property
@@ -62,22 +67,16 @@ class ConsumerStreams:
 
 async def ensure_consumer_streams(js: JetStreamContext, names: ConsumerStreams) -> None:
     """Create (or update) the trajectory and batch streams, the buckets, and a missing events stream."""
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import BucketNotFoundError, NotFoundError
+    from nats.js.errors import NotFoundError
 
     try:
         await js.stream_info(names.events)
     except NotFoundError:  # consumers started before any gateway: create it as a gateway would
         await ensure_stream(js, StreamSpec(prefix=names.prefix, stream=names.events, replicas=names.replicas))
-    common = {"replicas": names.replicas, "duplicate_window_s": names.duplicate_window_s}
-    await ensure_named_stream(js, names.trajectories, [names.trajectory_subjects], **common)  # type: ignore[arg-type]
-    await ensure_named_stream(js, names.batches, [names.batch_subject], **common)  # type: ignore[arg-type]
+    for stream, subject in ((names.trajectories, names.trajectory_subjects), (names.batches, names.batch_subject)):
+        await ensure_named_stream(
+            js, stream, [subject], replicas=names.replicas, duplicate_window_s=names.duplicate_window_s
+        )
     for bucket in (names.payload_bucket, names.batch_bucket):
         await ensure_bucket(js, bucket, replicas=names.replicas)
-    try:
-        await js.key_value(names.state_bucket)
-    except (BucketNotFoundError, NotFoundError):
-        config_kv = KeyValueConfig(
-            bucket=names.state_bucket, storage=StorageType.FILE, replicas=names.replicas, history=1
-        )
-        await js.create_key_value(config=config_kv)
+    await ensure_key_value(js, names.state_bucket, replicas=names.replicas)

@@ -107,6 +107,9 @@ Deliberate choices:
   are not verl's replicas, never sleep, and swap weights between two decode steps. verl's own
   rollout replicas (``LLMServerManager.create`` launches them regardless) are not put to sleep
   either, so in hybrid mode they keep the GPU memory they hold (``rollout.gpu_memory_utilization``).
+* **The events stream is the gateways'.** Rank 0 makes sure it exists, but a stream the gateways
+  created keeps its replicas and limits: ``replicas`` (as ``publish-weights --stream-replicas``)
+  unset changes no count, of the stream or of the ``sg_policies`` bucket (:mod:`pipeline.streams`).
 * **Sync or awaited, as verl's default.** The async methods are wrapped in verl's own
   ``verl.utils.ray_utils.auto_await``, as ``verl.checkpoint_engine.base.CheckpointEngineManager``'s
   are: a plain call (``RayPPOTrainer`` calls synchronously) runs them with ``asyncio.run``, or in a
@@ -226,6 +229,8 @@ class NatsWeightSettings:
     prefix: str = "sg"  # subject prefix of the events stream, as the gateways'
     stream: str = "SG_EVENTS"  # the events stream that holds policy.updated
     bucket: str = POLICY_BUCKET
+    # As publish-weights' --stream-replicas: None leaves the stream's and the bucket's count as they are.
+    replicas: int | None = None
     keep_full: int = 2  # full versions kept in the bucket (older objects are deleted)
     model: str = ""  # informational, copied into policy.updated
     dtype: str | None = None  # e.g. "bfloat16": floating tensors are cast before upload; None keeps the trainer's
@@ -242,6 +247,7 @@ class NatsWeightSettings:
         if self.adapter is not None and not _ADAPTER_NAME.fullmatch(self.adapter):
             raise ValueError(f"adapter {self.adapter!r}: 1-128 of A-Z a-z 0-9 _ . -")
         self.torch_dtype()  # fail at construction, not at the first step
+        _ = self.spec  # replicas out of 1-5 likewise
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None) -> NatsWeightSettings:
@@ -263,7 +269,7 @@ class NatsWeightSettings:
     @property
     def spec(self) -> StreamSpec:
         """The events stream, as :func:`pipeline.policies.publish_policy` takes it."""
-        return StreamSpec(prefix=self.prefix, stream=self.stream)
+        return StreamSpec(prefix=self.prefix, stream=self.stream, replicas=self.replicas)
 
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a torch floating dtype (``None``: keep each tensor's)."""

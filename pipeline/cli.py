@@ -2,7 +2,9 @@
 
 :func:`add_commands` registers them on the ``stream-gateway`` command (:mod:`stream_stack.cli`);
 ``python -m pipeline.cli`` runs them alone. Both take the shared NATS options of
-:mod:`pipeline.connection` (URLs, credentials, TLS).
+:mod:`pipeline.connection` (URLs, credentials, TLS). :func:`add_stream_replicas_flag` is the
+``--stream-replicas`` of the commands that provision streams beside the gateway's (``publish-weights``,
+``assemble``, ``batch``): unset, unlike the gateway's, it changes no existing stream's replicas.
 """
 
 from __future__ import annotations
@@ -16,8 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from .connection import NatsAuth, add_nats_arguments, nats_auth_from_args, split_servers
+from .streams import MAX_REPLICAS
 
-__all__ = ["add_commands", "main", "nats_from_args", "progress", "run_command", "standalone"]
+__all__ = [
+    "add_commands",
+    "add_stream_replicas_flag",
+    "main",
+    "nats_from_args",
+    "progress",
+    "run_command",
+    "standalone",
+]
 
 
 def progress(message: str) -> None:
@@ -32,6 +43,31 @@ def nats_from_args(args: argparse.Namespace, command: str) -> tuple[tuple[str, .
     except ValueError as exc:
         print(f"stream-gateway {command}: {exc}", file=sys.stderr)
         return None
+
+
+def _replica_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of replicas from 1 to {MAX_REPLICAS}")
+    return count
+
+
+def add_stream_replicas_flag(command: argparse.ArgumentParser, what: str) -> None:
+    """``--stream-replicas N`` (``args.stream_replicas``, ``None`` when not given), replicas of ``what``.
+
+    Unset, what is missing is created with one replica and what exists keeps its count: a command
+    that shares a stream with the gateways must not scale it down (:mod:`pipeline.streams`).
+    """
+    command.add_argument(
+        "--stream-replicas",
+        type=_replica_count,
+        metavar="STREAM_REPLICAS",
+        help=f"replicas of {what} on a NATS cluster, 1-{MAX_REPLICAS}, as the gateways' --stream-replicas "
+        "(unset: one for what is created; what exists keeps its count)",
+    )
 
 
 def _tail(args: argparse.Namespace) -> int:
@@ -82,7 +118,7 @@ def _publish_weights(args: argparse.Namespace) -> int:
     if (nats := nats_from_args(args, "publish-weights")) is None:
         return 2
     servers, auth = nats
-    spec = StreamSpec(prefix=args.subject_prefix, stream=args.events_stream)
+    spec = StreamSpec(prefix=args.subject_prefix, stream=args.events_stream, replicas=args.stream_replicas)
     if not Path(args.directory).is_dir():
         print(f"stream-gateway publish-weights: no directory {args.directory}", file=sys.stderr)
         return 2
@@ -167,6 +203,7 @@ def add_commands(commands: Any) -> None:
     publish.add_argument("--keep", type=int, default=2, help="full versions kept in the bucket (default 2)")
     publish.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (default SG_EVENTS)")
     publish.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    add_stream_replicas_flag(publish, "the events stream and the bucket")
     publish.set_defaults(run=_publish_weights)
 
 

@@ -34,6 +34,10 @@ Deliberate choices:
   nats-py 2.16.0, ``nats/js/object_store.py``).
 * Digests are ours (hex SHA-256 in the event) as well as nats-py's own per-object check: an object
   replaced under the same name after the event was published is caught by ours.
+* The events stream is the gateways': publishing makes sure it exists, but with the default
+  :class:`~pipeline.streams.StreamSpec` (``replicas`` and limits ``None``) an existing stream keeps
+  its replicas and limits, and the bucket its replicas; a ``spec.replicas`` given
+  (``publish-weights --stream-replicas``) is applied to both.
 """
 
 from __future__ import annotations

@@ -15,25 +15,38 @@ carries the real id.
 Provisioning never deletes anything: a missing stream or bucket is created, an existing one
 whose managed settings differ is updated in place (what JetStream allows to change; a change it
 refuses, such as the storage type, is reported with the server's message).
+
+Who owns a setting: a :class:`StreamSpec` field left ``None`` (``replicas``, ``max_bytes``,
+``max_age_s``) is one the caller does not own. A missing stream is created with the default (one
+replica, no limits) and an existing one keeps its own. Components that only publish to or read
+the events stream (``publish-weights``, the verl checkpoint engine, the consumers without
+``--stream-replicas``) leave them ``None``, so that they never undo what the gateways
+(``--stream-replicas``, ``--stream-max-bytes``, ...) set; a value given is enforced, on the stream
+and on the replicas of its buckets.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeVar
+
+import anyio
 
 from .events import Event, subject_token
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
     from nats.js.object_store import ObjectStore
 
 __all__ = [
+    "MAX_REPLICAS",
     "PAYLOAD_OBJECT_HEADER",
     "StreamSpec",
     "delta_subject",
     "ensure_bucket",
+    "ensure_key_value",
     "ensure_named_stream",
     "ensure_object_store",
     "ensure_stream",
@@ -43,7 +56,14 @@ __all__ = [
 # On a pointer message: "<bucket>/<object name>" of the event too large for one NATS message.
 PAYLOAD_OBJECT_HEADER = "Sg-Payload-Object"
 
+MAX_REPLICAS = 5
+"""JetStream's most replicas of a stream: the top of every ``--stream-replicas``."""
+
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+_LEADER_WAIT_S = 10.0  # after a change of replicas: a publish before the new leader would time out
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +74,15 @@ class StreamSpec:
     stream: str = "SG_EVENTS"
     payload_bucket: str = "sg_payloads"
     image_bucket: str = "sg_images"  # images by the SHA-256 of their bytes, and their processors (docs/images.md)
-    replicas: int = 1
-    max_bytes: int = -1  # -1: unlimited
-    max_age_s: float = 0.0  # 0: forever
+    # None: not this caller's to set; 1, -1 (unlimited) and 0 (forever) for a new stream (module docstring).
+    replicas: int | None = None
+    max_bytes: int | None = None
+    max_age_s: float | None = None
     duplicate_window_s: float = 600.0  # how long a replayed event id is still recognised
+
+    def __post_init__(self) -> None:
+        if self.replicas is not None and not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ValueError(f"replicas {self.replicas}: from 1 to {MAX_REPLICAS}")
 
     @property
     def subjects(self) -> list[str]:
@@ -95,37 +120,55 @@ async def ensure_named_stream(
     name: str,
     subjects: list[str],
     *,
-    replicas: int = 1,
-    max_bytes: int = -1,
-    max_age_s: float = 0.0,
+    replicas: int | None = None,
+    max_bytes: int | None = None,
+    max_age_s: float | None = None,
     duplicate_window_s: float = 600.0,
 ) -> None:
-    """Create a file-backed limits stream, or bring an existing one's managed settings to these."""
+    """Create a file-backed limits stream, or bring an existing one's managed settings to these.
+
+    ``replicas``, ``max_bytes``, ``max_age_s`` left ``None``: a new stream gets 1, unlimited and
+    forever; an existing one keeps its own.
+    """
     from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
     from nats.js.errors import NotFoundError
 
-    wanted = StreamConfig(
-        name=name,
-        subjects=subjects,
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        num_replicas=replicas,
-        max_bytes=max_bytes,
-        max_age=max_age_s,
-        duplicate_window=duplicate_window_s,
-    )
+    def config(replicas: int, max_bytes: int, max_age_s: float) -> StreamConfig:
+        return StreamConfig(
+            name=name,
+            subjects=subjects,
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            num_replicas=replicas,
+            max_bytes=max_bytes,
+            max_age=max_age_s,
+            duplicate_window=duplicate_window_s,
+        )
+
     try:
         info = await js.stream_info(name)
     except NotFoundError:
-        await js.add_stream(wanted)
+        await js.add_stream(config(_given(replicas, 1), _given(max_bytes, -1), _given(max_age_s, 0.0)))
         log.info("created stream %s (%s)", name, ", ".join(subjects))
         return
     have = info.config
+    wanted = config(
+        _given(replicas, have.num_replicas or 1),
+        _given(max_bytes, -1 if have.max_bytes is None else have.max_bytes),
+        _given(max_age_s, have.max_age or 0.0),
+    )
     managed = ("subjects", "num_replicas", "max_bytes", "max_age", "duplicate_window", "retention", "discard")
     if any(getattr(have, f) != getattr(wanted, f) for f in managed):
         await js.update_stream(wanted)
         log.info("updated stream %s to the configured settings", name)
+        if have.num_replicas != wanted.num_replicas:
+            await _wait_for_leader(js, name)
+
+
+def _given(value: _T | None, otherwise: _T) -> _T:
+    """``value``, unless it is ``None`` (a setting the caller leaves to whoever owns it)."""
+    return otherwise if value is None else value
 
 
 async def ensure_object_store(js: JetStreamContext, spec: StreamSpec) -> ObjectStore:
@@ -136,16 +179,73 @@ async def ensure_object_store(js: JetStreamContext, spec: StreamSpec) -> ObjectS
 
 
 async def ensure_bucket(
-    js: JetStreamContext, bucket: str, *, replicas: int = 1, max_bytes: int = -1, max_age_s: float = 0.0
+    js: JetStreamContext,
+    bucket: str,
+    *,
+    replicas: int | None = None,
+    max_bytes: int | None = None,
+    max_age_s: float | None = None,
 ) -> ObjectStore:
-    """A file-backed object store bucket, created if missing (an existing one is used as is)."""
+    """A file-backed object store bucket, created if missing.
+
+    An existing bucket is used as it is, but for ``replicas`` when given: its stream is brought to
+    that many (``None``: one for a new bucket). ``max_bytes`` and ``max_age_s`` apply to a new one.
+    """
     from nats.js.api import ObjectStoreConfig, StorageType
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     try:
-        return await js.object_store(bucket)
+        store = await js.object_store(bucket)
     except (BucketNotFoundError, NotFoundError):
         config = ObjectStoreConfig(
-            bucket=bucket, storage=StorageType.FILE, replicas=replicas, max_bytes=max_bytes, ttl=max_age_s or None
+            bucket=bucket,
+            storage=StorageType.FILE,
+            replicas=_given(replicas, 1),
+            max_bytes=_given(max_bytes, -1),
+            ttl=max_age_s or None,
         )
         return await js.create_object_store(bucket, config=config)
+    await _scale(js, f"OBJ_{bucket}", replicas)
+    return store
+
+
+async def ensure_key_value(
+    js: JetStreamContext, bucket: str, *, replicas: int | None = None, history: int = 1
+) -> KeyValue:
+    """A file-backed key-value bucket, created if missing; ``replicas`` as :func:`ensure_bucket`'s."""
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    try:
+        kv = await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):
+        config = KeyValueConfig(bucket=bucket, storage=StorageType.FILE, replicas=_given(replicas, 1), history=history)
+        return await js.create_key_value(config=config)
+    await _scale(js, f"KV_{bucket}", replicas)
+    return kv
+
+
+async def _scale(js: JetStreamContext, stream: str, replicas: int | None) -> None:
+    """Bring the stream behind an existing bucket to ``replicas`` (``None``: leave it as it is)."""
+    if replicas is None:
+        return
+    have = (await js.stream_info(stream)).config
+    if have.num_replicas != replicas:
+        await js.update_stream(replace(have, num_replicas=replicas))
+        log.info("updated stream %s to %d replicas", stream, replicas)
+        await _wait_for_leader(js, stream)
+
+
+async def _wait_for_leader(js: JetStreamContext, stream: str) -> None:
+    """Wait (a few seconds at most) until ``stream``, just given a new number of replicas, has a leader.
+
+    Its raft group is formed anew: until it elects a leader (half a second on a local cluster), a
+    publish to it times out rather than waits.
+    """
+    with anyio.move_on_after(_LEADER_WAIT_S):
+        for _ in range(int(_LEADER_WAIT_S / 0.1)):
+            cluster = (await js.stream_info(stream)).cluster
+            if cluster is None or cluster.leader is not None:
+                return
+            await anyio.sleep(0.1)  # nothing tells of an election but asking again
+    log.warning("stream %s has no leader %g s after its replicas changed", stream, _LEADER_WAIT_S)

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ["main", "parser"]
 
-_SET_BY_UP = ("outbox_dir",)
-"""Settings ``up`` decides itself, so that it has no flag for them: the outbox lives in its data dir
-(and its NATS is the embedded server, so it has no NATS options either)."""
+_SET_BY_UP = ("outbox_dir", "stream_replicas")
+"""Settings ``up`` decides itself, so that it has no flag for them: the outbox lives in its data dir,
+and its NATS is the embedded server, one server, so one replica of everything (and no NATS options)."""
 
 
 def default_data_dir() -> Path:
@@ -88,13 +88,17 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
     say(f"starting nats-server (JetStream, data in {data_dir / 'nats'})")
     with EmbeddedNatsServer(nats_config) as nats_server:
         servers = (nats_server.url,)
-        settings = settings.model_copy(update={"nats_url": nats_server.url, "outbox_dir": data_dir / "outbox"})
+        settings = settings.model_copy(
+            update={"nats_url": nats_server.url, "outbox_dir": data_dir / "outbox", "stream_replicas": 1}
+        )
         try:
             check_workers(settings)
         except WorkersRefused as exc:
             say(str(exc))
             return 2
-        names = ConsumerStreams(prefix=settings.subject_prefix, events=settings.events_stream)
+        names = ConsumerStreams(
+            prefix=settings.subject_prefix, events=settings.events_stream, replicas=settings.stream_replicas
+        )
         assembler = AssemblerConfig(
             servers=servers,
             names=names,
@@ -102,7 +106,7 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
             default_reward=args.default_reward,
             reward_function=args.reward_function,
         )
-        batcher = batcher_config(args, servers, NatsAuth(), batch_dir)
+        batcher = batcher_config(args, servers, NatsAuth(), batch_dir, replicas=settings.stream_replicas)
         if settings.workers > 1:
             model_name = settings.served_model_name or default_name(settings.model)
         else:

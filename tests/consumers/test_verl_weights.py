@@ -362,7 +362,12 @@ def test_wrong_backend_or_settings_fail_when_the_trainer_starts() -> None:
         NatsWeightSettings.from_options({"dtype": "int8"})
     with pytest.raises(ValueError, match=r"adapter 'team a': 1-128 of"):
         NatsWeightSettings.from_options({"adapter": "team a"})
+    with pytest.raises(ValueError, match="replicas 6: from 1 to 5"):
+        NatsWeightSettings.from_options({"replicas": 6})
     assert NatsWeightSettings.from_options(None).servers == ("nats://127.0.0.1:4222",)
+    # The events stream is the gateways': unset, its replicas are left as they are (pipeline.streams).
+    assert NatsWeightSettings.from_options(None).spec.replicas is None
+    assert NatsWeightSettings.from_options({"replicas": 3}).spec.replicas == 3
     assert NatsWeightSettings.from_options({"servers": "nats://a:1, nats://b:2"}).servers == (
         "nats://a:1",
         "nats://b:2",

@@ -305,6 +305,8 @@ def test_every_container_runs_a_stream_gateway_command(base: list[dict[str, Any]
         commands.append(args[0])
         if getattr(parsed, "nats_url", None):
             assert len(parsed.nats_url.split(",")) == 3
+        if args[0] in ("assemble", "batch"):
+            assert parsed.stream_replicas == 3, "the consumers' streams need the copies the gateways' have"
     assert sorted(commands) == ["assemble", "batch", "prepare-model", "serve"]
 
 

@@ -81,14 +81,14 @@ def test_settings_without_a_flag_say_why() -> None:
 
 
 def test_up_has_the_serve_flags_but_the_ones_it_decides_itself() -> None:
-    """``up`` runs its own NATS (no NATS options) and keeps the outbox in its data dir."""
+    """``up`` runs its own NATS, one server (no NATS options, one replica), and keeps the outbox in its data dir."""
     nats = argparse.ArgumentParser()
     add_nats_arguments(nats)
     nats_settings = set(_flags(nats).values())
     commands = _subcommands()
     serve = set(_flags(commands["serve"]).values())
     up = set(_flags(commands["up"]).values()) & set(Settings.model_fields)
-    assert up == serve - nats_settings - {"outbox_dir"}
+    assert up == serve - nats_settings - {"outbox_dir", "stream_replicas"}
 
 
 def test_prepare_model_takes_the_model_settings() -> None:
