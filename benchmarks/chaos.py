@@ -22,12 +22,31 @@ a trajectory, that trajectory in a batch. Printed: the faults by kind, and
 Exit status 1 if anything was lost or duplicated.
 
     python benchmarks/chaos.py --duration 120 --conversations 8 --seed 1
+
+With ``--cluster SCENARIO`` the stack runs on a three-node JetStream cluster instead
+(:class:`~pipeline.embedded.EmbeddedNatsCluster`, everything replicated three times), with two
+gateway replicas taking turns of every conversation in alternation (so every turn moves to the
+other replica), and one kind of fault on NATS, over and over:
+
+* ``node``: a random node SIGKILLed, restarted 2-4 s later on its store;
+* ``rolling``: a rolling upgrade, every node restarted (SIGTERM) one at a time, each back and
+  current before the next;
+* ``leader``: the events stream's leader SIGKILLed, restarted 2-4 s later;
+* ``partition``: a random node SIGSTOPped for 12 s (its peers elect new leaders), then continued.
+
+Counted as above, and: the conversations whose turns all continued their chain (each turn's
+parent the turn before, no ``fallback_reason``, the prefix reused), the longest a client waited
+for one turn (from its first attempt to ``[DONE]``), and the largest gateway outbox seen
+(``gateway_events_outbox``, sampled every 0.25 s).
+
+    python benchmarks/chaos.py --cluster all --duration 60 --seed 1
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import signal
@@ -38,6 +57,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -50,12 +70,14 @@ from _procs import free_port  # noqa: E402
 from consumers.parquet import BatchManifest  # noqa: E402
 from consumers.streams import ConsumerStreams  # noqa: E402
 from consumers.trajectory import Trajectory  # noqa: E402
-from pipeline.connection import connect  # noqa: E402
-from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig  # noqa: E402
+from pipeline.connection import connect, split_servers  # noqa: E402
+from pipeline.embedded import EmbeddedNatsCluster, EmbeddedNatsServer, NatsServerConfig  # noqa: E402
 from pipeline.subscriber import decode_message, message_payload  # noqa: E402
 from stream_gateway.models import resolve_model  # noqa: E402
 
 FAULTS = ("nats", "gateway", "assembler", "batcher", "storm")
+CLUSTER_FAULTS = ("node", "rolling", "leader", "partition")
+PARTITION_S = 12.0  # longer than an election (nats-server's raft: 4-9 s without a leader's heartbeat)
 BATCH_SIZE = 4
 
 
@@ -95,6 +117,8 @@ class Tally:
     closes: int = 0
     faults: Counter[str] = field(default_factory=Counter)
     storm_until: float = 0.0
+    longest_wait_s: float = 0.0  # one turn, from its first attempt to [DONE]
+    outbox_high: int = 0  # the largest gateway outbox seen
 
 
 async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], tally: Tally) -> str | None:
@@ -126,14 +150,18 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, st
     return None
 
 
-async def _conversation(client: httpx.AsyncClient, base: str, name: str, tally: Tally, turns: int) -> None:
-    url = f"{base}/sessions/{name}/v1/chat/completions"
+async def _conversation(client: httpx.AsyncClient, bases: list[str], name: str, tally: Tally, turns: int) -> None:
+    """``turns`` turns of conversation ``name``, turn ``i`` on ``bases[i % len(bases)]``, then its close."""
     messages = [{"role": "user", "content": f"{name}: hello"}]
     for index in range(turns):
+        url = f"{bases[index % len(bases)]}/sessions/{name}/v1/chat/completions"
+        asked = time.monotonic()
         while (text := await _turn(client, url, messages, tally)) is None:
             tally.retried += 1
             await asyncio.sleep(0.2)
+        tally.longest_wait_s = max(tally.longest_wait_s, time.monotonic() - asked)
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and {index}?"}]
+    base = bases[turns % len(bases)]
     while True:  # closing is retried too: it is what lets the assembler emit the session now
         try:
             response = await client.post(f"{base}/sessions/{name}/close", timeout=10)
@@ -145,13 +173,13 @@ async def _conversation(client: httpx.AsyncClient, base: str, name: str, tally: 
         await asyncio.sleep(0.3)
 
 
-async def _clients(base: str, args: argparse.Namespace, tally: Tally, stop: asyncio.Event) -> None:
+async def _clients(bases: list[str], args: argparse.Namespace, tally: Tally, stop: asyncio.Event) -> None:
     async def worker(index: int) -> None:
         async with httpx.AsyncClient() as client:
             number = 0
             while not stop.is_set():
                 number += 1
-                await _conversation(client, base, f"chaos-{args.seed}-{index}-{number}", tally, args.turns)
+                await _conversation(client, bases, f"chaos-{args.seed}-{index}-{number}", tally, args.turns)
                 tally.conversations += 1
 
     await asyncio.gather(*(worker(i) for i in range(args.conversations)))
@@ -204,7 +232,7 @@ async def _faults(
 
 
 async def _read(url: str, stream: str) -> list[object]:
-    nc = await connect(url, max_reconnect_attempts=5, reconnect_time_wait=0.5)
+    nc = await connect(split_servers(url), max_reconnect_attempts=5, reconnect_time_wait=0.5)
     try:
         js = nc.jetstream()
         info = await js.stream_info(stream)
@@ -237,7 +265,7 @@ class Count:
     unbatched: int
 
 
-def _extra(counts: Counter[object]) -> int:
+def _extra(counts: Counter[Any]) -> int:
     """How many more times than once things were counted."""
     return sum(n - 1 for n in counts.values() if n > 1)
 
@@ -308,7 +336,7 @@ async def run(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         # Conversations in progress when the time is up finish (and close): 180 s at most.
         async with asyncio.timeout(args.duration + 180), asyncio.TaskGroup() as tasks:
-            tasks.create_task(_clients(base, args, tally, stop))
+            tasks.create_task(_clients([base], args, tally, stop))
             tasks.create_task(_faults(rng, args, nats, procs, base, tally, stop))
             await asyncio.sleep(args.duration)
             stop.set()
@@ -348,6 +376,154 @@ async def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+async def _cluster_faults(
+    rng: random.Random, args: argparse.Namespace, scenario: str, cluster: EmbeddedNatsCluster,
+    tally: Tally, stop: asyncio.Event,
+) -> None:  # fmt: skip
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), rng.uniform(args.fault_every * 0.5, args.fault_every * 1.5))
+            return
+        except TimeoutError:
+            pass
+        tally.faults[scenario] += 1
+        if scenario == "rolling":
+            for node in range(len(cluster.servers)):
+                print(f"  {time.strftime('%H:%M:%S')} rolling: node {node}", flush=True)
+                await asyncio.to_thread(cluster.restart, node, 60)
+            continue
+        if scenario == "leader":
+            leader = cluster.leader("SG_EVENTS")
+            node = leader if leader is not None else rng.randrange(len(cluster.servers))
+        else:
+            node = rng.randrange(len(cluster.servers))
+        print(f"  {time.strftime('%H:%M:%S')} {scenario}: node {node}", flush=True)
+        if scenario == "partition":
+            await asyncio.to_thread(cluster.pause, node)
+            await asyncio.sleep(PARTITION_S)
+            await asyncio.to_thread(cluster.resume, node)
+        else:
+            await asyncio.to_thread(cluster.kill, node)
+            await asyncio.sleep(rng.uniform(2, 4))
+            await asyncio.to_thread(cluster.restart, node, 60)
+        await asyncio.to_thread(cluster.wait_healthy, 60)
+
+
+async def _watch_outboxes(bases: list[str], tally: Tally, stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient() as client:
+        while not stop.is_set():
+            for base in bases:
+                try:
+                    text = (await client.get(f"{base}/metrics", timeout=2)).text
+                except (httpx.HTTPError, OSError):
+                    continue
+                for line in text.splitlines():
+                    if line.startswith("gateway_events_outbox "):
+                        tally.outbox_high = max(tally.outbox_high, int(float(line.split()[1])))
+            await asyncio.sleep(0.25)
+
+
+async def _continued(bases: list[str], tally: Tally) -> tuple[int, int]:
+    """(conversations whose finished turns form one chain with the prefix reused, conversations)."""
+    sessions = sorted({s for s, _ in tally.completed})
+    chained = 0
+    async with httpx.AsyncClient() as client:
+        for session in sessions:
+            turns = (await client.get(f"{bases[0]}/sessions/{session}", timeout=30)).json()["turns"]
+            done = sorted((t for t in turns if t["finish_reason"] is not None), key=lambda t: t["created_at"])
+            links = itertools.pairwise(done)
+            chained += all(
+                b["parent_id"] == a["turn_id"] and b["fallback_reason"] is None and b["reused_prompt_tokens"] > 0
+                for a, b in links
+            )
+    return chained, len(sessions)
+
+
+async def run_cluster(args: argparse.Namespace, scenario: str) -> tuple[list[tuple[str, str]], int]:
+    """One scenario on a three-node cluster: its table rows, and how many things were lost or duplicated."""
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix=f"chaos-{scenario}-"))
+    model = str(resolve_model("tiny", None))
+    cluster = EmbeddedNatsCluster(3, store_root=work / "nats")
+    await asyncio.to_thread(cluster.start)
+    url = cluster.url
+    ports = [free_port(), free_port()]
+    bases = [f"http://127.0.0.1:{port}" for port in ports]
+    replicas = ["--stream-replicas", "3"]
+    procs = {
+        f"gateway-{i}": Process(f"gateway-{i}", [
+            "serve", "--engine", "synthetic", "--model", model, "--served-model-name", "m", "--port", str(port),
+            "--nats-url", url, *replicas, "--replica-id", f"g{i}", "--outbox-dir", str(work / f"outbox-{i}"),
+            "--log-level", "warning", "--synthetic-tokens-per-second", str(args.tokens_per_second),
+        ], work / f"gateway-{i}.log")
+        for i, port in enumerate(ports)
+    } | {
+        "assembler": Process("assembler", ["assemble", "--nats-url", url, *replicas, "--close-grace", "2",
+                                           "--idle-timeout", "60", "--default-reward", "1", "--ack-wait", "3"],
+                             work / "assembler.log"),
+        "batcher": Process("batcher", ["batch", "--nats-url", url, *replicas, "--batch-size", str(BATCH_SIZE),
+                                       "--ack-wait", "3"], work / "batcher.log"),
+    }  # fmt: skip
+    for proc in procs.values():
+        proc.start()
+    tally = Tally()
+    started = time.monotonic()
+    try:
+        for base in bases:
+            await _wait_healthy(base)
+        print(f"chaos on a 3-node cluster, {scenario}: {args.duration:g} s, {args.conversations} conversations "
+              f"of {args.turns} turns over 2 replicas, a fault every ~{args.fault_every:g} s; logs in {work}",
+              flush=True)  # fmt: skip
+        stop = asyncio.Event()
+        async with asyncio.timeout(args.duration + 240), asyncio.TaskGroup() as tasks:
+            tasks.create_task(_clients(bases, args, tally, stop))
+            tasks.create_task(_cluster_faults(rng, args, scenario, cluster, tally, stop))
+            tasks.create_task(_watch_outboxes(bases, tally, stop))
+            await asyncio.sleep(args.duration)
+            stop.set()
+        traffic_s = time.monotonic() - started
+        await asyncio.to_thread(cluster.wait_healthy, 60)
+        chained, conversations = await _continued(bases, tally)
+        print(f"  traffic over after {traffic_s:.0f} s; {len(tally.completed)} turns completed; draining", flush=True)
+        deadline = time.monotonic() + args.drain_timeout
+        count = await _count(url, tally)
+        while time.monotonic() < deadline and (count.trajectories_lost or count.batch_lost or count.events_lost):
+            await asyncio.sleep(2)
+            count = await _count(url, tally)
+        events = len(await _read(url, "SG_EVENTS"))
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        await asyncio.to_thread(cluster.stop)
+    bad = (count.events_lost + count.events_duplicated + count.trajectories_lost + count.trajectories_duplicated
+           + count.batch_lost + count.batch_duplicated)  # fmt: skip
+    rows = [
+        ("faults", f"{tally.faults[scenario]}"),
+        ("turns completed", f"{len(tally.completed)} (sent again after a failure: {tally.retried})"),
+        ("events stored", f"{events}"),
+        ("trajectories / batches / batch rows",
+         f"{count.trajectories} / {count.batches} / {count.trajectories - count.unbatched}"),
+        ("lost (events / trajectories / batch rows)",
+         f"{count.events_lost} / {count.trajectories_lost} / {count.batch_lost}"),
+        ("duplicated (events / trajectories / batch rows)",
+         f"{count.events_duplicated} / {count.trajectories_duplicated} / {count.batch_duplicated}"),
+        ("conversations continued token-exactly", f"{chained} / {conversations}"),
+        ("longest client wait for one turn", f"{tally.longest_wait_s:.1f} s"),
+        ("outbox high-water mark (events)", f"{tally.outbox_high}"),
+    ]  # fmt: skip
+    return rows, bad
+
+
+async def run_clusters(args: argparse.Namespace) -> int:
+    scenarios = CLUSTER_FAULTS if args.cluster == "all" else (args.cluster,)
+    results = {scenario: await run_cluster(args, scenario) for scenario in scenarios}
+    names = [name for name, _ in next(iter(results.values()))[0]]
+    print(f"| what | {' | '.join(scenarios)} |\n|---|{'---|' * len(scenarios)}")
+    for index, name in enumerate(names):
+        print(f"| {name} | {' | '.join(results[s][0][index][1] for s in scenarios)} |")
+    return 1 if any(bad for _, bad in results.values()) else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=120, help="seconds of traffic and faults (default 120)")
@@ -357,7 +533,11 @@ def main() -> int:
     parser.add_argument("--tokens-per-second", type=float, default=200, help="synthetic engine rate per stream")
     parser.add_argument("--drain-timeout", type=float, default=120, help="longest wait for the consumers at the end")
     parser.add_argument("--seed", type=int, default=1)
-    return asyncio.run(run(parser.parse_args()))
+    parser.add_argument(
+        "--cluster", choices=(*CLUSTER_FAULTS, "all"), help="run on a 3-node NATS cluster with this kind of fault"
+    )
+    args = parser.parse_args()
+    return asyncio.run(run_clusters(args) if args.cluster else run(args))
 
 
 if __name__ == "__main__":

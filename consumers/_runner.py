@@ -18,7 +18,8 @@ Deliberate choices, each a field of :class:`PullSpec` because the two consumers 
 * **``ride_out_disconnects``**: the batcher holds messages across fetches, so a fetch refused
   because the connection is reconnecting or closed is retried a second later rather than
   ending the run and dropping what it holds; the assembler holds nothing between fetches and
-  lets the error end its run.
+  lets the error end its run. A fetch refused because the stream or the consumer has no leader
+  (a NATS cluster electing one: 503 or no responders, for seconds) is retried by both.
 * A fetch that times out is an empty fetch, whichever ``TimeoutError`` nats-py raises.
 * The connection is closed in a shielded scope of 2 s, so cancellation cannot skip it and a
   server gone away cannot hold shutdown up.
@@ -134,14 +135,19 @@ class DurableRunner:
     ) -> NoReturn:
         """Fetch up to ``size()`` messages at a time and hand every fetch to ``handle``, forever."""
         import nats.errors
+        import nats.js.errors
 
+        # On a cluster, the stream or the consumer between leaders: nats-server answers 503 (or
+        # nobody does) until one is elected, seconds later. Both roles wait that out.
+        electing = (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
+        disconnected = (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError)
         while True:
             try:
                 messages = await subscription.fetch(size(), timeout=self._spec.fetch_timeout_s)
             except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
                 messages = []
-            except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError) as exc:
-                if not self._spec.ride_out_disconnects:
+            except (*electing, *disconnected) as exc:
+                if isinstance(exc, disconnected) and not self._spec.ride_out_disconnects:
                     raise
                 self._log.warning("%s: fetch failed (%r); retrying", self._role, exc)
                 await anyio.sleep(_RETRY_FETCH_S)
