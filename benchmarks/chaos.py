@@ -127,7 +127,8 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, st
     storm = time.monotonic() < tally.storm_until
     text, completion_id, chunks = [], None, 0
     try:
-        async with client.stream("POST", url, json=body, timeout=httpx.Timeout(30, connect=2)) as response:
+        # Longer than the gateway's --session-handoff-seconds (30): a turn may wait that long on a cluster.
+        async with client.stream("POST", url, json=body, timeout=httpx.Timeout(45, connect=2)) as response:
             if response.status_code != 200:
                 return None
             async for line in response.aiter_lines():
@@ -458,7 +459,7 @@ async def run_cluster(args: argparse.Namespace, scenario: str) -> tuple[list[tup
         ], work / f"gateway-{i}.log")
         for i, port in enumerate(ports)
     } | {
-        "assembler": Process("assembler", ["assemble", "--nats-url", url, *replicas, "--close-grace", "2",
+        "assembler": Process("assembler", ["assemble", "--nats-url", url, *replicas, "--close-grace", "15",
                                            "--idle-timeout", "60", "--default-reward", "1", "--ack-wait", "3"],
                              work / "assembler.log"),
         "batcher": Process("batcher", ["batch", "--nats-url", url, *replicas, "--batch-size", str(BATCH_SIZE),
@@ -475,7 +476,7 @@ async def run_cluster(args: argparse.Namespace, scenario: str) -> tuple[list[tup
               f"of {args.turns} turns over 2 replicas, a fault every ~{args.fault_every:g} s; logs in {work}",
               flush=True)  # fmt: skip
         stop = asyncio.Event()
-        async with asyncio.timeout(args.duration + 240), asyncio.TaskGroup() as tasks:
+        async with asyncio.timeout(args.duration + 600), asyncio.TaskGroup() as tasks:
             tasks.create_task(_clients(bases, args, tally, stop))
             tasks.create_task(_cluster_faults(rng, args, scenario, cluster, tally, stop))
             tasks.create_task(_watch_outboxes(bases, tally, stop))
@@ -516,7 +517,10 @@ async def run_cluster(args: argparse.Namespace, scenario: str) -> tuple[list[tup
 
 async def run_clusters(args: argparse.Namespace) -> int:
     scenarios = CLUSTER_FAULTS if args.cluster == "all" else (args.cluster,)
-    results = {scenario: await run_cluster(args, scenario) for scenario in scenarios}
+    results = {}
+    for scenario in scenarios:
+        results[scenario] = await run_cluster(args, scenario)
+        print("\n".join(f"  {name}: {value}" for name, value in results[scenario][0]), flush=True)
     names = [name for name, _ in next(iter(results.values()))[0]]
     print(f"| what | {' | '.join(scenarios)} |\n|---|{'---|' * len(scenarios)}")
     for index, name in enumerate(names):

@@ -73,6 +73,8 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
+_RESTART_S = 1.0  # between a run a NATS error ended and the next
+
 __all__ = ["Assembler", "AssemblerConfig", "AssemblerStatistics", "load_reward_function", "run_assembler"]
 
 log = logging.getLogger(__name__)
@@ -421,5 +423,18 @@ class _Work:
 
 
 async def run_assembler(config: AssemblerConfig, progress: Callable[[str], None] | None = None) -> None:
-    """Run one assembler instance until cancelled."""
-    await Assembler(config, progress).run()
+    """Run one assembler instance until cancelled.
+
+    A NATS error that ends a run (a KV write or a trajectory publish timing out while a cluster
+    elects a leader, say) starts the next run a second later, on a new connection: the run holds
+    nothing between fetches, and what it had not acknowledged is delivered again.
+    """
+    import nats.errors
+
+    assembler = Assembler(config, progress)
+    while True:
+        try:
+            await assembler.run()
+        except* (nats.errors.Error, TimeoutError) as group:
+            log.warning("assembler: NATS failed (%r); starting again in %.0f s", group.exceptions[0], _RESTART_S)
+        await anyio.sleep(_RESTART_S)
