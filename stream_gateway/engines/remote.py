@@ -298,6 +298,14 @@ class RemoteEngine:
         except (httpx.HTTPError, UpstreamFailed, TimeoutError, ValueError, KeyError, TypeError) as exc:
             self.pool.mark_failed(upstream, _describe(exc))
             return
+        except Exception as exc:  # a check must never end the checks (and the engine with them)
+            # Seen in CI: a connection to a server that had just been restarted, reset between connect and
+            # httpcore's first look at it, raised AttributeError from anyio's socket attributes (the
+            # transport had already dropped its socket; anyio 4.16, httpcore 1.0.9). A server answering
+            # /v1/models with a JSON list did the same from our own parsing.
+            log.warning("health check of %s failed unexpectedly", upstream.url, exc_info=True)
+            self.pool.mark_failed(upstream, _describe(exc))
+            return
         self.pool.mark_healthy(upstream)
 
     async def _learn_model(self, upstream: Upstream) -> None:

@@ -637,3 +637,42 @@ def test_images_through_a_remote_engine_are_refused_saying_why(front: RunningGat
     ):
         client.chat.completions.create(model="tiny-agent", messages=[{"role": "user", "content": content}])
     assert refused.value.body["param"] == "messages[0].content[1]"  # type: ignore[index]
+
+
+def test_an_unexpected_error_in_a_health_check_marks_the_server_down_and_the_checks_go_on(
+    agent_model_path: Path,
+) -> None:
+    """A server answering ``/v1/models`` with a JSON list once raised out of a check and ended the
+    health loop (and the engine's task group with it): no server was ever checked again."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    answer: dict[str, Any] = {"models": []}  # a list where vLLM answers an object
+
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse(answer["models"])
+
+    app = Starlette(routes=[Route("/health", health), Route("/v1/models", models)])
+    with serve_app(app) as url:
+        settings = Settings(model=str(agent_model_path), engine="vllm-http", served_model_name="tiny-agent",
+                            upstreams=(url,), upstream_health_interval_seconds=0.1)  # fmt: skip
+
+        async def scenario() -> None:
+            engine = build_engine(settings)
+            assert isinstance(engine, RemoteEngine)
+            async with engine:
+                upstream = next(iter(engine.pool))
+                await anyio.sleep(0.5)  # five checks
+                assert not upstream.healthy and "AttributeError" in (upstream.last_error or "")
+                answer["models"] = {"data": [{"id": "tiny-agent", "max_model_len": 4096}]}
+                with anyio.fail_after(10):  # the checks went on: the fixed answer is seen
+                    while not upstream.healthy:
+                        await anyio.sleep(0.05)
+                assert upstream.model == "tiny-agent"
+
+        anyio.run(scenario)
