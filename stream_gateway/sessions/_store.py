@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SEQ_BLOCK = 4096  # durable event numbers one replica reserves for one session at a time
+_UNRESERVED_FROM = 1 << 40  # where the blocks a replica takes without a reservation start
+_UNRESERVED_BLOCKS = 1 << 31  # how many there are (the last ends below 2^44, well inside JSON's 2^53)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +138,16 @@ class Session:
             if self.seq_blocks:
                 seq, self.seq_end = self.seq_blocks.pop(0)
             else:
-                # Only when NATS stayed away for a whole block's worth of events: numbers past the
-                # block could meet another replica's, which the consumers would drop as duplicates.
-                log.error("session %s: no reserved event numbers left; numbering on past %d", self.session_id, seq)
-                self.seq_end = None
+                # No block reserved here: NATS was away (or a cluster between leaders) when this
+                # replica took the session over, or for a whole block's worth of its events. Numbers
+                # next to the last would meet another replica's, and the consumers would drop one
+                # of the two as a duplicate (seen in a rolling restart of a cluster: a turn lost).
+                # A block at random far above any reservation cannot (odds 2^-31 a block); the
+                # numbers need not be dense: session.closed lists the ones that exist.
+                seq = _UNRESERVED_FROM + secrets.randbelow(_UNRESERVED_BLOCKS) * SEQ_BLOCK
+                self.seq_end = seq + SEQ_BLOCK
+                log.warning("session %s: no event numbers reserved here (NATS away); numbering from a block "
+                            "at random, %d", self.session_id, seq)  # fmt: skip
         self.seq_next = seq + 1
         return seq
 

@@ -298,3 +298,20 @@ def test_a_turn_that_reused_ids_needs_its_parent() -> None:
     event = turn_to_event(_turn("c", root, "stop"), _COMMON, request_id="r", choice_index=0, sampling=_SAMPLING)
     with pytest.raises(ValueError, match="parent"):
         turn_from_event(event, session_id="s1", parent=None, key=None, context_length=0)
+
+
+def test_a_replica_without_reserved_numbers_never_takes_another_replicas() -> None:
+    """A replica that took a session over while NATS was away (no block reserved: ``seq_end`` 0)
+    once numbered its events from 0, the creator's numbers: the consumers kept one event of each
+    pair and a turn was lost (a cluster's rolling restart)."""
+    taken: set[int] = set()
+    for _ in range(64):
+        session = _session(seq_end=0)  # as a loading replica holds it until its first reservation
+        first = session.take_seq()
+        assert first >= 1 << 40 and first % SEQ_BLOCK == 0
+        assert [session.take_seq() for _ in range(3)] == [first + 1, first + 2, first + 3]
+        assert first not in taken  # another replica's fallback block, most likely elsewhere
+        taken.add(first)
+    creator = _session(seq_end=SEQ_BLOCK)
+    creator.seq_next = SEQ_BLOCK  # its block used up, NATS still away
+    assert creator.take_seq() >= 1 << 40
