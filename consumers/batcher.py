@@ -85,6 +85,7 @@ __all__ = ["Batcher", "BatcherConfig", "BatcherStatistics", "prepare_trajectory"
 log = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_S = 0.5
+_RESTART_S = 1.0  # between a run a NATS error ended and the next
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,5 +514,18 @@ class Batcher:
 
 
 async def run_batcher(config: BatcherConfig, progress: Callable[[str], None] | None = None) -> None:
-    """Run one batcher until cancelled."""
-    await Batcher(config, progress).run()
+    """Run one batcher until cancelled.
+
+    A NATS error that ends a run (provisioning or writing while a cluster elects a leader: seen
+    in the cluster chaos run, where the batcher died at the first leader kill and wrote nothing
+    more) starts a fresh batcher a second later, as a restarted process would: what the old one
+    held unacknowledged is delivered again, and its batches' state is in the bucket.
+    """
+    import nats.errors
+
+    while True:
+        try:
+            await Batcher(config, progress).run()
+        except* (nats.errors.Error, TimeoutError) as group:
+            log.warning("batcher: NATS failed (%r); starting again in %.0f s", group.exceptions[0], _RESTART_S)
+        await anyio.sleep(_RESTART_S)

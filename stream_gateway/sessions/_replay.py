@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -45,9 +45,17 @@ _POLL_S = 0.02  # between reads while a wanted turn's event is still on its way
 
 @dataclass(slots=True)
 class ReplayCursor:
-    """Where reading a session's events stands: the last events-stream sequence read for it."""
+    """Where reading a session's events stands: the last events-stream sequence read for it, and
+    the turn events read past that no read wanted yet.
+
+    A turn's event usually reaches the stream before the record names the turn, so a read for
+    other turns meets it first. Kept here, it is there when the record names it; dropped (as it
+    once was), the cursor had moved past it and no later read saw it again: the turn stayed
+    unreadable until the session left the cache (seen in a rolling restart of a cluster).
+    """
 
     stream_seq: int = 0
+    read_ahead: dict[str, TurnEvent] = field(default_factory=dict)
 
 
 class TurnReplay:
@@ -69,15 +77,16 @@ class TurnReplay:
     ) -> None:
         """Read ``session``'s turn events until every one of ``wanted`` is there (bounded), and add
         those turns; ``entries``: the record's, for what the events do not hold."""
-        events: dict[str, TurnEvent] = {}
+        events = cursor.read_ahead
         deadline = time.monotonic() + self._timeout_s
-        while True:
+        while not wanted <= events.keys():
             for event in await self.turn_events(js, session, cursor):
-                events.setdefault(event.turn_id, event)
+                if event.turn_id not in session.turns:  # not this replica's own, nor one read before
+                    events.setdefault(event.turn_id, event)
             if wanted <= events.keys() or time.monotonic() >= deadline:
                 break
             await anyio.sleep(_POLL_S)  # the writer's event may still be on its way to the stream
-        added = build_turns(self._store, session, {t: e for t, e in events.items() if t in wanted}, entries)
+        added = build_turns(self._store, session, {t: events.pop(t) for t in wanted if t in events}, entries)
         if added < len(wanted):
             log.warning(
                 "session %s: %d of %d turns could not be read back from the stream",
