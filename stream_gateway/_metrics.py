@@ -48,6 +48,14 @@ class GatewayMetrics:
             "gateway_aborted_requests", "Requests whose client went away before the end", registry=self.registry
         )
 
+        self.uncaptured = Counter(
+            "gateway_uncaptured_requests",
+            "Requests served without capture (their users did not consent): by the tenant's capture=off "
+            "or the request's X-Capture: off",
+            ["reason"],
+            registry=self.registry,
+        )
+
         self.context_fallbacks = Counter(
             "gateway_context_fallbacks",
             "Continued conversations rendered afresh because the template was not prefix-stable",

@@ -2,7 +2,9 @@
 
 :class:`EventRecorder` turns session and turn activity into :mod:`pipeline.events` models and
 hands them to a publish function that never blocks (``EventPublisher.publish_nowait``). With
-capture off (no ``--nats-url``) the recorder is disabled and every call returns at once.
+capture off (no ``--nats-url``) the recorder is disabled and every call returns at once; so is
+every call about a session whose user did not consent (``Session.captured`` False: a tenant's
+``capture=off``, a request's ``X-Capture: off``), and its images are never stored.
 
 Deliberate choices:
 
@@ -166,7 +168,7 @@ class EventRecorder:
     ) -> None:
         """A session's first request was admitted."""
         session.announced = True
-        if self._publish is None:
+        if self._publish is None or not session.captured:
             return
         seq = session.opened_seq = session.take_seq()
         self._publish(
@@ -183,7 +185,7 @@ class EventRecorder:
         expected_seqs: list[tuple[int, int]] | None = None,
     ) -> None:
         """No more turns will join ``session``; ``expected_seqs``: the numbers its events took (shared sessions)."""
-        if self._publish is None:
+        if self._publish is None or not session.captured:
             return
         self._publish(
             SessionClosed.model_construct(
@@ -207,7 +209,7 @@ class EventRecorder:
         policy_version: int,
     ) -> None:
         """A generation was admitted to the engine."""
-        if self._publish is None:
+        if self._publish is None or not session.captured:
             return
         self._publish(
             TurnStarted.model_construct(
@@ -225,7 +227,7 @@ class EventRecorder:
     def deltas(self, session: Session, turn_id: str, policy_version: int) -> DeltaCoalescer | None:
         """A coalescer for one turn's live deltas, or ``None`` when they are off."""
         publish = self._publish
-        if publish is None or not self._live:
+        if publish is None or not self._live or not session.captured:
             return None
         common = self._common(session, policy_version, 0)  # deltas are not durable: no place in the sequence
 
@@ -252,7 +254,7 @@ class EventRecorder:
     ) -> anyio.Event | None:
         """``turn.completed`` for a finished turn, ``turn.aborted`` otherwise; what is set once it is
         durable (in JetStream or the publisher's disk outbox), when the publisher can tell."""
-        if self._publish is None:
+        if self._publish is None or not session.captured:
             return None
         event = turn_to_event(
             turn,
@@ -279,7 +281,8 @@ class EventRecorder:
         source: str,
     ) -> tuple[str, int | None]:
         """Record a reward; returns the event id (also when capture is off, for the response) and its seq."""
-        seq = session.take_seq() if self._publish is not None else None
+        publish = self._publish if session.captured else None
+        seq = session.take_seq() if publish is not None else None
         event = FeedbackRecorded.model_construct(
             **self._common(session, policy_version, seq or 0),
             turn_id=turn_id,
@@ -288,8 +291,8 @@ class EventRecorder:
             comment=comment,
             source=source,
         )
-        if self._publish is not None:
-            self._publish(event)
+        if publish is not None:
+            publish(event)
         return event.event_id, seq
 
     def policy_applied(self, report: WeightUpdateReport, *, replica: str, source: str, download_s: float,

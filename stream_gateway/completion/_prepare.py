@@ -33,7 +33,7 @@ from stream_gateway.constraints import Constraint, response_format_constraint, t
 from stream_gateway.constraints import check as check_grammar
 from stream_gateway.engines import Engine, SamplingParams
 from stream_gateway.reasoning import ReasoningFormat, resolve_reasoning_format
-from stream_gateway.sessions import Session, SessionDirectory, Turn
+from stream_gateway.sessions import Session, SessionDirectory, Turn, scope_of
 
 __all__ = ["PreparedCompletion", "Preparer", "TokenInRequest"]
 
@@ -137,6 +137,7 @@ class Preparer:
         session_id: str | None = None,
         agent: str | None = None,
         adapter: str | None = None,
+        captured: bool = True,
     ) -> PreparedCompletion:
         """Validate ``body``, place it in a session, and build its token-exact prompt.
 
@@ -144,6 +145,7 @@ class Preparer:
         without, it joins the tenant's session whose conversation it continues, or a new one.
         ``agent`` (the User-Agent) goes into the ``session.opened`` event. ``adapter``: the LoRA
         adapter the tenant's key is bound to (else ``body.model`` names the base or an adapter).
+        ``captured`` False: its user did not consent; it joins or opens an uncaptured session only.
         """
         arrived = time.perf_counter()
         adapter = self.admission.check_model_and_n(body.model, body.n, tenant=tenant, bound=adapter)
@@ -154,7 +156,7 @@ class Preparer:
         if body.response_format is not None or isinstance(body.tool_choice, dict) or body.tool_choice == "required":
             constraint = await anyio.to_thread.run_sync(self._constraint, body)
         keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
-        session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id)
+        session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id, captured)
         adapter = _session_adapter(session, adapter)
         context = await self._build_context(body, session, parent, unavailable, session_id, images)
         if constraint is not None and (fmt := self.reasoning) is not None:  # the answer is held, not the thinking
@@ -164,9 +166,9 @@ class Preparer:
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         room = self.admission.fit(len(context.prompt_ids), requested, noun="messages", max_param=max_param)
         # Only a request that will run gets a session: failed ones leave nothing behind.
-        session = await self._admit_session(session, session_id, tenant, agent, body.metadata or {})
+        session = await self._admit_session(session, session_id, tenant, agent, body.metadata or {}, captured)
         placed = prompt_images(context.prompt_ids, images)
-        if placed:  # their bytes are stored before the turn's events refer to them
+        if placed and session.captured:  # their bytes are stored before the turn's events refer to them
             self._recorder.images_used([p.image for p in placed], self._engine.vision)
         sampling = SamplingRequest(
             max_tokens=requested,
@@ -201,17 +203,17 @@ class Preparer:
         )
 
     async def _find_conversation(
-        self, body: ChatCompletionRequest, keys: list[bytes], tenant: str, session_id: str | None
+        self, body: ChatCompletionRequest, keys: list[bytes], tenant: str, session_id: str | None, captured: bool
     ) -> tuple[Session | None, Turn | None, str | None]:
         """The session and turn the messages continue, and why the shared state could not say
         whether a deeper turn exists (``None``: it could)."""
         # Turn keys end with an assistant message; the request's last message is always new.
         positions = [i for i, m in enumerate(body.messages[:-1]) if m.role == "assistant"]
         if session_id is None:
-            found, unavailable = await self._sessions.find(tenant, keys, positions)
+            found, unavailable = await self._sessions.find(tenant, keys, positions, captured)
             session, parent = found if found is not None else (None, None)
             return session, parent, unavailable
-        session = await self._sessions.lookup(session_id, tenant)
+        session = await self._sessions.lookup(session_id, tenant, captured)
         if session is None:
             return None, None, None
         if session.closed:
@@ -316,8 +318,10 @@ class Preparer:
         session_id: str | None = None,
         agent: str | None = None,
         adapter: str | None = None,
+        captured: bool = True,
     ) -> list[PreparedCompletion]:
-        """One prepared completion per prompt, sharing one response id; choices numbered on."""
+        """One prepared completion per prompt, sharing one response id; choices numbered on
+        (``captured``: as for :meth:`chat`)."""
         adapter = self.admission.check_model_and_n(request.model, request.n, tenant=tenant, bound=adapter)
         if len(request.prompts) > MAX_BATCH:
             raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
@@ -326,7 +330,7 @@ class Preparer:
             self._check_routes(request, token_lists)
         named: Session | None = None
         if session_id is not None:
-            named = await self._sessions.lookup(session_id, tenant)
+            named = await self._sessions.lookup(session_id, tenant, captured)
             if named is not None and named.closed:
                 raise Conflict(f"Session `{session_id}` is closed.", param="session_id", code="session_closed")
         requested = request.sampling.max_tokens
@@ -336,10 +340,10 @@ class Preparer:
         arrived = time.perf_counter()
         batch = []
         for position, (ids, room) in enumerate(zip(token_lists, rooms, strict=True)):
-            session, parent = await self._place_tokens(ids, tenant, session_id, named)
+            session, parent = await self._place_tokens(ids, tenant, session_id, named, captured)
             if session_id is not None:
                 named = session
-            session = await self._admit_session(session, session_id, tenant, agent, {})
+            session = await self._admit_session(session, session_id, tenant, agent, {}, captured)
             chosen = _session_adapter(session, adapter)
             reused = len(parent.prompt_ids) + len(parent.output_ids) if parent is not None else 0
             batch.append(
@@ -388,7 +392,7 @@ class Preparer:
             )
 
     async def _place_tokens(
-        self, ids: list[int], tenant: str, session_id: str | None, named: Session | None
+        self, ids: list[int], tenant: str, session_id: str | None, named: Session | None, captured: bool
     ) -> tuple[Session | None, Turn | None]:
         """The session the prompt belongs to (``None``: a new one), and the turn it continues.
 
@@ -397,9 +401,9 @@ class Preparer:
         ``session_id``, or the session URL) to continue it on any replica.
         """
         if session_id is not None:
-            session = named if named is not None else await self._sessions.open(session_id, tenant)
+            session = named if named is not None else await self._sessions.open(session_id, tenant, captured)
             return session, await self._sessions.match_tokens(session, ids)
-        found = self._sessions.store.find_tokens(tenant, ids)
+        found = self._sessions.store.find_tokens(scope_of(tenant, captured), ids)
         if found is not None:
             return found
         return None, None
@@ -420,11 +424,17 @@ class Preparer:
     # -- both --------------------------------------------------------------------------------------
 
     async def _admit_session(
-        self, session: Session | None, session_id: str | None, tenant: str, agent: str | None, metadata: dict[str, str]
+        self,
+        session: Session | None,
+        session_id: str | None,
+        tenant: str,
+        agent: str | None,
+        metadata: dict[str, str],
+        captured: bool,
     ) -> Session:
         """Open the request's session if it has none yet, announce it once, and ready it for writes."""
         if session is None:
-            session = await self._sessions.open(session_id, tenant)
+            session = await self._sessions.open(session_id, tenant, captured)
         if session.closed:  # closed while this request's prompt was being built
             raise Conflict(f"Session `{session.session_id}` is closed.", param="session_id", code="session_closed")
         await self._sessions.prepare_to_write(session)

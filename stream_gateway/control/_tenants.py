@@ -1,10 +1,12 @@
 """API keys, tenants and per-tenant limits.
 
 Keys come from ``--api-key`` (each its own tenant, named by the key) and from ``--api-key-file``
-(``key tenant [limit=value ...] [adapter=NAME]`` per line; several keys may name one tenant;
-reloaded on SIGHUP). ``adapter=NAME`` binds the tenant to a LoRA adapter (``--lora``): every
-request of that key is served by it, whatever model the client names, and no other tenant may
-name it (docs/adapters.md).
+(``key tenant [limit=value ...] [adapter=NAME] [capture=on|off]`` per line; several keys may
+name one tenant; reloaded on SIGHUP). ``adapter=NAME`` binds the tenant to a LoRA adapter
+(``--lora``): every request of that key is served by it, whatever model the client names, and no
+other tenant may name it (docs/adapters.md). ``capture=off``: the key's users did not consent,
+nothing of their requests is captured; ``capture=on``: they must be, and a request's
+``X-Capture: off`` is refused; unset, each request decides (docs/data-rights.md).
 With neither, any key is accepted and is its own tenant (a request without one is ``anonymous``).
 A tenant name is what sessions belong to; events carry only its digest (``tenant_id``), and no key
 is ever logged.
@@ -82,25 +84,39 @@ class KeyEntry:
     tenant: str
     limits: Limits
     adapter: str | None = None  # the LoRA adapter that serves every request of this key
+    capture: bool | None = None  # False: never captured; True: always (X-Capture: off refused); None: per request
 
 
 def read_key_file(path: Path) -> dict[str, KeyEntry]:
-    """``key tenant [limit=value ...] [adapter=NAME]`` per line (``#`` comments); ``ValueError``
-    naming the line (also for one tenant bound to two adapters, or one adapter to two tenants)."""
+    """``key tenant [limit=value ...] [adapter=NAME] [capture=on|off]`` per line (``#`` comments);
+    ``ValueError`` naming the line (also for one tenant bound to two adapters, or one adapter to
+    two tenants, or one tenant's keys disagreeing on capture)."""
     keys: dict[str, KeyEntry] = {}
     bound: dict[str, str] = {}  # adapter -> tenant
+    captures: dict[str, bool] = {}  # tenant -> its capture=, where a line said it
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
         if len(parts) < 2:
-            raise ValueError(f"{path}:{number}: expected `key tenant [limit=value ...] [adapter=NAME]`")
+            raise ValueError(
+                f"{path}:{number}: expected `key tenant [limit=value ...] [adapter=NAME] [capture=on|off]`"
+            )
         key, tenant, *rest = parts
         values: dict[str, int] = {}
         adapter: str | None = None
+        capture: bool | None = None
         for item in rest:
             name, _, value = item.partition("=")
+            if name == "capture":
+                if value not in ("on", "off"):
+                    raise ValueError(f"{path}:{number}: capture= is on or off, not {value!r}")
+                capture = value == "on"
+                agreed = captures.setdefault(tenant, capture)
+                if agreed != capture:
+                    raise ValueError(f"{path}:{number}: another key of tenant {tenant!r} says capture={_onoff(agreed)}")
+                continue
             if name == "adapter":
                 if not value:
                     raise ValueError(f"{path}:{number}: adapter= needs a name")
@@ -116,14 +132,19 @@ def read_key_file(path: Path) -> dict[str, KeyEntry]:
             values[name] = int(value)
         if key in keys:
             raise ValueError(f"{path}:{number}: a key appears twice")
-        keys[key] = KeyEntry(tenant, Limits(**values), adapter)
+        keys[key] = KeyEntry(tenant, Limits(**values), adapter, capture)
     for key, entry in keys.items():  # every key of a bound tenant is bound, to one adapter
         owned = {a for a, t in bound.items() if t == entry.tenant}
         if len(owned) > 1:
             raise ValueError(f"{path}: tenant {entry.tenant!r} is bound to several adapters: {sorted(owned)}")
-        if owned and entry.adapter is None:
-            keys[key] = KeyEntry(entry.tenant, entry.limits, next(iter(owned)))
+        adapter = entry.adapter if entry.adapter is not None or not owned else next(iter(owned))
+        # A tenant's capture= holds for all its keys (a line without one takes another's).
+        keys[key] = KeyEntry(entry.tenant, entry.limits, adapter, captures.get(entry.tenant))
     return keys
+
+
+def _onoff(value: bool) -> str:
+    return "on" if value else "off"
 
 
 class KeyRing:
@@ -170,7 +191,7 @@ class KeyRing:
         entries = read_key_file(self._file)
         self._keys = {
             **self._static,
-            **{k: KeyEntry(e.tenant, e.limits.over(self._defaults), e.adapter) for k, e in entries.items()},
+            **{k: KeyEntry(e.tenant, e.limits.over(self._defaults), e.adapter, e.capture) for k, e in entries.items()},
         }
         self._owners = {e.adapter: e.tenant for e in entries.values() if e.adapter is not None}
 

@@ -1,5 +1,5 @@
-"""Who is calling: the bearer key (or Anthropic's ``x-api-key``), its tenant and limits, and
-whether it may administer the gateway."""
+"""Who is calling: the bearer key (or Anthropic's ``x-api-key``), its tenant and limits, whether
+it may administer the gateway, and whether its request may be captured."""
 
 from __future__ import annotations
 
@@ -7,10 +7,37 @@ from collections.abc import Collection
 
 from fastapi import Request
 
-from stream_gateway._errors import AuthenticationFailed, PermissionDenied
+from stream_gateway._errors import AuthenticationFailed, InvalidRequest, PermissionDenied
 from stream_gateway.control import KeyEntry, KeyRing, Limits
 
-__all__ = ["Authorizer", "bearer"]
+__all__ = ["CAPTURE_HEADER", "Authorizer", "bearer", "captured"]
+
+CAPTURE_HEADER = "x-capture"
+
+
+def captured(request: Request, entry: KeyEntry) -> tuple[bool, str | None]:
+    """Whether the request may be captured, and if not, why (``tenant`` or ``request``).
+
+    ``X-Capture: off`` (or ``on``) asks; the tenant's ``capture=`` in the key file decides first:
+    ``off`` never captures (a request's ``on`` does not override its users' refusal), ``on``
+    refuses a request's ``off`` (403: the operator requires capture for that key).
+    """
+    asked = request.headers.get(CAPTURE_HEADER)
+    wanted: bool | None = None
+    if asked is not None:
+        value = asked.strip().lower()
+        if value not in ("on", "off"):
+            raise InvalidRequest(f"{CAPTURE_HEADER}: expected `on` or `off`, got {asked!r}", param=CAPTURE_HEADER)
+        wanted = value == "on"
+    if entry.capture is False:
+        return False, "tenant"
+    if wanted is False:
+        if entry.capture is True:
+            raise PermissionDenied(
+                f"This key's requests are captured (capture=on for its tenant); `{CAPTURE_HEADER}: off` is not allowed."
+            )
+        return False, "request"
+    return True, None
 
 
 def bearer(request: Request) -> str:

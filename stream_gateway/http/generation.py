@@ -10,6 +10,7 @@ update channel, the edge's encoder writes frames) or collects the choices into t
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -18,6 +19,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from stream_gateway.completion import UpdateChannel
+from stream_gateway.http._auth import CAPTURE_HEADER, captured
 from stream_gateway.http._body import check_session_id, parse_body
 from stream_gateway.http._render import HeldResponse, ORJSONResponse
 from stream_gateway.http._sse import TokenStreamResponse
@@ -84,25 +86,27 @@ async def _limited(request: Request, edge: Edge[Any], session_id: str | None) ->
     """The edge's response, under the tenant's limits: its slot is held until the response ends."""
     state = gateway_state(request)
     entry = state.auth.entry(request)
+    capture, why_not = captured(request, entry)
     release = state.limiter.admit(entry.tenant, entry.limits)
     try:
-        response = await _generate(request, state, edge, session_id, entry.tenant, entry.adapter)
+        call = Call(entry.tenant, session_id, request.headers.get("user-agent"), entry.adapter, capture)
+        response = await _generate(request, state, edge, call)
+        if why_not is not None:
+            state.metrics.uncaptured.labels(why_not).inc()
     except BaseException:
         release()
         raise
     return HeldResponse(response, release)
 
 
-async def _generate(
-    request: Request, state: GatewayState, edge: Edge[Any], session_id: str | None, tenant: str, adapter: str | None
-) -> Response:
+async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call: Call) -> Response:
     body = await parse_body(request, edge.request, state.settings.max_request_bytes)
-    session_id = session_id or request.headers.get("x-session-id") or edge.session_id(body) or None
+    session_id = call.session_id or request.headers.get("x-session-id") or edge.session_id(body) or None
     if session_id is not None:
         check_session_id(session_id)
-    exchange = await edge.open(body, Call(tenant, session_id, request.headers.get("user-agent"), adapter))
+    exchange = await edge.open(body, replace(call, session_id=session_id))
     batch = exchange.batch
-    headers = {"x-session-id": batch[0].session.session_id}
+    headers = {"x-session-id": batch[0].session.session_id, CAPTURE_HEADER: "on" if call.captured else "off"}
     service = state.service
     if exchange.stream:
         start = exchange.start_stream()

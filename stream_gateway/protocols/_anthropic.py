@@ -624,7 +624,12 @@ class MessagesEdge(EdgeBase):
         service = self._service
         chat = to_chat_request(body, service.signer, service.thinking_switch)
         prepared = await service.prepare(
-            chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent, adapter=call.adapter
+            chat,
+            tenant=call.tenant,
+            session_id=call.session_id,
+            agent=call.agent,
+            adapter=call.adapter,
+            captured=call.captured,
         )
         return MessagesExchange(prepared, body.stream, message_id(), service.signer)
 

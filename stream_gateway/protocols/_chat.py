@@ -307,6 +307,11 @@ class ChatEdge(EdgeBase):
 
     async def open(self, body: ChatCompletionRequest, call: Call) -> ChatExchange:
         prepared = await self._service.prepare(
-            body, tenant=call.tenant, session_id=call.session_id, agent=call.agent, adapter=call.adapter
+            body,
+            tenant=call.tenant,
+            session_id=call.session_id,
+            agent=call.agent,
+            adapter=call.adapter,
+            captured=call.captured,
         )
         return ChatExchange(prepared, body.stream, self._service.token_text)

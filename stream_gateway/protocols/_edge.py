@@ -33,6 +33,7 @@ class Call:
     session_id: str | None  # from the session URL or the ``x-session-id`` header (already checked)
     agent: str | None  # the User-Agent
     adapter: str | None = None  # the LoRA adapter the caller's key is bound to (docs/adapters.md)
+    captured: bool = True  # False: the caller did not consent to capture (docs/data-rights.md)
 
 
 @dataclass(frozen=True, slots=True)

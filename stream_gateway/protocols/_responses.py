@@ -692,7 +692,12 @@ class ResponsesEdge(EdgeBase):
         service = self._service
         chat = to_chat_request(body, history, service.signer)
         prepared = await service.prepare(
-            chat, tenant=call.tenant, session_id=call.session_id, agent=call.agent, adapter=call.adapter
+            chat,
+            tenant=call.tenant,
+            session_id=call.session_id,
+            agent=call.agent,
+            adapter=call.adapter,
+            captured=call.captured,
         )
         conversation = [m.model_dump(exclude_none=True) for m in chat.messages]
         return ResponsesExchange(prepared, body, response_id(), call.tenant, conversation, self._held, service.signer)

@@ -428,6 +428,11 @@ class TokenInEdge(EdgeBase):
             routes_param=routes_param,
         )
         batch = await self._service.prepare_tokens(
-            request, tenant=call.tenant, session_id=call.session_id, agent=call.agent, adapter=call.adapter
+            request,
+            tenant=call.tenant,
+            session_id=call.session_id,
+            agent=call.agent,
+            adapter=call.adapter,
+            captured=call.captured,
         )
         return TokenInExchange(batch, body, self._service.token_text)

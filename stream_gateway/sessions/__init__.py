@@ -26,6 +26,7 @@ from stream_gateway.sessions._store import (
     SessionStore,
     Turn,
     TurnImage,
+    scope_of,
     session_body,
     turn_routes,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "TurnImage",
     "expected_seqs",
     "merge_record",
+    "scope_of",
     "session_body",
     "turn_from_event",
     "turn_routes",

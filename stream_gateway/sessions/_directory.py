@@ -5,6 +5,9 @@
 completion core asks it for the turn a conversation continues (:meth:`SessionDirectory.find`,
 :meth:`SessionDirectory.match`, :meth:`SessionDirectory.match_tokens`) and tells it about turns
 and feedback; it decides what is local and what goes to the shared state.
+
+A session whose user did not consent to capture (``captured`` False) is local to the replica
+that holds it: nothing of it is read from or written to the shared state, not even its id.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from typing import Any
 import anyio
 from pipeline.connection import NatsAuth
 
-from stream_gateway._errors import NotFound
+from stream_gateway._errors import Conflict, NotFound
 from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
-from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn
+from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn, scope_of
 
 __all__ = ["SessionDirectory", "SharingConfig"]
 
@@ -78,7 +81,12 @@ class SessionDirectory:
 
     def _evicted(self, session: Session, reason: str) -> None:
         assert self.shared is not None
-        self.shared.evicted(session, reason)
+        if session.captured:
+            self.shared.evicted(session, reason)
+
+    def _shared_for(self, session: Session) -> SharedSessions | None:
+        """The shared state, for a session that may go there (a captured one)."""
+        return self.shared if session.captured else None
 
     def open_sessions(self, tenant: str) -> int:
         """How many sessions of ``tenant`` this replica holds open."""
@@ -93,10 +101,17 @@ class SessionDirectory:
             raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
         return session
 
-    async def lookup(self, session_id: str, tenant: str) -> Session | None:
-        """The tenant's session ``session_id`` (refreshed, or loaded into the cache), ``None`` if none."""
+    async def lookup(self, session_id: str, tenant: str, captured: bool | None = None) -> Session | None:
+        """The tenant's session ``session_id`` (refreshed, or loaded into the cache), ``None`` if none.
+
+        ``captured``: what the request asking for it will be; a session of the other kind is a
+        409 (a capture-off request never joins a captured session, nor the reverse), and a
+        capture-off one never asks the shared state (``None``: either kind, e.g. to read it).
+        """
         session = self.store.lookup(session_id, tenant)
-        shared = self.shared
+        if session is not None and captured is not None and session.captured != captured:
+            raise _capture_conflict(session)
+        shared = self.shared if captured is not False and (session is None or session.captured) else None
         if shared is None:
             return session
         try:
@@ -108,14 +123,21 @@ class SessionDirectory:
             return session
         return self.store.insert(loaded) if loaded is not None else None
 
-    async def open(self, session_id: str | None, tenant: str) -> Session:
-        """A new session (named, or with a generated id) for a request that will run."""
+    async def open(self, session_id: str | None, tenant: str, captured: bool = True) -> Session:
+        """A new session (named, or with a generated id) for a request that will run; a capture-off
+        one (``captured`` False) is this replica's alone."""
         if self.before_open is not None:
             self.before_open(tenant)
-        session = self.store.create(tenant) if session_id is None else self.store.get_or_create(session_id, tenant)
+        store = self.store
+        session = (
+            store.create(tenant, captured) if session_id is None else store.get_or_create(session_id, tenant, captured)
+        )
+        if session.captured != captured:
+            raise _capture_conflict(session)
         shared = self.shared
-        if shared is None or session.turns or session.shared is not None:
+        if shared is None or not captured or session.turns or session.shared is not None:
             return session
+
         session.seq_end = SEQ_BLOCK  # the creator numbers from the first block
         if session_id is None:
             return session  # a generated id: its record is written with its first turn
@@ -133,7 +155,7 @@ class SessionDirectory:
     async def match(self, session: Session, keys: list[bytes], positions: list[int]) -> tuple[Turn | None, str | None]:
         """The deepest turn of ``session`` the conversation continues; and why a deeper one was not usable."""
         turn, at = session.match(keys, positions)
-        shared = self.shared
+        shared = self._shared_for(session)
         if shared is None or not positions or at == positions[-1]:
             return turn, None
 
@@ -151,11 +173,12 @@ class SessionDirectory:
             return session.match(keys, positions)[0], str(exc)
 
     async def find(
-        self, tenant: str, keys: list[bytes], positions: list[int]
+        self, tenant: str, keys: list[bytes], positions: list[int], captured: bool = True
     ) -> tuple[tuple[Session, Turn] | None, str | None]:
-        """The tenant's session and turn the conversation continues (deepest first); and a fallback reason."""
-        local = self.store.find_at(tenant, keys, positions)
-        shared = self.shared
+        """The tenant's session and turn the conversation continues (deepest first); and a fallback
+        reason. A capture-off request (``captured`` False) continues only capture-off sessions."""
+        local = self.store.find_at(scope_of(tenant, captured), keys, positions)
+        shared = self.shared if captured else None
         at = local[2] if local is not None else -1
         deeper = [i for i in positions if i > at]
         found = (local[0], local[1]) if local is not None else None
@@ -173,7 +196,7 @@ class SessionDirectory:
             elif session is None:
                 loaded = await shared.load(session_id, tenant)
                 session = self.store.insert(loaded) if loaded is not None else None
-            if session is None or session.closed or session.tenant != tenant:
+            if session is None or session.closed or session.tenant != tenant or not session.captured:
                 return None
             if turn_id not in session.turns:  # indexed, but its event is not readable yet
                 raise SharedUnavailable(
@@ -193,7 +216,7 @@ class SessionDirectory:
     async def match_tokens(self, session: Session, ids: list[int]) -> Turn | None:
         """The deepest finished turn of ``session`` that ``ids`` extend, refreshing it on a miss."""
         turn = session.match_tokens(ids)
-        shared = self.shared
+        shared = self._shared_for(session)
         if turn is None and shared is not None and session.shared is not None:
             try:
                 await shared.patiently(lambda: shared.refresh(session))
@@ -206,14 +229,14 @@ class SessionDirectory:
 
     async def prepare_to_write(self, session: Session) -> None:
         """Make sure this replica holds event numbers for ``session``."""
-        if self.shared is not None:
-            await self.shared.ensure_seqs(session)
+        if (shared := self._shared_for(session)) is not None:
+            await shared.ensure_seqs(session)
 
     def turn_recorded(self, session: Session, turn: Turn) -> anyio.Event | None:
         """Share ``turn``; an event set once it is stored (``None`` without shared sessions)."""
-        if self.shared is None:
+        if (shared := self._shared_for(session)) is None:
             return None
-        return self.shared.turn_recorded(session, turn)
+        return shared.turn_recorded(session, turn)
 
     async def wait_shared(self, done: anyio.Event | None) -> None:
         """Wait until a turn is stored in the shared state, so that any replica finds it next:
@@ -232,17 +255,25 @@ class SessionDirectory:
 
     def feedback_recorded(self, session: Session, record: dict[str, Any]) -> None:
         session.feedback.append(record)
-        if self.shared is not None:
-            self.shared.feedback_recorded(session, record)
+        if (shared := self._shared_for(session)) is not None:
+            shared.feedback_recorded(session, record)
 
     async def close(self, session: Session, reason: str) -> bool:
         """Close ``session`` everywhere; ``False`` if it already was."""
         if session.closed:
             return False
-        if self.shared is not None:
-            await self.shared.ensure_seqs(session)
-            await self.shared.close(session, reason)  # learns every turn's event numbers first
+        if (shared := self._shared_for(session)) is not None:
+            await shared.ensure_seqs(session)
+            await shared.close(session, reason)  # learns every turn's event numbers first
         return self.store.close(session, reason)
+
+
+def _capture_conflict(session: Session) -> Conflict:
+    if session.captured:
+        message = f"Session `{session.session_id}` is captured; a request with capture off cannot join it."
+    else:
+        message = f"Session `{session.session_id}` is not captured (capture off); a captured request cannot join it."
+    return Conflict(message, param="session_id", code="session_capture_mismatch")
 
 
 def _options(sharing: SharingConfig) -> dict[str, Any]:

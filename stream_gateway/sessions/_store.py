@@ -130,6 +130,13 @@ class Session:
     turn_seqs: dict[str, list[int]] = field(default_factory=dict)
     opened_seq: int | None = None
     shared: SharedState | None = None  # the shared sessions' bookkeeping (revision, loaded events), when on
+    captured: bool = True  # False: its user did not consent; nothing of it leaves the process (docs/data-rights.md)
+
+    @property
+    def scope(self) -> str:
+        """What its conversations are found under: its tenant's captured sessions or uncaptured ones,
+        never both (a capture-off request never continues a captured conversation, nor the reverse)."""
+        return scope_of(self.tenant, self.captured)
 
     def take_seq(self) -> int:
         """The number of the session's next durable event."""
@@ -234,6 +241,11 @@ def prefix_digests(ids: list[int], lengths: dict[int, int] | Any) -> list[bytes]
     return out
 
 
+def scope_of(tenant: str, captured: bool) -> str:
+    """The key a tenant's captured (or uncaptured) sessions are indexed under."""
+    return tenant if captured else f"{tenant}\x00uncaptured"
+
+
 def _extends(prompt_ids: list[int], turn: Turn) -> bool:
     """Whether ``prompt_ids`` starts with the turn's prompt and output ids (digests could collide)."""
     size = len(turn.prompt_ids)
@@ -281,10 +293,10 @@ class SessionStore:
             raise _not_found(session_id)
         return session
 
-    def get_or_create(self, session_id: str, tenant: str) -> Session:
+    def get_or_create(self, session_id: str, tenant: str, captured: bool = True) -> Session:
         """The named session, created on first use. Another tenant's id is refused."""
         session = self.lookup(session_id, tenant)
-        return session if session is not None else self._create(session_id, tenant)
+        return session if session is not None else self._create(session_id, tenant, captured)
 
     def cached(self, session_id: str) -> Session | None:
         """The session ``session_id`` if this store holds it, whoever owns it."""
@@ -301,17 +313,18 @@ class SessionStore:
         self._evict(time.time())
         return session
 
-    def create(self, tenant: str) -> Session:
+    def create(self, tenant: str, captured: bool = True) -> Session:
         """A new session with a generated id."""
-        return self._create(f"sess{secrets.token_hex(12)}", tenant)
+        return self._create(f"sess{secrets.token_hex(12)}", tenant, captured)
 
-    def find_at(self, tenant: str, keys: list[bytes], positions: list[int]) -> tuple[Session, Turn, int] | None:
-        """The tenant's session holding the deepest turn the conversation continues, with its position.
+    def find_at(self, scope: str, keys: list[bytes], positions: list[int]) -> tuple[Session, Turn, int] | None:
+        """The session of ``scope`` (:func:`scope_of`) holding the deepest turn the conversation
+        continues, with its position.
 
         One index probe per assistant position (see :meth:`Session.match`), however many sessions are open.
         """
         for i in reversed(positions):
-            session_id = self._index.get((tenant, keys[i]))
+            session_id = self._index.get((scope, keys[i]))
             session = self._sessions.get(session_id) if session_id is not None else None
             turn = session.match(keys, [i])[0] if session is not None else None
             if session is not None and turn is not None:
@@ -324,13 +337,13 @@ class SessionStore:
             del self._sessions[session.session_id]
             self._unindex(session)
 
-    def find_tokens(self, tenant: str, prompt_ids: list[int]) -> tuple[Session, Turn] | None:
-        """The tenant's session holding the deepest finished turn that ``prompt_ids`` extend."""
-        lengths = self._token_lengths.get(tenant)
+    def find_tokens(self, scope: str, prompt_ids: list[int]) -> tuple[Session, Turn] | None:
+        """The session of ``scope`` holding the deepest finished turn that ``prompt_ids`` extend."""
+        lengths = self._token_lengths.get(scope)
         if not lengths:
             return None
         for digest in prefix_digests(prompt_ids, lengths):
-            session_id = self._token_index.get((tenant, digest))
+            session_id = self._token_index.get((scope, digest))
             session = self._sessions.get(session_id) if session_id is not None else None
             turn = session.match_tokens(prompt_ids) if session is not None else None
             if session is not None and turn is not None:
@@ -347,10 +360,10 @@ class SessionStore:
             return
         digest = session.token_digests.get(turn.turn_id)
         if turn.key is not None:
-            self._index[(session.tenant, turn.key)] = session.session_id
-        if digest is not None and (session.tenant, digest) not in self._token_index:
-            self._token_index[(session.tenant, digest)] = session.session_id
-            lengths = self._token_lengths.setdefault(session.tenant, {})
+            self._index[(session.scope, turn.key)] = session.session_id
+        if digest is not None and (session.scope, digest) not in self._token_index:
+            self._token_index[(session.scope, digest)] = session.session_id
+            lengths = self._token_lengths.setdefault(session.scope, {})
             length = len(turn.prompt_ids) + len(turn.output_ids)
             lengths[length] = lengths.get(length, 0) + 1
 
@@ -388,9 +401,9 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def _create(self, session_id: str, tenant: str) -> Session:
+    def _create(self, session_id: str, tenant: str, captured: bool = True) -> Session:
         now = time.time()
-        session = Session(session_id, tenant, now, now)
+        session = Session(session_id, tenant, now, now, captured=captured)
         self._sessions[session_id] = session
         self._evict(now)
         return session
@@ -414,20 +427,20 @@ class SessionStore:
 
     def _unindex(self, session: Session) -> None:
         for key in session.by_key:
-            if self._index.get((session.tenant, key)) == session.session_id:
-                del self._index[(session.tenant, key)]
-        lengths = self._token_lengths.get(session.tenant, {})
+            if self._index.get((session.scope, key)) == session.session_id:
+                del self._index[(session.scope, key)]
+        lengths = self._token_lengths.get(session.scope, {})
         for digest, turn_id in session.by_tokens.items():
-            if self._token_index.get((session.tenant, digest)) != session.session_id:
+            if self._token_index.get((session.scope, digest)) != session.session_id:
                 continue
-            del self._token_index[(session.tenant, digest)]
+            del self._token_index[(session.scope, digest)]
             turn = session.turns[turn_id]
             length = len(turn.prompt_ids) + len(turn.output_ids)
             lengths[length] -= 1
             if not lengths[length]:
                 del lengths[length]
         if not lengths:
-            self._token_lengths.pop(session.tenant, None)
+            self._token_lengths.pop(session.scope, None)
 
 
 def _not_found(session_id: str) -> NotFound:

@@ -142,6 +142,19 @@ def test_key_file_reload_keeps_the_old_keys_when_the_new_file_is_bad(tmp_path: P
         read_key_file(path)
 
 
+def test_capture_in_the_key_file_holds_for_every_key_of_its_tenant(tmp_path: Path) -> None:
+    path = tmp_path / "keys.txt"
+    path.write_text("k1 private capture=off\nk2 private rpm=5\nk3 strict capture=on\nk4 open\n")
+    keys = read_key_file(path)
+    assert [keys[k].capture for k in ("k1", "k2", "k3", "k4")] == [False, False, True, None]
+    path.write_text("k1 private capture=off\nk2 private capture=on\n")
+    with pytest.raises(ValueError, match=r"keys\.txt:2: another key of tenant 'private' says capture=off"):
+        read_key_file(path)
+    path.write_text("k1 private capture=no\n")
+    with pytest.raises(ValueError, match=r"keys\.txt:1: capture= is on or off, not 'no'"):
+        read_key_file(path)
+
+
 def test_no_keys_on_a_public_address_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["serve", "--engine", "synthetic", "--host", "0.0.0.0"]) == 2
     assert "--allow-anonymous" in capsys.readouterr().err
