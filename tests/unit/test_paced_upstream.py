@@ -1,0 +1,129 @@
+"""``benchmarks/paced_upstream.py`` read by the engines it stands in for, over a real socket.
+
+The benchmark's vLLM/SGLang-like server is only worth its figures if the ``vllm-http`` and
+``sglang-http`` engines read its frames as they read a real server's: every token id of the
+passage in order, its logprob, ``k`` alternatives, the finish reason. Its chat endpoint must carry
+the same tokens as text (what LiteLLM relays in ``benchmarks/relay.py``). The server runs on its
+own event loop in a thread; the engines and httpx are the real clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import anyio
+import httpx
+import orjson
+import pytest
+
+from stream_gateway.engines import EngineStep, SamplingParams
+from stream_gateway.engines.remote import RemoteEngine
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("paced_upstream", BENCHMARKS / "paced_upstream.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["paced_upstream"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+paced_upstream = _load()
+
+
+@pytest.fixture(scope="module")
+def cycle(agent_model_path: Path) -> Any:
+    return paced_upstream.TokenCycle.from_model(agent_model_path)
+
+
+@pytest.fixture(scope="module")
+def upstream_url(cycle: Any) -> Iterator[str]:
+    """The server at 2,000 tokens/s per stream, 1 ms to the first token, EOS after 12 tokens without ignore_eos."""
+    loop = asyncio.new_event_loop()
+    server = paced_upstream.PacedUpstream(cycle, tokens_per_second=2000, first_token_s=0.001, stop_after=12)
+    listening = loop.run_until_complete(paced_upstream.start("127.0.0.1", 0, server))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def shut() -> None:
+        listening.close()
+        await listening.wait_closed()
+        await asyncio.sleep(0.2)  # the clients' closes reach their connections
+
+    try:
+        yield f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(shut(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _generate(engine: RemoteEngine, params: SamplingParams) -> list[EngineStep]:
+    async def run() -> list[EngineStep]:
+        async with engine:
+            return [step async for step in engine.generate("r1", [1, 5, 9], params)]
+
+    return anyio.run(run)
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_engines_read_one_token_per_step(agent_model_path: Path, cycle: Any, upstream_url: str,
+                                         protocol: Literal["vllm", "sglang"]) -> None:  # fmt: skip
+    """The passage's ids cycled, one per step, with logprobs and 3 alternatives; ``length`` at the end."""
+    engine = RemoteEngine(agent_model_path, protocol=protocol, upstreams=(upstream_url,),
+                          served_model_name="tiny-agent")  # fmt: skip
+    tokens = len(cycle.ids) + 5  # past the seam of the cycle
+    steps = _generate(engine, SamplingParams(max_tokens=tokens, top_logprobs=3, ignore_eos=True))
+    ids = [t for s in steps for t in s.token_ids]
+    assert all(len(s.token_ids) == 1 for s in steps)
+    assert ids == [cycle.ids[i % len(cycle.ids)] for i in range(tokens)]
+    assert all(s.logprobs == (-0.05,) for s in steps)
+    assert all(s.top_logprobs is not None and len(s.top_logprobs[0]) == 3 for s in steps)
+    assert all(s.top_logprobs is not None and s.top_logprobs[0][0] == (s.token_ids[0], -0.05) for s in steps)
+    assert [s.finish_reason for s in steps] == [None] * (tokens - 1) + ["length"]
+
+
+def test_a_turn_without_ignore_eos_ends_with_eos(agent_model_path: Path, cycle: Any, upstream_url: str) -> None:
+    engine = RemoteEngine(agent_model_path, protocol="vllm", upstreams=(upstream_url,), served_model_name="tiny-agent")
+    steps = _generate(engine, SamplingParams(max_tokens=40))
+    assert len(steps) == 12 and steps[-1].finish_reason == "stop"
+    assert steps[-1].token_ids == (cycle.eos_id,)
+
+
+def test_chat_carries_the_same_tokens_as_text(cycle: Any, upstream_url: str) -> None:
+    body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    content, finish, usage = "", None, None
+    with httpx.stream("POST", upstream_url + "/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        frames = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    for frame in frames[:-1]:
+        chunk = orjson.loads(frame)
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            finish = choice["finish_reason"] or finish
+        usage = chunk.get("usage") or usage
+    texts = cycle.texts
+    assert content == "".join(texts[i % len(texts)] for i in range(300))
+    assert finish == "length" and usage is not None and usage["completion_tokens"] == 300
+
+
+def test_health_models_and_refusals(upstream_url: str) -> None:
+    assert httpx.get(upstream_url + "/health").status_code == 200
+    card = httpx.get(upstream_url + "/v1/models").json()["data"][0]
+    assert card["id"] == "tiny-agent" and card["max_model_len"] == paced_upstream.DEFAULT_MAX_MODEL_LEN
+    assert httpx.get(upstream_url + "/get_model_info").json()["model_path"] == "tiny-agent"
+    assert httpx.post(upstream_url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 400
+    assert httpx.get(upstream_url + "/nowhere").status_code == 404
