@@ -107,6 +107,7 @@ class BatcherConfig:
     overlong: Literal["truncate", "drop"] = "truncate"
     no_reward: Literal["drop", "zero"] = "drop"
     output_dir: Path | None = None  # also write <batch_id>.parquet here
+    parquet_max_age_s: float = 0.0  # delete this batcher's parquet files older than this (retention); 0: never
     ack_wait_s: float = 30.0
     max_pending: int = 4096  # trajectories held unacknowledged (the consumer's max_ack_pending)
     group_timeout_s: float | None = None  # drop a group still incomplete after this long
@@ -257,10 +258,22 @@ class Batcher:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat_loop)
                 tg.start_soon(self._policy_loop)
+                if config.output_dir is not None and config.parquet_max_age_s:
+                    tg.start_soon(self._retention_loop, config.output_dir, config.parquet_max_age_s)
                 if self._progress is not None:
                     tg.start_soon(self._progress_loop)
                 task_status.started()
                 await self._runner.consume(subscription, self._on_fetch, self._room)
+
+    async def _retention_loop(self, directory: Path, max_age_s: float) -> None:
+        """Delete the batch files in ``directory`` older than ``max_age_s``, now and then (an hour at most
+        between looks, a tenth of the age when that is shorter)."""
+        while True:
+            removed = await anyio.to_thread.run_sync(remove_old_batch_files, directory, max_age_s)
+            if removed:
+                log.info("batcher: %d parquet files older than %g s removed from %s (retention)",
+                         removed, max_age_s, directory)  # fmt: skip
+            await anyio.sleep(min(3600.0, max(1.0, max_age_s / 10)))
 
     def _room(self) -> int:
         """How many messages the next fetch may bring: held ones count against ``max_pending``."""
@@ -511,6 +524,21 @@ class Batcher:
             if s.held >= self._config.max_pending:
                 line += " (max_pending reached: incomplete groups block the consumer; see group_timeout_s)"
             self._progress(line)
+
+
+def remove_old_batch_files(directory: Path, max_age_s: float) -> int:
+    """Delete ``<batch id>.parquet`` files in ``directory`` last written more than ``max_age_s`` ago;
+    returns how many. Other files are left alone."""
+    cutoff = time.time() - max_age_s
+    removed = 0
+    for path in directory.glob("*.parquet"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:  # removed by someone else meanwhile
+            continue
+    return removed
 
 
 async def run_batcher(config: BatcherConfig, progress: Callable[[str], None] | None = None) -> None:

@@ -23,7 +23,7 @@ from .streams import ConsumerStreams
 if TYPE_CHECKING:
     from .batcher import BatcherConfig
 
-__all__ = ["add_batch_flags", "add_commands", "batcher_config", "main"]
+__all__ = ["add_batch_flags", "add_commands", "add_trajectories_max_age_flag", "batcher_config", "main"]
 
 
 def _assemble(args: argparse.Namespace) -> int:
@@ -36,7 +36,12 @@ def _assemble(args: argparse.Namespace) -> int:
     config = AssemblerConfig(
         servers=servers,
         auth=auth,
-        names=ConsumerStreams(prefix=args.subject_prefix, events=args.events_stream, replicas=args.stream_replicas),
+        names=ConsumerStreams(
+            prefix=args.subject_prefix,
+            events=args.events_stream,
+            replicas=args.stream_replicas,
+            trajectories_max_age_s=args.trajectories_max_age_seconds,
+        ),
         durable=args.durable,
         idle_timeout_s=args.idle_timeout,
         close_grace_s=args.close_grace,
@@ -70,7 +75,10 @@ def batcher_config(
     from .batcher import BatcherConfig
 
     names = ConsumerStreams(
-        prefix=args.subject_prefix or "sg", events=args.events_stream or "SG_EVENTS", replicas=replicas
+        prefix=args.subject_prefix or "sg",
+        events=args.events_stream or "SG_EVENTS",
+        replicas=replicas,
+        batches_max_age_s=args.batches_max_age_seconds,
     )
     return BatcherConfig(
         **more,
@@ -88,6 +96,7 @@ def batcher_config(
         only_adapter=args.adapter,
         only_base=args.base,
         output_dir=output_dir,
+        parquet_max_age_s=args.parquet_max_age_seconds or 0.0,
     )
 
 
@@ -136,9 +145,35 @@ def add_batch_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--response-length", type=int, default=2048, help="verl response length")
     command.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="too-long responses")
     command.add_argument("--no-reward", choices=("drop", "zero"), default="drop", help="samples without a reward")
+    command.add_argument(
+        "--batches-max-age-seconds",
+        type=_seconds,
+        help="retention: the batches stream and bucket keep a batch this long (unset: as they are; 0: forever)",
+    )
+    command.add_argument(
+        "--parquet-max-age-seconds",
+        type=_seconds,
+        help="retention: parquet files in --output-dir older than this are deleted (unset or 0: never)",
+    )
     only = command.add_mutually_exclusive_group()
     only.add_argument("--adapter", metavar="NAME", help="only this LoRA adapter's trajectories (a consumer of its own)")
     only.add_argument("--base", action="store_true", help="only the base model's trajectories, none of an adapter's")
+
+
+def add_trajectories_max_age_flag(command: argparse.ArgumentParser) -> None:
+    """``--trajectories-max-age-seconds`` (``assemble`` and ``up``)."""
+    command.add_argument(
+        "--trajectories-max-age-seconds",
+        type=_seconds,
+        help="retention: the trajectories stream keeps a trajectory this long (unset: as it is; 0: forever)",
+    )
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds, 0 or more")
+    return value
 
 
 def add_commands(commands: Any) -> None:
@@ -158,6 +193,7 @@ def add_commands(commands: Any) -> None:
     assemble.add_argument("--max-turns", type=int, help="emit a session (truncated) at this many turns")
     assemble.add_argument("--max-tokens", type=int, help="cut trajectories at this many tokens")
     assemble.add_argument("--ack-wait", type=float, default=60.0, help="redelivery delay after a crash (s)")
+    add_trajectories_max_age_flag(assemble)
     add_stream_replicas_flag(assemble, "the streams and buckets it provisions")
     assemble.set_defaults(run=_assemble)
 

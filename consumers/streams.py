@@ -47,6 +47,10 @@ class ConsumerStreams:
     image_bucket: str = "sg_images"  # the gateway's images and their processors (pipeline.streams.StreamSpec)
     replicas: int | None = None  # None: one for what is created, what exists keeps its own (module docstring)
     duplicate_window_s: float = 600.0
+    # Retention (docs/data-rights.md): how long the trajectories stream keeps a message, and the
+    # batches stream and bucket a batch; None: not set here (a new one keeps everything), 0: forever.
+    trajectories_max_age_s: float | None = None
+    batches_max_age_s: float | None = None
 
     @property
     def event_subjects(self) -> str:
@@ -73,10 +77,18 @@ async def ensure_consumer_streams(js: JetStreamContext, names: ConsumerStreams) 
         await js.stream_info(names.events)
     except NotFoundError:  # consumers started before any gateway: create it as a gateway would
         await ensure_stream(js, StreamSpec(prefix=names.prefix, stream=names.events, replicas=names.replicas))
-    for stream, subject in ((names.trajectories, names.trajectory_subjects), (names.batches, names.batch_subject)):
+    for stream, subject, max_age_s in (
+        (names.trajectories, names.trajectory_subjects, names.trajectories_max_age_s),
+        (names.batches, names.batch_subject, names.batches_max_age_s),
+    ):
         await ensure_named_stream(
-            js, stream, [subject], replicas=names.replicas, duplicate_window_s=names.duplicate_window_s
+            js,
+            stream,
+            [subject],
+            replicas=names.replicas,
+            max_age_s=max_age_s,
+            duplicate_window_s=names.duplicate_window_s,
         )
-    for bucket in (names.payload_bucket, names.batch_bucket):
-        await ensure_bucket(js, bucket, replicas=names.replicas)
+    await ensure_bucket(js, names.payload_bucket, replicas=names.replicas)
+    await ensure_bucket(js, names.batch_bucket, replicas=names.replicas, max_age_s=names.batches_max_age_s)
     await ensure_key_value(js, names.state_bucket, replicas=names.replicas)

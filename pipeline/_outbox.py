@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,23 @@ class Outbox:
         if self._tail_number is not None and segments[0].stem == f"{self._tail_number:020d}":
             self.seal()
         return segments[0], self.read(segments[0])
+
+    def expire(self, max_age_s: float) -> int:
+        """Delete the sealed segments last written more than ``max_age_s`` ago, unsent: their events
+        are older than the stream would keep them (retention). Returns how many events went."""
+        cutoff = time.time() - max_age_s
+        tail = f"{self._tail_number:020d}" if self._tail_number is not None else None
+        dropped = 0
+        for path in self.segments():
+            if path.stem == tail or path.stat().st_mtime >= cutoff:
+                continue
+            count = len(self.read(path))
+            path.unlink(missing_ok=True)
+            self._records -= count
+            dropped += count
+            log.warning("outbox segment %s: %d events older than %g s deleted unsent (retention)",
+                        path, count, max_age_s)  # fmt: skip
+        return dropped
 
     def remove(self, path: Path, records: int) -> None:
         """Delete a replayed segment."""

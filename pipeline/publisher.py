@@ -51,6 +51,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -87,6 +88,18 @@ _ENDINGS = frozenset({"turn.completed", "turn.aborted", "session.closed"})
 _OBJECT_SUBJECT = "$object."
 
 
+def _aging(mtime: str | None, max_age_s: float | None) -> bool:
+    """Whether an object stored at ``mtime`` (ISO 8601, as nats-py writes it in the object's meta)
+    should be stored again: past half its bucket's age limit (none: never)."""
+    if not max_age_s:
+        return False
+    try:
+        stored = datetime.fromisoformat(mtime or "").timestamp()
+    except ValueError:
+        return True
+    return time.time() - stored > max_age_s / 2
+
+
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
     """How the publisher buffers, retries and spills."""
@@ -104,6 +117,7 @@ class PublisherConfig:
     drain_timeout_s: float = 5.0  # on shutdown, before the rest is written to the outbox
     linger_s: float = 0.002  # after an idle spell, wait this long for more events before publishing
     provision: bool = True  # create/update the stream and the payload bucket on connect
+    outbox_max_age_s: float = 0.0  # outbox segments older are deleted unsent (retention); 0: never
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +136,7 @@ class PublisherStatistics:
     deltas_published: int
     deltas_dropped: int
     objects: int = 0  # objects stored (put_object_nowait; those already in their bucket are not counted)
+    expired: int = 0  # durable events deleted unsent from the outbox, older than its age limit (retention)
 
 
 class EventPublisher:
@@ -152,7 +167,7 @@ class EventPublisher:
         self._store: ObjectStore | None = None
         self._buckets: dict[str, ObjectStore] = {}
         self._objects = 0
-        self._published = self._spilled = self._replayed = self._large = self._failures = 0
+        self._published = self._spilled = self._replayed = self._large = self._failures = self._expired = 0
         self._deltas_published = self._deltas_dropped = 0
         if self._spilling:
             log.info("outbox %s holds %d events from a previous run: replaying", config.outbox_dir, len(self._outbox))
@@ -229,6 +244,7 @@ class EventPublisher:
             deltas_published=self._deltas_published,
             deltas_dropped=self._deltas_dropped,
             objects=self._objects,
+            expired=self._expired,
         )
 
     async def wait_published(self) -> None:
@@ -335,6 +351,8 @@ class EventPublisher:
                     backoff = min(backoff * 2, config.retry_backoff_s[1])
                 continue
             if segment is None and len(self._outbox):
+                if config.outbox_max_age_s:
+                    self._expired += self._outbox.expire(config.outbox_max_age_s)
                 segment, done_in_segment = self._outbox.oldest(), 0
             if segment is not None:
                 path, records = segment
@@ -438,14 +456,19 @@ class EventPublisher:
         from nats.js.errors import NotFoundError
 
         assert self._nc is not None and self._js is not None
+        spec = self._config.stream
         store = self._buckets.get(bucket)
         if store is None:
-            # No age or size limit: an object is written once and referred to by every later turn
-            # that uses it, so an expiry of its own would pull it from under them (docs/images.md).
-            store = self._buckets[bucket] = await ensure_bucket(self._js, bucket, replicas=self._config.stream.replicas)
+            # No size limit; an age limit only where one is set (retention, docs/data-rights.md): an
+            # object is written once and referred to by every later turn that uses it, so it is
+            # written again once half its age has passed, lest it expire from under them.
+            store = self._buckets[bucket] = await ensure_bucket(
+                self._js, bucket, replicas=spec.replicas, max_age_s=spec.image_max_age_s
+            )
         try:
-            await store.get_info(name)
-            return
+            info = await store.get_info(name)
+            if not _aging(info.mtime, spec.image_max_age_s):
+                return
         except NotFoundError:
             pass
         await put_oversized(self._nc, store, bucket, name, data)

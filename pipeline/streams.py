@@ -51,6 +51,7 @@ __all__ = [
     "ensure_object_store",
     "ensure_stream",
     "event_subject",
+    "keep_for",
 ]
 
 # On a pointer message: "<bucket>/<object name>" of the event too large for one NATS message.
@@ -78,6 +79,7 @@ class StreamSpec:
     replicas: int | None = None
     max_bytes: int | None = None
     max_age_s: float | None = None
+    image_max_age_s: float | None = None  # the image bucket's (an image is stored again while in use)
     duplicate_window_s: float = 600.0  # how long a replayed event id is still recognised
 
     def __post_init__(self) -> None:
@@ -188,8 +190,9 @@ async def ensure_bucket(
 ) -> ObjectStore:
     """A file-backed object store bucket, created if missing.
 
-    An existing bucket is used as it is, but for ``replicas`` when given: its stream is brought to
-    that many (``None``: one for a new bucket). ``max_bytes`` and ``max_age_s`` apply to a new one.
+    An existing bucket is used as it is, but for ``replicas`` and ``max_age_s`` when given: its
+    stream is brought to them (``None``: one replica and no age limit for a new bucket; 0: none).
+    ``max_bytes`` applies to a new one.
     """
     from nats.js.api import ObjectStoreConfig, StorageType
     from nats.js.errors import BucketNotFoundError, NotFoundError
@@ -205,7 +208,7 @@ async def ensure_bucket(
             ttl=max_age_s or None,
         )
         return await js.create_object_store(bucket, config=config)
-    await _scale(js, f"OBJ_{bucket}", replicas)
+    await _scale(js, f"OBJ_{bucket}", replicas, max_age_s)
     return store
 
 
@@ -225,15 +228,24 @@ async def ensure_key_value(
     return kv
 
 
-async def _scale(js: JetStreamContext, stream: str, replicas: int | None) -> None:
-    """Bring the stream behind an existing bucket to ``replicas`` (``None``: leave it as it is)."""
-    if replicas is None:
+async def keep_for(js: JetStreamContext, stream: str, max_age_s: float) -> None:
+    """Bring an existing stream (or the stream behind a bucket: ``KV_<name>``, ``OBJ_<name>``) to
+    keep messages ``max_age_s`` (0: forever), its other settings as they are (retention)."""
+    await _scale(js, stream, None, max_age_s)
+
+
+async def _scale(js: JetStreamContext, stream: str, replicas: int | None, max_age_s: float | None = None) -> None:
+    """Bring the stream behind an existing bucket to ``replicas`` and ``max_age_s`` (``None``: leave
+    it as it is; an age of 0: no limit)."""
+    if replicas is None and max_age_s is None:
         return
     have = (await js.stream_info(stream)).config
-    if have.num_replicas != replicas:
-        await js.update_stream(replace(have, num_replicas=replicas))
-        log.info("updated stream %s to %d replicas", stream, replicas)
-        await _wait_for_leader(js, stream)
+    wanted = replace(have, num_replicas=_given(replicas, have.num_replicas), max_age=_given(max_age_s, have.max_age))
+    if (wanted.num_replicas, wanted.max_age or 0.0) != (have.num_replicas, have.max_age or 0.0):
+        await js.update_stream(wanted)
+        log.info("updated stream %s to %d replicas, max age %g s", stream, wanted.num_replicas, wanted.max_age or 0)
+        if wanted.num_replicas != have.num_replicas:
+            await _wait_for_leader(js, stream)
 
 
 async def _wait_for_leader(js: JetStreamContext, stream: str) -> None:

@@ -12,7 +12,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 # Publisher statistics fields: counters grow, gauges go up and down.
-_PUBLISHER_COUNTERS = ("published", "spilled", "replayed", "large", "failures", "deltas_published", "deltas_dropped")
+_PUBLISHER_COUNTERS = (
+    "published", "spilled", "replayed", "large", "failures", "deltas_published", "deltas_dropped", "expired",
+)  # fmt: skip
 _PUBLISHER_GAUGES = ("pending", "buffered", "outbox", "connected")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -202,6 +202,14 @@ class Settings(BaseSettings):
         -1, ge=-1, description="stream size limit in bytes, -1: unlimited (the oldest events go first)"
     )
     stream_max_age_seconds: float = Field(0.0, ge=0, description="stream age limit, 0: events are kept forever")
+    image_max_age_seconds: float = Field(
+        0.0, ge=0, description="image store age limit (an image in use is stored again), 0: kept forever"
+    )
+    outbox_max_age_seconds: float | None = Field(
+        None,
+        ge=0,
+        description="outbox files older than this are deleted unsent (default: --stream-max-age-seconds; 0: never)",
+    )
     event_buffer_size: int = Field(10_000, ge=1, description="durable events held in memory before the disk outbox")
     live_deltas: bool = Field(True, description="publish coalesced token deltas on the live subjects")
     delta_tokens: int = Field(128, ge=1, description="a live delta every this many tokens...")

@@ -95,6 +95,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         live_deltas=settings.live_deltas,
         delta_tokens=settings.delta_tokens,
         delta_interval_s=settings.delta_interval_ms / 1000,
+        image_max_age_s=settings.image_max_age_seconds,
     )
     defaults = Limits(
         settings.max_concurrent_requests_per_key,
@@ -284,11 +285,14 @@ def publisher_config(settings: Settings) -> PublisherConfig:
         replicas=settings.stream_replicas,
         max_bytes=settings.stream_max_bytes,
         max_age_s=settings.stream_max_age_seconds,
+        image_max_age_s=settings.image_max_age_seconds,
     )
+    outbox_age = settings.outbox_max_age_seconds
     return PublisherConfig(
         servers=settings.nats_servers(),
         auth=settings.nats_auth(),
         outbox_dir=outbox,
+        outbox_max_age_s=settings.stream_max_age_seconds if outbox_age is None else outbox_age,
         stream=stream,
         buffer_size=settings.event_buffer_size,
     )

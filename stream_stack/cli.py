@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,12 +49,31 @@ _SET_BY_UP = ("outbox_dir", "stream_replicas")
 and its NATS is the embedded server, one server, so one replica of everything (and no NATS options)."""
 
 
+_DAY = 24 * 3600.0
+UP_RETENTION = {
+    "stream_max_age_seconds": 30 * _DAY,  # events (and the oversized-payload bucket, and the outbox with them)
+    "image_max_age_seconds": 30 * _DAY,  # images (stored again while in use)
+    "session_state_ttl_seconds": 7 * _DAY,  # shared session records, from their last use
+    "trajectories_max_age_seconds": 30 * _DAY,
+    "batches_max_age_seconds": 30 * _DAY,  # the batches stream and bucket
+    "parquet_max_age_seconds": 30 * _DAY,  # <data dir>/batches/*.parquet
+}
+"""``up``'s retention of each store where neither a flag nor ``STREAM_GATEWAY_*`` says otherwise
+(docs/data-rights.md); ``serve``, ``assemble`` and ``batch`` keep everything unless told."""
+
+
 def default_data_dir() -> Path:
     return Path.home() / ".local" / "state" / "stream-gateway" / "up"
 
 
 def _up_command(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    given = settings.model_fields_set
+    settings = settings.model_copy(update={k: v for k, v in UP_RETENTION.items() if k in Settings.model_fields
+                                           and k not in given})  # fmt: skip
+    for name, value in UP_RETENTION.items():  # the consumers' flags
+        if name not in Settings.model_fields and getattr(args, name, None) is None:
+            setattr(args, name, value)
     if (reason := refusal(settings)) is not None:
         print(f"stream-gateway: {reason}", file=sys.stderr)
         return 2
@@ -101,7 +121,7 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
         )
         assembler = AssemblerConfig(
             servers=servers,
-            names=names,
+            names=replace(names, trajectories_max_age_s=args.trajectories_max_age_seconds),
             idle_timeout_s=args.idle_timeout,
             default_reward=args.default_reward,
             reward_function=args.reward_function,
@@ -166,9 +186,27 @@ def _ready(
         *([f"  NATS monitor   {monitor}"] if monitor else []),
         f"  trajectories   stream {names.trajectories} (assembler, idle timeout {assembler.idle_timeout_s:g} s)",
         f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})",
+        "  retention      "
+        + ", ".join(
+            f"{what} {_days(seconds)}"
+            for what, seconds in (
+                ("events", settings.stream_max_age_seconds),
+                ("images", settings.image_max_age_seconds),
+                ("session records", settings.session_state_ttl_seconds),
+                ("trajectories", assembler.names.trajectories_max_age_s),
+                ("batches", batcher.names.batches_max_age_s),
+                ("parquet files", batcher.parquet_max_age_s),
+            )
+        ),
         f"  new weights    stream-gateway publish-weights --nats-url {url} --policy-version N DIR",
         f"  watch events:  stream-gateway tail --nats-url {url}",
     ]
+
+
+def _days(seconds: float | None) -> str:
+    if not seconds:
+        return "kept"
+    return f"{seconds / _DAY:g} d" if seconds >= _DAY else f"{seconds:g} s"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -187,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     up_command.add_argument("--default-reward", type=float, help="assembler: reward of sessions with no feedback")
     up_command.add_argument("--reward-function", help="assembler: module:function computing a reward per trajectory")
     consumers.cli.add_batch_flags(up_command)
+    consumers.cli.add_trajectories_max_age_flag(up_command)
     up_command.set_defaults(run=_up_command)
 
     stream_gateway.cli.add_commands(commands)

@@ -29,6 +29,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -111,11 +112,13 @@ class EventRecorder:
         live_deltas: bool = True,
         delta_tokens: int = 128,
         delta_interval_s: float = 0.05,
+        image_max_age_s: float = 0.0,
     ) -> None:
         self._publish = publish
         self._publish_durable: Callable[[Event], anyio.Event] | None = None
         self._store: Callable[[str, bytes], None] | None = None
-        self._stored: OrderedDict[str, None] = OrderedDict()  # names queued for the object store
+        self._stored: OrderedDict[str, float] = OrderedDict()  # names queued for the object store, and when
+        self._restore_after_s = image_max_age_s / 2 if image_max_age_s else 0.0
         self._model = model
         self._live_wanted = live_deltas
         self._live = live_deltas and publish is not None
@@ -146,15 +149,22 @@ class EventRecorder:
         if store is None or processor is None:
             return
         stored = self._stored
-        if processor.fingerprint not in stored:
+        now = time.monotonic()
+        # With an age limit on the bucket, an object in use is queued again once half of it has
+        # passed: the publisher writes it again if the bucket's copy is that old (retention).
+        fresh = now - self._restore_after_s if self._restore_after_s else -math.inf
+        queued = stored.get(processor.fingerprint)
+        if queued is None or queued < fresh:
             store(f"processors/{processor.fingerprint}", orjson.dumps(processor.record()))
-            stored[processor.fingerprint] = None
+            stored[processor.fingerprint] = now
         for image in images:
-            if image.sha256 in stored:
+            queued = stored.get(image.sha256)
+            if queued is not None and queued >= fresh:
                 stored.move_to_end(image.sha256)
                 continue
             store(f"images/{image.sha256}", image.data)
-            stored[image.sha256] = None
+            stored[image.sha256] = now
+            stored.move_to_end(image.sha256)
             if len(stored) > _STORED_KEPT:
                 stored.popitem(last=False)  # forgotten here: the publisher still skips what the bucket has
 

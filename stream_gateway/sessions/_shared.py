@@ -328,6 +328,7 @@ class SharedSessions:
     async def _provision_and_watch(self) -> None:
         from nats.js.api import KeyValueConfig
         from nats.js.errors import BadRequestError
+        from pipeline.streams import keep_for
 
         backoff = _BACKOFF[0]
         while True:
@@ -340,8 +341,9 @@ class SharedSessions:
                                 bucket=self._bucket_name, history=1, replicas=self._replicas, ttl=self._ttl or None
                             )
                         )
-                    except BadRequestError:  # it exists with other settings (another replica's): use it
-                        kv = await self._js.key_value(self._bucket_name)
+                    except BadRequestError:  # it exists with other settings (another replica's): use it,
+                        kv = await self._js.key_value(self._bucket_name)  # its records kept as this one says
+                        await keep_for(self._js, f"KV_{self._bucket_name}", self._ttl)
                     self._bucket = SessionsBucket(kv)
                 self.ready.set()
                 self._wake.set()

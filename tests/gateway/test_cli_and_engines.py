@@ -215,6 +215,38 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
     trajectories, _ = decode_batch(batch.read_bytes())
     assert sorted(t.session_id for t in trajectories) == ["one", "two"]
     assert all(t.reward == 0.5 and t.reward_source == "default" for t in trajectories)
+    # Retention (docs/data-rights.md): up's defaults, said in its banner and set on the stores themselves.
+    said = "retention      events 30 d, images 30 d, session records 7 d, trajectories 30 d, batches 30 d"
+    assert f"{said}, parquet files 30 d" in output, output
+    assert _kept_for(data_dir / "nats") == {
+        "SG_EVENTS": 30.0, "sg_payloads": 30.0, "sg_sessions": 7.0, "SG_TRAJECTORIES": 30.0, "SG_BATCHES": 30.0,
+        "sg_batches": 30.0,
+    }  # fmt: skip
+
+
+def _kept_for(store: Path) -> dict[str, float]:
+    """How many days each stream (bucket: its name) of a stopped server's store keeps a message."""
+    import anyio
+    import nats
+
+    from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
+
+    async def read(url: str) -> dict[str, float]:
+        nc = await nats.connect(url)
+        try:
+            infos = await nc.jetstream().streams_info()
+        finally:
+            await nc.close()
+        days = {}
+        for info in infos:
+            name = info.config.name or ""
+            if name in ("KV_sg_assembler", "KV_sg_batcher") or name.startswith(("KV_sg_policy", "OBJ_sg_policies")):
+                continue  # the consumers' own bookkeeping and the policies: not users' data
+            days[name.removeprefix("KV_").removeprefix("OBJ_")] = (info.config.max_age or 0.0) / 86400
+        return days
+
+    with EmbeddedNatsServer(NatsServerConfig(store_dir=store)) as server:
+        return anyio.run(read, server.url)
 
 
 def test_up_stops_its_nats_server_on_sigterm(tiny_model_path: Path, tmp_path: Path) -> None:
