@@ -70,6 +70,7 @@ from .streams import (
     ensure_stream,
     event_subject,
 )
+from .tombstones import Tombstones
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -137,6 +138,7 @@ class PublisherStatistics:
     deltas_dropped: int
     objects: int = 0  # objects stored (put_object_nowait; those already in their bucket are not counted)
     expired: int = 0  # durable events deleted unsent from the outbox, older than its age limit (retention)
+    withheld: int = 0  # durable events not published: their session or tenant was forgotten (erasure)
 
 
 class EventPublisher:
@@ -146,8 +148,12 @@ class EventPublisher:
     reachable: connecting (and reconnecting) happens in the background.
     """
 
-    def __init__(self, config: PublisherConfig) -> None:
+    def __init__(self, config: PublisherConfig, tombstones: Tombstones | None = None) -> None:
+        """``tombstones``: the sessions and tenants erased (``stream-gateway forget``), whose events
+        are never published, from memory or from the outbox (:mod:`pipeline.tombstones`)."""
         self._config = config
+        self._tombstones = tombstones
+        self._withheld = 0
         self._subject_prefix = config.stream.prefix
         self._buffer: deque[OutboxRecord] = deque()
         self._deltas: deque[tuple[str, bytes]] = deque()
@@ -245,6 +251,7 @@ class EventPublisher:
             deltas_dropped=self._deltas_dropped,
             objects=self._objects,
             expired=self._expired,
+            withheld=self._withheld,
         )
 
     async def wait_published(self) -> None:
@@ -327,6 +334,9 @@ class EventPublisher:
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, config.retry_backoff_s[1])
         self._js = self._nc.jetstream()
+        if self._tombstones is not None:
+            assert self._tg is not None
+            self._tg.start_soon(self._tombstones.follow, self._js)
         await self._drain()
 
     async def _drain(self) -> None:
@@ -392,6 +402,8 @@ class EventPublisher:
                 with anyio.fail_after(self._config.ack_timeout_s):
                     await ensure_stream(self._js, self._config.stream)
                     await ensure_object_store(self._js, self._config.stream)
+                    if self._tombstones is not None:  # before anything is replayed
+                        await self._tombstones.load(self._js)
             except Exception as exc:  # timeouts and JetStream API errors alike: retried
                 log.warning("cannot provision stream %s yet: %r", self._config.stream.stream, exc)
                 self._note_failure()
@@ -409,10 +421,16 @@ class EventPublisher:
         limit = self._nc.max_payload - PAYLOAD_HEADROOM
         futures: list[Any] = []
         large = 0
+        withheld = 0
         try:
             with anyio.fail_after(self._config.ack_timeout_s):
+                if (tombstones := self._tombstones) is not None:
+                    await tombstones.current(js)
                 for record in window:
                     subject, payload = record.subject, record.payload
+                    if tombstones is not None and tombstones.blocks(subject):
+                        withheld += 1  # erased: it never reaches the stream (settled as if it had)
+                        continue
                     if subject.startswith(_OBJECT_SUBJECT):
                         await self._put_object(subject[len(_OBJECT_SUBJECT) :], record.msg_id, payload)
                         continue
@@ -438,7 +456,8 @@ class EventPublisher:
                     future.cancel()  # frees nats-py's pending slot; a late ack is simply ignored
                 elif not future.cancelled():
                     future.exception()  # seen, so asyncio does not log the rest of a failed window
-        self._published += sum(1 for record in window if not record.subject.startswith(_OBJECT_SUBJECT))
+        self._published += sum(1 for record in window if not record.subject.startswith(_OBJECT_SUBJECT)) - withheld
+        self._withheld += withheld
         self._large += large
         self._failing_since = None
         return True

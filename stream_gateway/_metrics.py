@@ -14,6 +14,7 @@ from prometheus_client.utils import floatToGoString
 # Publisher statistics fields: counters grow, gauges go up and down.
 _PUBLISHER_COUNTERS = (
     "published", "spilled", "replayed", "large", "failures", "deltas_published", "deltas_dropped", "expired",
+    "withheld",
 )  # fmt: skip
 _PUBLISHER_GAUGES = ("pending", "buffered", "outbox", "connected")
 

@@ -209,11 +209,16 @@ async def _lifespan(state: GatewayState, _: FastAPI) -> AsyncIterator[None]:
 async def _capturing(state: GatewayState, tg: TaskGroup) -> AsyncIterator[None]:
     """Events to NATS while the app runs: the publisher, the policy follower, shared sessions."""
     from pipeline.publisher import EventPublisher
+    from pipeline.tombstones import Tombstones
 
     settings, recorder, sessions = state.settings, state.recorder, state.sessions
     shared = sessions.shared
     config = publisher_config(settings)
-    async with EventPublisher(config) as publisher:
+    tombstones = Tombstones(settings.subject_prefix)
+    tombstones.on_forgotten = sessions.forgotten
+    if shared is not None:
+        shared.tombstones = tombstones
+    async with EventPublisher(config, tombstones) as publisher:
         durable = publisher.publish_durable if settings.durable_wait_seconds > 0 else None
         recorder.attach(publisher.publish_nowait, durable, publisher.put_object_nowait)
         state.metrics.watch_publisher(publisher.statistics)

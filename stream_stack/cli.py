@@ -21,6 +21,7 @@ import consumers.cli
 import pipeline.cli
 import stream_gateway.cli
 from pipeline.cli import progress
+from pipeline.connection import add_nats_arguments
 from stream_gateway import Settings
 from stream_gateway.cli import (
     ENVIRONMENT_NOTE,
@@ -209,6 +210,69 @@ def _days(seconds: float | None) -> str:
     return f"{seconds / _DAY:g} d" if seconds >= _DAY else f"{seconds:g} s"
 
 
+def _forget_command(args: argparse.Namespace) -> int:
+    """``stream-gateway forget``: erase a session or a tenant everywhere, print the receipt (JSON)."""
+    import json
+
+    import anyio
+
+    from pipeline.cli import nats_from_args
+    from pipeline.connection import connect
+    from stream_stack.erasure import ErasureTarget, find_session_tenants, forget, tenant_token
+
+    if args.session is None and args.tenant is None:
+        print("stream-gateway forget: name what to forget: --session ID and/or --tenant NAME", file=sys.stderr)
+        return 2
+    if (nats := nats_from_args(args, "forget")) is None:
+        return 2
+    servers, auth = nats
+
+    dirs = tuple(Path(d).expanduser() for d in args.batches_dir or ())
+
+    async def run() -> int:
+        try:
+            nc = await connect(servers, auth, name="stream-gateway-forget", max_reconnect_attempts=2)
+        except Exception as exc:
+            progress(f"forget: refused, NATS at {args.nats_url} unreachable ({exc}); nothing was done")
+            return 1
+        try:
+            if args.tenant is not None:
+                tokens = [tenant_token(args.tenant)]
+            else:
+                tokens = await find_session_tenants(nc, args.session)
+                if len(tokens) > 1:
+                    progress(
+                        f"forget: session {args.session!r} exists in {len(tokens)} tenants; name one with --tenant"
+                    )
+                    return 2
+            receipts = []
+            for token in tokens:
+                target = ErasureTarget(token, args.session, batch_dirs=dirs, grace_s=args.grace)
+                try:
+                    receipts.append((await forget(nc, target, progress)).to_json())
+                except Exception as exc:
+                    done = getattr(exc, "receipt", None)
+                    steps = ", ".join(done.steps_done) if done is not None else "none"
+                    progress(
+                        f"forget: stopped by {exc!r}; steps done: {steps}. Run it again to finish (it is idempotent)."
+                    )
+                    if done is not None:
+                        print(json.dumps(done.to_json(), indent=2))
+                    return 1
+            if not receipts:
+                progress(f"forget: no events of session {args.session!r} in any tenant: nothing to erase")
+                receipts.append({"what": "session", "sessions": 0, "events": 0, "complete": True})
+            for receipt in receipts:
+                print(json.dumps(receipt, indent=2))
+            return 0
+        finally:
+            with anyio.move_on_after(2, shield=True):
+                await nc.close()
+
+    result: int = anyio.run(run)
+    return result
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``stream-gateway`` command, every subcommand on it."""
     command = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
@@ -228,6 +292,20 @@ def parser() -> argparse.ArgumentParser:
     consumers.cli.add_trajectories_max_age_flag(up_command)
     up_command.set_defaults(run=_up_command)
 
+    forget_command = commands.add_parser(
+        "forget", help="erase a session or a tenant from every store, for good (docs/data-rights.md)"
+    )
+    add_nats_arguments(forget_command)
+    forget_command.add_argument("--session", metavar="ID", help="the session to forget (with --tenant: of that tenant)")
+    forget_command.add_argument("--tenant", metavar="NAME", help="the tenant (its key file name, or its key) or, "
+                                "alone, every session of it")  # fmt: skip
+    forget_command.add_argument("--batches-dir", action="append", metavar="DIR",
+                                help="parquet batch files on this machine to rewrite too (repeatable)")  # fmt: skip
+    forget_command.add_argument(
+        "--grace", type=float, default=1.0, help="seconds for the gateways to learn the tombstone (default 1)"
+    )
+    forget_command.set_defaults(run=_forget_command)
+
     stream_gateway.cli.add_commands(commands)
     pipeline.cli.add_commands(commands)
     consumers.cli.add_commands(commands)
@@ -237,7 +315,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-gateway`` console script."""
     args = parser().parse_args(argv)
-    if args.command in ("up", "serve", "prepare-model"):
+    if args.command in ("up", "serve", "prepare-model", "forget"):
         result: int = args.run(args)
         return result
     return pipeline.cli.run_command(args)

@@ -258,6 +258,29 @@ class SessionDirectory:
         if (shared := self._shared_for(session)) is not None:
             shared.feedback_recorded(session, record)
 
+    def forgotten(self, key: str) -> int:
+        """A tombstone ``key`` was learned (:mod:`pipeline.tombstones`): the sessions it names end
+        here at once, with no event, leave the cache, and nothing more of them is written. Returns
+        how many there were."""
+        from pipeline.tombstones import session_tombstone, tenant_tombstone, tokens
+
+        dropped = 0
+        for session in self.store:
+            if not session.captured:
+                continue
+            tenant_token, session_token = tokens(session.tenant, session.session_id)
+            assert session_token is not None
+            if key not in (session_tombstone(tenant_token, session_token), tenant_tombstone(tenant_token)):
+                continue
+            self.store.mark_closed(session)
+            self.store.discard(session)
+            if self.shared is not None:
+                self.shared.drop(session)
+            dropped += 1
+        if dropped:
+            log.info("%d sessions erased elsewhere (stream-gateway forget): ended and dropped here", dropped)
+        return dropped
+
     async def close(self, session: Session, reason: str) -> bool:
         """Close ``session`` everywhere; ``False`` if it already was."""
         if session.closed:

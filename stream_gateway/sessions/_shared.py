@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
+    from pipeline.tombstones import Tombstones
 
 __all__ = ["SharedSessions", "SharedUnavailable", "expected_seqs"]
 
@@ -273,6 +274,7 @@ class SharedSessions:
         self._backoff = _BACKOFF[0]  # before the next retry of a failed write
         self._me = secrets.token_hex(8)  # tells this replica's close markers from others'
         self._dirty: dict[str, Session] = {}
+        self.tombstones: Tombstones | None = None  # the erased sessions' (pipeline.tombstones), set by the app
         self._idle: dict[str, Session] = {}
         self._wake = anyio.Event()
         self.ready = anyio.Event()  # set once the bucket exists (or the first attempt failed)
@@ -564,6 +566,31 @@ class SharedSessions:
         except SharedUnavailable:
             self._mark_dirty(session)  # stored when NATS is back
 
+    async def _erased(self, session: Session) -> bool:
+        """Whether ``session`` was forgotten (``stream-gateway forget``), as far as the tombstones
+        say now (a replica stopped during the forget learns it here, before writing): then nothing
+        more of it is written."""
+        from pipeline.tombstones import session_tombstone, tenant_tombstone, tokens
+
+        tombstones = self.tombstones
+        assert tombstones is not None and self._js is not None
+        try:
+            await tombstones.current(self._js)
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
+        tenant_token, session_token = tokens(session.tenant, session.session_id)
+        assert session_token is not None
+        if session_tombstone(tenant_token, session_token) in tombstones or tenant_tombstone(tenant_token) in tombstones:
+            self.drop(session)
+            return True
+        return False
+
+    def drop(self, session: Session) -> None:
+        """Write nothing more of ``session`` (it was erased): what is pending for it is discarded."""
+        self._dirty.pop(session.session_id, None)
+        self._idle.pop(session.session_id, None)
+        session.shared = None
+
     def evicted(self, session: Session, reason: str) -> None:
         """``session`` left this replica's cache; if it went idle everywhere, close it."""
         if reason == "idle" and not session.closed:
@@ -636,6 +663,8 @@ class SharedSessions:
         bucket = self._bucket
         if bucket is None or not (self._nc is not None and self._nc.is_connected):
             raise SharedUnavailable("the shared session state (NATS) is unreachable")
+        if self.tombstones is not None and await self._erased(session):
+            return
         # The first attempt trusts what this replica last wrote or read (or, for a session it
         # created and never stored, that there is no record): one round trip fewer per turn while
         # one replica serves the session. A conflict means another replica wrote: read, merge, retry.
