@@ -224,3 +224,15 @@ def test_a_replica_stopped_during_the_forget_never_brings_the_session_back(
         replica.send_signal(signal.SIGCONT)
         replica.terminate()
         replica.wait(timeout=60)
+
+
+def test_nothing_to_forget_is_a_receipt_of_zeros_and_nats_away_is_refused(stack: Stack) -> None:
+    [unknown] = forget(stack.url, "--session", "never-seen")
+    assert unknown["complete"] and unknown["events"] == 0 and unknown["sessions"] == 0
+    [tenant] = forget(stack.url, "--tenant", "nobody")
+    assert tenant["complete"] and tenant["events"] == tenant["trajectories"] == tenant["session_records"] == 0
+    command = [sys.executable, "-m", "stream_stack", "forget", "--nats-url", f"nats://127.0.0.1:{free_port()}",
+               "--tenant", "alice"]  # fmt: skip
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "unreachable" in refused.stderr and "nothing was done" in refused.stderr
+    assert refused.stdout == ""
