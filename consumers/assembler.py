@@ -61,11 +61,13 @@ from pipeline.connection import NatsAuth
 from pipeline.durable import publish_durable
 from pipeline.events import decode_event, subject_token
 from pipeline.subscriber import decode_message, message_payload
+from pipeline.tombstones import Tombstones
 
 from ._runner import DurableRunner, PullSpec
 from .rewards import apply_reward, load_reward_function
 from .streams import ConsumerStreams
 from .trajectories import SessionEvents, build_trajectories
+from .trajectory import erased
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -115,6 +117,7 @@ class AssemblerStatistics:
     conflicts: int  # compare-and-set retries (another instance wrote first)
     unrouted: int = 0  # trajectories emitted without routes although some of their turns had them
     images_refused: int = 0  # chains left out because their images do not line up with their ids
+    erased: int = 0  # events and sessions not assembled: forgotten (stream-gateway forget)
 
 
 class Assembler:
@@ -128,7 +131,8 @@ class Assembler:
         self._waiting_reward: set[str] = set()
         self._limiter = anyio.CapacityLimiter(32)  # sessions of one fetch handled at once
         self._events = self._emitted = self._trajectories = self._late = self._conflicts = self._unrouted = 0
-        self._images_refused = 0
+        self._images_refused = self._erased = 0
+        self._tombstones = Tombstones(config.names.prefix)  # sessions forgotten: never assembled
         self._last_report = time.monotonic()
         spec = PullSpec(
             stream=config.names.events,
@@ -156,6 +160,7 @@ class Assembler:
             conflicts=self._conflicts,
             unrouted=self._unrouted,
             images_refused=self._images_refused,
+            erased=self._erased,
         )
 
     async def run(self) -> None:
@@ -163,10 +168,15 @@ class Assembler:
         async with self._runner.connected() as (nc, js):
             kv = await js.key_value(self._config.names.state_bucket)
             subscription = await self._runner.bind(js)
+            await self._tombstones.load(js)
             await self._load_deadlines(kv)
             work = _Work(nc, js, kv)
             self._last_report = time.monotonic()
-            await self._runner.consume(subscription, partial(self._on_fetch, work), lambda: self._config.fetch_batch)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._tombstones.follow, js)
+                consume = partial(self._on_fetch, work)
+                await self._runner.consume(subscription, consume, lambda: self._config.fetch_batch)
+                tg.cancel_scope.cancel()
 
     async def _on_fetch(self, work: _Work, messages: list[Msg]) -> None:
         """One fetch's messages (maybe none), then whatever came due, then the progress line."""
@@ -200,6 +210,10 @@ class Assembler:
                 await msg.ack()
                 continue
             if session_id is None:  # policy.updated and the like: not part of any trajectory
+                await msg.ack()
+                continue
+            if erased(self._tombstones, tenant, session_id):  # forgotten: a late copy, never assembled
+                self._erased += 1
                 await msg.ack()
                 continue
             key = f"s.{subject_token(tenant)}.{subject_token(session_id)}"
@@ -330,7 +344,19 @@ class Assembler:
         complete: bool,
         in_hand: dict[int, bytes],
     ) -> None:
+        import nats.errors
+
         config, names = self._config, self._config.names
+        try:
+            await self._tombstones.current(work.js)
+        except (nats.errors.Error, TimeoutError) as exc:  # NATS away: emitted at a later sweep
+            log.debug("assembler: tombstones not checked (%r); session %s waits", exc, state["session_id"])
+            return
+        if erased(self._tombstones, state["tenant"], state["session_id"]):  # forgotten meanwhile: nothing of it
+            self._deadlines.pop(key, None)
+            self._waiting_reward.discard(key)
+            self._erased += 1
+            return
         events = [decode_event(in_hand[ref]) for ref in state["refs"].values() if ref in in_hand]
         missing = [ref for ref in state["refs"].values() if ref not in in_hand]
 
@@ -435,6 +461,6 @@ async def run_assembler(config: AssemblerConfig, progress: Callable[[str], None]
     while True:
         try:
             await assembler.run()
-        except* (nats.errors.Error, TimeoutError) as group:
+        except* (nats.errors.Error, TimeoutError, OSError) as group:
             log.warning("assembler: NATS failed (%r); starting again in %.0f s", group.exceptions[0], _RESTART_S)
         await anyio.sleep(_RESTART_S)

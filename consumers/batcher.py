@@ -57,6 +57,7 @@ from pipeline.connection import NatsAuth
 from pipeline.events import PolicyUpdated, decode_event
 from pipeline.policies import adapter_subject, policy_subject
 from pipeline.subscriber import message_payload
+from pipeline.tombstones import Tombstones
 
 from ._batch_writer import BatchWriter, open_state_bucket
 from ._runner import DurableRunner, PullSpec
@@ -74,7 +75,7 @@ from .grouping import (
 from .images import ImagesRefused, ImageStore
 from .parquet import require_pyarrow
 from .streams import ConsumerStreams
-from .trajectory import Trajectory
+from .trajectory import Trajectory, erased
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -171,6 +172,7 @@ class BatcherStatistics:
     policy_version: int | None  # of the adapter taken (only_adapter/only_base), else of the base model
     other_adapter: int = 0  # trajectories of an adapter this batcher does not take, acknowledged untouched
     dropped_images: int = 0  # images missing from sg_images, or processed to other pixels than the policy saw
+    dropped_erased: int = 0  # of a session or tenant forgotten (stream-gateway forget), with their groups
     adapter_versions: dict[str | None, int] = field(default_factory=dict)  # newest known per adapter (None: base)
 
 
@@ -230,6 +232,8 @@ class Batcher:
         )
         self._js: JetStreamContext | None = None
         self._writer: BatchWriter | None = None
+        self._tombstones = Tombstones(config.names.prefix)
+        self._tombstones.on_forgotten = self._forgotten
         self._images: ImageStore | None = None
 
     def statistics(self) -> BatcherStatistics:
@@ -255,7 +259,9 @@ class Batcher:
             self._js = js
             self._images = ImageStore(js, config.names.image_bucket, cache_bytes=config.image_cache_bytes)
             self._writer = BatchWriter(nc, js, kv, names=config.names, output_dir=config.output_dir, log=log)
+            await self._tombstones.load(js)
             async with anyio.create_task_group() as tg:
+                tg.start_soon(self._tombstones.follow, js)
                 tg.start_soon(self._heartbeat_loop)
                 tg.start_soon(self._policy_loop)
                 if config.output_dir is not None and config.parquet_max_age_s:
@@ -302,6 +308,10 @@ class Batcher:
             log.error("batcher: undecodable trajectory message %s: %s", msg.metadata.sequence.stream, exc)
             self._counts["undecodable"] += 1
             await msg.ack()
+            return
+        if erased(self._tombstones, trajectory.tenant, trajectory.session_id):
+            self._counts["dropped_erased"] += 1
+            self._ack_soon(msg)
             return
         if self._adapters is not None and not self._adapters.takes(trajectory.adapter):
             # Another adapter's: its own batcher has its own consumer. Before any binding lookup,
@@ -393,7 +403,29 @@ class Batcher:
 
     # -- emitting ----------------------------------------------------------------------------
 
+    def _forgotten(self, key: str) -> None:
+        """A tombstone: the held trajectories of the sessions it names go, with their groups."""
+        gone = {
+            tid for tid, held in self._held.items()
+            if erased(self._tombstones, held.trajectory.tenant, held.trajectory.session_id)
+            and tid not in self._bound_member  # a batch assigned before a restart is the forget's to rewrite
+        }  # fmt: skip
+        for group in self._planner.drop(gone):
+            self._counts["dropped_erased"] += len(group.members)
+            for tid in group.members:
+                held = self._held.pop(tid, None)
+                if held is not None:
+                    self._ack_soon(held.msg)
+
     async def _emit_ready(self) -> None:
+        import nats.errors
+
+        assert self._js is not None
+        try:
+            await self._tombstones.current(self._js)  # nothing of a session forgotten a moment ago
+        except (nats.errors.Error, TimeoutError) as exc:  # NATS away: no batch until it answers again
+            log.debug("batcher: tombstones not checked (%r); batches wait", exc)
+            return
         await self._flush_acks()
         for batch in [b for b in self._bound.values() if all(m in self._held for m in b.members)]:
             await self._emit(batch)
@@ -554,6 +586,6 @@ async def run_batcher(config: BatcherConfig, progress: Callable[[str], None] | N
     while True:
         try:
             await Batcher(config, progress).run()
-        except* (nats.errors.Error, TimeoutError) as group:
+        except* (nats.errors.Error, TimeoutError, OSError) as group:
             log.warning("batcher: NATS failed (%r); starting again in %.0f s", group.exceptions[0], _RESTART_S)
         await anyio.sleep(_RESTART_S)

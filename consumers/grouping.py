@@ -367,6 +367,18 @@ class GroupPlanner:
                 released.append(DroppedGroup(uid, tuple(lane.open.pop(uid).members), adapter))
         return released
 
+    def drop(self, trajectory_ids: set[str]) -> list[DroppedGroup]:
+        """Release every group, incomplete or whole, holding one of ``trajectory_ids`` (their data
+        was erased): a batch is whole groups, so the group goes with them."""
+        released = []
+        for adapter, lane in self._lanes.items():
+            for uid in [uid for uid, group in lane.open.items() if trajectory_ids.intersection(group.members)]:
+                released.append(DroppedGroup(uid, tuple(lane.open.pop(uid).members), adapter))
+            for ready in [r for r in lane.ready if trajectory_ids.intersection(r[2])]:
+                lane.ready.remove(ready)
+                released.append(DroppedGroup(ready[1], tuple(ready[2]), adapter))
+        return released
+
     def next_batch(self) -> PlannedBatch | None:
         """The next ``batch_size`` members from one adapter's whole groups, oldest first; ``None``: not enough yet.
 

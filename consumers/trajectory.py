@@ -64,6 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     import numpy.typing as npt
+    from pipeline.tombstones import Tombstones
 
 __all__ = [
     "ExpertRoutes",
@@ -71,6 +72,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryImage",
     "TurnSummary",
+    "erased",
     "image_cut",
     "images_problem",
     "token_policy_versions",
@@ -80,6 +82,18 @@ __all__ = [
 # 2: per-token policy versions (turns' policy_versions); 3: thinking (reasoning_mask, turns' reasoning_tokens);
 # 4: routed experts (routed_experts) and the LoRA adapter (adapter); 5: images (images)
 TRAJECTORY_SCHEMA_VERSION: Literal[5] = 5
+
+
+def erased(tombstones: Tombstones, tenant: str, session_id: str) -> bool:
+    """Whether the session (``tenant``: the events' tenant digest) was forgotten (:mod:`pipeline.tombstones`)."""
+    from pipeline.events import subject_token
+    from pipeline.tombstones import session_tombstone, tenant_tombstone
+
+    tenant_token = subject_token(tenant)
+    return (
+        tenant_tombstone(tenant_token) in tombstones
+        or session_tombstone(tenant_token, subject_token(session_id)) in tombstones
+    )
 
 
 def trajectory_id(session_id: str, turn_ids: list[str]) -> str:

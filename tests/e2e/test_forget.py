@@ -236,3 +236,20 @@ def test_nothing_to_forget_is_a_receipt_of_zeros_and_nats_away_is_refused(stack:
     refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "unreachable" in refused.stderr and "nothing was done" in refused.stderr
     assert refused.stdout == ""
+
+
+def test_a_batcher_holding_a_forgotten_trajectory_drops_it(stack: Stack) -> None:
+    """The batcher held the session's trajectory (its batch not full yet) when the forget ran: the
+    next batch is made of later sessions only."""
+    held = stack.turns("sk-alice", "held-b1", "maple harbor", turns=1)
+    _wait(lambda: any(t.startswith("SG_TRAJECTORIES") for t in nats_traces(stack.url, needles(held))),
+          "its trajectory never came")  # fmt: skip
+    time.sleep(1.5)  # the batcher fetched it (every 0.5 s) and holds it: one of the three a batch takes
+    [receipt] = stack.forget("--session", "held-b1", "--tenant", "alice")
+    assert receipt["trajectories"] == 1 and receipt["batches_rewritten"] == receipt["batches_removed"] == 0
+    for i in range(3):
+        stack.turns("sk-alice", f"after-b{i}", f"after {i}", turns=1)
+    # Batches take whole groups oldest first: had it stayed held, the first batch after it would hold it.
+    _wait(lambda: {"after-b0", "after-b1"} <= set(_batch_rows(stack.batches)), "no batch after the forget")
+    assert "held-b1" not in _batch_rows(stack.batches)
+    assert nats_traces(stack.url, needles(held)) == [] and file_traces(stack.root, needles(held)) == []
