@@ -132,7 +132,7 @@ class Assembler:
         self._limiter = anyio.CapacityLimiter(32)  # sessions of one fetch handled at once
         self._events = self._emitted = self._trajectories = self._late = self._conflicts = self._unrouted = 0
         self._images_refused = self._erased = 0
-        self._tombstones = Tombstones(config.names.prefix)  # sessions forgotten: never assembled
+        self._tombstones = Tombstones(config.names.prefix, replicas=config.names.replicas)  # never assembled
         self._last_report = time.monotonic()
         spec = PullSpec(
             stream=config.names.events,

@@ -232,7 +232,7 @@ class Batcher:
         )
         self._js: JetStreamContext | None = None
         self._writer: BatchWriter | None = None
-        self._tombstones = Tombstones(config.names.prefix)
+        self._tombstones = Tombstones(config.names.prefix, replicas=config.names.replicas)
         self._tombstones.on_forgotten = self._forgotten
         self._images: ImageStore | None = None
 

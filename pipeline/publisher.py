@@ -425,7 +425,7 @@ class EventPublisher:
         try:
             with anyio.fail_after(self._config.ack_timeout_s):
                 if (tombstones := self._tombstones) is not None:
-                    await tombstones.current(js)
+                    await tombstones.current(js, strict=False)
                 for record in window:
                     subject, payload = record.subject, record.payload
                     if tombstones is not None and tombstones.blocks(subject):

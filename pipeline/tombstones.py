@@ -71,9 +71,12 @@ class Tombstones:
     drops the session from its cache).
     """
 
-    def __init__(self, prefix: str = "sg", bucket: str = FORGOTTEN_BUCKET) -> None:
+    def __init__(self, prefix: str = "sg", bucket: str = FORGOTTEN_BUCKET, replicas: int | None = None) -> None:
+        """``replicas``: of the bucket, as the events stream's (``None``: one for a new bucket, an
+        existing one as it is), so that it is there whenever the events are."""
         self._prefix = f"{prefix}.events."
         self._bucket = bucket
+        self._replicas = replicas
         self._keys: set[str] = set()
         self._loaded = False
         self._seen = 0  # the bucket's stream sequence this copy is current to
@@ -109,7 +112,7 @@ class Tombstones:
         """The tombstones' bucket, created if missing."""
         from .streams import ensure_key_value
 
-        return await ensure_key_value(js, self._bucket)
+        return await ensure_key_value(js, self._bucket, replicas=self._replicas)
 
     async def load(self, js: JetStreamContext) -> None:
         """Read every tombstone (a publisher does before it replays its outbox)."""
@@ -127,17 +130,27 @@ class Tombstones:
         self._seen = max(self._seen, last)
         self._checked = time.monotonic()
 
-    async def current(self, js: JetStreamContext, within_s: float = 1.0) -> None:
+    async def current(self, js: JetStreamContext, within_s: float = 1.0, *, strict: bool = True) -> None:
         """Make sure nothing was forgotten that this copy does not know, at most ``within_s`` ago.
 
         A process that was stopped (SIGSTOP, a paused VM) while a forget ran resumes with its
         events in hand and the watch's news still unread in its socket: before publishing, one
-        request tells whether the bucket holds tombstones it has not seen, and they are read."""
+        request tells whether the bucket holds tombstones it has not seen, and they are read.
+        ``strict`` False: if the bucket does not answer (a cluster electing its leader), go on
+        with what the watch has said, rather than hold everything up (the gateway's choice: its
+        events and session records must not wait on this bucket's election; it was current a
+        moment ago, and checks again within ``within_s``)."""
         if time.monotonic() - self._checked < within_s:
             return
-        last = (await js.stream_info(f"KV_{self._bucket}")).state.last_seq
-        if last > self._seen:
-            await self.load(js)
+        try:
+            last = (await js.stream_info(f"KV_{self._bucket}")).state.last_seq
+            if last > self._seen:
+                await self.load(js)
+        except Exception as exc:
+            if strict:
+                raise
+            log.debug("tombstones: bucket %s did not answer (%r); going on with what the watch said", self._bucket, exc)
+            return
         self._checked = time.monotonic()
 
     async def follow(self, js: JetStreamContext) -> None:

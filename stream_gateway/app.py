@@ -214,7 +214,7 @@ async def _capturing(state: GatewayState, tg: TaskGroup) -> AsyncIterator[None]:
     settings, recorder, sessions = state.settings, state.recorder, state.sessions
     shared = sessions.shared
     config = publisher_config(settings)
-    tombstones = Tombstones(settings.subject_prefix)
+    tombstones = Tombstones(settings.subject_prefix, replicas=settings.stream_replicas)
     tombstones.on_forgotten = sessions.forgotten
     if shared is not None:
         shared.tombstones = tombstones

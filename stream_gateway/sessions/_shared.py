@@ -574,10 +574,7 @@ class SharedSessions:
 
         tombstones = self.tombstones
         assert tombstones is not None and self._js is not None
-        try:
-            await tombstones.current(self._js)
-        except Exception as exc:
-            raise self._unavailable(exc) from exc
+        await tombstones.current(self._js, strict=False)
         tenant_token, session_token = tokens(session.tenant, session.session_id)
         assert session_token is not None
         if session_tombstone(tenant_token, session_token) in tombstones or tenant_tombstone(tenant_token) in tombstones:

@@ -240,8 +240,10 @@ def _kept_for(store: Path) -> dict[str, float]:
         days = {}
         for info in infos:
             name = info.config.name or ""
-            if name in ("KV_sg_assembler", "KV_sg_batcher") or name.startswith(("KV_sg_policy", "OBJ_sg_policies")):
-                continue  # the consumers' own bookkeeping and the policies: not users' data
+            if name in ("KV_sg_assembler", "KV_sg_batcher", "KV_sg_forgotten") or name.startswith(
+                ("KV_sg_policy", "OBJ_sg_policies")
+            ):
+                continue  # the consumers' bookkeeping, the tombstones (digests) and the policies: no users' data
             days[name.removeprefix("KV_").removeprefix("OBJ_")] = (info.config.max_age or 0.0) / 86400
         return days
 
