@@ -31,7 +31,7 @@ from stream_gateway.engines import build_engine
 
 from ..support.servers import RunningGateway, run_gateway
 
-KILLS = 6  # two conversations move at each: 12 in all, each kind of node killed twice (10 kills: 20 of 20 continued, 2 of 20 before the handoff wait)
+KILLS = 6  # each kind of node twice: 12 conversations move (10 kills: 20 of 20 continued; 2 of 20 before)
 KEY = "sk-cluster"
 AUTH = {"authorization": f"Bearer {KEY}"}
 SESSIONS_STREAM = "KV_sg_sessions"
