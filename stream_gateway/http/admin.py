@@ -7,10 +7,11 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
+from pipeline.connection import NatsAuth
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from stream_gateway._errors import Conflict, InvalidRequest, NotFound
+from stream_gateway._errors import Conflict, GatewayError, InvalidRequest, NotFound
 from stream_gateway.control import PolicyNotNewer
 from stream_gateway.engines import UpstreamControl, WeightsRejected, normalize_url
 from stream_gateway.http._body import parse_body
@@ -18,6 +19,7 @@ from stream_gateway.http._render import ORJSONResponse
 from stream_gateway.http._state import GatewayState, gateway_state
 
 __all__ = [
+    "ForgetBody",
     "LoadLoraAdapterBody",
     "UnloadLoraAdapterBody",
     "UpstreamsBody",
@@ -78,8 +80,20 @@ class UnloadLoraAdapterBody(BaseModel):
     lora_int_id: int | None = Field(None, description="vLLM's internal id: accepted and not used")
 
 
+class ForgetBody(BaseModel):
+    """``POST /admin/forget``: erase a session, or a tenant, from every store (docs/data-rights.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str | None = Field(None, min_length=1, max_length=128, description="the session to forget")
+    tenant: str | None = Field(
+        None, min_length=1, max_length=256, description="its tenant (key file name, or key); alone: all its sessions"
+    )
+
+
 admin_bodies: dict[str, type[BaseModel]] = {
     "/policy/weights": WeightsBody,
+    "/admin/forget": ForgetBody,
     "/admin/upstreams": UpstreamsBody,
     "/v1/load_lora_adapter": LoadLoraAdapterBody,
     "/v1/unload_lora_adapter": UnloadLoraAdapterBody,
@@ -223,6 +237,75 @@ async def change_upstreams(request: Request) -> Response:
             added.append(upstream.url)
     data = upstreams.describe_upstreams()
     return ORJSONResponse({"object": "list", "added": added, "removed": removed, "data": data})
+
+
+@admin_router.post("/admin/forget")
+async def forget(request: Request) -> Response:
+    """``stream-gateway forget`` on behalf of an admin: the sessions it names end here first, then
+    the command (a process of its own, with this gateway's NATS options) erases them everywhere;
+    its receipts are the answer."""
+    state = gateway_state(request)
+    state.auth.admin(request, "erasing users' data")
+    body = await parse_body(request, ForgetBody, state.settings.max_request_bytes)
+    if body.session_id is None and body.tenant is None:
+        raise InvalidRequest("Name what to forget: session_id and/or tenant.", param="session_id")
+    settings = state.settings
+    if settings.nats_url is None:
+        raise InvalidRequest("This gateway captures nothing (no --nats-url): there is nothing to erase.")
+    if body.tenant is not None:  # live sessions end here at once, before the tombstone reaches us
+        from pipeline.tombstones import session_tombstone, tenant_tombstone, tokens
+
+        tenant_token, session_token = tokens(body.tenant, body.session_id)
+        if session_token is None:
+            state.sessions.forgotten(tenant_tombstone(tenant_token))
+        else:
+            state.sessions.forgotten(session_tombstone(tenant_token, session_token))
+    return await _run_forget(settings.nats_url, settings.nats_auth(), body)
+
+
+async def _run_forget(nats_url: str, auth: NatsAuth, body: ForgetBody) -> Response:
+    """Run ``stream-gateway forget``; its receipts (200), or why it refused or stopped."""
+    import json
+    import os
+    import sys
+    from dataclasses import fields
+
+    command = [sys.executable, "-m", "stream_stack", "forget", "--nats-url", nats_url]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_NATS_")}
+    for field in fields(auth):
+        value = getattr(auth, field.name)
+        if value is None:
+            continue
+        if field.name in ("password", "token"):  # secrets by environment, never on a command line
+            env[f"STREAM_GATEWAY_NATS_{field.name.upper()}"] = str(value)
+        else:
+            command += [f"--nats-{field.name.replace('_', '-')}", str(value)]
+    if body.session_id is not None:
+        command += ["--session", body.session_id]
+    if body.tenant is not None:
+        command += ["--tenant", body.tenant]
+    with anyio.fail_after(600):
+        done = await anyio.run_process(command, env=env, check=False)
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    reason = said[-1].removeprefix("stream-gateway: ").removeprefix("forget: ") if said else "no reason given"
+    if done.returncode == 2:
+        raise Conflict(reason, param="tenant")
+    if done.returncode != 0:
+        raise ForgetFailed(reason)
+    parser, text, receipts = json.JSONDecoder(), done.stdout.decode().strip(), []
+    while text:
+        receipt, end = parser.raw_decode(text)
+        receipts.append(receipt)
+        text = text[end:].strip()
+    return ORJSONResponse({"object": "list", "data": receipts})
+
+
+class ForgetFailed(GatewayError):
+    """``forget`` was refused (NATS unreachable) or stopped part way: run it again to finish."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "erasure_incomplete"
 
 
 @admin_router.get("/v1/models")

@@ -93,6 +93,7 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             nats_url=nats.url,
             outbox_dir=root / "outbox",
             api_key_file=root / "keys.txt",
+            admin_api_keys=("sk-admin",),
         )
         consumers = [
             _consumer("assemble", nats.url, "--close-grace", "0.5", "--default-reward", "0.5", log=root / "a.log"),
@@ -253,3 +254,28 @@ def test_a_batcher_holding_a_forgotten_trajectory_drops_it(stack: Stack) -> None
     _wait(lambda: {"after-b0", "after-b1"} <= set(_batch_rows(stack.batches)), "no batch after the forget")
     assert "held-b1" not in _batch_rows(stack.batches)
     assert nats_traces(stack.url, needles(held)) == [] and file_traces(stack.root, needles(held)) == []
+
+
+def test_the_admin_route_ends_a_live_session_and_forgets_it(stack: Stack) -> None:
+    base = stack.gateway.base_url
+    headers = {"authorization": "Bearer sk-alice"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello juniper delta"}], "max_tokens": 3}
+    reply = httpx.post(f"{base}/sessions/admin-f1/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 200
+    live = httpx.get(f"{base}/sessions/admin-f1", headers=headers, timeout=30).json()  # open: not closed
+    assert live["closed"] is False
+    _wait(lambda: any(t.startswith("SG_EVENTS") for t in nats_traces(stack.url, needles(live))), "no events")
+    url = f"{base}/admin/forget"
+    refused = httpx.post(url, json={"session_id": "admin-f1", "tenant": "alice"}, headers=headers, timeout=30)
+    assert refused.status_code == 403
+    bad = httpx.post(url, json={}, headers={"authorization": "Bearer sk-admin"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
+
+    done = httpx.post(url, json={"session_id": "admin-f1", "tenant": "alice"},
+                      headers={"authorization": "Bearer sk-admin"}, timeout=120)  # fmt: skip
+
+    assert done.status_code == 200, done.text
+    [receipt] = done.json()["data"]
+    assert receipt["complete"] and receipt["events"] >= 3 and receipt["sessions"] == 1
+    assert httpx.get(f"{base}/sessions/admin-f1", headers=headers, timeout=30).status_code == 404  # ended, dropped
+    assert nats_traces(stack.url, needles(live)) == [] and file_traces(stack.root, needles(live)) == []
