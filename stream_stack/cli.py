@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -247,7 +248,7 @@ def _forget_command(args: argparse.Namespace) -> int:
                     return 2
             receipts = []
             for token in tokens:
-                target = ErasureTarget(token, args.session, batch_dirs=dirs, grace_s=args.grace)
+                target = ErasureTarget(token, args.session, batch_dirs=dirs, grace_s=args.grace, before=args.before)
                 try:
                     receipts.append((await forget(nc, target, progress)).to_json())
                 except Exception as exc:
@@ -271,6 +272,23 @@ def _forget_command(args: argparse.Namespace) -> int:
 
     result: int = anyio.run(run)
     return result
+
+
+def _moment(text: str) -> float:
+    """A point in time: ISO 8601 (a time without a zone is UTC) or Unix seconds."""
+    from datetime import datetime
+
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a time as ISO 8601 or Unix seconds") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -301,6 +319,12 @@ def parser() -> argparse.ArgumentParser:
                                 "alone, every session of it")  # fmt: skip
     forget_command.add_argument("--batches-dir", action="append", metavar="DIR",
                                 help="parquet batch files on this machine to rewrite too (repeatable)")  # fmt: skip
+    forget_command.add_argument(
+        "--before",
+        type=_moment,
+        metavar="TIME",
+        help="only the sessions that began before TIME (ISO 8601, e.g. 2026-10-01T00:00:00Z, or Unix seconds), whole",
+    )
     forget_command.add_argument(
         "--grace", type=float, default=1.0, help="seconds for the gateways to learn the tombstone (default 1)"
     )

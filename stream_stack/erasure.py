@@ -74,6 +74,7 @@ class ErasureTarget:
     sessions_bucket: str = "sg_sessions"
     batch_dirs: tuple[Path, ...] = ()  # parquet files on this machine (a batcher's --output-dir)
     grace_s: float = _GRACE_S
+    before: float | None = None  # only the sessions that began before this time (Unix seconds), whole
 
     @property
     def tombstone(self) -> str:
@@ -93,6 +94,7 @@ class Receipt:
 
     tombstone: str
     what: str  # "session" or "tenant"
+    before: float | None = None  # only sessions begun before (Unix seconds), each under its own tombstone
     sessions: int = 0
     events: int = 0
     trajectories: int = 0
@@ -140,7 +142,7 @@ async def forget(nc: Client, target: ErasureTarget, say: Callable[[str], None] |
     """Erase ``target`` everywhere (module docstring); the receipt. NATS errors propagate, with the
     steps done so far in ``Receipt.steps_done`` of the receipt attached as ``exc.receipt``."""
     js = nc.jetstream(timeout=_TIMEOUT_S)
-    receipt = Receipt(target.tombstone, "session" if target.session_id is not None else "tenant")
+    receipt = Receipt(target.tombstone, "session" if target.session_id is not None else "tenant", target.before)
     started = time.monotonic()
     note = say or (lambda _: None)
     try:
@@ -157,28 +159,36 @@ async def forget(nc: Client, target: ErasureTarget, say: Callable[[str], None] |
 async def _erase(
     nc: Client, js: JetStreamContext, target: ErasureTarget, receipt: Receipt, note: Callable[[str], None]
 ) -> None:
-    names = target.names
-    await write_tombstone(js, target.tombstone, receipt.what, FORGOTTEN_BUCKET)
+    names, tenant = target.names, target.tenant_token
+    # Whole sessions, each under its own tombstone; or, without ``before``, the target's one tombstone.
+    scopes = [target.scope] if target.before is None else await _sessions_begun_before(js, target)
+    tombstones = [target.tombstone] if target.before is None else [session_tombstone(tenant, scope) for scope in scopes]
+    for key in tombstones:
+        await write_tombstone(js, key, "session" if key.startswith("s.") else "tenant", FORGOTTEN_BUCKET)
     receipt.steps_done.append("tombstone")
-    note(f"tombstone {target.tombstone} written; {target.grace_s:g} s for the gateways to learn it")
+    note(f"{len(tombstones)} tombstones written; {target.grace_s:g} s for the gateways to learn them")
     await anyio.sleep(target.grace_s)
 
-    events_subject = f"{names.prefix}.events.{target.tenant_token}.{target.scope}.>"
-    seen = await _read_events(nc, js, names.events, events_subject)
+    seen, trajectory_ids, trajectory_objects = _Seen(), [], set()
+    for scope in scopes:
+        await _read_events(nc, js, names.events, f"{names.prefix}.events.{tenant}.{scope}.>", seen)
+        subject = f"{names.prefix}.trajectories.{tenant}.{scope}"
+        ids, objects = await _read_trajectories(nc, js, names.trajectories, subject)
+        trajectory_ids += ids
+        trajectory_objects |= objects
     receipt.sessions = len(seen.sessions)
     receipt.sampled_by_policy_versions = sorted(seen.policy_versions)
-    trajectories_subject = f"{names.prefix}.trajectories.{target.tenant_token}.{target.scope}"
-    trajectory_ids, trajectory_objects = await _read_trajectories(nc, js, names.trajectories, trajectories_subject)
     receipt.steps_done.append("read")
     note(f"{len(seen.sessions)} sessions: {seen.count} events, {len(trajectory_ids)} trajectories")
 
     async def sweep() -> None:
-        receipt.events += await _purge(nc, names.events, events_subject)
-        receipt.trajectories += await _purge(nc, names.trajectories, trajectories_subject)
-        receipt.session_records += await _purge_sessions(nc, js, target, seen.sessions)
-        receipt.assembler_states += await _purge(
-            nc, f"KV_{names.state_bucket}", f"$KV.{names.state_bucket}.s.{target.tenant_token}.{target.scope}"
-        )
+        for scope in scopes:
+            receipt.events += await _purge(nc, names.events, f"{names.prefix}.events.{tenant}.{scope}.>")
+            subject = f"{names.prefix}.trajectories.{tenant}.{scope}"
+            receipt.trajectories += await _purge(nc, names.trajectories, subject)
+            state = f"$KV.{names.state_bucket}.s.{tenant}.{scope}"
+            receipt.assembler_states += await _purge(nc, f"KV_{names.state_bucket}", state)
+        receipt.session_records += await _purge_sessions(nc, js, target, seen.sessions, whole_tenant=scopes == ["*"])
 
     await sweep()
     for name in sorted(seen.payload_objects | trajectory_objects):
@@ -239,10 +249,20 @@ async def _messages(js: JetStreamContext, stream: str, subject: str) -> list[Any
     return out
 
 
-async def _read_events(nc: Client, js: JetStreamContext, stream: str, subject: str) -> _Seen:
+async def _sessions_begun_before(js: JetStreamContext, target: ErasureTarget) -> list[str]:
+    """The subject tokens of the target's sessions whose first event is older than ``target.before``."""
+    names, first = target.names, dict[str, float]()
+    for msg in await _messages(js, names.events, f"{names.prefix}.events.{target.tenant_token}.{target.scope}.>"):
+        token = msg.subject.split(".")[3]
+        stamp = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp is not None else 0.0
+        first[token] = min(first.get(token, stamp), stamp)
+    assert target.before is not None
+    return sorted(token for token, stamp in first.items() if stamp < target.before)
+
+
+async def _read_events(nc: Client, js: JetStreamContext, stream: str, subject: str, seen: _Seen) -> None:
     from pipeline.subscriber import message_payload
 
-    seen = _Seen()
     for msg in await _messages(js, stream, subject):
         seen.count += 1
         ref = (msg.headers or {}).get(PAYLOAD_OBJECT_HEADER)
@@ -259,7 +279,6 @@ async def _read_events(nc: Client, js: JetStreamContext, stream: str, subject: s
             for start, _ in body.get("policy_versions") or ():
                 seen.policy_versions.add(int(start))
             seen.images.update(str(image["sha256"]) for image in body.get("images") or ())
-    return seen
 
 
 async def _read_trajectories(nc: Client, js: JetStreamContext, stream: str, subject: str) -> tuple[list[str], set[str]]:
@@ -284,18 +303,20 @@ async def _purge(nc: Client, stream: str, subject: str) -> int:
     return int(body.get("purged", 0))
 
 
-async def _purge_sessions(nc: Client, js: JetStreamContext, target: ErasureTarget, sessions: Iterable[str]) -> int:
+async def _purge_sessions(
+    nc: Client, js: JetStreamContext, target: ErasureTarget, sessions: Iterable[str], *, whole_tenant: bool
+) -> int:
     """The shared session records, close markers and turn index entries."""
     from stream_gateway.sessions import SessionRecord
 
     bucket, stream = target.sessions_bucket, f"KV_{target.sessions_bucket}"
     owner = target.tenant_token  # the index's tenant digest is a safe token: itself
     purged = 0
-    if target.session_id is None:
+    if whole_tenant:
         purged += await _purge(nc, stream, f"$KV.{bucket}.k.{owner}.>")
     for session_id in sessions:
         token = subject_token(session_id)
-        if target.session_id is not None:  # its index entries, named by its turns' conversation keys
+        if not whole_tenant:  # its index entries, named by its turns' conversation keys
             try:
                 record = await js.get_last_msg(stream, f"$KV.{bucket}.s.{token}")
                 turns = SessionRecord.from_json(orjson.loads(record.data)).turns.values() if record.data else ()

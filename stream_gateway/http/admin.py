@@ -89,6 +89,7 @@ class ForgetBody(BaseModel):
     tenant: str | None = Field(
         None, min_length=1, max_length=256, description="its tenant (key file name, or key); alone: all its sessions"
     )
+    before: float | None = Field(None, description="only the sessions that began before this time (Unix seconds)")
 
 
 admin_bodies: dict[str, type[BaseModel]] = {
@@ -252,7 +253,7 @@ async def forget(request: Request) -> Response:
     settings = state.settings
     if settings.nats_url is None:
         raise InvalidRequest("This gateway captures nothing (no --nats-url): there is nothing to erase.")
-    if body.tenant is not None:  # live sessions end here at once, before the tombstone reaches us
+    if body.tenant is not None and body.before is None:  # live sessions end here at once, before the tombstone
         from pipeline.tombstones import session_tombstone, tenant_tombstone, tokens
 
         tenant_token, session_token = tokens(body.tenant, body.session_id)
@@ -284,6 +285,8 @@ async def _run_forget(nats_url: str, auth: NatsAuth, body: ForgetBody) -> Respon
         command += ["--session", body.session_id]
     if body.tenant is not None:
         command += ["--tenant", body.tenant]
+    if body.before is not None:
+        command += ["--before", repr(body.before)]
     with anyio.fail_after(600):
         done = await anyio.run_process(command, env=env, check=False)
     said = done.stderr.decode(errors="replace").strip().splitlines()

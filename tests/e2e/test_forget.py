@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from stream_stack.cli import main
 from ..support.servers import RunningGateway, free_port, run_gateway, wait_healthy
 from ..support.traces import file_traces, ids_text, nats_traces
 
-KEYS = "sk-alice alice\nsk-bob bob\nsk-carol carol\n"
+KEYS = "sk-alice alice\nsk-bob bob\nsk-carol carol\nsk-dave dave\n"
 
 
 class Stack:
@@ -279,3 +280,19 @@ def test_the_admin_route_ends_a_live_session_and_forgets_it(stack: Stack) -> Non
     assert receipt["complete"] and receipt["events"] >= 3 and receipt["sessions"] == 1
     assert httpx.get(f"{base}/sessions/admin-f1", headers=headers, timeout=30).status_code == 404  # ended, dropped
     assert nats_traces(stack.url, needles(live)) == [] and file_traces(stack.root, needles(live)) == []
+
+
+def test_forget_before_a_time_takes_the_sessions_begun_before_it_whole(stack: Stack) -> None:
+    early = stack.turns("sk-dave", "dave-early", "early bird", turns=1)
+    time.sleep(1.1)
+    cut = time.time()
+    time.sleep(0.1)
+    late = stack.turns("sk-dave", "dave-late", "late owl", turns=1)
+    _wait(lambda: any(t.startswith("SG_EVENTS") for t in nats_traces(stack.url, needles(late))), "no events")
+    moment = datetime.fromtimestamp(cut, UTC).isoformat()
+
+    [receipt] = stack.forget("--tenant", "dave", "--before", moment)
+
+    assert receipt["sessions"] == 1 and receipt["before"] == pytest.approx(cut, abs=1e-3)
+    assert nats_traces(stack.url, needles(early)) == []
+    assert any(t.startswith("SG_EVENTS") for t in nats_traces(stack.url, needles(late)))
