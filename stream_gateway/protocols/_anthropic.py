@@ -623,14 +623,7 @@ class MessagesEdge(EdgeBase):
     async def open(self, body: MessagesRequest, call: Call) -> MessagesExchange:
         service = self._service
         chat = to_chat_request(body, service.signer, service.thinking_switch)
-        prepared = await service.prepare(
-            chat,
-            tenant=call.tenant,
-            session_id=call.session_id,
-            agent=call.agent,
-            adapter=call.adapter,
-            captured=call.captured,
-        )
+        prepared = await service.prepare(chat, **call.placement())
         return MessagesExchange(prepared, body.stream, message_id(), service.signer)
 
     async def _count_tokens(self, body: CountTokensRequest, tenant: str) -> dict[str, Any]:

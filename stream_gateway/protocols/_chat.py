@@ -306,12 +306,5 @@ class ChatEdge(EdgeBase):
     request: type[BaseModel] = ChatCompletionRequest
 
     async def open(self, body: ChatCompletionRequest, call: Call) -> ChatExchange:
-        prepared = await self._service.prepare(
-            body,
-            tenant=call.tenant,
-            session_id=call.session_id,
-            agent=call.agent,
-            adapter=call.adapter,
-            captured=call.captured,
-        )
+        prepared = await self._service.prepare(body, **call.placement())
         return ChatExchange(prepared, body.stream, self._service.token_text)

@@ -35,6 +35,16 @@ class Call:
     adapter: str | None = None  # the LoRA adapter the caller's key is bound to (docs/adapters.md)
     captured: bool = True  # False: the caller did not consent to capture (docs/data-rights.md)
 
+    def placement(self) -> dict[str, Any]:
+        """What the core's ``prepare`` and ``prepare_tokens`` take of the call, as keyword arguments."""
+        return {
+            "tenant": self.tenant,
+            "session_id": self.session_id,
+            "agent": self.agent,
+            "adapter": self.adapter,
+            "captured": self.captured,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class StreamStart:

@@ -691,13 +691,6 @@ class ResponsesEdge(EdgeBase):
         history = self._held.history(previous, call.tenant) if previous else None
         service = self._service
         chat = to_chat_request(body, history, service.signer)
-        prepared = await service.prepare(
-            chat,
-            tenant=call.tenant,
-            session_id=call.session_id,
-            agent=call.agent,
-            adapter=call.adapter,
-            captured=call.captured,
-        )
+        prepared = await service.prepare(chat, **call.placement())
         conversation = [m.model_dump(exclude_none=True) for m in chat.messages]
         return ResponsesExchange(prepared, body, response_id(), call.tenant, conversation, self._held, service.signer)

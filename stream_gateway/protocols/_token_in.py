@@ -427,12 +427,5 @@ class TokenInEdge(EdgeBase):
             routes_from=routes_from,
             routes_param=routes_param,
         )
-        batch = await self._service.prepare_tokens(
-            request,
-            tenant=call.tenant,
-            session_id=call.session_id,
-            agent=call.agent,
-            adapter=call.adapter,
-            captured=call.captured,
-        )
+        batch = await self._service.prepare_tokens(request, **call.placement())
         return TokenInExchange(batch, body, self._service.token_text)
