@@ -461,6 +461,6 @@ async def run_assembler(config: AssemblerConfig, progress: Callable[[str], None]
     while True:
         try:
             await assembler.run()
-        except* (nats.errors.Error, TimeoutError, OSError) as group:
+        except* (nats.errors.Error, TimeoutError, ConnectionResetError) as group:  # a refusal: exit
             log.warning("assembler: NATS failed (%r); starting again in %.0f s", group.exceptions[0], _RESTART_S)
         await anyio.sleep(_RESTART_S)

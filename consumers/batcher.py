@@ -586,6 +586,6 @@ async def run_batcher(config: BatcherConfig, progress: Callable[[str], None] | N
     while True:
         try:
             await Batcher(config, progress).run()
-        except* (nats.errors.Error, TimeoutError, OSError) as group:
+        except* (nats.errors.Error, TimeoutError, ConnectionResetError) as group:  # a refusal: exit
             log.warning("batcher: NATS failed (%r); starting again in %.0f s", group.exceptions[0], _RESTART_S)
         await anyio.sleep(_RESTART_S)
