@@ -54,6 +54,7 @@ from ..support.servers import RunningGateway, free_port, run_gateway, serve_app,
 from ..support.sglang_server import create_sglang_app
 
 ADMIN = "admin-key"
+MANY_TOKENS = 30_000  # an answer that outlasts any test's reading of it: cut short by a kill or an abort
 BUCKET = "SG_TEST_UPSTREAMS"
 
 
@@ -222,44 +223,48 @@ def test_a_server_killed_mid_stream_ends_the_stream_with_an_error_and_the_next_r
     # The server that served the first turn serves the session's next one too (affinity).
     before = _served(upstreams)
     victim: Upstream | None = None
+    # Long enough that the server is still sampling when it is killed, however slowly this client
+    # reads (on a loaded machine a 3,000-token answer was all in the front's hands by then).
     stream = client.chat.completions.create(
         model="tiny-agent", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
                                       {"role": "user", "content": "go on"}],
-        stream=True, max_tokens=3000, extra_body={"ignore_eos": True},
+        stream=True, max_tokens=MANY_TOKENS, extra_body={"ignore_eos": True},
     )  # fmt: skip
     received = 0
-    with pytest.raises(openai.APIError) as failure:
-        for _chunk in stream:
-            received += 1
-            if received == 5:
-                after = _served(upstreams)
-                victim = upstreams[0] if after[0] > before[0] else upstreams[1]
-                victim.kill()
-    assert victim is not None
-    assert "failed while streaming" in str(failure.value.message), failure.value
-    events = of_session(
-        wait_for(nats_server.url, lambda es: any(e.kind == "turn.aborted" for e in of_session(es, session_id))),
-        session_id,
-    )
-    aborted = next(e for e in events if e.kind == "turn.aborted")
-    assert isinstance(aborted, TurnRecord)
-    assert aborted.reason == "engine_error" and victim.url in (aborted.detail or "")  # type: ignore[attr-defined]
-    assert 0 < len(aborted.output_ids) < 3000
-    # The same session's next request goes to the surviving server and succeeds.
-    reply = client.chat.completions.create(
-        model="tiny-agent", messages=[{"role": "user", "content": "hello again"}], max_tokens=4
-    )
-    assert reply.choices[0].finish_reason in ("stop", "length")
-    # The killed server comes back at its address and the health checks take it back.
-    victim.start()
-    _wait_healthy_in_pool(front, victim.url)
+    try:
+        with pytest.raises(openai.APIError) as failure:
+            for _chunk in stream:
+                received += 1
+                if received == 5:
+                    after = _served(upstreams)
+                    victim = upstreams[0] if after[0] > before[0] else upstreams[1]
+                    victim.kill()
+        assert victim is not None
+        assert "failed while streaming" in str(failure.value.message), failure.value
+        events = of_session(
+            wait_for(nats_server.url, lambda es: any(e.kind == "turn.aborted" for e in of_session(es, session_id))),
+            session_id,
+        )
+        aborted = next(e for e in events if e.kind == "turn.aborted")
+        assert isinstance(aborted, TurnRecord)
+        assert aborted.reason == "engine_error" and victim.url in (aborted.detail or "")  # type: ignore[attr-defined]
+        assert 0 < len(aborted.output_ids) < MANY_TOKENS
+        # The same session's next request goes to the surviving server and succeeds.
+        reply = client.chat.completions.create(
+            model="tiny-agent", messages=[{"role": "user", "content": "hello again"}], max_tokens=4
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    finally:  # the killed server comes back at its address, whatever happened (the next tests need it)
+        if victim is not None:
+            victim.start()
+    _wait_healthy_in_pool(front, victim.url)  # and the health checks take it back
 
 
 def test_a_client_disconnect_aborts_the_request_on_the_server(front: RunningGateway, upstreams: list[Upstream]) -> None:
     client = _client(front)
     stream = client.chat.completions.create(
         model="tiny-agent", messages=[{"role": "user", "content": f"talk {secrets.token_hex(3)}"}],
-        stream=True, max_tokens=3000, extra_body={"ignore_eos": True},
+        stream=True, max_tokens=MANY_TOKENS, extra_body={"ignore_eos": True},
     )  # fmt: skip
     for i, _ in enumerate(stream):
         if i == 3:
