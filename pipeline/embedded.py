@@ -140,7 +140,47 @@ def find_nats_server() -> Path:
     )
 
 
-class EmbeddedNatsServer:
+class _Running:
+    """``with`` and ``async with``: :meth:`start` on entry (and :meth:`stop` if that fails), :meth:`stop`
+    on exit. The async forms run them in a worker thread, the stop shielded: a cancelled scope
+    must still not leave a child process running."""
+
+    def start(self, timeout: float = 20.0) -> None:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await anyio.to_thread.run_sync(self.start)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.stop)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.stop)
+
+
+class EmbeddedNatsServer(_Running):
     """Runs ``nats-server -js`` as a child process.
 
     Use as a context manager (``with`` or ``async with``) or call :meth:`start` and
@@ -282,35 +322,6 @@ class EmbeddedNatsServer:
         with self._lock:
             self._terminate(grace=10.0)
             self.start(timeout)
-
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Self:
-        try:
-            await anyio.to_thread.run_sync(self.start)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.stop)
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        # Shielded: a cancelled scope must still not leave the child running.
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.stop)
 
     def __repr__(self) -> str:
         where = self.url if self._config.port else "not started"
@@ -483,7 +494,7 @@ class EmbeddedNatsServer:
         self._process = None
 
 
-class EmbeddedNatsCluster:
+class EmbeddedNatsCluster(_Running):
     """``size`` clustered ``nats-server -js`` processes on one host, for tests, benchmarks and ``up --cluster``.
 
     Every server routes to every other; streams, KV and object buckets created with ``replicas``
@@ -618,34 +629,6 @@ class EmbeddedNatsCluster:
             cluster_port=cluster_port,
             routes=routes,
         )
-
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Self:
-        try:
-            await anyio.to_thread.run_sync(self.start)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.stop)
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.stop)
 
     def __repr__(self) -> str:
         return f"<EmbeddedNatsCluster {self._name} x{self._size} {list(self._servers)}>"
