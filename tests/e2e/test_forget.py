@@ -117,6 +117,22 @@ def _wait(condition: Any, what: str, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def _held_by_batcher(url: str) -> int:
+    """Trajectories delivered to the batcher and not yet acknowledged: held for a batch."""
+    import anyio
+    import nats
+
+    async def ask() -> int:
+        nc = await nats.connect(url)
+        try:
+            info = await nc.jetstream().consumer_info("SG_TRAJECTORIES", "batcher")
+            return int(info.num_ack_pending or 0)
+        finally:
+            await nc.close()
+
+    return anyio.run(ask)
+
+
 def _batch_rows(directory: Path) -> list[str]:
     return sorted(t.session_id for p in directory.glob("*.parquet") for t in decode_batch(p.read_bytes())[0])
 
@@ -243,10 +259,11 @@ def test_nothing_to_forget_is_a_receipt_of_zeros_and_nats_away_is_refused(stack:
 def test_a_batcher_holding_a_forgotten_trajectory_drops_it(stack: Stack) -> None:
     """The batcher held the session's trajectory (its batch not full yet) when the forget ran: the
     next batch is made of later sessions only."""
+    holding = _held_by_batcher(stack.url)
     held = stack.turns("sk-alice", "held-b1", "maple harbor", turns=1)
     _wait(lambda: any(t.startswith("SG_TRAJECTORIES") for t in nats_traces(stack.url, needles(held))),
           "its trajectory never came")  # fmt: skip
-    time.sleep(1.5)  # the batcher fetched it (every 0.5 s) and holds it: one of the three a batch takes
+    _wait(lambda: _held_by_batcher(stack.url) > holding, "the batcher never took it")  # held for a batch of three
     [receipt] = stack.forget("--session", "held-b1", "--tenant", "alice")
     assert receipt["trajectories"] == 1 and receipt["batches_rewritten"] == receipt["batches_removed"] == 0
     for i in range(3):
