@@ -87,13 +87,8 @@ TRAJECTORY_SCHEMA_VERSION: Literal[5] = 5
 def erased(tombstones: Tombstones, tenant: str, session_id: str) -> bool:
     """Whether the session (``tenant``: the events' tenant digest) was forgotten (:mod:`pipeline.tombstones`)."""
     from pipeline.events import subject_token
-    from pipeline.tombstones import session_tombstone, tenant_tombstone
 
-    tenant_token = subject_token(tenant)
-    return (
-        tenant_tombstone(tenant_token) in tombstones
-        or session_tombstone(tenant_token, subject_token(session_id)) in tombstones
-    )
+    return tombstones.forgets(subject_token(tenant), subject_token(session_id))
 
 
 def trajectory_id(session_id: str, turn_ids: list[str]) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING
 
 import anyio
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
-__all__ = ["FORGOTTEN_BUCKET", "Tombstones", "session_tombstone", "tenant_tombstone", "tokens", "write_tombstone"]
+__all__ = ["FORGOTTEN_BUCKET", "Tombstones", "forgets", "session_tombstone", "tenant_tombstone", "tokens",
+           "write_tombstone"]  # fmt: skip
 
 FORGOTTEN_BUCKET = "sg_forgotten"
 
@@ -56,6 +57,11 @@ def session_tombstone(tenant_token: str, session_token: str) -> str:
 def tenant_tombstone(tenant_token: str) -> str:
     """The key of a tenant's tombstone, from its subject token."""
     return f"t.{_digest(tenant_token)}"
+
+
+def forgets(keys: Container[str], tenant_token: str, session_token: str) -> bool:
+    """Whether ``keys`` hold a tombstone of that session or of its whole tenant (subject tokens)."""
+    return tenant_tombstone(tenant_token) in keys or session_tombstone(tenant_token, session_token) in keys
 
 
 def tokens(tenant: str, session_id: str | None = None) -> tuple[str, str | None]:
@@ -88,9 +94,6 @@ class Tombstones:
         """Whether the bucket was read at least once (until then nothing is known to be forgotten)."""
         return self._loaded
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._keys
-
     def blocks(self, subject: str) -> bool:
         """Whether the event published on ``subject`` belongs to a forgotten session or tenant."""
         if not self._keys or not subject.startswith(self._prefix):
@@ -98,8 +101,11 @@ class Tombstones:
         parts = subject.split(".", 5)
         if len(parts) < 5:
             return False
-        tenant, session = parts[2], parts[3]
-        return tenant_tombstone(tenant) in self._keys or session_tombstone(tenant, session) in self._keys
+        return forgets(self._keys, parts[2], parts[3])
+
+    def forgets(self, tenant_token: str, session_token: str) -> bool:
+        """Whether that session (or its whole tenant) is forgotten, by its subject tokens."""
+        return bool(self._keys) and forgets(self._keys, tenant_token, session_token)
 
     def add(self, key: str) -> None:
         if key in self._keys:

@@ -262,7 +262,7 @@ class SessionDirectory:
         """A tombstone ``key`` was learned (:mod:`pipeline.tombstones`): the sessions it names end
         here at once, with no event, leave the cache, and nothing more of them is written. Returns
         how many there were."""
-        from pipeline.tombstones import session_tombstone, tenant_tombstone, tokens
+        from pipeline.tombstones import forgets, tokens
 
         dropped = 0
         for session in self.store:
@@ -270,7 +270,7 @@ class SessionDirectory:
                 continue
             tenant_token, session_token = tokens(session.tenant, session.session_id)
             assert session_token is not None
-            if key not in (session_tombstone(tenant_token, session_token), tenant_tombstone(tenant_token)):
+            if not forgets({key}, tenant_token, session_token):
                 continue
             self.store.mark_closed(session)
             self.store.discard(session)

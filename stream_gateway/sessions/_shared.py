@@ -570,14 +570,14 @@ class SharedSessions:
         """Whether ``session`` was forgotten (``stream-gateway forget``), as far as the tombstones
         say now (a replica stopped during the forget learns it here, before writing): then nothing
         more of it is written."""
-        from pipeline.tombstones import session_tombstone, tenant_tombstone, tokens
+        from pipeline.tombstones import tokens
 
         tombstones = self.tombstones
         assert tombstones is not None and self._js is not None
         await tombstones.current(self._js, strict=False)
         tenant_token, session_token = tokens(session.tenant, session.session_id)
         assert session_token is not None
-        if session_tombstone(tenant_token, session_token) in tombstones or tenant_tombstone(tenant_token) in tombstones:
+        if tombstones.forgets(tenant_token, session_token):
             self.drop(session)
             return True
         return False
