@@ -7,8 +7,19 @@ request:
 * **Affinity first.** A request with an affinity key (the gateway passes the session id) goes to
   the server that served that key last, as long as that server is healthy: its prefix cache holds
   the conversation. Affinities are kept for the ``affinity_size`` most recently used keys.
+* **A key's first request goes to its home**: the healthy server that ranks highest for the key
+  by rendezvous hashing (blake2b of key and URL), unless that server has ``HOME_SLACK`` or more
+  requests in flight beyond the least busy one's. Every process computes the same home, so with
+  ``--workers N`` (or several gateway replicas) a session lands on the same server whichever
+  process takes its request, and a server added or removed moves only the keys whose home it is
+  or becomes.
 * **Otherwise least outstanding.** The healthy server with the fewest requests in flight (ties:
   the one added first), which spreads load without knowing anything about the servers.
+
+Each server counts how its requests were picked (``picks``: ``sticky``, ``home``, ``moved`` for a
+key sent elsewhere than its home because the home was busy (an unhealthy server is nobody's home:
+the next in rank is), ``least`` without a key),
+shown by ``GET /admin/upstreams``.
 
 LoRA adapters (``docs/engines.md``): each server records the versioned adapter names it holds
 (``NAME@vN``, loaded by :meth:`~.remote.RemoteEngine.load_adapter`) and how many requests are in
@@ -25,6 +36,7 @@ HTTP client (see :mod:`.remote`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -38,6 +50,9 @@ from stream_gateway._errors import EngineUnavailable, InvalidRequest
 __all__ = ["Upstream", "UpstreamPool", "normalize_url"]
 
 log = logging.getLogger(__name__)
+
+HOME_SLACK = 4
+"""A key's home takes its first request unless it has this many more in flight than the least busy server."""
 
 
 def normalize_url(url: str) -> str:
@@ -74,6 +89,7 @@ class Upstream:
     adapter_requests: dict[str, int] = field(default_factory=dict)  # versioned name -> requests in flight
     # versioned name -> (when, why) its load failed there: not retried before a while (see .remote)
     adapter_failures: dict[str, tuple[float, str]] = field(default_factory=dict)
+    picks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("sticky", "home", "moved", "least"), 0))
 
     def describe(self) -> dict[str, Any]:
         """The JSON view of ``GET /admin/upstreams``."""
@@ -89,6 +105,7 @@ class Upstream:
             "adapters": sorted(self.adapters),
             "adapter_requests": dict(sorted(self.adapter_requests.items())),
             "adapter_failures": {name: why for name, (_, why) in sorted(self.adapter_failures.items())},
+            "picks": dict(self.picks),
         }
 
 
@@ -150,8 +167,11 @@ class UpstreamPool:
                 and (adapter is None or adapter in sticky.adapters)
             ):
                 self._affinity.move_to_end(affinity)
+                sticky.picks["sticky"] += 1
                 return sticky
         best: Upstream | None = None
+        home: Upstream | None = None
+        home_rank = b""
         for upstream in self._upstreams.values():
             if not upstream.healthy or upstream in exclude:
                 continue
@@ -159,13 +179,24 @@ class UpstreamPool:
                 continue
             if best is None or upstream.outstanding < best.outstanding:
                 best = upstream
+            if affinity is not None:
+                rank = _rank(affinity, upstream.url)
+                if rank > home_rank:
+                    home, home_rank = upstream, rank
         if best is None:
             raise EngineUnavailable(self._unavailable_message(adapter))
-        if affinity is not None:
-            self._affinity[affinity] = best
-            self._affinity.move_to_end(affinity)
-            while len(self._affinity) > self._affinity_size:
-                self._affinity.popitem(last=False)
+        if affinity is None:
+            best.picks["least"] += 1
+            return best
+        if home is not None and home.outstanding < best.outstanding + HOME_SLACK:
+            best = home
+            best.picks["home"] += 1
+        else:
+            best.picks["moved"] += 1
+        self._affinity[affinity] = best
+        self._affinity.move_to_end(affinity)
+        while len(self._affinity) > self._affinity_size:
+            self._affinity.popitem(last=False)
         return best
 
     def _unavailable_message(self, adapter: str | None = None) -> str:
@@ -202,3 +233,8 @@ class UpstreamPool:
     def describe(self) -> list[dict[str, Any]]:
         """Every server's state."""
         return [u.describe() for u in self._upstreams.values()]
+
+
+def _rank(key: str, url: str) -> bytes:
+    """``url``'s rendezvous rank for ``key``: the same in every process (unlike ``hash()``)."""
+    return hashlib.blake2b(f"{key}\n{url}".encode(), digest_size=8).digest()

@@ -102,8 +102,10 @@ from stream_gateway.engines._base import (
     FinishReason,
     SamplingParams,
     WeightUpdateReport,
+    merge_steps,
 )
 from stream_gateway.engines._pool import Upstream, UpstreamPool
+from stream_gateway.engines._stream_http import HttpFailure, StreamClient, StreamResponse
 from stream_gateway.moe import route_dtype
 
 if TYPE_CHECKING:
@@ -194,7 +196,9 @@ class RemoteEngine:
             connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=connect_timeout_s
         )
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(64, max_connections))
-        self._client: httpx.AsyncClient | None = None
+        self._max_connections = max_connections
+        self._client: httpx.AsyncClient | None = None  # health checks, model info, adapters
+        self._streams: StreamClient | None = None  # the generation requests (the per-token path)
         self._task_group: TaskGroup | None = None
         self._active = 0
         self._total_requests = 0
@@ -223,6 +227,16 @@ class RemoteEngine:
             if self._expert_config is None:
                 log.info("%s: %s declares no experts: no routes asked for", self.name, self._tokenizer_path)
         self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self._headers)
+        timeout = self._timeout
+        assert timeout.connect is not None and timeout.read is not None and timeout.pool is not None
+        self._streams = StreamClient(
+            connect_timeout=timeout.connect,
+            read_timeout=timeout.read,
+            pool_timeout=timeout.pool,
+            max_connections=self._max_connections,
+            max_idle=self._max_connections,  # idle ones are cheap; every stream's next turn reuses one
+            headers=self._headers,
+        )
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         await self.check_all()  # the first requests find the healthy servers already known
@@ -238,6 +252,9 @@ class RemoteEngine:
                 await self._task_group.__aexit__(None, None, None)
         finally:
             self._task_group = None
+            if self._streams is not None:
+                await self._streams.aclose()
+                self._streams = None
             if self._client is not None:
                 await self._client.aclose()
                 self._client = None
@@ -381,7 +398,7 @@ class RemoteEngine:
                     self.pool.mark_failed(upstream, str(exc))
                     log.warning("request %s: %s failed before the first token (%s); trying another server",
                                 request_id, upstream.url, exc)  # fmt: skip
-                except httpx.HTTPError as exc:
+                except (httpx.HTTPError, HttpFailure) as exc:
                     self.pool.mark_failed(upstream, _describe(exc))
                     if started:
                         raise UpstreamFailed(
@@ -431,7 +448,7 @@ class RemoteEngine:
                     raise _Retry(f"{upstream.url}{path} answered {response.status_code}: {message}")
                 raise InvalidRequest(f"The inference server refused the request: {message}")
             finished = False
-            steps_read = read(_sse_events(response), params.top_logprobs, upstream.url, wanted, version)
+            steps_read = read(_sse_batches(response), params.top_logprobs, upstream.url, wanted, version)
             sent = False
             try:
                 async with aclosing(steps_read) as steps:
@@ -462,8 +479,8 @@ class RemoteEngine:
         params: SamplingParams,
         wanted: _Wanted | None,
         model: str | None = None,
-    ) -> httpx.Response:
-        assert self._client is not None
+    ) -> StreamResponse:
+        assert self._streams is not None
         if self.protocol == "vllm":
             body = self._vllm_body(upstream, request_id, prompt_ids, params, model)
         else:
@@ -474,9 +491,7 @@ class RemoteEngine:
                 body["routed_experts_prompt_start" if self.protocol == "vllm" else "routed_experts_start_len"] = (
                     wanted.start
                 )
-        request = self._client.build_request("POST", upstream.url + path, content=orjson.dumps(body),
-                                             headers={"content-type": "application/json"})  # fmt: skip
-        return await self._client.send(request, stream=True)
+        return await self._streams.post(upstream.url + path, orjson.dumps(body))
 
     def _routes(self, ids: np.ndarray | None, wanted: _Wanted, output: int, url: str) -> tuple[np.ndarray | None, int]:
         """A server's routes checked, narrowed and placed: ``(rows, position of the first)``."""
@@ -537,51 +552,61 @@ class RemoteEngine:
 
     async def _vllm_steps(
         self,
-        events: AsyncIterator[dict[str, Any]],
+        batches: AsyncIterator[list[dict[str, Any]]],
         top_n: int,
         url: str,
         wanted: _Wanted | None,
         adapter_version: int | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
-        """Steps of a ``/v1/completions`` stream; a LoRA adapter's carry ``adapter_version`` (the
-        server's own labels count the base's versions, or its own of the adapter: both ignored)."""
+        """Steps of a ``/v1/completions`` stream, one per batch of frames that arrived together; a
+        LoRA adapter's carry ``adapter_version`` (the server's own labels count the base's
+        versions, or its own of the adapter: both ignored)."""
         output = 0
-        async for event in events:
-            choices = event.get("choices")
-            if not choices:
-                continue  # a usage-only frame
-            choice = choices[0]
-            finish = choice.get("finish_reason")
-            reason = _finish_reason(finish, url)
-            logprobs = choice.get("logprobs") or {}
-            ids = choice.get("token_ids")
-            if ids is None:  # an older server: the ids are in the tokens ("token_id:N")
-                ids = [_token_id(t) for t in logprobs.get("tokens") or ()]
-            values = logprobs.get("token_logprobs") or ()
-            if len(values) != len(ids):
-                raise UpstreamFailed(
-                    f"The inference server {url} sent {len(ids)} token ids with {len(values)} logprobs; "
-                    "it must return both (logprobs and return_token_ids)."
+        version = self.policy_version if adapter_version is None else adapter_version
+        async for batch in batches:
+            pieces: list[EngineStep] = []
+            for event in batch:
+                choices = event.get("choices")
+                if not choices:
+                    continue  # a usage-only frame
+                choice = choices[0]
+                reason = _finish_reason(choice.get("finish_reason"), url)
+                logprobs = choice.get("logprobs") or {}
+                ids = choice.get("token_ids")
+                if ids is None:  # an older server: the ids are in the tokens ("token_id:N")
+                    ids = [_token_id(t) for t in logprobs.get("tokens") or ()]
+                values = logprobs.get("token_logprobs") or ()
+                if len(values) != len(ids):
+                    raise UpstreamFailed(
+                        f"The inference server {url} sent {len(ids)} token ids with {len(values)} logprobs; "
+                        "it must return both (logprobs and return_token_ids)."
+                    )
+                if not ids and reason is None:
+                    continue  # the first frame may carry the prompt ids alone
+                top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+                if top_n:
+                    top = tuple(_top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
+                output += len(ids)
+                routes, routes_start = None, 0
+                if wanted is not None and reason is not None:
+                    raw = _npy_routes(choice.get("routed_experts"), url)
+                    routes, routes_start = self._routes(raw, wanted, output, url)
+                pieces.append(
+                    EngineStep(
+                        tuple(ids),
+                        tuple(-9999.0 if v is None else float(v) for v in values),
+                        top,
+                        reason,
+                        version,
+                        _version_spans(choice.get("weight_versions")) if adapter_version is None else None,
+                        routes,
+                        routes_start,
+                    )
                 )
-            if not ids and reason is None:
-                continue  # the first frame may carry the prompt ids alone
-            top: tuple[tuple[tuple[int, float], ...], ...] | None = None
-            if top_n:
-                top = tuple(_top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
-            output += len(ids)
-            routes, routes_start = None, 0
-            if wanted is not None and reason is not None:
-                routes, routes_start = self._routes(_npy_routes(choice.get("routed_experts"), url), wanted, output, url)
-            yield EngineStep(
-                tuple(ids),
-                tuple(-9999.0 if v is None else float(v) for v in values),
-                top,
-                reason,
-                self.policy_version if adapter_version is None else adapter_version,
-                _version_spans(choice.get("weight_versions")) if adapter_version is None else None,
-                routes,
-                routes_start,
-            )
+                if reason is not None:
+                    break  # what follows is the usage frame
+            if pieces:
+                yield pieces[0] if len(pieces) == 1 else merge_steps(pieces)
 
     # -- SGLang -------------------------------------------------------------------------------
 
@@ -615,49 +640,60 @@ class RemoteEngine:
 
     async def _sglang_steps(
         self,
-        events: AsyncIterator[dict[str, Any]],
+        batches: AsyncIterator[list[dict[str, Any]]],
         top_n: int,
         url: str,
         wanted: _Wanted | None,
         adapter_version: int | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
-        seen = 0  # output tokens already yielded
+        """Steps of a ``/generate`` stream: the frames that arrived together as one step per weight version."""
+        seen = 0  # output tokens already taken
         last: EngineStep | None = None  # the finishing step, held for routes that come after it
-        async for event in events:
-            raw = _sglang_raw_routes(event)
-            if last is not None:  # a trailing frame (``choices: []`` with ``sglext``), or another
-                if raw is not None:
-                    yield self._with_routes(last, raw, wanted, seen, url)
-                    return
-                continue
-            meta = event.get("meta_info") or {}
-            entries = meta.get("output_token_logprobs") or []
-            top_entries = meta.get("output_top_logprobs") or []
-            # Default frames hold everything so far; --incremental-streaming-output frames the new part.
-            cumulative = len(entries) == meta.get("completion_tokens", len(entries)) and len(entries) >= seen
-            if cumulative:
-                entries, top_entries = entries[seen:], top_entries[seen:] if top_entries else top_entries
-            finish = meta.get("finish_reason")
-            reason = _sglang_finish(finish, url)
-            if not entries and reason is None:
-                continue
-            seen += len(entries)
-            top = tuple(_top_from_sglang(t, top_n) for t in top_entries) if top_n else None
-            version = _numeric_version(meta.get("weight_version")) if adapter_version is None else adapter_version
-            step = EngineStep(
-                tuple(int(e[1]) for e in entries),
-                tuple(float(e[0]) for e in entries),
-                top if top else None,
-                reason,
-                version if version is not None else self.policy_version,
-            )
-            if wanted is None or reason is None:
+        async for batch in batches:
+            pieces: list[EngineStep] = []
+            ended = False
+            for event in batch:
+                raw = _sglang_raw_routes(event)
+                if last is not None:  # a trailing frame (``choices: []`` with ``sglext``), or another
+                    if raw is not None:
+                        pieces.append(self._with_routes(last, raw, wanted, seen, url))
+                        ended = True
+                        break
+                    continue
+                meta = event.get("meta_info") or {}
+                entries = meta.get("output_token_logprobs") or []
+                top_entries = meta.get("output_top_logprobs") or []
+                # Default frames hold everything so far; --incremental-streaming-output frames the new part.
+                cumulative = len(entries) == meta.get("completion_tokens", len(entries)) and len(entries) >= seen
+                if cumulative:
+                    entries, top_entries = entries[seen:], top_entries[seen:] if top_entries else top_entries
+                reason = _sglang_finish(meta.get("finish_reason"), url)
+                if not entries and reason is None:
+                    continue
+                seen += len(entries)
+                top = tuple(_top_from_sglang(t, top_n) for t in top_entries) if top_n else None
+                version = _numeric_version(meta.get("weight_version")) if adapter_version is None else adapter_version
+                step = EngineStep(
+                    tuple(int(e[1]) for e in entries),
+                    tuple(float(e[0]) for e in entries),
+                    top if top else None,
+                    reason,
+                    version if version is not None else self.policy_version,
+                )
+                if wanted is None or reason is None:
+                    pieces.append(step)
+                    ended = reason is not None
+                elif raw is not None:
+                    pieces.append(self._with_routes(step, raw, wanted, seen, url))
+                    ended = True
+                else:
+                    last = step
+                if ended:
+                    break
+            for step in _by_version(pieces):
                 yield step
-            elif raw is not None:
-                yield self._with_routes(step, raw, wanted, seen, url)
+            if ended:
                 return
-            else:
-                last = step
         if last is not None:  # the stream ended without them
             self._no_routes(url)
             yield last
@@ -887,21 +923,25 @@ class RemoteEngine:
         return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens, running)
 
 
-async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON ``data:`` payloads of an SSE response until ``[DONE]``; error payloads raise."""
+async def _sse_batches(response: StreamResponse) -> AsyncIterator[list[dict[str, Any]]]:
+    """The JSON ``data:`` payloads of an SSE response until ``[DONE]``, as lists of those that arrived
+    together (one read); error payloads raise."""
     buffer = b""
-    async for chunk in response.aiter_bytes():
-        buffer += chunk
-        while True:
-            end = buffer.find(b"\n\n")
-            if end < 0:
-                break
-            block, buffer = buffer[:end], buffer[end + 2 :]
+    while (chunk := await response.read()) is not None:
+        buffer = buffer + chunk if buffer else chunk
+        if b"\n\n" not in buffer:
+            continue
+        blocks = buffer.split(b"\n\n")
+        buffer = blocks.pop()  # the unfinished rest
+        events: list[dict[str, Any]] = []
+        for block in blocks:
             for line in block.split(b"\n"):
                 if not line.startswith(b"data:"):
                     continue  # comments (keep-alives), event names, ids
                 data = line[5:].strip()
                 if data == b"[DONE]":
+                    if events:
+                        yield events
                     return
                 try:
                     event = orjson.loads(data)
@@ -909,9 +949,24 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]
                     raise UpstreamFailed(f"The inference server sent an unreadable frame: {data[:200]!r}") from exc
                 if "error" in event or event.get("object") == "error":
                     message = _error_message(data) or "unknown error"
-                    where = f"{response.url.host}:{response.url.port}"
-                    raise UpstreamFailed(f"The inference server {where} failed: {message}")
-                yield event
+                    raise UpstreamFailed(f"The inference server {response.where} failed: {message}")
+                events.append(event)
+        if events:
+            yield events
+
+
+def _by_version(pieces: list[EngineStep]) -> list[EngineStep]:
+    """Steps that arrived together, merged where consecutive ones were sampled by one weight version."""
+    if len(pieces) < 2:
+        return pieces
+    merged: list[EngineStep] = []
+    start = 0
+    for i in range(1, len(pieces) + 1):
+        if i == len(pieces) or pieces[i].policy_version != pieces[start].policy_version:
+            group = pieces[start:i]
+            merged.append(group[0] if len(group) == 1 else merge_steps(group))
+            start = i
+    return merged
 
 
 def adapter_model(name: str, version: int) -> str:

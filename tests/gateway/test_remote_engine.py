@@ -41,6 +41,7 @@ from pipeline.events import TurnRecord
 from pipeline.policies import announce_policy
 from stream_gateway import Settings
 from stream_gateway.engines import EngineStep, ExpertShape, SamplingParams, build_engine
+from stream_gateway.engines._pool import _rank
 from stream_gateway.engines.remote import RemoteEngine, UpstreamFailed, _Wanted
 from stream_gateway.engines.transformers import TransformersEngine
 from stream_gateway.models import resolve_model
@@ -290,16 +291,23 @@ def test_a_server_added_at_run_time_takes_traffic_and_a_removed_one_none(
         assert added["added"] == [extra.url]
         _wait_healthy_in_pool(front, extra.url)
 
+        # Sessions go to their home server (rendezvous hashing): three whose home is the new one, three not.
+        urls = [u["url"] for u in _admin(front)["data"]]
+        homes = {f"burst-{i}": max(urls, key=lambda url, i=i: _rank(f"burst-{i}", url)) for i in range(200)}
+        sessions = [k for k, url in homes.items() if url == extra.url][:3]
+        sessions += [k for k, url in homes.items() if url != extra.url][:3]
+
         async def burst() -> None:
             client = openai.AsyncOpenAI(base_url=front.base_url + "/v1", api_key=ADMIN, max_retries=0)
             async with client, anyio.create_task_group() as tg:
-                for i in range(6):
-                    tg.start_soon(lambda i=i: client.chat.completions.create(
-                            model="tiny-agent", messages=[{"role": "user", "content": f"burst {i}"}],
-                            max_tokens=24, extra_body={"ignore_eos": True}))  # fmt: skip
+                for session in sessions:
+                    tg.start_soon(lambda s=session: client.chat.completions.create(
+                            model="tiny-agent", messages=[{"role": "user", "content": f"burst {s}"}],
+                            max_tokens=24, extra_body={"ignore_eos": True},
+                            extra_headers={"x-session-id": s}))  # fmt: skip
 
         anyio.run(burst)
-        assert extra.health()["total_requests"] >= 1  # least-outstanding routing used the new server
+        assert extra.health()["total_requests"] >= 3  # the new server is home to some sessions at once
         removed = _admin(front, {"remove": [extra.url]})
         assert removed["removed"] == [extra.url] and extra.url not in [u["url"] for u in removed["data"]]
         served = extra.health()["total_requests"]
@@ -601,10 +609,15 @@ def test_routes_in_the_other_documented_shapes_are_read(moe_path: Path) -> None:
     meta = {"finish_reason": {"type": "length"}, "completion_tokens": 2,
             "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]]}  # fmt: skip
 
-    async def read(frames: list[dict[str, Any]], protocol: str, start: int = 0) -> list[EngineStep]:
-        async def events() -> AsyncIterator[dict[str, Any]]:
+    async def read(
+        frames: list[dict[str, Any]], protocol: str, start: int = 0, together: bool = False
+    ) -> list[EngineStep]:
+        async def events() -> AsyncIterator[list[dict[str, Any]]]:  # each frame its own read, or all in one
+            if together:
+                yield frames
+                return
             for frame in frames:
-                yield frame
+                yield [frame]
 
         reader = engine._sglang_steps if protocol == "sglang" else engine._vllm_steps
         return [s async for s in reader(events(), 0, "http://x", _Wanted(3, start))]
@@ -613,8 +626,9 @@ def test_routes_in_the_other_documented_shapes_are_read(moe_path: Path) -> None:
         {"meta_info": meta},
         {"choices": [], "sglext": {"routed_experts": base64.b64encode(rows.tobytes()).decode()}},
     ]
-    (step,) = anyio.run(read, trailing, "sglang")
-    assert step.routes is not None and step.routes.dtype == np.uint8 and np.array_equal(step.routes, rows)
+    for together in (False, True):
+        (step,) = anyio.run(read, trailing, "sglang", 0, together)
+        assert step.routes is not None and step.routes.dtype == np.uint8 and np.array_equal(step.routes, rows)
     (step,) = anyio.run(read, [{"meta_info": meta}], "sglang")  # none sent: the step still ends the request
     assert step.finish_reason == "length" and step.routes is None
 
