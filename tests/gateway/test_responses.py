@@ -52,7 +52,8 @@ def test_a_response_and_its_stream_carry_the_same_tokens(gateway: RunningGateway
                          "response.content_part.added"]  # fmt: skip
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.incomplete"]  # fmt: skip
-    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) - 8 >= 2
+    # One delta per engine step; a busy machine may coalesce all 12 tokens into one (the adaptive stream interval).
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) - 8 >= 1
     assert [event.sequence_number for event in events] == list(range(len(events)))
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     final = events[-1].response  # type: ignore[union-attr]
