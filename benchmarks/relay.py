@@ -104,13 +104,15 @@ def start_upstream(model_dir: str, rate: float, first_token_ms: float) -> tuple[
     return process, f"http://127.0.0.1:{line[1]}"
 
 
-def start_front(name: str, model_dir: str, upstream_url: str, connections: int, extra: list[str]) -> Relay:
-    """``stream-gateway serve --engine vllm-http`` in front of the upstream, with ``extra`` flags."""
+def start_front(name: str, model_dir: str, upstream_url: str, connections: int, extra: list[str],
+                tree: Path | None = None) -> Relay:  # fmt: skip
+    """``stream-gateway serve --engine vllm-http`` in front of the upstream, with ``extra`` flags (the code of
+    checkout ``tree`` if given, this one's otherwise)."""
     port = free_port()
     command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "vllm-http", "--upstream", upstream_url,
                "--model", model_dir, "--served-model-name", MODEL, "--port", str(port), "--log-level", "warning",
                "--upstream-max-connections", str(connections), *extra]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", process)
     return Relay(name, url, process, [process.pid])
@@ -212,6 +214,10 @@ def main() -> None:
     parser.add_argument("--judge-streams", type=int, default=256, help="the concurrency the targets are judged at")
     parser.add_argument("--rss-limit-mb", type=float, default=1024.0, help="the front's RSS bound at 1,024 streams")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="another checkout (git worktree or clone): its front, capture on, runs beside as "
+                             "'baseline on' (before/after a change, side by side)")  # fmt: skip
+    parser.add_argument("--only", nargs="+", help="run only these relays (direct, 'capture off', 'capture on', ...)")
     args = parser.parse_args()
     pacing = Pacing(args.rate, args.first_token_ms / 1000)
     model_dir = resolve_model(args.model)
@@ -225,8 +231,16 @@ def main() -> None:
             relays.append(start_front("capture off", model_dir, upstream_url, connections, []))
             capture = ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox")]
             relays.append(start_front("capture on", model_dir, upstream_url, connections, capture))
+            if args.baseline_tree is not None:
+                base_capture = ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox-baseline")]
+                relays.append(start_front("baseline on", model_dir, upstream_url, connections, base_capture,
+                                          args.baseline_tree.resolve()))  # fmt: skip
             if not args.no_litellm:
                 relays.append(start_litellm(Path(tmp), upstream_url, args.litellm_workers))
+            if args.only:
+                for relay in [r for r in relays if r.name not in args.only]:
+                    stop(relay)
+                    relays.remove(relay)
             for relay in relays:  # warm-up: connections, caches, the upstream's frames
                 loadgen(relay.url, MODEL, 4, 16, requests=2)
             for repeat in range(args.repeats):

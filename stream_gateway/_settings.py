@@ -213,7 +213,7 @@ class Settings(BaseSettings):
     event_buffer_size: int = Field(10_000, ge=1, description="durable events held in memory before the disk outbox")
     live_deltas: bool = Field(True, description="publish coalesced token deltas on the live subjects")
     delta_tokens: int = Field(128, ge=1, description="a live delta every this many tokens...")
-    delta_interval_ms: float = Field(50.0, gt=0, description="...or when this long has passed since the last")
+    delta_interval_ms: float = Field(500.0, gt=0, description="...or when this long has passed since the last")
 
     follow_policies: bool = Field(
         True, description="with --nats-url: apply every policy published on NATS (policy.updated)"

@@ -13,10 +13,12 @@ Deliberate choices:
 * Token deltas are coalesced per turn by :class:`DeltaCoalescer`: one ``turn.delta`` every
   ``delta_tokens`` tokens or, when a token arrives ``delta_interval_s`` after the last flush,
   then; the rest goes out when the turn ends. No timer task: a stalled stream has nothing to say.
-  The defaults (128 tokens, 50 ms) make the time bound the one that counts: at most ~20 deltas
-  a second per stream however fast the engine. Each delta costs the gateway ~0.25 ms of CPU
-  (a publish and a socket write): at 16 tokens a delta on the synthetic engine's 16k tokens/s
-  that was 1.2x the CPU per token of capture off (``benchmarks/capture_overhead.py``).
+  The defaults (128 tokens, 500 ms) bound a stream to 2 deltas a second at the pace of a served
+  model (tens of tokens a second), and to one per 128 tokens beyond 256 tokens a second. Each delta
+  costs the gateway tens of microseconds of CPU (an event, a publish, a socket write): at 50 ms,
+  a stream at 50 tokens/s published one every 2.5 tokens, ~5% of the relay's CPU per token
+  (``benchmarks/relay.py``); at 16 tokens a delta on the synthetic engine's 16k tokens/s it was
+  1.2x the CPU per token of capture off (``benchmarks/capture_overhead.py``).
 * ``seq`` numbers a session's durable events; it lives on the session, so concurrent requests
   of one session (n > 1, parallel sub-agents) still number their events without gaps. With shared
   sessions each replica numbers from its own reserved block (:meth:`Session.take_seq`), and the
@@ -111,7 +113,7 @@ class EventRecorder:
         *,
         live_deltas: bool = True,
         delta_tokens: int = 128,
-        delta_interval_s: float = 0.05,
+        delta_interval_s: float = 0.5,
         image_max_age_s: float = 0.0,
     ) -> None:
         self._publish = publish

@@ -594,7 +594,7 @@ class RemoteEngine:
                 pieces.append(
                     EngineStep(
                         tuple(ids),
-                        tuple(-9999.0 if v is None else float(v) for v in values),
+                        tuple(values) if None not in values else tuple(-9999.0 if v is None else v for v in values),
                         top,
                         reason,
                         version,
@@ -927,7 +927,19 @@ async def _sse_batches(response: StreamResponse) -> AsyncIterator[list[dict[str,
     """The JSON ``data:`` payloads of an SSE response until ``[DONE]``, as lists of those that arrived
     together (one read); error payloads raise."""
     buffer = b""
+    loads = orjson.loads
     while (chunk := await response.read()) is not None:
+        # The common case, one whole ``data:`` frame per read (a token a frame): no splitting.
+        if not buffer and chunk.startswith(b"data: {") and chunk.find(b"\n\n") == len(chunk) - 2:
+            try:
+                event = loads(chunk[6:])
+            except orjson.JSONDecodeError as exc:
+                raise UpstreamFailed(f"The inference server sent an unreadable frame: {chunk[:200]!r}") from exc
+            if "error" in event or event.get("object") == "error":
+                message = _error_message(chunk[6:]) or "unknown error"
+                raise UpstreamFailed(f"The inference server {response.where} failed: {message}")
+            yield [event]
+            continue
         buffer = buffer + chunk if buffer else chunk
         if b"\n\n" not in buffer:
             continue
