@@ -18,6 +18,10 @@ Set-up, all real processes on this machine, one token stream for all:
 * **litellm**: LiteLLM's proxy (``benchmarks/litellm_proxy.py``: its own venv, one worker, everything that is not
   relaying turned off) relaying the upstream's ``/v1/chat/completions``; up to ``--litellm-max-streams`` streams.
 * **direct**: the client on the upstream's own chat endpoint: the floor this machine, its loopback and the client set.
+* ``--workers N`` adds **capture on xN**: the capturing front with ``--workers N`` (a supervisor and N processes on
+  one port, shared sessions), its CPU summed over them.
+* ``--baseline-tree DIR`` adds **baseline on**: the capturing front from another checkout (``git clone`` it at the
+  commit before a change), for before/after figures taken side by side in one run. ``--only`` keeps some relays.
 
 Load: ``benchmarks/loadgen.py`` in a process of its own (raw asyncio sockets on uvloop; it reads only the usage frame
 of each response), ``streams`` keep-alive connections, each sending streamed chat requests of ``turn`` tokens
@@ -63,7 +67,7 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _procs import cpu_s, free_port, loadgen, rss_mb, wait_http
+from _procs import cpu_s, free_port, loadgen, rss_mb, tree_cpu_s, wait_http
 
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway.models import resolve_model
@@ -83,11 +87,23 @@ class Relay:
     pids: list[int] = field(default_factory=list)
     runs: dict[Key, list[dict[str, Any]]] = field(default_factory=dict)
 
+    workers: int = 1  # a front's --workers: its children count too
+
     def cpu_s(self) -> float:
+        if self.workers > 1:
+            return sum(tree_cpu_s(pid) for pid in self.pids)
         return sum(cpu_s(pid) for pid in self.pids)
 
     def rss_mb(self) -> float:
-        return sum(rss_mb(pid) for pid in self.pids)
+        pids = [c for pid in self.pids for c in [pid, *_children(pid)]] if self.workers > 1 else self.pids
+        return sum(rss_mb(pid) for pid in pids)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def start_upstream(model_dir: str, rate: float, first_token_ms: float) -> tuple[subprocess.Popen[bytes], str]:
@@ -105,7 +121,7 @@ def start_upstream(model_dir: str, rate: float, first_token_ms: float) -> tuple[
 
 
 def start_front(name: str, model_dir: str, upstream_url: str, connections: int, extra: list[str],
-                tree: Path | None = None) -> Relay:  # fmt: skip
+                tree: Path | None = None, workers: int = 1) -> Relay:  # fmt: skip
     """``stream-gateway serve --engine vllm-http`` in front of the upstream, with ``extra`` flags (the code of
     checkout ``tree`` if given, this one's otherwise)."""
     port = free_port()
@@ -115,7 +131,7 @@ def start_front(name: str, model_dir: str, upstream_url: str, connections: int, 
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", process)
-    return Relay(name, url, process, [process.pid])
+    return Relay(name, url, process, [process.pid], workers=workers)
 
 
 def start_litellm(workdir: Path, upstream_url: str, workers: int) -> Relay:
@@ -198,6 +214,25 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def start_relays(args: argparse.Namespace, nats_url: str, tmp: Path, model_dir: str, upstream_url: str,
+                 connections: int) -> list[Relay]:  # fmt: skip
+    """The fronts (capture off, on, on with --workers, another checkout's) and LiteLLM, as asked."""
+    relays = [start_front("capture off", model_dir, upstream_url, connections, [])]
+    capture = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox")]
+    relays.append(start_front("capture on", model_dir, upstream_url, connections, capture))
+    if args.workers > 1:
+        many = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-workers"), "--workers", str(args.workers)]
+        relays.append(start_front(f"capture on x{args.workers}", model_dir, upstream_url, connections, many,
+                                  workers=args.workers))  # fmt: skip
+    if args.baseline_tree is not None:
+        base_capture = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-baseline")]
+        relays.append(start_front("baseline on", model_dir, upstream_url, connections, base_capture,
+                                  args.baseline_tree.resolve()))  # fmt: skip
+    if not args.no_litellm:
+        relays.append(start_litellm(tmp, upstream_url, args.litellm_workers))
+    return relays
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256, 1024], help="concurrent streams")
@@ -217,6 +252,12 @@ def main() -> None:
     parser.add_argument("--baseline-tree", type=Path,
                         help="another checkout (git worktree or clone): its front, capture on, runs beside as "
                              "'baseline on' (before/after a change, side by side)")  # fmt: skip
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="also run a front with capture on and --workers N ('capture on xN'; shared sessions)",
+    )
     parser.add_argument("--only", nargs="+", help="run only these relays (direct, 'capture off', 'capture on', ...)")
     args = parser.parse_args()
     pacing = Pacing(args.rate, args.first_token_ms / 1000)
@@ -228,15 +269,7 @@ def main() -> None:
         upstream, upstream_url = start_upstream(model_dir, args.rate, args.first_token_ms)
         relays = [Relay("direct", upstream_url, None)]
         try:
-            relays.append(start_front("capture off", model_dir, upstream_url, connections, []))
-            capture = ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox")]
-            relays.append(start_front("capture on", model_dir, upstream_url, connections, capture))
-            if args.baseline_tree is not None:
-                base_capture = ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox-baseline")]
-                relays.append(start_front("baseline on", model_dir, upstream_url, connections, base_capture,
-                                          args.baseline_tree.resolve()))  # fmt: skip
-            if not args.no_litellm:
-                relays.append(start_litellm(Path(tmp), upstream_url, args.litellm_workers))
+            relays += start_relays(args, nats.url, Path(tmp), model_dir, upstream_url, connections)
             if args.only:
                 for relay in [r for r in relays if r.name not in args.only]:
                     stop(relay)

@@ -132,7 +132,9 @@ class Settings(BaseSettings):
     upstream_read_timeout_seconds: float = Field(
         300.0, gt=0, description="longest wait for the next bytes of a server's stream (first token included)"
     )
-    upstream_max_connections: int = Field(512, ge=1, description="open connections to all servers together")
+    upstream_max_connections: int = Field(
+        512, ge=1, description="generation requests in flight to all servers together (each on its own connection)"
+    )
 
     tool_parser: Annotated[str, Flag(choices=_tool_parser_names)] = Field(
         "hermes", description="how tool calls are read from model output (see docs/http-api.md)"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from functools import cached_property, lru_cache
@@ -30,7 +30,7 @@ from stream_gateway._errors import EngineError, GatewayError
 from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
-from stream_gateway.completion._channel import UpdateChannel, coalesce
+from stream_gateway.completion._channel import UpdateChannel, coalesce, fold_tool_calls
 from stream_gateway.completion._prepare import PreparedCompletion, Preparer
 from stream_gateway.completion._text import TextAssembler
 from stream_gateway.completion._thinking import ThinkingStream
@@ -108,10 +108,7 @@ class CompletionService:
         batch = [prepared] if isinstance(prepared, PreparedCompletion) else prepared
         first = batch[0]
         try:
-            for item in batch:
-                self._metrics.prompt_tokens.inc(len(item.prompt_ids))
-                if self._spend is not None:
-                    self._spend(item.session.tenant, len(item.prompt_ids) * item.n)
+            self._count_prompts(batch)
             if len(batch) == 1 and first.n == 1:
                 await self._run_choice(first, 0, channel)  # the common case: no task group to set up
             else:
@@ -129,11 +126,23 @@ class CompletionService:
         finally:
             channel.close()
 
-    async def _run_choice(  # noqa: PLR0915 (one loop on purpose: the per-token path, kept in one frame)
-        self, prepared: PreparedCompletion, choice: int, channel: UpdateChannel
-    ) -> None:
+    def _count_prompts(self, batch: Sequence[PreparedCompletion]) -> None:
+        for item in batch:
+            self._metrics.prompt_tokens.inc(len(item.prompt_ids))
+            if self._spend is not None:
+                self._spend(item.session.tenant, len(item.prompt_ids) * item.n)
+
+    async def _run_choice(self, prepared: PreparedCompletion, choice: int, channel: UpdateChannel) -> None:
+        """One choice's updates into the channel (the producer task of a response with several)."""
+        async with aclosing(self._choice_updates(prepared, choice)) as updates:
+            async for update in updates:
+                channel.put(update)
+
+    async def _choice_updates(  # noqa: PLR0915 (one loop on purpose: the per-token path, kept in one frame)
+        self, prepared: PreparedCompletion, choice: int
+    ) -> AsyncGenerator[ChoiceUpdate, None]:
         # The per-token path: per engine step, list appends, the detokenizer, and (when there is
-        # text to send) one update put into the channel. Metrics and events are per turn
+        # text to send) one update handed on. Metrics and events are per turn
         # (:class:`~._turn.TurnLifecycle`), or every few dozen tokens for live deltas. Why it is
         # one function of ~90 lines: a call per step costs measurably here (benchmarks/hot_path.py),
         # and the loop reads top to bottom as one step's journey.
@@ -222,11 +231,13 @@ class CompletionService:
                             result.finish_reason, result.version_spans = finish, final_spans
                             update.reasoning_tokens, update.answer_start = ThinkingStream.span_of(thinking)
                             update.routes = result.routes_from(prepared.routes_from) if prepared.return_routes else None
-                        channel.put(update)
+                        yield update
                     if finish is not None:
                         return  # leaving the block closes the iterator: a stop string aborts the request
-        except anyio.get_cancelled_exc_class():
-            abort_reason = "client_disconnected"  # or a sibling choice failed; either way nobody reads on
+        except (anyio.get_cancelled_exc_class(), GeneratorExit):
+            # Cancelled while waiting for the engine, or closed while the update was being sent: the
+            # client left (or a sibling choice failed); either way nobody reads on.
+            abort_reason = "client_disconnected"
             raise
         except Exception as exc:
             abort_reason, abort_detail = "engine_error", str(exc)
@@ -273,6 +284,49 @@ class CompletionService:
         finally:
             self._metrics.active_streams.dec()
             if finished < choices:
+                self._metrics.aborted.inc()
+
+    async def stream_one(
+        self, prepared: PreparedCompletion, encoder: FrameEncoder, first: bytes | None, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """The writes of a streamed response with one choice of one prompt, produced in the writer's own task.
+
+        The common case (every agent's request): the choice's updates are encoded as they come, with
+        no channel and no producer task between the engine and the socket, so a token costs one
+        task wake-up, not two. Tokens still coalesce when the client falls behind: while a write
+        waits, the engine gathers the steps that arrive (remote engines merge the frames that one
+        read returns, in-process ones the steps queued) and hands them over as one.
+        """
+        completion_tokens = 0
+        finished = False
+        self._metrics.active_streams.inc()
+        try:
+            self._count_prompts([prepared])
+            if first is not None:
+                yield first
+            try:
+                async with aclosing(self._choice_updates(prepared, 0)) as updates:
+                    async for update in updates:
+                        completion_tokens += len(update.token_ids)
+                        finished = update.finish_reason is not None
+                        if len(update.tool_calls) > 1:  # one entry per call, as coalesce() makes them
+                            update.tool_calls = fold_tool_calls(update.tool_calls)
+                        yield encoder.update(update)
+            except GatewayError as error:
+                self._metrics.requests.labels("true", str(error.status_code)).inc()
+                yield encoder.error(error)
+                return
+            except Exception as exc:  # a bug, not bad input: as in produce()
+                log.error("completion %s failed", prepared.completion_id, exc_info=exc)
+                bug = EngineError("The server had an error while processing your request.")
+                self._metrics.requests.labels("true", str(bug.status_code)).inc()
+                yield encoder.error(bug)
+                return
+            yield encoder.end(len(prepared.prompt_ids), completion_tokens, include_usage)
+            self._metrics.requests.labels("true", "200").inc()
+        finally:
+            self._metrics.active_streams.dec()
+            if not finished:
                 self._metrics.aborted.inc()
 
     async def collect(

@@ -110,16 +110,22 @@ async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call
     service = state.service
     if exchange.stream:
         start = exchange.start_stream()
-        channel = UpdateChannel()
         choices = sum(p.n for p in batch)
+        settings = state.settings
+        if choices == 1:  # one choice: produced in the response's own task (CompletionService.stream_one)
+            one = service.stream_one(batch[0], start.encoder, start.first, start.include_usage)
+            return TokenStreamResponse(
+                one, headers=headers, ping=settings.sse_ping_seconds, send_timeout=settings.sse_send_timeout_seconds
+            )
+        channel = UpdateChannel()
         prompt_tokens = sum(len(p.prompt_ids) for p in batch)
         frames = service.frames(start.encoder, channel, start.first, choices, prompt_tokens, start.include_usage)
         return TokenStreamResponse(
             frames,
             headers=headers,
             data_sender_callable=partial(service.produce, batch, channel),
-            ping=state.settings.sse_ping_seconds,
-            send_timeout=state.settings.sse_send_timeout_seconds,
+            ping=settings.sse_ping_seconds,
+            send_timeout=settings.sse_send_timeout_seconds,
         )
     results = await service.collect(batch, _disconnect_waiter(request))
     if results is None:  # the client is gone; nobody reads this
