@@ -11,7 +11,8 @@ Set-up, all real processes on this machine, one token stream for all:
 * **upstream**: ``benchmarks/paced_upstream.py`` (one process): one token per frame, ``--rate`` tokens/s per stream
   after a ``--first-token-ms`` prefill, ids of ``--model``'s tokenizer (``tiny-agent``), pre-serialised frames on
   uvloop. It serves vLLM's ``/v1/completions`` to the fronts and the same tokens as chat chunks to the others.
-* **capture off** / **capture on**: ``stream-gateway serve --engine vllm-http --upstream URL`` (the same tokenizer;
+* **capture off** / **capture on**: ``stream-gateway serve --engine vllm-http --upstream URL`` (``--engine
+  sglang-http`` reads the upstream's ``/generate`` instead; the same tokenizer;
   ``--upstream-max-connections`` above the largest ``--streams``, since the default 512 would queue the rest);
   capture on adds ``--nats-url`` to an embedded ``nats-server`` (JetStream, temp store) and an ``--outbox-dir``,
   with the defaults otherwise (live deltas on).
@@ -73,6 +74,7 @@ from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway.models import resolve_model
 
 MODEL = "tiny-agent"  # the served name everywhere; the tokenizer is --model's
+ENGINE = ["vllm-http"]  # the fronts' engine (--engine)
 HERE = Path(__file__).parent
 Key = tuple[int, int]  # (streams, turn tokens)
 
@@ -125,7 +127,7 @@ def start_front(name: str, model_dir: str, upstream_url: str, connections: int, 
     """``stream-gateway serve --engine vllm-http`` in front of the upstream, with ``extra`` flags (the code of
     checkout ``tree`` if given, this one's otherwise)."""
     port = free_port()
-    command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "vllm-http", "--upstream", upstream_url,
+    command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", ENGINE[0], "--upstream", upstream_url,
                "--model", model_dir, "--served-model-name", MODEL, "--port", str(port), "--log-level", "warning",
                "--upstream-max-connections", str(connections), *extra]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree)
@@ -261,6 +263,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", help="run only these relays (direct, 'capture off', 'capture on', ...)")
     args = parser.parse_args()
     pacing = Pacing(args.rate, args.first_token_ms / 1000)
+    ENGINE[0] = args.engine
     model_dir = resolve_model(args.model)
     connections = max(args.streams) + 64
     started = time.monotonic()

@@ -19,6 +19,9 @@ checks, model info, adapters):
 * ``connect_timeout`` for the connection (TLS included for ``https``); ``read_timeout`` as one
   timer per response that checks for progress, not a timer per read: a response whose server
   sends nothing for that long fails.
+* Backpressure: once ``_HIGH_WATER`` bytes of body wait unread (a client that reads slower than
+  the server writes), the connection stops reading until the reader takes them, so the kernel's
+  buffers and TCP hold the rest back at the server, as a pull-based client would.
 * Closing a response before its end closes the connection, so the server sees the disconnect and
   aborts the request (vLLM and SGLang both do).
 * Not supported: proxies (``HTTP_PROXY`` and friends are not read), HTTP/2, redirects, content
@@ -38,6 +41,9 @@ from urllib.parse import urlsplit
 import httptools
 
 __all__ = ["ConnectFailed", "HttpFailure", "StreamClient", "StreamResponse"]
+
+
+_HIGH_WATER = 256 * 1024  # unread body bytes at which a connection stops reading
 
 
 class HttpFailure(Exception):
@@ -97,6 +103,8 @@ class _Connection(asyncio.Protocol):
         self.on_idle_close: Callable[[_Connection], None] | None = None  # the pool forgets it
         self._parser: httptools.HttpResponseParser | None = None
         self._chunks: list[bytes] = []
+        self._buffered = 0  # bytes in _chunks
+        self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self._error: HttpFailure | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -160,6 +168,10 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
         self._progress += 1
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -175,6 +187,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._parser = httptools.HttpResponseParser(self)
         self._chunks.clear()
+        self._buffered = 0
         self._error = None
         self._framed = self._keep_alive = self.answered = self.headers_done = self.complete = False
         self.status = 0
@@ -201,6 +214,11 @@ class _Connection(asyncio.Protocol):
             await self._wait()
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
         return data
 
     def reusable(self) -> bool:
@@ -208,9 +226,14 @@ class _Connection(asyncio.Protocol):
         return self.complete and self._keep_alive and not self.closed and self._parser is not None
 
     def idle(self) -> None:
-        """The answer is over and the connection goes back to the pool."""
+        """The answer is over and the connection goes back to the pool (reading, to notice a close)."""
         self._parser = None
         self._stop_timer()
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
 
     def close(self) -> None:
         self._stop_timer()

@@ -252,3 +252,31 @@ def test_refused_broken_and_full() -> None:
             await http.aclose()
 
     asyncio.run(run())
+
+
+def test_a_reader_that_falls_behind_holds_the_server_back() -> None:
+    """32 MiB sent as fast as loopback goes, read only after 0.5 s: the server waits for the reader."""
+    size, piece = 32 * 1024 * 1024, b"x" * 65536
+    drained_at: list[float] = []
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        for _ in range(size // len(piece)):
+            writer.write(piece)
+            await writer.drain()
+        drained_at.append(time.monotonic())
+        return True
+
+    async def run() -> None:
+        async with Server(flood) as url:
+            http = client()
+            response = await http.post(url + "/x", b"{}")
+            await asyncio.sleep(0.5)
+            reading_from, total = time.monotonic(), 0
+            assert not drained_at  # the server is still waiting: it could not hand over 32 MiB
+            while (data := await response.read()) is not None:
+                total += len(data)
+            assert total == size and drained_at and drained_at[0] > reading_from
+            await http.aclose()
+
+    asyncio.run(run())
