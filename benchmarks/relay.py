@@ -254,6 +254,8 @@ def main() -> None:
     parser.add_argument("--baseline-tree", type=Path,
                         help="another checkout (git worktree or clone): its front, capture on, runs beside as "
                              "'baseline on' (before/after a change, side by side)")  # fmt: skip
+    parser.add_argument("--engine", choices=["vllm-http", "sglang-http"], default="vllm-http",
+                        help="the fronts' engine: the upstream's /v1/completions or its /generate")  # fmt: skip
     parser.add_argument(
         "--workers",
         type=int,
