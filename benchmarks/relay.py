@@ -108,11 +108,12 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def start_upstream(model_dir: str, rate: float, first_token_ms: float) -> tuple[subprocess.Popen[bytes], str]:
+def start_upstream(model_dir: str, rate: float, first_token_ms: float,
+                   extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
     """``paced_upstream.py`` on a port of its choosing, and its URL."""
     command = [sys.executable, str(HERE / "paced_upstream.py"), "--port", "0", "--model", model_dir,
                "--served-model-name", MODEL, "--tokens-per-second", str(rate),
-               "--first-token-ms", str(first_token_ms)]  # fmt: skip
+               "--first-token-ms", str(first_token_ms), *extra]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE)
     assert process.stdout is not None
     line = process.stdout.readline().decode().split()
@@ -256,6 +257,9 @@ def main() -> None:
                              "'baseline on' (before/after a change, side by side)")  # fmt: skip
     parser.add_argument("--engine", choices=["vllm-http", "sglang-http"], default="vllm-http",
                         help="the fronts' engine: the upstream's /v1/completions or its /generate")  # fmt: skip
+    parser.add_argument("--sglang-incremental", action="store_true",
+                        help="the upstream's /generate frames hold only new tokens (SGLang's "
+                             "--incremental-streaming-output); by default each holds all output so far")  # fmt: skip
     parser.add_argument(
         "--workers",
         type=int,
@@ -271,7 +275,8 @@ def main() -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNatsServer() as nats:
         assert nats.pid is not None
-        upstream, upstream_url = start_upstream(model_dir, args.rate, args.first_token_ms)
+        extra = ("--incremental-streaming-output",) if args.sglang_incremental else ()
+        upstream, upstream_url = start_upstream(model_dir, args.rate, args.first_token_ms, extra)
         relays = [Relay("direct", upstream_url, None)]
         try:
             relays += start_relays(args, nats.url, Path(tmp), model_dir, upstream_url, connections)

@@ -236,7 +236,9 @@ def test_a_server_killed_mid_stream_ends_the_stream_with_an_error_and_the_next_r
         with pytest.raises(openai.APIError) as failure:
             for _chunk in stream:
                 received += 1
-                if received == 5:
+                # The first token's chunk: the server is sampling now. Later, a reader starved by a
+                # busy machine may find the whole answer already in the sockets' buffers (fcG did).
+                if received == 2:
                     after = _served(upstreams)
                     victim = upstreams[0] if after[0] > before[0] else upstreams[1]
                     victim.kill()
