@@ -89,6 +89,7 @@ PASSAGE = (
 )
 DEFAULT_MAX_MODEL_LEN = 32768
 _DONE = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"  # [DONE] and the terminating zero-length chunk
+_TAIL_DELAY_S = 0.001  # between a stream's finishing frame and its tail
 _TOP_FIRST = -0.05  # logprob of the sampled token (always the most likely); alternative r has -(r + 1)
 
 
@@ -177,6 +178,7 @@ class PacedUpstream:
         self.stop_after = stop_after
         self.incremental = incremental
         self.created = int(time.time())
+        self.connections = 0  # connections accepted so far
         self._ids = itertools.count()
         self._offsets: dict[bool, list[int]] = {}
         self._completion_bodies: dict[tuple[str, int | None, bool, bool], list[bytes]] = {}
@@ -408,6 +410,7 @@ class _Connection(asyncio.Protocol):
         self._closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._upstream.connections += 1
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
 
     def data_received(self, data: bytes) -> None:
@@ -520,8 +523,18 @@ class _Connection(asyncio.Protocol):
             else:
                 self._timer = self._loop.call_soon(self._tick)
             return
+        # The tail (usage, ``[DONE]``) in a write of its own, a moment later, as vLLM sends it: a
+        # client that stops reading at the finish must still keep the connection (issue 38).
+        transport.write(frame)
+        self._timer = self._loop.call_later(_TAIL_DELAY_S, self._end)
+
+    def _end(self) -> None:
+        self._timer = None
+        turn = self._turn
+        if self._closed or turn is None:
+            return
         self._turn = None
-        self._write(frame + turn.tail(), close=not self._keep_alive)
+        self._write(turn.tail(), close=not self._keep_alive)
         if self._buffer:
             self._process()
 

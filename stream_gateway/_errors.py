@@ -14,6 +14,7 @@
     ├── Conflict                     409 code=session_closed (the resource's state forbids it)
     ├── RateLimited                  429 code=rate_limit_exceeded (in ._tenants, with Retry-After)
     └── EngineError                  500 server_error
+        ├── SequenceFailed           500 code=generation_failed (one request's; the rest go on)
         └── EngineUnavailable        503 code=engine_unavailable
 
 Foreign errors are translated where they enter (``raise InvalidRequest(...) from exc``); the
@@ -122,6 +123,13 @@ class Conflict(GatewayError):
 
 class EngineError(GatewayError):
     """The engine failed while serving a request."""
+
+
+class SequenceFailed(EngineError):
+    """One request's generation failed in the engine (its grammar, non-finite scores, its adapter);
+    the others in the batch go on."""
+
+    default_code = "generation_failed"
 
 
 class EngineUnavailable(EngineError):

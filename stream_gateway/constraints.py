@@ -185,18 +185,113 @@ _tokenizers_lock = threading.Lock()
 
 
 def grammar_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Iterable[int]) -> LLTokenizer:
-    """llguidance's view of ``tokenizer`` (built once; ~20 ms for a 2k vocabulary, ~1 s for 150k)."""
+    """llguidance's view of ``tokenizer``, with each token's bytes as the tokenizer decodes it
+    (built once; ~20 ms for a 2k vocabulary, ~1 s for 150k).
+
+    llguidance reads a tokenizer's byte mapping from its decoder's declared type. A tokenizer
+    converted from GGUF (the default model, SmolLM2) declares a decoder sequence that starts
+    with ``ByteFallback`` although its vocabulary is byte-level, so llguidance took ``Ċ`` for
+    the two bytes ``c4 8a`` instead of a newline, and the first newline or space a grammar
+    forced failed the request (issue 43). :func:`token_bytes` finds the mapping that reproduces
+    the tokenizer's own encoding of a probe text; where llguidance's bytes differ from it, the
+    vocabulary is handed to llguidance as bytes.
+    """
     import llguidance.hf
 
     eos = tuple(sorted(eos_ids))
     key = (id(tokenizer), vocab_size, eos)
     with _tokenizers_lock:
         if key not in _tokenizers:  # the tokenizer is kept alive with it, so its id stays unique
-            _tokenizers[key] = (
-                tokenizer,
-                llguidance.hf.from_tokenizer(cast(Any, tokenizer), n_vocab=vocab_size, eos_token=list(eos)),
-            )
+            default = llguidance.hf.from_tokenizer(cast(Any, tokenizer), n_vocab=vocab_size, eos_token=list(eos))
+            _tokenizers[key] = (tokenizer, _agreeing(default, tokenizer, vocab_size, eos))
         return _tokenizers[key][1]
+
+
+def _agreeing(
+    default: LLTokenizer, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
+) -> LLTokenizer:
+    """``default`` if its bytes are the tokenizer's; else one built from the tokenizer's bytes."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    special = frozenset(i for i in range(vocab_size) if default.is_special_token(i))
+    table = token_bytes(tokenizer, vocab_size, special)
+    if table is None or all(default.decode_bytes([i]) == table[i] for i in range(vocab_size) if i not in special):
+        return default
+    vocabulary = _Vocabulary(tokenizer, table, sorted(special), eos[0] if eos else default.eos_token)
+    return LLTokenizer(TokenizerWrapper(vocabulary), n_vocab=vocab_size, eos_token=list(eos) or None)
+
+
+class _Vocabulary:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` takes one: token bytes and an encoder."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tokens: list[bytes], special: list[int], eos: int) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = tokens
+        self.special_token_ids = special
+        self.eos_token_id = eos
+        self.bos_token_id = tokenizer.bos_token_id
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text only")  # llguidance probes for bytes; it then sends text
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+_PROBE = 'Hello,\n  world: {"a": [1, 2.5]}\t\u00c4\u20ac \u65e5\u672c <x>'
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
+    printable += range(ord("\u00ae"), ord("\u00ff") + 1)
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def _byte_level(piece: str, table: dict[str, int] = _byte_level_table()) -> bytes:  # noqa: B008 (built once)
+    try:
+        return bytes(table[c] for c in piece)
+    except KeyError:
+        return piece.encode()
+
+
+def _sentencepiece(piece: str) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode()
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int, special: frozenset[int]) -> list[bytes] | None:
+    """Each token's bytes (special ones as ``0xff`` and their text, llguidance's convention), by the
+    mapping (byte-level BPE, SentencePiece, plain text) under which the tokenizer's own pieces of
+    a probe text spell that text; ``None`` when none does."""
+    probe = _PROBE.encode()
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode(_PROBE, add_special_tokens=False))
+    for decode in (_byte_level, _sentencepiece, str.encode):
+        spelled = b"".join(decode(str(p)) for p in pieces)
+        if spelled in (probe, b" " + probe):  # SentencePiece may add a prefix space
+            break
+    else:
+        return None
+    added = set(tokenizer.added_tokens_decoder)
+    known = min(vocab_size, len(tokenizer))  # len() of a fast tokenizer is not cheap: asked once
+    table: list[bytes] = []
+    for i, piece in enumerate([*tokenizer.convert_ids_to_tokens(list(range(known))), *[None] * (vocab_size - known)]):
+        if piece is None:
+            table.append(b"")
+        elif i in special:
+            table.append(b"\xff" + str(piece).encode())
+        else:
+            table.append(str(piece).encode() if i in added else decode(str(piece)))
+    return table
 
 
 def check(constraint: Constraint, tokenizer: PreTrainedTokenizerBase, param: str) -> None:

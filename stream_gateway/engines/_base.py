@@ -160,6 +160,10 @@ class EngineStatistics:
     total_requests: int
     total_generated_tokens: int
     running: bool = True  # False once the engine has crashed or stopped: /health says 503
+    # Faults the engine survived: its loop failed the requests of one batch and went on with a
+    # fresh one (a request's own fault fails that request alone and is not counted here).
+    recoveries: int = 0
+    last_fault: str | None = None
 
 
 class Upstream(Protocol):
@@ -201,10 +205,18 @@ class Engine(Protocol):
     policy_version: int
     remote: bool  # the weights live on other servers: updates only announce a version (see .remote)
     constrained_decoding: bool  # follows SamplingParams.constraint (stream_gateway.constraints)
-    experts: ExpertShape | None  # a mixture of experts whose steps carry routes; None: dense
-    # LoRA adapters served beside the base (docs/adapters.md): name -> its policy version. A
-    # request's steps carry its adapter's version; the base has ``policy_version``. Empty: none.
-    adapters: Mapping[str, int]
+
+    @property
+    def experts(self) -> ExpertShape | None:
+        """A mixture of experts whose steps carry routes; ``None``: dense."""
+        ...
+
+    @property
+    def adapters(self) -> Mapping[str, int]:
+        """LoRA adapters served beside the base (docs/adapters.md): name -> its policy version. A
+        request's steps carry its adapter's version; the base has ``policy_version``. Empty: none."""
+        ...
+
     # Vision-language models (docs/images.md): the model's own image processor; None: text only.
     vision: VisionProcessor | None
 

@@ -15,6 +15,13 @@ attention kernels. The loop here is small:
 * Finished or aborted rows are dropped from the cache, and padding columns no row needs any
   more are trimmed.
 
+Isolation (issue 43): whatever one request brings (a grammar the tokenizer cannot follow, scores
+that are not finite, an adapter that fails), the fault is that request's: it ends with
+:class:`~stream_gateway._errors.SequenceFailed` and leaves the batch, and every other row samples
+on. A fault of the loop itself (a forward pass that raised) fails the rows of that batch and the
+loop goes on with a fresh one, counted as a recovery in :meth:`TransformersEngine.statistics`
+(``/health`` shows it); only an exception that is not an ``Exception`` ends the worker.
+
 Aborting is a flag the worker checks before every step; closing the iterator returned by
 :meth:`TransformersEngine.generate` sets it, so a client that goes away frees its row at the
 next step.
@@ -57,7 +64,7 @@ from pipeline.vision import ProcessedImage, VisionProcessor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from stream_gateway._errors import Conflict, EngineError, EngineUnavailable
+from stream_gateway._errors import Conflict, EngineError, EngineUnavailable, SequenceFailed
 from stream_gateway.constraints import TokenMask, grammar_tokenizer
 from stream_gateway.engines._base import (
     EngineStatistics,
@@ -189,6 +196,8 @@ class TransformersEngine:
         self.adapters: Mapping[str, int] = self._adapter_versions
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._recoveries = 0
+        self._last_fault: str | None = None
         self._prefilling: _Request | None = None
         self._active = 0
         self._waiting = 0
@@ -299,6 +308,8 @@ class TransformersEngine:
             while True:
                 item = held if held is not None else await outbox.get()
                 held = None
+                if isinstance(item, SequenceFailed):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineError(f"the transformers engine failed: {item}") from item
                 # Steps that waited (the event loop was busy) go out together: one update, one frame.
@@ -392,6 +403,8 @@ class TransformersEngine:
             total_requests=self._total_requests,
             total_generated_tokens=self._total_tokens,
             running=self._thread is not None and self._thread.is_alive(),
+            recoveries=self._recoveries,
+            last_fault=self._last_fault,
         )
 
     # -- worker thread ---------------------------------------------------------------------
@@ -401,10 +414,13 @@ class TransformersEngine:
         try:
             with torch.inference_mode():
                 while True:
-                    if not self._admit(batch):
-                        return
-                    if batch.rows:
-                        self._decode(batch)
+                    try:
+                        if not self._admit(batch):
+                            return
+                        if batch.rows:
+                            self._decode(batch)
+                    except Exception as exc:  # the loop's own fault: fail this batch, go on with a fresh one
+                        batch = self._recover(batch, exc)
         except BaseException as exc:  # tell every request there is, then die loudly
             self._failure = exc
             log.exception("transformers engine worker crashed")
@@ -423,6 +439,24 @@ class TransformersEngine:
             for row in waiting:
                 row.loop.call_soon_threadsafe(row.outbox.put_nowait, exc)
             raise
+
+    def _recover(self, batch: _Batch, exc: Exception) -> _Batch:
+        """Fail the requests of a batch whose step raised; the next batch starts empty."""
+        self._recoveries += 1
+        self._last_fault = f"{type(exc).__name__}: {exc}"[:300]
+        log.exception("transformers engine: a step failed; its %d requests end with an error and the engine "
+                      "goes on (recovery %d)", len(batch.rows), self._recoveries)  # fmt: skip
+        failed = SequenceFailed(f"The engine failed while serving this request: {self._last_fault}")
+        rows = list(batch.rows)
+        if self._prefilling is not None:
+            rows.append(self._prefilling)
+            self._prefilling = None
+        for row in rows:
+            self._active -= 1
+            row.loop.call_soon_threadsafe(row.outbox.put_nowait, failed)
+        if self._routes is not None:
+            self._routes.discard()
+        return _Batch()
 
     def _admit(self, batch: _Batch) -> bool:
         """Take new work from the inbox; block only when there is nothing to do. False means stop.
@@ -444,9 +478,10 @@ class TransformersEngine:
                 self._apply_adapter(batch, item)
             elif isinstance(item, _AdapterUnload):
                 self._unload_adapter(batch, item)
-            else:
-                assert isinstance(item, _Request)
+            elif isinstance(item, _Request):
                 self._backlog.append(item)
+            else:
+                raise TypeError(f"the engine's inbox holds {item!r}")
         while self._backlog and len(batch.rows) < self._max_batch_size:
             item = self._backlog.popleft()
             self._waiting -= 1
@@ -549,16 +584,38 @@ class TransformersEngine:
         # Sampling is per-row Python work on [rows, vocab]; doing it on the CPU keeps the
         # per-request generators (CPU) and the result lists cheap on any device.
         logits = logits.float().cpu()
+        faults: dict[int, str] = {}  # row -> why it fails alone
         for i, row in enumerate(rows):
             if row.mask is not None:  # constrained: what the grammar does not allow cannot be drawn
-                logits[i, torch.from_numpy(~row.mask.allowed())] = float("-inf")
+                try:
+                    allowed = row.mask.allowed()
+                except Exception as exc:  # llguidance's own refusal
+                    faults[i] = f"its grammar failed: {exc}"
+                    continue
+                if not allowed.any():
+                    faults[i] = "its grammar allows no token here"
+                    continue
+                logits[i, torch.from_numpy(~allowed)] = float("-inf")
+        if not bool(torch.isfinite(logits).any(dim=1).all()) or bool(torch.isnan(logits).any()):
+            unusable = torch.isnan(logits).any(dim=1) | ~torch.isfinite(logits).any(dim=1)
+            for i in unusable.nonzero().flatten().tolist():
+                faults.setdefault(i, "the model's scores for it are not finite")
+        if faults:  # sampled like the rest (so one row cannot fail the draw), then dropped
+            logits[list(faults)] = 0.0
         sampled = sample_batch(logits, params, generators)
         finished: list[bool] = []
         deliveries: list[tuple[_Request, EngineStep]] = []
         for i, row in enumerate(rows):
             token = sampled.token_ids[i]
-            if row.mask is not None:
-                row.mask.advance(token)
+            if row.mask is not None and i not in faults:
+                try:
+                    row.mask.advance(token)
+                except Exception as exc:
+                    faults[i] = str(exc)
+            if i in faults:
+                self._fail_row(row, faults[i])
+                finished.append(True)
+                continue
             row.generated += 1
             row.output_ids.append(token)
             row.pending_token = token
@@ -587,6 +644,13 @@ class TransformersEngine:
         if deliveries:
             rows[0].loop.call_soon_threadsafe(_deliver, deliveries)
         return finished
+
+    def _fail_row(self, row: _Request, why: str) -> None:
+        """End one request with :class:`SequenceFailed`; the batch drops its row at this step."""
+        self._active -= 1
+        log.warning("request %s fails alone: %s", row.request_id, why)
+        failed = SequenceFailed(f"The engine could not go on with this request: {why}")
+        row.loop.call_soon_threadsafe(row.outbox.put_nowait, failed)
 
     def _apply_weights(self, batch: _Batch, update: _WeightUpdate) -> None:
         started = time.perf_counter()

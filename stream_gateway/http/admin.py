@@ -358,6 +358,8 @@ async def health(request: Request) -> Response:
         "waiting_requests": stats.waiting_requests,
         "total_requests": stats.total_requests,
         "total_generated_tokens": stats.total_generated_tokens,
+        "engine_recoveries": stats.recoveries,
+        "engine_last_fault": stats.last_fault,
     }
     if engine.upstreams is not None:
         body["upstreams"] = [

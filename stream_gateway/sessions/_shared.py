@@ -64,7 +64,7 @@ from pipeline.events import subject_token, tenant_id
 from stream_gateway._errors import NotFound
 from stream_gateway.sessions._record import SeqBlock, SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._replay import ReplayCursor, TurnReplay
-from stream_gateway.sessions._store import Session, SessionStore, Turn
+from stream_gateway.sessions._store import Session, SessionStore, Turn, foreign_session
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -450,7 +450,7 @@ class SharedSessions:
         if record is None:
             return None
         if record.tenant != tenant_id(tenant):
-            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+            raise foreign_session(session_id)
         now = time.time()
         session = Session(session_id, tenant, float(record.created_at), now, announced=True)
         session.seq_end = 0  # no event numbers yet: reserved when this replica first writes

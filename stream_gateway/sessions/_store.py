@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pipeline import TokenChain, chain_tokens
 
-from stream_gateway._errors import NotFound
+from stream_gateway._errors import NotFound, PermissionDenied
 from stream_gateway.tool_parsers import ToolCall
 
 if TYPE_CHECKING:
@@ -280,7 +280,7 @@ class SessionStore:
         self._on_evict = on_evict  # set: eviction only drops the cached copy (shared sessions)
 
     def get(self, session_id: str, tenant: str) -> Session:
-        """The tenant's session ``session_id``; another tenant's is reported as not found."""
+        """The tenant's session ``session_id``; another tenant's is refused, saying so (403)."""
         session = self.lookup(session_id, tenant)
         if session is None:
             raise _not_found(session_id)
@@ -290,7 +290,7 @@ class SessionStore:
         """The tenant's session ``session_id``, ``None`` if there is none; another tenant's raises."""
         session = self._sessions.get(session_id)
         if session is not None and session.tenant != tenant:
-            raise _not_found(session_id)
+            raise foreign_session(session_id)
         return session
 
     def get_or_create(self, session_id: str, tenant: str, captured: bool = True) -> Session:
@@ -445,6 +445,17 @@ class SessionStore:
 
 def _not_found(session_id: str) -> NotFound:
     return NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+
+
+def foreign_session(session_id: str) -> PermissionDenied:
+    """Another tenant's session: said as such (a newcomer whose agent sent ``api_key="anything"``
+    and whose curl sent no key is two tenants, and "no session" sent them looking for a bug)."""
+    return PermissionDenied(
+        f"Session `{session_id}` belongs to another tenant: use the API key that created it (without "
+        "--api-key-file each bearer key is a tenant of its own, and a request without a key is `anonymous`).",
+        param="session_id",
+        code="session_of_another_tenant",
+    )
 
 
 def turn_routes(session: Session, turn: Turn) -> np.ndarray | None:

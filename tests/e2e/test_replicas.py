@@ -277,11 +277,11 @@ def test_one_tenant_cannot_reach_anothers_session_on_any_replica(replicas: list[
     for replica in replicas:
         assert replica.session(session_id).status_code == 200
         denied = replica.session(session_id, key=OTHER)
-        assert denied.status_code == 404 and denied.json()["error"]["code"] == "session_not_found"
+        assert denied.status_code == 403 and denied.json()["error"]["code"] == "session_of_another_tenant"
         post = httpx.post(f"{replica.url}/sessions/{session_id}/v1/chat/completions", timeout=30,
                           headers={"authorization": f"Bearer {OTHER}"},
                           json={"model": "tiny-agent", "messages": messages, "max_tokens": 4})  # fmt: skip
-        assert post.status_code == 404, post.text
+        assert post.status_code == 403, post.text
     # Automatic detection does not cross tenants either: the other key's identical conversation is its own.
     follow = [*messages, {"role": "assistant", "content": answer.choices[0].message.content},
               {"role": "user", "content": "More."}]  # fmt: skip

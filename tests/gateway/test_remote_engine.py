@@ -42,7 +42,7 @@ from pipeline.policies import announce_policy
 from stream_gateway import Settings
 from stream_gateway.engines import EngineStep, ExpertShape, SamplingParams, build_engine
 from stream_gateway.engines._pool import _rank
-from stream_gateway.engines.remote import RemoteEngine, UpstreamFailed, _Wanted
+from stream_gateway.engines.remote import DIALECTS, Exchange, RemoteEngine, RouteCheck, UpstreamFailed, Wanted
 from stream_gateway.engines.transformers import TransformersEngine
 from stream_gateway.models import resolve_model
 from stream_gateway.moe import decode_routes
@@ -572,7 +572,7 @@ def test_a_server_that_refuses_routed_experts_serves_without_them(moe_path: Path
             turns = httpx.get(f"{front.base_url}/sessions/{session_id}", params={"include": "routed_experts"},
                               headers={"authorization": f"Bearer {ADMIN}"}, timeout=30).json()["turns"]  # fmt: skip
             assert len(turns) == 2 and all(t["routed_experts"] is None for t in turns)
-            assert _pool(front)._routeless == {upstream.base_url}
+            assert _pool(front)._route_check.routeless == {upstream.base_url}
 
 
 def test_sglang_http_records_the_stand_ins_routes(moe_path: Path, moe_reference: Any) -> None:
@@ -605,8 +605,7 @@ def test_sglang_http_records_the_stand_ins_routes(moe_path: Path, moe_reference:
 def test_routes_in_the_other_documented_shapes_are_read(moe_path: Path) -> None:
     """What the stand-ins do not send: SGLang's ``sglext`` on a trailing ``choices: []`` frame (its
     OpenAI endpoints), a vLLM that ignored the start (before 0.33: whole rows), and a wrong row count."""
-    engine = RemoteEngine(moe_path, protocol="sglang", served_model_name="tiny-moe", routed_experts=True)
-    engine._expert_config = ExpertShape(3, 2, 8)
+    check = RouteCheck(ExpertShape(3, 2, 8))
     rows = np.arange(4 * 3 * 2, dtype="<i4").reshape(4, 3, 2) % 8  # prompt 3 + output 2 - 1
     meta = {"finish_reason": {"type": "length"}, "completion_tokens": 2,
             "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]]}  # fmt: skip
@@ -621,8 +620,8 @@ def test_routes_in_the_other_documented_shapes_are_read(moe_path: Path) -> None:
             for frame in frames:
                 yield [frame]
 
-        reader = engine._sglang_steps if protocol == "sglang" else engine._vllm_steps
-        return [s async for s in reader(events(), 0, "http://x", _Wanted(3, start))]
+        exchange = Exchange("http://x", 0, Wanted(3, start), check, None, lambda: 0)
+        return [s async for s in DIALECTS[protocol]().steps(events(), exchange)]
 
     trailing = [
         {"meta_info": meta},

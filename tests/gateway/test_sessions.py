@@ -211,8 +211,9 @@ def test_sessions_are_found_automatically_and_scoped_by_key(gateway: RunningGate
     body = _session(gateway, session, key="sk-bob")
     assert len(body["turns"]) == 2 and len(body["chains"]) == 1
     hidden = httpx.get(f"{gateway.base_url}/sessions/{session}", headers={"authorization": "Bearer sk-eve"}, timeout=10)
-    assert hidden.status_code == 404
-    assert hidden.json()["error"]["code"] == "session_not_found"
+    assert hidden.status_code == 403  # said as such (issue 43), not "no session"
+    assert hidden.json()["error"]["code"] == "session_of_another_tenant"
+    assert "belongs to another tenant" in hidden.json()["error"]["message"]
     missing = httpx.get(f"{gateway.base_url}/sessions/nope", timeout=10)
     assert missing.status_code == 404
 

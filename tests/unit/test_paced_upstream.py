@@ -47,8 +47,9 @@ def cycle(agent_model_path: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def upstream_url(cycle: Any) -> Iterator[str]:
-    """The server at 2,000 tokens/s per stream, 1 ms to the first token, EOS after 12 tokens without ignore_eos."""
+def paced(cycle: Any) -> Iterator[tuple[Any, str]]:
+    """The server at 2,000 tokens/s per stream, 1 ms to the first token, EOS after 12 tokens without
+    ignore_eos, and its URL."""
     loop = asyncio.new_event_loop()
     server = paced_upstream.PacedUpstream(cycle, tokens_per_second=2000, first_token_s=0.001, stop_after=12)
     listening = loop.run_until_complete(paced_upstream.start("127.0.0.1", 0, server))
@@ -61,12 +62,17 @@ def upstream_url(cycle: Any) -> Iterator[str]:
         await asyncio.sleep(0.2)  # the clients' closes reach their connections
 
     try:
-        yield f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+        yield server, f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
     finally:
         asyncio.run_coroutine_threadsafe(shut(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def upstream_url(paced: tuple[Any, str]) -> str:
+    return paced[1]
 
 
 def _generate(engine: RemoteEngine, params: SamplingParams) -> list[EngineStep]:
@@ -127,3 +133,25 @@ def test_health_models_and_refusals(upstream_url: str) -> None:
     assert httpx.get(upstream_url + "/get_model_info").json()["model_path"] == "tiny-agent"
     assert httpx.post(upstream_url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 400
     assert httpx.get(upstream_url + "/nowhere").status_code == 404
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_sequential_turns_keep_one_connection(agent_model_path: Path, paced: tuple[Any, str],
+                                              protocol: Literal["vllm", "sglang"]) -> None:  # fmt: skip
+    """vLLM writes ``data: [DONE]`` as its own chunk after the finishing frame (issue 38; the stand-in
+    now does too): an engine that stops reading at the finish must still keep the connection, so
+    six turns one after another use one connection, not six."""
+    server, url = paced
+    engine = RemoteEngine(agent_model_path, protocol=protocol, upstreams=(url,), served_model_name="tiny-agent")
+
+    async def run() -> int:
+        async with engine:
+            before = server.connections
+            for turn in range(6):
+                params = SamplingParams(max_tokens=8, ignore_eos=True)
+                steps = [step async for step in engine.generate(f"turn-{turn}", [1, 5, 9], params)]
+                assert steps[-1].finish_reason == "length"
+                await anyio.sleep(0.05)  # an agent's gap between turns: the tail has arrived
+            return int(server.connections - before)
+
+    assert anyio.run(run) == 1

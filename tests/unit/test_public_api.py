@@ -67,6 +67,7 @@ GATEWAY_PACKAGES = [
     "stream_gateway.completion",
     "stream_gateway.control",
     "stream_gateway.engines",
+    "stream_gateway.engines.remote",
     "stream_gateway.http",
     "stream_gateway.models",
     "stream_gateway.protocols",

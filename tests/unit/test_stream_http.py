@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from stream_gateway.engines._stream_http import (
+from stream_gateway.engines.remote._stream_http import (
     ConnectFailed,
     ConnectionLost,
     PoolTimeout,

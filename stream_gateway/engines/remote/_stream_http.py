@@ -23,7 +23,12 @@ checks, model info, adapters):
   the server writes), the connection stops reading until the reader takes them, so the kernel's
   buffers and TCP hold the rest back at the server, as a pull-based client would.
 * Closing a response before its end closes the connection, so the server sees the disconnect and
-  aborts the request (vLLM and SGLang both do).
+  aborts the request (vLLM and SGLang both do). Closing it with ``finish=True`` says the request
+  is over although the body is not: vLLM writes ``data: [DONE]`` as its own chunk after the
+  finishing frame, and a reader that stops at the finish would otherwise throw every connection
+  away. The rest of the answer is then read and dropped in the connection's callbacks (no task),
+  and the connection joins the idle ones at the answer's end, or is closed if the end does not
+  come within ``_DRAIN_S``.
 * Not supported: proxies (``HTTP_PROXY`` and friends are not read), HTTP/2, redirects, content
   encodings (it asks for ``identity``), trailers.
 """
@@ -44,6 +49,7 @@ __all__ = ["ConnectFailed", "HttpFailure", "StreamClient", "StreamResponse"]
 
 
 _HIGH_WATER = 256 * 1024  # unread body bytes at which a connection stops reading
+_DRAIN_S = 5.0  # how long a finished request's answer may take to end before its connection is closed
 
 
 class HttpFailure(Exception):
@@ -116,6 +122,7 @@ class _Connection(asyncio.Protocol):
         self.answered = False  # any byte of the answer arrived
         self.headers_done = False
         self.complete = False
+        self._on_drained: Callable[[_Connection], None] | None = None  # set while the rest of an answer is dropped
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -138,6 +145,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._on_drained is not None:
+            self._finish_drain()
+            return
         if self._parser is None:
             if self.on_idle_close is not None:
                 self.on_idle_close(self)
@@ -179,6 +189,8 @@ class _Connection(asyncio.Protocol):
         self._progress += 1
         self._stop_timer()
         self._wake()
+        if self._on_drained is not None:  # not from inside the parser's feed: the pool may reset it
+            asyncio.get_running_loop().call_soon(self._finish_drain)
 
     # -- the request's side ------------------------------------------------------------------------
 
@@ -234,6 +246,31 @@ class _Connection(asyncio.Protocol):
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
+
+    def drain(self, done: Callable[[_Connection], None], timeout: float) -> None:
+        """Read the rest of the answer and drop it; ``done(self)`` at its end, at a close, or after
+        ``timeout`` seconds (then closed)."""
+        self._on_drained = done
+        self._stop_timer()
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._drain_expired)
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+        if self.complete or self.closed:
+            self._finish_drain()
+
+    def _drain_expired(self) -> None:
+        self._timer = None
+        self.close()
+        self._finish_drain()
+
+    def _finish_drain(self) -> None:
+        done, self._on_drained = self._on_drained, None
+        if done is not None:
+            self._stop_timer()
+            done(self)
 
     def close(self) -> None:
         self._stop_timer()
@@ -312,10 +349,18 @@ class StreamResponse:
         self.content = b"".join(parts)
         return self.content
 
-    async def aclose(self) -> None:
-        """Release the connection: back to the pool after a clean end, closed otherwise."""
+    async def aclose(self, *, finish: bool = False) -> None:
+        """Release the connection: back to the pool after a clean end, closed otherwise.
+
+        ``finish``: the request is over though the body has not ended yet (a trailing ``[DONE]``):
+        the connection drops the rest and goes back to the pool at the answer's end.
+        """
         connection, self._connection = self._connection, None
-        if connection is not None:
+        if connection is None:
+            return
+        if finish and not connection.complete and not connection.closed:
+            self._client.drain(self._origin, connection)
+        else:
             self._client.release(self._origin, connection)
 
 
@@ -393,8 +438,17 @@ class StreamClient:
 
     def release(self, origin: _Origin, connection: _Connection) -> None:
         """A response is done with ``connection`` (:meth:`StreamResponse.aclose`)."""
-        self._busy.discard(connection)
         self._slots.release()
+        self._keep_or_close(origin, connection)
+
+    def drain(self, origin: _Origin, connection: _Connection) -> None:
+        """A finished request's response lets go of ``connection`` before its answer ended: its slot
+        is free now, the connection is kept once the answer ends (see the module docstring)."""
+        self._slots.release()
+        connection.drain(partial(self._keep_or_close, origin), _DRAIN_S)
+
+    def _keep_or_close(self, origin: _Origin, connection: _Connection) -> None:
+        self._busy.discard(connection)
         if connection.reusable() and not self._closed and self._idle_count < self._max_idle:
             connection.idle()
             connection.on_idle_close = partial(self._forget_idle, origin)

@@ -1,0 +1,63 @@
+"""The seam between the remote engine and a server's wire dialect.
+
+The engine (:mod:`._engine`) owns everything a dialect has in common: the pool, health checks,
+failover, the adapter fleet, the streaming client and route checks. A dialect owns only what its
+server's API spells differently: the generation route and request body, how its frames become
+:class:`~stream_gateway.engines.EngineStep`\\ s, and its adapter routes. A new dialect is one new
+module with one :class:`Dialect` subclass, named in :data:`._engine.DIALECTS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from stream_gateway.engines._base import EngineStep, SamplingParams
+
+if TYPE_CHECKING:
+    import httpx
+
+    from stream_gateway.engines.remote._routes import RouteCheck, Wanted
+
+__all__ = ["Dialect", "Exchange"]
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """What a dialect's reader needs to know of one request besides its frames."""
+
+    url: str
+    top_n: int  # alternatives asked for per token
+    wanted: Wanted | None  # routes asked for, if any
+    routes: RouteCheck
+    adapter_version: int | None  # a LoRA adapter's request: every step carries the adapter's version
+    pool_version: Callable[[], int]  # the version announced for the pool, for servers that report none
+
+
+class Dialect(ABC):
+    """One server API: the body of a token-in generation request, and its frames read as steps."""
+
+    engine: ClassVar[str]  # the engine's name on the command line (``--engine vllm-http``)
+    generate_path: ClassVar[str]
+    load_adapter_path: ClassVar[str]
+    unload_adapter_path: ClassVar[str]
+    routes_start_field: ClassVar[str]  # where a request says from which position it wants routes
+
+    @abstractmethod
+    def body(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, model: str, adapter: str | None
+    ) -> dict[str, Any]:
+        """The request body: ``model`` is the served model's name, ``adapter`` a LoRA adapter's
+        versioned name (then the request runs on that adapter)."""
+
+    @abstractmethod
+    def steps(
+        self, batches: AsyncIterator[list[dict[str, Any]]], exchange: Exchange
+    ) -> AsyncGenerator[EngineStep, None]:
+        """The steps of a response, from the frames that arrived together (:func:`._wire.sse_batches`)."""
+
+    async def model_path(self, client: httpx.AsyncClient, url: str) -> str | None:
+        """The served model's name when ``/v1/models`` does not answer (``None``: no other way)."""
+        return None

@@ -1,0 +1,478 @@
+"""The remote engine: the gateway renders and records, a pool of vLLM or SGLang servers samples.
+
+``vllm-http`` and ``sglang-http`` keep everything the gateway does (chat template, token-exact
+context, tool-call parsing, sessions, capture) on the gateway and send only token ids to the
+servers, which answer with token ids and their logprobs. Nothing is re-tokenized on either side.
+What a server's API spells its own way is its dialect's (:mod:`._vllm`, :mod:`._sglang`, behind
+:class:`~._dialect.Dialect`); this module owns what they share: lifecycle, the pool and its
+health checks, failover, the adapter fleet (:mod:`._adapters`) and the streaming client
+(:mod:`._stream_http`).
+
+Which logprobs are recorded is the server's choice: vLLM returns ``--logprobs-mode``'s values,
+``raw_logprobs`` (the model's distribution before temperature and top-k/top-p) by default; start
+it with ``--logprobs-mode processed_logprobs`` to record, as the in-process engines do, the
+distribution the tokens were drawn from. See ``docs/engines.md``.
+
+Requests go to :class:`~stream_gateway.engines._pool.UpstreamPool`'s pick (session affinity,
+then least outstanding). A server that cannot be reached or answers 5xx before the first token is
+marked unhealthy and the request tries the next healthy one; a server that fails after tokens
+were streamed ends that stream with an :class:`~stream_gateway._errors.EngineError` (the client
+gets an error frame, the turn is recorded as aborted), since a half-sent answer cannot be
+replayed elsewhere. Closing the generator before the request finished closes the connection, so
+the server sees the disconnect and aborts the request (vLLM and SGLang both do); once the
+request finished, the connection is kept for the next one while the server writes the rest of
+its answer (vLLM writes ``data: [DONE]`` as its own chunk after the finishing frame).
+
+Policy versions: these servers are updated by whoever trains (verl's rollout servers, an RL
+framework's weight sync), not by the gateway. The gateway labels tokens with the version the
+server reports when it does (vLLM 0.33+'s and a stream-gateway's numeric ``weight_versions``
+spans, SGLang's numeric ``meta_info.weight_version``), and otherwise with the version announced
+for the pool (``policy.updated`` on NATS, or ``POST /policy/weights``):
+:meth:`RemoteEngine.load_weights` records the announced version and never reads weights.
+
+Routed experts (Rollout Routing Replay, ``docs/moe.md``): built with ``routed_experts=True`` and a
+model whose config (``--model``, read for the tokenizer anyway) declares experts, the engine asks
+every server for the experts that routed each position (``return_routed_experts: true`` and the
+dialect's start field), the dialect decodes them, and :class:`~._routes.RouteCheck` checks and
+places them on the request's last step. A server that refuses the flag (a 400 naming
+``return_routed_experts``) is asked again without it, and no more for the life of this engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+import orjson
+from pipeline.vision import ProcessedImage, VisionProcessor
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from stream_gateway._errors import EngineError, EngineUnavailable, InvalidRequest
+from stream_gateway.engines._base import (
+    EngineStatistics,
+    EngineStep,
+    ExpertShape,
+    SamplingParams,
+    WeightUpdateReport,
+)
+from stream_gateway.engines._pool import Upstream, UpstreamPool
+from stream_gateway.engines.remote._adapters import AdapterFleet
+from stream_gateway.engines.remote._dialect import Dialect, Exchange
+from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_config
+from stream_gateway.engines.remote._sglang import SglangDialect
+from stream_gateway.engines.remote._stream_http import HttpFailure, StreamClient, StreamResponse
+from stream_gateway.engines.remote._vllm import VllmDialect
+from stream_gateway.engines.remote._wire import (
+    UpstreamFailed,
+    describe,
+    error_message,
+    error_param,
+    sse_batches,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from anyio.abc import TaskGroup
+
+__all__ = ["DIALECTS", "PROTOCOLS", "RemoteEngine"]
+
+log = logging.getLogger(__name__)
+
+DIALECTS: dict[str, type[Dialect]] = {"vllm": VllmDialect, "sglang": SglangDialect}
+"""The wire dialects by name (``RemoteEngine(protocol=...)``)."""
+PROTOCOLS: dict[str, str] = {dialect.engine: name for name, dialect in DIALECTS.items()}
+"""Engine name (``--engine``) -> dialect name."""
+
+
+class _Retry(Exception):
+    """The server failed before sending anything: the request may go to another one."""
+
+
+class _AdapterMissing(_Retry):
+    """The server does not hold the LoRA adapter version the request named (it restarted, say)."""
+
+
+class RemoteEngine:
+    """Samples on a pool of vLLM (``vllm-http``) or SGLang (``sglang-http``) servers over HTTP."""
+
+    remote = True
+    constrained_decoding = False
+    vision: VisionProcessor | None = None  # text only (docs/images.md)
+
+    @property
+    def upstreams(self) -> RemoteEngine:
+        """This engine is its own pool control (:class:`~stream_gateway.engines.UpstreamControl`)."""
+        return self
+
+    @property
+    def experts(self) -> ExpertShape | None:
+        """The routes' shape: the config's until servers send routes, then theirs."""
+        return self._route_check.experts
+
+    @property
+    def adapters(self) -> Mapping[str, int]:
+        """The LoRA adapters served: name -> current version."""
+        return self._fleet.versions
+
+    def __init__(
+        self,
+        tokenizer: str | Path,
+        *,
+        protocol: str,
+        upstreams: Sequence[str] = (),
+        served_model_name: str,
+        max_model_len: int | None = None,
+        api_key: str | None = None,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 2.0,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 300.0,
+        max_connections: int = 512,
+        routed_experts: bool = False,
+    ) -> None:
+        self.dialect: Dialect = DIALECTS[protocol]()
+        self.name = self.dialect.engine
+        self.model_id = served_model_name
+        self.policy_version = 0
+        self.pool = UpstreamPool(list(upstreams))
+        self.tokenizer: PreTrainedTokenizerBase
+        self._tokenizer_path = str(tokenizer)
+        self._max_model_len = max_model_len
+        self._fallback_len = 4096
+        self.max_model_len = max_model_len or self._fallback_len
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._health_interval = health_interval_s
+        self._health_timeout = health_timeout_s
+        self._timeout = httpx.Timeout(
+            connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=connect_timeout_s
+        )
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(64, max_connections))
+        self._max_connections = max_connections
+        self._client: httpx.AsyncClient | None = None  # health checks, model info, adapters
+        self._streams: StreamClient | None = None  # the generation requests (the per-token path)
+        self._task_group: TaskGroup | None = None
+        self._active = 0
+        self._total_requests = 0
+        self._total_tokens = 0
+        self._routed_experts = routed_experts
+        self._route_check = RouteCheck(None)
+        self._fleet = AdapterFleet(self.pool, self.dialect)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> RemoteEngine:
+        self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, self._tokenizer_path)
+        model_max = getattr(self.tokenizer, "model_max_length", 0) or 0
+        self._fallback_len = int(model_max) if 0 < model_max < 10_000_000 else 4096
+        self._update_max_model_len()
+        if self._routed_experts:
+            config = await anyio.to_thread.run_sync(expert_config, self._tokenizer_path)
+            self._route_check = RouteCheck(config)
+            if config is None:
+                log.info("%s: %s declares no experts: no routes asked for", self.name, self._tokenizer_path)
+        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self._headers)
+        timeout = self._timeout
+        assert timeout.connect is not None and timeout.read is not None and timeout.pool is not None
+        self._streams = StreamClient(
+            connect_timeout=timeout.connect,
+            read_timeout=timeout.read,
+            pool_timeout=timeout.pool,
+            max_connections=self._max_connections,
+            max_idle=self._max_connections,  # idle ones are cheap; every stream's next turn reuses one
+            headers=self._headers,
+        )
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._fleet.attach(self._client, self._task_group)
+        await self.check_all()  # the first requests find the healthy servers already known
+        self._task_group.start_soon(self._health_loop)
+        healthy = sum(u.healthy for u in self.pool)
+        log.info("%s: %d of %d servers healthy: %s", self.name, healthy, len(self.pool), [u.url for u in self.pool])
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            if self._task_group is not None:
+                self._task_group.cancel_scope.cancel()
+                await self._task_group.__aexit__(None, None, None)
+        finally:
+            self._task_group = None
+            self._fleet.attach(None, None)
+            if self._streams is not None:
+                await self._streams.aclose()
+                self._streams = None
+            if self._client is not None:
+                await self._client.aclose()
+                self._client = None
+
+    def _update_max_model_len(self) -> None:
+        """``--max-model-len`` if given, else the smallest any server reported, else the tokenizer's."""
+        if self._max_model_len is not None:
+            self.max_model_len = self._max_model_len
+            return
+        reported = [u.max_model_len for u in self.pool if u.max_model_len]
+        self.max_model_len = min(reported) if reported else self._fallback_len
+
+    # -- the pool -----------------------------------------------------------------------------
+
+    def upstream_list(self) -> list[Upstream]:
+        """The servers of the pool, in order."""
+        return list(self.pool)
+
+    def describe_upstreams(self) -> list[dict[str, Any]]:
+        """The pool as ``GET /admin/upstreams`` shows it."""
+        return self.pool.describe()
+
+    async def add_upstream(self, url: str) -> tuple[Upstream, bool]:
+        """Add a server and check it at once (it takes requests as soon as the check passes).
+
+        Returns the server and whether it is new (``False``: it was in the pool already).
+        """
+        upstream, added = self.pool.add(url)
+        if added and self._client is not None:
+            await self.check(upstream)
+            if upstream.healthy and self._fleet.versions:
+                await self._fleet.sync(upstream)  # the current adapters, before the reply
+        return upstream, added
+
+    def remove_upstream(self, url: str) -> Upstream | None:
+        """Stop sending requests to a server; those in flight there finish."""
+        upstream = self.pool.remove(url)
+        self._update_max_model_len()
+        return upstream
+
+    async def check_all(self) -> None:
+        """Check every server once, concurrently."""
+        async with anyio.create_task_group() as tg:
+            for upstream in self.pool:
+                tg.start_soon(self.check, upstream)
+
+    async def check(self, upstream: Upstream) -> None:
+        """One health check: ``GET /health`` must answer 200; learn the served model once."""
+        assert self._client is not None
+        try:
+            with anyio.fail_after(self._health_timeout):
+                response = await self._client.get(f"{upstream.url}/health")
+                if response.status_code != 200:
+                    raise UpstreamFailed(f"/health answered {response.status_code}")
+                if upstream.model is None:
+                    await self._learn_model(upstream)
+                    self._update_max_model_len()
+        except (httpx.HTTPError, UpstreamFailed, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            self.pool.mark_failed(upstream, describe(exc))
+            return
+        except Exception as exc:  # a check must never end the checks (and the engine with them)
+            # Seen in CI: a connection to a server that had just been restarted, reset between connect and
+            # httpcore's first look at it, raised AttributeError from anyio's socket attributes (the
+            # transport had already dropped its socket; anyio 4.16, httpcore 1.0.9). A server answering
+            # /v1/models with a JSON list did the same from our own parsing.
+            log.warning("health check of %s failed unexpectedly", upstream.url, exc_info=True)
+            self.pool.mark_failed(upstream, describe(exc))
+            return
+        self.pool.mark_healthy(upstream)
+
+    async def _learn_model(self, upstream: Upstream) -> None:
+        assert self._client is not None
+        response = await self._client.get(f"{upstream.url}/v1/models")
+        if response.status_code == 200:
+            models = orjson.loads(response.content).get("data") or []
+            if models:
+                upstream.model = str(models[0]["id"])
+                length = models[0].get("max_model_len")
+                upstream.max_model_len = int(length) if length else None
+                return
+        path = await self.dialect.model_path(self._client, upstream.url)
+        if path is None:
+            raise UpstreamFailed(f"/v1/models answered {response.status_code}")
+        upstream.model = path
+
+    async def _health_loop(self) -> None:
+        while True:
+            await anyio.sleep(self._health_interval)
+            await self.check_all()
+            for upstream in self.pool:
+                if upstream.healthy and self._fleet.out_of_date(upstream):
+                    self._fleet.schedule_sync(upstream)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        affinity: str | None = None,
+        images: Sequence[ProcessedImage] = (),
+    ) -> AsyncGenerator[EngineStep, None]:
+        """Stream one request from a healthy server (failing over until the first token arrives)."""
+        if images:  # the preparer refuses them first (vision is None): never sample without them
+            raise EngineError(f"the {self.name} engine does not take images")
+        if self._client is None:
+            raise EngineUnavailable("The engine is not running.")
+        self._active += 1
+        self._total_requests += 1
+        tried: set[Upstream] = set()
+        fleet = self._fleet
+        try:
+            while True:
+                # A LoRA adapter's request goes to a server holding its current version, named as the model.
+                model, version = fleet.model_for(params.adapter)
+                upstream = self.pool.pick(affinity, frozenset(tried), adapter=model)
+                tried.add(upstream)
+                upstream.outstanding += 1
+                upstream.served += 1
+                if model is not None:
+                    fleet.acquire(upstream, model)
+                started = False
+                try:
+                    stream = self._stream(upstream, request_id, prompt_ids, params, model, version)
+                    async with aclosing(stream) as steps:
+                        async for step in steps:
+                            started = True
+                            self._total_tokens += len(step.token_ids)
+                            yield step
+                    return
+                except _AdapterMissing as exc:  # the server lost it (restarted?): load it again, go elsewhere
+                    assert model is not None
+                    fleet.lost(upstream, model)
+                    log.warning("request %s: %s does not hold %s (%s); trying another server",
+                                request_id, upstream.url, model, exc)  # fmt: skip
+                except _Retry as exc:
+                    self.pool.mark_failed(upstream, str(exc))
+                    log.warning("request %s: %s failed before the first token (%s); trying another server",
+                                request_id, upstream.url, exc)  # fmt: skip
+                except (httpx.HTTPError, HttpFailure) as exc:
+                    self.pool.mark_failed(upstream, describe(exc))
+                    if started:
+                        raise UpstreamFailed(
+                            f"The inference server {upstream.url} failed while streaming: {describe(exc)}"
+                        ) from exc
+                    log.warning("request %s: %s unreachable (%s); trying another server",
+                                request_id, upstream.url, describe(exc))  # fmt: skip
+                finally:
+                    upstream.outstanding -= 1
+                    if model is not None:
+                        fleet.release(upstream, model)
+        finally:
+            self._active -= 1
+
+    async def _stream(
+        self,
+        upstream: Upstream,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        model: str | None = None,
+        version: int | None = None,
+    ) -> AsyncGenerator[EngineStep, None]:
+        wanted = self._route_check.wanted(upstream.url, len(prompt_ids), params.routes_from)
+        path = self.dialect.generate_path
+        response = await self._send(upstream, request_id, prompt_ids, params, wanted, model)
+        finished = False
+        try:
+            if response.status_code == 400 and wanted is not None:
+                await response.aread()
+                if error_param(response.content) == "return_routed_experts":
+                    self._route_check.routeless.add(upstream.url)
+                    log.warning("%s refuses return_routed_experts (%s): asking it for no routes from now on",
+                                upstream.url, error_message(response.content))  # fmt: skip
+                    await response.aclose()
+                    wanted = None
+                    response = await self._send(upstream, request_id, prompt_ids, params, None, model)
+            if response.status_code != 200:
+                await response.aread()
+                message = error_message(response.content) or f"HTTP {response.status_code}"
+                if model is not None and response.status_code in (400, 404) and model in message:
+                    # vLLM: 404 "The model `NAME@vN` does not exist."; SGLang: 400 "... not loaded: NAME@vN"
+                    raise _AdapterMissing(f"{upstream.url}{path} answered {response.status_code}: {message}")
+                if response.status_code >= 500 or response.status_code in (404, 408, 429):
+                    raise _Retry(f"{upstream.url}{path} answered {response.status_code}: {message}")
+                raise InvalidRequest(f"The inference server refused the request: {message}")
+            exchange = Exchange(upstream.url, params.top_logprobs, wanted, self._route_check, version,
+                                self._pool_version)  # fmt: skip
+            sent = False
+            try:
+                async with aclosing(self.dialect.steps(sse_batches(response), exchange)) as steps:
+                    async for step in steps:
+                        finished = step.finish_reason is not None
+                        sent = True
+                        yield step
+                        if finished:
+                            return
+            except UpstreamFailed as exc:
+                # SGLang streams an unknown adapter as an error frame: "... not loaded: NAME@vN"
+                if model is not None and not sent and model in exc.message:
+                    raise _AdapterMissing(exc.message) from exc
+                raise
+            if not finished:
+                raise UpstreamFailed(
+                    f"The inference server {upstream.url} ended the stream before the request finished."
+                )
+        finally:
+            # A finished request's answer ends in a moment ([DONE], a usage frame): keep the connection.
+            await response.aclose(finish=finished)
+
+    def _pool_version(self) -> int:
+        return self.policy_version
+
+    async def _send(
+        self,
+        upstream: Upstream,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        wanted: Wanted | None,
+        model: str | None = None,
+    ) -> StreamResponse:
+        assert self._streams is not None
+        dialect = self.dialect
+        served = upstream.model or self.model_id
+        body = dialect.body(request_id, prompt_ids, params, model=served, adapter=model)
+        if wanted is not None:
+            body["return_routed_experts"] = True
+            if wanted.start:
+                body[dialect.routes_start_field] = wanted.start
+        return await self._streams.post(upstream.url + dialect.generate_path, orjson.dumps(body))
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str, policy_version: int) -> WeightUpdateReport:
+        """Load the PEFT adapter directory ``path`` as version ``policy_version`` of LoRA adapter
+        ``name`` on every healthy server (:meth:`~._adapters.AdapterFleet.load`)."""
+        return await self._fleet.load(name, path, policy_version)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name`` (KeyError for a name not loaded)."""
+        self._fleet.unload(name)
+
+    # -- weights and statistics ---------------------------------------------------------------
+
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor], policy_version: int) -> WeightUpdateReport:
+        """The servers' weights are not the gateway's to change: record the announced version."""
+        return self._announce(policy_version, len(tensors))
+
+    async def load_weights(self, path: str, policy_version: int) -> WeightUpdateReport:
+        """Record ``policy_version`` as the version the servers now serve (``path`` is not read).
+
+        Whoever trains updates the servers (verl's rollout servers, SGLang's
+        ``/update_weights_from_disk``) and then announces the version to the gateway.
+        """
+        return self._announce(policy_version, 0)
+
+    def _announce(self, policy_version: int, tensors: int) -> WeightUpdateReport:
+        started = time.perf_counter()
+        previous, self.policy_version = self.policy_version, policy_version
+        pause = time.perf_counter() - started
+        return WeightUpdateReport(policy_version, previous, tensors, pause, pause, self._active)
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the requests in flight; ``running`` while any server is healthy."""
+        running = self._client is not None and any(u.healthy for u in self.pool)
+        return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens, running)

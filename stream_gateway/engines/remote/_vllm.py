@@ -1,0 +1,157 @@
+"""vLLM's token-in completions: ``POST /v1/completions`` with prompt ids, streamed.
+
+``prompt`` is the list of prompt ids; ``stream``, ``return_token_ids`` (the sampled ids of each
+chunk), ``logprobs`` (the sampled ids' logprobs, plus the ``k`` most likely alternatives),
+``return_tokens_as_token_ids`` (alternatives keyed ``"token_id:N"``, never by text that may not
+round-trip) and ``skip_special_tokens: false``. ``return_weight_versions`` asks vLLM 0.33+ which
+weights sampled which output tokens (its ``weight_versions`` spans, on the last chunk; older
+servers ignore the field). A stream-gateway serving ``/v1/completions`` speaks the same
+protocol, spans included, so gateways can be chained.
+
+Routes (``docs/moe.md``): ``routed_experts``, base64 of ``.npy`` bytes ``[rows, layers, top_k]``
+on the final chunk. A stream-gateway upstream sends it there; vLLM itself sends it only on
+non-streamed responses and on its token-in generate API, not on streamed ``/v1/completions``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from stream_gateway.engines._base import EngineStep, SamplingParams, merge_steps
+from stream_gateway.engines.remote._dialect import Dialect, Exchange
+from stream_gateway.engines.remote._wire import (
+    UpstreamFailed,
+    finish_reason,
+    numeric_version,
+    token_id,
+    top_from_dict,
+)
+
+__all__ = ["VllmDialect"]
+
+log = logging.getLogger(__name__)
+
+
+class VllmDialect(Dialect):
+    """vLLM's (and a stream-gateway's) ``/v1/completions`` with token ids in and out."""
+
+    engine = "vllm-http"
+    generate_path = "/v1/completions"
+    load_adapter_path = "/v1/load_lora_adapter"  # with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    unload_adapter_path = "/v1/unload_lora_adapter"
+    routes_start_field = "routed_experts_prompt_start"  # vLLM 0.33+
+
+    def body(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, model: str, adapter: str | None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": adapter or model,  # a LoRA adapter is served as a model
+            "prompt": list(prompt_ids),
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "logprobs": params.top_logprobs,
+            "stream": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "return_weight_versions": True,
+            "skip_special_tokens": False,
+            "ignore_eos": params.ignore_eos,
+            "request_id": request_id,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.stop_token_ids:
+            body["stop_token_ids"] = sorted(params.stop_token_ids)
+        return body
+
+    async def steps(
+        self, batches: AsyncIterator[list[dict[str, Any]]], exchange: Exchange
+    ) -> AsyncGenerator[EngineStep, None]:
+        """One step per batch of frames that arrived together; a LoRA adapter's carry its version
+        (the server's own labels count the base's versions, or its own of the adapter: both ignored)."""
+        url, top_n, wanted = exchange.url, exchange.top_n, exchange.wanted
+        adapter_version = exchange.adapter_version
+        version = exchange.pool_version() if adapter_version is None else adapter_version
+        output = 0
+        async for batch in batches:
+            pieces: list[EngineStep] = []
+            for event in batch:
+                choices = event.get("choices")
+                if not choices:
+                    continue  # a usage-only frame
+                choice = choices[0]
+                reason = finish_reason(choice.get("finish_reason"), url)
+                logprobs = choice.get("logprobs") or {}
+                ids = choice.get("token_ids")
+                if ids is None:  # an older server: the ids are in the tokens ("token_id:N")
+                    ids = [token_id(t) for t in logprobs.get("tokens") or ()]
+                values = logprobs.get("token_logprobs") or ()
+                if len(values) != len(ids):
+                    raise UpstreamFailed(
+                        f"The inference server {url} sent {len(ids)} token ids with {len(values)} logprobs; "
+                        "it must return both (logprobs and return_token_ids)."
+                    )
+                if not ids and reason is None:
+                    continue  # the first frame may carry the prompt ids alone
+                top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+                if top_n:
+                    top = tuple(top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
+                output += len(ids)
+                routes, routes_start = None, 0
+                if wanted is not None and reason is not None:
+                    raw = _npy_routes(choice.get("routed_experts"), url)
+                    routes, routes_start = exchange.routes.place(raw, wanted, output, url)
+                pieces.append(
+                    EngineStep(
+                        tuple(ids),
+                        tuple(values) if None not in values else tuple(-9999.0 if v is None else v for v in values),
+                        top,
+                        reason,
+                        version,
+                        _version_spans(choice.get("weight_versions")) if adapter_version is None else None,
+                        routes,
+                        routes_start,
+                    )
+                )
+                if reason is not None:
+                    break  # what follows is the usage frame
+            if pieces:
+                yield pieces[0] if len(pieces) == 1 else merge_steps(pieces)
+
+
+def _npy_routes(value: object, url: str) -> np.ndarray | None:
+    """vLLM's ``routed_experts``: base64 of ``.npy`` bytes (``None`` when absent; unreadable: logged)."""
+    if value is None:
+        return None
+    try:
+        ids = np.load(io.BytesIO(base64.b64decode(str(value), validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError) as exc:
+        log.warning("%s sent unreadable routed experts: %s", url, exc)
+        return None
+    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
+        log.warning("%s sent routed experts that are not integer ids", url)
+        return None
+    return ids
+
+
+def _version_spans(spans: object) -> tuple[tuple[int, int], ...] | None:
+    """vLLM's ``weight_versions`` (``[{"version", "start", "end"}]``) as ``(version, first index)``
+    spans, if every label is a version number; otherwise ``None`` (the pool's version stands)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    out = []
+    for span in spans:
+        version = numeric_version(span.get("version")) if isinstance(span, dict) else None
+        if version is None:
+            return None
+        out.append((version, int(span.get("start", 0))))
+    return tuple(out)
