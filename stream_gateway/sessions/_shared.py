@@ -61,7 +61,6 @@ import orjson
 from pipeline.connection import NatsAuth, NatsRefused, connect
 from pipeline.events import subject_token, tenant_id
 
-from stream_gateway._errors import NotFound
 from stream_gateway.sessions._record import SeqBlock, SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._replay import ReplayCursor, TurnReplay
 from stream_gateway.sessions._store import Session, SessionStore, Turn, foreign_session
