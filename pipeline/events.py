@@ -402,7 +402,9 @@ class TurnAborted(TurnRecord):
     """A generation that did not finish; its output so far is kept."""
 
     kind: Literal["turn.aborted"] = "turn.aborted"
-    reason: Literal["client_disconnected", "engine_error", "cancelled"] = Field(description="why it stopped")
+    reason: Literal["client_disconnected", "engine_error", "shutdown", "cancelled"] = Field(
+        description="why it stopped (shutdown: the gateway stopped and the turn outlasted its grace period)"
+    )
     detail: str | None = Field(None, description="more about the reason, e.g. the engine's error")
 
 

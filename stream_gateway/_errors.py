@@ -16,6 +16,7 @@
     └── EngineError                  500 server_error
         ├── SequenceFailed           500 code=generation_failed (one request's; the rest go on)
         └── EngineUnavailable        503 code=engine_unavailable
+            └── ShuttingDown         503 code=shutting_down (in flight past the shutdown grace)
 
 Foreign errors are translated where they enter (``raise InvalidRequest(...) from exc``); the
 HTTP layer renders any :class:`GatewayError` as ``{"error": {"message", "type", "param", "code"}}``.
@@ -137,3 +138,9 @@ class EngineUnavailable(EngineError):
 
     status_code = 503
     default_code = "engine_unavailable"
+
+
+class ShuttingDown(EngineUnavailable):
+    """The gateway is stopping and this request outlasted the grace period it gives streams in flight."""
+
+    default_code = "shutting_down"

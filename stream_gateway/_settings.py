@@ -187,6 +187,12 @@ class Settings(BaseSettings):
     session_state_ttl_seconds: float = Field(
         7 * 24 * 3600.0, ge=0, description="shared session state unused this long expires (0: never)"
     )
+    shutdown_grace_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGINT/SIGTERM, how long streams in flight may run to their end; those still running "
+        "then end with an error frame and [DONE], their turns recorded as aborted (reason shutdown)",
+    )
     close_sessions_on_shutdown: bool | None = Field(
         None,
         description="close open sessions when the gateway stops (default: only when sessions are not shared, "

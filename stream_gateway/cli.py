@@ -94,7 +94,16 @@ def serve(settings: Settings) -> int:
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """uvicorn's options for the gateway: address, log level, event loop and HTTP parser."""
     loop, http = settings.server_stack()
-    return {"host": settings.host, "port": settings.port, "log_level": settings.log_level, "loop": loop, "http": http}
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "loop": loop,
+        "http": http,
+        # Streams in flight get --shutdown-grace-seconds, then end with an error frame (http/_sse.py);
+        # uvicorn cuts what is left after that (a non-streamed answer, a client that reads nothing).
+        "timeout_graceful_shutdown": settings.shutdown_grace_seconds + 10,
+    }
 
 
 def _supervise(run: Any) -> int:

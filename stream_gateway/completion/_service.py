@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import anyio
 from transformers import PreTrainedTokenizerBase
 
-from stream_gateway._errors import EngineError, GatewayError
+from stream_gateway._errors import EngineError, GatewayError, ShuttingDown
 from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
@@ -81,8 +81,21 @@ class CompletionService:
         self.count_tokens = self.preparer.count_tokens
         self.admission = self.preparer.admission
         self._turns = Turns(recorder, sessions, metrics, spend, settings.durable_wait_seconds)
+        self._stopping: str | None = None  # why streams in flight must end (stop_streams)
         self.signer = ThinkingSigner.from_file(settings.reasoning_key_file)
         """Signs the thinking the edges hand out (Anthropic ``signature``, Responses ``encrypted_content``)."""
+
+    def stop_streams(self, why: str) -> None:
+        """End every choice in flight at its next step with :class:`ShuttingDown`: the client gets an
+        error (a stream, an error frame and ``[DONE]``), the turn is recorded as aborted with the
+        reason ``shutdown``. Graceful shutdown calls it once the grace period is over."""
+        if self._stopping is None:
+            log.warning("ending the streams still in flight: %s", why)
+            self._stopping = f"The gateway is shutting down: {why}."
+
+    def _check_running(self) -> None:
+        if self._stopping is not None:
+            raise ShuttingDown(self._stopping)
 
     @property
     def thinking_switch(self) -> bool:
@@ -175,6 +188,7 @@ class CompletionService:
                 )
             ) as steps:
                 async for step in steps:
+                    self._check_running()
                     if not spans or spans[-1][0] != step.policy_version:
                         spans.append((step.policy_version, len(ids)))
                     if step.version_spans is not None:
@@ -240,7 +254,7 @@ class CompletionService:
             abort_reason = "client_disconnected"
             raise
         except Exception as exc:
-            abort_reason, abort_detail = "engine_error", str(exc)
+            abort_reason, abort_detail = "shutdown" if isinstance(exc, ShuttingDown) else "engine_error", str(exc)
             raise
         finally:
             # Runs on normal ends, errors and cancellation alike; recording is synchronous.

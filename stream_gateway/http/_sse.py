@@ -11,11 +11,18 @@ Deliberate divergences from sse-starlette, in the manner of its own docstring:
    ``ping`` seconds, and raises ``SendTimeoutError`` when one write has waited ``send_timeout``
    seconds (sse-starlette wraps every send in ``move_on_after`` for that). The response start
    still goes through the middlewares, so they know the response has started.
+* Shutdown (SIGINT/SIGTERM): sse-starlette ends every stream the moment the server starts to stop,
+  which cut them mid-answer (the client saw the role chunk, then a broken connection). Here a
+  stream in flight may run to its end for ``shutdown_grace`` seconds; then ``on_shutdown`` is
+  called (:meth:`~stream_gateway.completion.CompletionService.stop_streams`: each stream ends at
+  its next step with an error frame and ``[DONE]``, its turn recorded as aborted) and the response
+  waits a little longer for that last write before sse-starlette's own ending.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -31,6 +38,7 @@ RAW_SEND = "stream_gateway.raw_send"
 """The scope key under which :class:`RawSendApp` keeps the server's ``send``."""
 
 _WATCHDOG_TICK_S = 1.0
+_LAST_WRITE_S = 5.0  # after the grace, how long a stream has to write its error frame
 
 
 class RawSendApp:
@@ -48,8 +56,16 @@ class RawSendApp:
 class TokenStreamResponse(EventSourceResponse):
     """An SSE response whose body iterator yields ready frames (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        shutdown_grace: float = 0.0,
+        on_shutdown: Callable[[str], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self._grace = shutdown_grace
+        self._on_shutdown = on_shutdown
         self._raw_send: Send | None = None
         self._writes = 0  # frames written so far: the watchdog's clock
         self._sending = False
@@ -57,6 +73,21 @@ class TokenStreamResponse(EventSourceResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._raw_send = scope.get(RAW_SEND)
         await super().__call__(scope, receive, send)
+
+    async def _listen_for_exit_signal_with_grace(self) -> None:
+        """Returns (and sse-starlette cancels the stream) once the server stops and the stream has
+        ended, by itself within the grace or with an error frame after it."""
+        await self._listen_for_exit_signal()
+        # Polled as sse-starlette's own grace loop polls it: ``active`` is a flag its tasks clear.
+        with anyio.move_on_after(self._grace):
+            while self.active:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        if not self.active or self._on_shutdown is None:
+            return
+        self._on_shutdown(f"streams still running {self._grace:g} s after the stop signal were ended")
+        with anyio.move_on_after(_LAST_WRITE_S):
+            while self.active:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
 
     async def _stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

@@ -115,7 +115,12 @@ async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call
         if choices == 1:  # one choice: produced in the response's own task (CompletionService.stream_one)
             one = service.stream_one(batch[0], start.encoder, start.first, start.include_usage)
             return TokenStreamResponse(
-                one, headers=headers, ping=settings.sse_ping_seconds, send_timeout=settings.sse_send_timeout_seconds
+                one,
+                headers=headers,
+                ping=settings.sse_ping_seconds,
+                send_timeout=settings.sse_send_timeout_seconds,
+                shutdown_grace=settings.shutdown_grace_seconds,
+                on_shutdown=service.stop_streams,
             )
         channel = UpdateChannel()
         prompt_tokens = sum(len(p.prompt_ids) for p in batch)
@@ -126,6 +131,8 @@ async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call
             data_sender_callable=partial(service.produce, batch, channel),
             ping=settings.sse_ping_seconds,
             send_timeout=settings.sse_send_timeout_seconds,
+            shutdown_grace=settings.shutdown_grace_seconds,
+            on_shutdown=service.stop_streams,
         )
     results = await service.collect(batch, _disconnect_waiter(request))
     if results is None:  # the client is gone; nobody reads this

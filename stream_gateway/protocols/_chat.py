@@ -149,8 +149,8 @@ class ChunkEncoder:
 
     @staticmethod
     def error(error: GatewayError) -> bytes:
-        """An error event in the stream (the OpenAI SDKs raise it as an API error)."""
-        return b"data: " + orjson.dumps(error.body()) + b"\n\n"
+        """An error event in the stream (the OpenAI SDKs raise it as an API error), then ``[DONE]`` as vLLM ends one."""
+        return b"data: " + orjson.dumps(error.body()) + b"\n\n" + DONE_FRAME
 
 
 def _tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:

@@ -246,8 +246,8 @@ class TextChunkEncoder:
 
     @staticmethod
     def error(error: GatewayError) -> bytes:
-        """An error event in the stream."""
-        return b"data: " + _dumps(error.body()) + b"\n\n"
+        """An error event in the stream, then ``[DONE]`` as vLLM ends one."""
+        return b"data: " + _dumps(error.body()) + b"\n\n" + DONE_FRAME
 
 
 def completion_logprobs(
