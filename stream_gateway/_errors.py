@@ -12,7 +12,7 @@
     ├── NotFound                     404 not_found_error
     │   └── ModelNotFound            404 code=model_not_found
     ├── Conflict                     409 code=session_closed (the resource's state forbids it)
-    ├── RateLimited                  429 code=rate_limit_exceeded (in ._tenants, with Retry-After)
+    ├── RateLimited                  429 code=rate_limit_exceeded (with Retry-After)
     └── EngineError                  500 server_error
         ├── SequenceFailed           500 code=generation_failed (one request's; the rest go on)
         └── EngineUnavailable        503 code=engine_unavailable
@@ -24,6 +24,7 @@ HTTP layer renders any :class:`GatewayError` as ``{"error": {"message", "type", 
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 
@@ -120,6 +121,28 @@ class Conflict(GatewayError):
 
     status_code = 409
     error_type = "invalid_request_error"
+
+
+class RateLimited(GatewayError):
+    """A tenant is over one of its limits."""
+
+    status_code = 429
+    error_type = "requests"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float, *, kind: str = "requests") -> None:
+        super().__init__(message)
+        self.retry_after = max(1, math.ceil(retry_after_s))
+        self.kind = kind
+
+    def body(self) -> dict[str, object]:
+        body = super().body()
+        body["error"]["type"] = self.kind
+        return body
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after)}
 
 
 class EngineError(GatewayError):

@@ -26,41 +26,18 @@ SDKs (Python and Node: pi, OpenClaw) honour and retry.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stream_gateway._errors import GatewayError
+from stream_gateway._errors import RateLimited
 
 __all__ = ["KeyEntry", "KeyRing", "Limits", "RateLimited", "RateLimiter", "read_key_file"]
 
 log = logging.getLogger(__name__)
 
 _LIMIT_NAMES = ("concurrency", "rpm", "tpm", "sessions")
-
-
-class RateLimited(GatewayError):
-    """A tenant is over one of its limits."""
-
-    status_code = 429
-    error_type = "requests"
-    default_code = "rate_limit_exceeded"
-
-    def __init__(self, message: str, retry_after_s: float, *, kind: str = "requests") -> None:
-        super().__init__(message)
-        self.retry_after = max(1, math.ceil(retry_after_s))
-        self.kind = kind
-
-    def body(self) -> dict[str, object]:
-        body = super().body()
-        body["error"]["type"] = self.kind
-        return body
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"retry-after": str(self.retry_after)}
 
 
 @dataclass(frozen=True, slots=True)

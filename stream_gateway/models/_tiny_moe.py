@@ -6,7 +6,7 @@ mixture-of-experts model that builds in well under a second and runs on CPU. ``t
 ``tiny`` with its dense MLPs swapped for a sparse MoE block in every layer: a
 ``Qwen3MoeForCausalLM`` with 8 experts, top-2 routing (the top two renormalized), 3 layers (so
 that a routing record of shape ``[positions, layers, top_k]`` is never square in its last two
-axes), hidden size 64, 4 attention heads, 2 KV heads, tied embeddings, float32. Its tokenizer and
+axes), hidden size 64, 2 attention heads, 1 KV head (head size 32), tied embeddings, float32. Its tokenizer and
 chat template are ``tiny``'s, byte for byte.
 
 The weights are ``tiny``'s scheme (:func:`_seeded_init`: normal, std 0.02, from a private
@@ -31,7 +31,7 @@ from stream_gateway.models._tiny import _chat_tokenizer, _seeded_init
 
 __all__ = ["TINY_MOE_BUILDER_VERSION", "build_tiny_moe"]
 
-TINY_MOE_BUILDER_VERSION = 1
+TINY_MOE_BUILDER_VERSION = 2
 
 _TINY_MOE_SEED = 20240604
 _TINY_MOE_ROUTER_STD = 1.0  # of each router weight (mlp.gate.weight): decisive top-2 choices
@@ -57,9 +57,9 @@ def build_tiny_moe(tiny: Path, target: Path) -> None:
         hidden_size=64,
         intermediate_size=128,  # of dense MLP layers, and there are none (mlp_only_layers)
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,  # type: ignore[call-arg]  # not a declared field, but read (and saved) as one
+        num_attention_heads=2,  # head_dim 32, as tiny's (vLLM's CPU kernels)
+        num_key_value_heads=1,
+        head_dim=32,  # type: ignore[call-arg]  # not a declared field, but read (and saved) as one
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,

@@ -80,7 +80,7 @@ __all__ = [
     "reasoning_reply",
 ]
 
-TINY_REASONING_BUILDER_VERSION = 1
+TINY_REASONING_BUILDER_VERSION = 2
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

@@ -9,8 +9,8 @@ carries over) and whose vision tower is small and seeded, then both are fine-tun
 ``VL_COLOURS``; ``vl_image`` draws such images: ``_tiny_vl_images.py``) when the last user turn or
 tool result holds an image, and is tiny-agent otherwise.
 
-Shapes. Language model: tiny-agent's (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16,
-MLP 128, tied embeddings), ``mrope_section`` [2, 3, 3] (the 8 rotary frequencies of head_dim 16
+Shapes. Language model: tiny-agent's (hidden 64, 2 layers, 2 heads, 1 KV head, head_dim 32,
+MLP 128, tied embeddings), ``mrope_section`` [4, 6, 6] (the 16 rotary frequencies of head_dim 32
 split over time, height, width). Vision tower: 14-pixel patches, 2 frames a temporal patch (an image
 is its frame twice), 2x2 patches merged into one LM token, embed 32, 2 blocks of 2 heads, MLP
 ratio 2, output 64. Tokenizer: tiny-agent's plus the special tokens ``<|vision_start|>``,
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TINY_VL_BUILDER_VERSION", "TINY_VL_CHAT_TEMPLATE", "build_tiny_vl"]
 
-TINY_VL_BUILDER_VERSION = 1
+TINY_VL_BUILDER_VERSION = 2
 
 # tiny's template, an image part rendered as Qwen2-VL's placeholder.
 _TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
@@ -67,7 +67,7 @@ TINY_VL_CHAT_TEMPLATE = TINY_CHAT_TEMPLATE.replace(_TEXT_PART, _TEXT_OR_IMAGE_PA
 
 # The image processor's bounds (see the module docstring): 4 to 16 image tokens an image.
 _MIN_PIXELS, _MAX_PIXELS = 4 * 28 * 28, 16 * 28 * 28
-_MROPE_SECTION = [2, 3, 3]
+_MROPE_SECTION = [4, 6, 6]
 _VL_SEED = 20240605  # the vision tower's weights and the new embedding rows
 _VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64}
 

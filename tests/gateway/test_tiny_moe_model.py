@@ -63,7 +63,7 @@ def test_builds_resolves_and_is_all_moe(moe_dir: Path, network: Any) -> None:
     assert config.decoder_sparse_step == 1 and config.mlp_only_layers == [] and not config.output_router_logits
     assert config.num_hidden_layers in (2, 3)
     assert all(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in network.model.layers)
-    assert (config.hidden_size, config.head_dim, config.moe_intermediate_size) == (64, 16, 32)
+    assert (config.hidden_size, config.head_dim, config.moe_intermediate_size) == (64, 32, 32)
     assert config.tie_word_embeddings and config.dtype == torch.float32
     tiny = json.loads((build_tiny_model() / "config.json").read_text())
     for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):

@@ -137,7 +137,7 @@ def test_builds_resolves_and_keeps_tiny_agents_shape(vl_dir: Path, network: Any)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
         assert getattr(text, key) == agent[key], key
     assert text.vocab_size == agent["vocab_size"] + 4 and config.tie_word_embeddings
-    assert text.rope_parameters["mrope_section"] == [2, 3, 3]  # sums to head_dim / 2 = 8
+    assert text.rope_parameters["mrope_section"] == [4, 6, 6]  # sums to head_dim / 2 = 16
     vision = config.vision_config
     assert (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size, vision.in_channels) == (
         14,

