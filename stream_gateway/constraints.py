@@ -7,7 +7,11 @@ A :class:`Constraint` is what a request asks for, as an llguidance grammar:
 * ``tool_choice`` ``"required"``: one or more tool calls in the served model's tool-call format
   (Hermes/Qwen: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``), each naming
   one of the request's tools with arguments valid against its ``parameters``; a named function:
-  exactly one call of it.
+  exactly one call of it; ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``
+  (OpenAI's, sent by openai 3.57): calls of the listed tools only, one or more (``required``) or
+  either those or a text answer (``auto``; the text cannot hold a call when the model's call tags
+  are tokens of their own, as Qwen's and tiny-agent's are). All the request's tools stay in the
+  prompt, as OpenAI keeps them, so a prompt cache still holds.
 
 On a thinking model (``stream_gateway.reasoning``) the constraint holds the answer, not the
 thinking: :meth:`Constraint.after_thinking` puts the thinking block in front of it, free text
@@ -135,13 +139,18 @@ def tool_choice_constraint(
     if tool_choice is None or tool_choice in ("auto", "none") or not tools:
         return None
     by_name = {tool.function.name: tool.function for tool in tools}
+    free = False  # a text answer is allowed beside the calls (allowed_tools, mode auto)
     if tool_choice == "required":
         chosen = list(by_name.values())
+    elif isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        mode, names = _allowed_tools(tool_choice.get("allowed_tools"), by_name)
+        chosen, free = [by_name[name] for name in names], mode == "auto"
     else:
         name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
         if tool_choice.get("type") != "function" or not isinstance(name, str):  # type: ignore[union-attr]
             raise InvalidRequest(
-                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                "tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'function': {'name': ...}} "
+                "or {'type': 'allowed_tools', 'allowed_tools': {'mode': 'auto' | 'required', 'tools': [...]}}",
                 param="tool_choice",
             )
         if name not in by_name:
@@ -165,8 +174,34 @@ def tool_choice_constraint(
         {"anyOf": calls, "x-guidance": _JSON_OPTIONS} if len(calls) > 1 else {**calls[0], "x-guidance": _JSON_OPTIONS}
     )
     call = f'{start} "\\n" %json {orjson.dumps(schema).decode()} "\\n" {end}'
-    rules = "answer: call\n" if tool_choice != "required" else 'answer: call ("\\n" call)*\n'
+    many = tool_choice == "required" or (isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools")
+    rules = 'answer: call ("\\n" call)*\n' if many else "answer: call\n"
+    if free:
+        rules = 'answer: call ("\\n" call)* | text\ntext: /(?s:.*)/\n'
     return Constraint.of("tool_call", rules + "call: " + call + "\n")
+
+
+def _allowed_tools(allowed: object, by_name: dict[str, Any]) -> tuple[str, list[str]]:
+    """``allowed_tools``' mode and the names it allows, each one of the request's tools (else a 400)."""
+    param = "tool_choice.allowed_tools"
+    if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required"):
+        raise InvalidRequest("tool_choice.allowed_tools needs mode 'auto' or 'required' and tools", param=param)
+    entries = allowed.get("tools")
+    if not isinstance(entries, list) or not entries:
+        raise InvalidRequest("tool_choice.allowed_tools.tools must list at least one tool", param=param)
+    names = []
+    for entry in entries:
+        function = entry.get("function") if isinstance(entry, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(entry, dict) or entry.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequest(
+                "tool_choice.allowed_tools.tools entries are {'type': 'function', 'function': {'name': ...}}",
+                param=param,
+            )
+        if name not in by_name:
+            raise InvalidRequest(f"tool_choice.allowed_tools names `{name}`, which is not among the tools", param=param)
+        names.append(name)
+    return str(allowed["mode"]), names
 
 
 def _tag(tokenizer: PreTrainedTokenizerBase, tag: str) -> str:

@@ -180,13 +180,16 @@ def _ready(
     base = f"http://{settings.host}:{settings.port}"
     workers = f", {settings.workers} workers" if settings.workers > 1 else ""
     stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
+    command = _command_path()
+    reward = "no reward: dropped" if assembler.default_reward is None else f"reward {assembler.default_reward:g}"
     return [
         f"  OpenAI API     {base}/v1   (model {model_name!r}{workers})",
         f"  sessions       {base}/sessions/<id>/v1   (end one: POST {base}/sessions/<id>/close)",
         f"  metrics        {base}/metrics",
         f"  NATS           {url}   ({stream})",
         *([f"  NATS monitor   {monitor}"] if monitor else []),
-        f"  trajectories   stream {names.trajectories} (assembler, idle timeout {assembler.idle_timeout_s:g} s)",
+        f"  trajectories   stream {names.trajectories} (a session's, once it is closed or idle "
+        f"{assembler.idle_timeout_s:g} s; without feedback: {reward})",
         f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})",
         "  retention      "
         + ", ".join(
@@ -200,9 +203,20 @@ def _ready(
                 ("parquet files", batcher.parquet_max_age_s),
             )
         ),
-        f"  new weights    stream-gateway publish-weights --nats-url {url} --policy-version N DIR",
-        f"  watch events:  stream-gateway tail --nats-url {url}",
+        f"  new weights    {command} publish-weights --nats-url {url} --policy-version N DIR",
+        f"  watch events:  {command} tail --nats-url {url}",
     ]
+
+
+def _command_path() -> str:
+    """How to run this command again from any shell: the venv's script by its path when it is
+    not on ``PATH`` (the README runs ``.venv/bin/stream-gateway up`` without activating the venv)."""
+    import shutil
+
+    script = Path(sys.executable).with_name("stream-gateway")
+    if script.exists() and shutil.which("stream-gateway") != str(script):
+        return str(script)
+    return "stream-gateway"
 
 
 def _days(seconds: float | None) -> str:
@@ -303,8 +317,14 @@ def parser() -> argparse.ArgumentParser:
     up_command.add_argument("--data-dir", help="NATS store and outbox (default ~/.local/state/stream-gateway/up)")
     up_command.add_argument("--nats-port", type=int, default=4222, help="embedded NATS port (default 4222; 0: any)")
     up_command.add_argument("--nats-monitor-port", type=int, default=8222, help="its HTTP monitor port (default 8222)")
-    up_command.add_argument("--idle-timeout", type=float, default=900.0, help="assembler: emit sessions idle this long")
-    up_command.add_argument("--default-reward", type=float, help="assembler: reward of sessions with no feedback")
+    # up is where traffic first becomes training data: plain sessions (no close, no feedback) reach a
+    # batch in minutes rather than never (issue 43); `assemble` keeps 900 s and no default reward.
+    up_command.add_argument("--idle-timeout", type=float, default=120.0,
+                            help="assembler: a session not closed ends its trajectories after this long idle "
+                            "(default 120 s here; assemble's is 900)")  # fmt: skip
+    up_command.add_argument("--default-reward", type=float, default=0.0,
+                            help="assembler: reward of sessions with no feedback (default 0.0 here, so plain "
+                            "traffic becomes batches; assemble's default drops them)")  # fmt: skip
     up_command.add_argument("--reward-function", help="assembler: module:function computing a reward per trajectory")
     consumers.cli.add_batch_flags(up_command)
     consumers.cli.add_trajectories_max_age_flag(up_command)

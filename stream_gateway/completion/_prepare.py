@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 64  # prompts per token-in request
 
 
+_TOOLS_DROPPED = (
+    "the served model's chat template leaves tools out of the prompt: the model never sees the request's tools "
+    "(serve a model whose template renders them, e.g. tiny-agent or Qwen)"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedCompletion:
     """A validated request, its prompt ids and everything needed to serve it."""
@@ -71,6 +77,7 @@ class PreparedCompletion:
     return_routes: bool = False  # the final update carries the routed experts (token-in ``return_routed_experts``)
     routes_from: int = 0  # ... from this position on
     images: tuple[PromptImage, ...] = ()  # vision-language models: the prompt's images and where they sit
+    warnings: tuple[str, ...] = ()  # what the client should know (the template dropped its tools...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +207,7 @@ class Preparer:
             legacy_functions=body.legacy_functions,
             reasoning=self.reasoning,
             images=placed,
+            warnings=(_TOOLS_DROPPED,) if body.tools and self.template_drops_tools else (),
         )
 
     async def _find_conversation(
@@ -263,6 +271,23 @@ class Preparer:
                     "chat_template_kwargs.enable_thinking must be a boolean", param="chat_template_kwargs"
                 )
         return dict(given)
+
+    @cached_property
+    def template_drops_tools(self) -> bool:
+        """Whether the served model's chat template leaves a request's ``tools`` out of the prompt
+        (SmolLM2's does: the model never sees them). Checked once, by rendering a probe tool."""
+        probe = {"type": "function", "function": {"name": "stream_gateway_probe_tool", "description": "probe",
+                 "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+        try:
+            text = self._engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[probe], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:  # a template that refuses tools outright: the request says so itself
+            return False
+        dropped = "stream_gateway_probe_tool" not in str(text)
+        if dropped:
+            log.warning("model %s: %s", self._engine.model_id, _TOOLS_DROPPED)
+        return dropped
 
     @cached_property
     def template_variables(self) -> frozenset[str]:

@@ -10,9 +10,10 @@ from fastapi import Request
 from stream_gateway._errors import AuthenticationFailed, InvalidRequest, PermissionDenied
 from stream_gateway.control import KeyEntry, KeyRing, Limits
 
-__all__ = ["CAPTURE_HEADER", "Authorizer", "bearer", "captured"]
+__all__ = ["CAPTURE_HEADER", "WARNING_HEADER", "Authorizer", "bearer", "captured"]
 
 CAPTURE_HEADER = "x-capture"
+WARNING_HEADER = "x-stream-gateway-warning"  # what a client should know (the template dropped its tools)
 
 
 def captured(request: Request, entry: KeyEntry) -> tuple[bool, str | None]:

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from stream_gateway.completion import UpdateChannel
-from stream_gateway.http._auth import CAPTURE_HEADER, captured
+from stream_gateway.http._auth import CAPTURE_HEADER, WARNING_HEADER, captured
 from stream_gateway.http._body import check_session_id, parse_body
 from stream_gateway.http._render import HeldResponse, ORJSONResponse
 from stream_gateway.http._sse import TokenStreamResponse
@@ -107,6 +107,8 @@ async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call
     exchange = await edge.open(body, replace(call, session_id=session_id))
     batch = exchange.batch
     headers = {"x-session-id": batch[0].session.session_id, CAPTURE_HEADER: "on" if call.captured else "off"}
+    if batch[0].warnings:
+        headers[WARNING_HEADER] = "; ".join(batch[0].warnings)
     service = state.service
     if exchange.stream:
         start = exchange.start_stream()

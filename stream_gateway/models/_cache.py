@@ -7,6 +7,7 @@ current version (see the package docstring for why).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -18,6 +19,8 @@ __all__ = ["MARKER_FILE", "default_cache_dir"]
 MARKER_FILE = "stream_gateway_model.json"
 
 _STALE_BUILD_SECONDS = 3600.0
+
+log = logging.getLogger("stream_gateway.models")
 
 
 def default_cache_dir() -> Path:
@@ -34,8 +37,13 @@ def _cached_build(cache_dir: Path | None, name: str, version: int, build: Callab
     root.mkdir(parents=True, exist_ok=True)
     _sweep_stale_builds(root, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    # A fine-tuned test model takes a minute or two to build on first use: say so, and when it is done
+    # (``serve --model tiny-agent`` was silent for two minutes).
+    log.warning("building %s once on this machine (no download; tiny-agent and its kin take 1-2 min) in %s", name, root)
+    started = time.perf_counter()
     try:
         build(tmp)
+        log.warning("built %s in %.0f s", name, time.perf_counter() - started)
         (tmp / MARKER_FILE).write_text(json.dumps({"name": name, "builder_version": version}) + "\n")
         try:
             tmp.rename(final)

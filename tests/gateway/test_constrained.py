@@ -165,9 +165,12 @@ def test_tool_choice_required_and_named(agent_gateway: RunningGateway, client: O
     # "hello" alone makes this model answer in text; "required" makes it call a tool.
     messages = [{"role": "user", "content": "hello there"}]
     free = client.chat.completions.create(model="tiny-agent", messages=messages, tools=TOOLS, max_tokens=40)  # type: ignore[arg-type]
+    only_bash = [{"type": "function", "function": {"name": "bash"}}]  # tiny-agent was taught to call read
     for tool_choice, names in (
         ("required", {"read", "bash"}),
         ({"type": "function", "function": {"name": "bash"}}, {"bash"}),
+        # OpenAI's allowed_tools (openai 3.57 sends it): every tool stays in the prompt, the calls are narrowed.
+        ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": only_bash}}, {"bash"}),
     ):
         body = {
             "model": "tiny-agent",
@@ -267,3 +270,23 @@ def test_constrained_logprobs_reproduce_with_the_grammar(agent_gateway: RunningG
         # ...which a plain forward pass does not give wherever the grammar ruled something out.
         masked_somewhere |= bool((plain - constrained).abs().max() > 1e-3)
     assert masked_somewhere
+
+
+def test_allowed_tools_in_auto_mode_narrows_the_calls(agent_gateway: RunningGateway) -> None:
+    """``mode: auto``: a text answer or calls of the allowed tools, never a call of another one
+    (tiny-agent, taught to call ``read`` when asked about a file, may not here)."""
+    only_bash = [{"type": "function", "function": {"name": "bash"}}]
+    for seed in range(4):
+        body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "What does the README say?"}],
+                "tools": TOOLS, "max_tokens": 120, "seed": seed,
+                "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": only_bash}}}  # fmt: skip
+        answer = httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=120).json()
+        check(answer, "CreateChatCompletionResponse")
+        message = answer["choices"][0]["message"]
+        assert all(call["function"]["name"] == "bash" for call in message.get("tool_calls") or []), message
+        assert "<tool_call>" not in (message.get("content") or "")
+    unknown = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function",
+               "function": {"name": "nope"}}]}}  # fmt: skip
+    refused = httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-agent", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": unknown})  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice.allowed_tools"

@@ -41,7 +41,8 @@ def test_trainer_side_modules_import_without_the_web_stack() -> None:
     """``from stream_gateway.moe import replay_routes`` (docs/moe.md) loads neither the app nor
     FastAPI, transformers or torch: the package's ``__init__`` imports ``create_app`` lazily."""
     heavy = ("fastapi", "torch", "transformers", "stream_gateway.app")
-    code = f"import sys; from stream_gateway.moe import replay_routes; print([m for m in {heavy!r} if m in sys.modules])"
+    code = "import sys; from stream_gateway.moe import replay_routes; "
+    code += f"print([m for m in {heavy!r} if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]"
 
