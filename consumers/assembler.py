@@ -134,6 +134,7 @@ class Assembler:
         self._images_refused = self._erased = 0
         self._tombstones = Tombstones(config.names.prefix, replicas=config.names.replicas)  # never assembled
         self._last_report = time.monotonic()
+        self._last_line = ""
         spec = PullSpec(
             stream=config.names.events,
             subjects=config.names.event_subjects,
@@ -186,13 +187,16 @@ class Assembler:
         if self._progress is not None and time.monotonic() - self._last_report >= 10:
             self._last_report = time.monotonic()
             s = self.statistics()
-            self._progress(
+            line = (
                 f"assembler: {s.events} events, {s.sessions_waiting} sessions open, "
                 f"{s.sessions_emitted} emitted ({s.trajectories} trajectories), "
                 f"{s.rewards_pending} waiting for rewards"
                 + (f", {s.unrouted} without routes" if s.unrouted else "")
                 + (f", {s.images_refused} left out for their images" if s.images_refused else "")
             )
+            if line != self._last_line:  # an idle assembler says nothing new every 10 s (issue 43)
+                self._last_line = line
+                self._progress(line)
 
     # -- consuming -------------------------------------------------------------------------------
 

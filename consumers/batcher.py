@@ -541,6 +541,7 @@ class Batcher:
 
     async def _progress_loop(self) -> None:
         assert self._progress is not None
+        last = ""
         while True:
             await anyio.sleep(self._config.progress_interval_s)
             s = self.statistics()
@@ -555,7 +556,9 @@ class Batcher:
                 line += f", {s.other_adapter} of other adapters skipped (only {self._adapters})"
             if s.held >= self._config.max_pending:
                 line += " (max_pending reached: incomplete groups block the consumer; see group_timeout_s)"
-            self._progress(line)
+            if line != last:  # only what changed: an idle batcher buried the request log (issue 43)
+                last = line
+                self._progress(line)
 
 
 def remove_old_batch_files(directory: Path, max_age_s: float) -> int:

@@ -133,7 +133,7 @@ async def ensure_named_stream(
     forever; an existing one keeps its own.
     """
     from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-    from nats.js.errors import NotFoundError
+    from nats.js.errors import BadRequestError, NotFoundError
 
     def config(replicas: int, max_bytes: int, max_age_s: float) -> StreamConfig:
         return StreamConfig(
@@ -151,9 +151,15 @@ async def ensure_named_stream(
     try:
         info = await js.stream_info(name)
     except NotFoundError:
-        await js.add_stream(config(_given(replicas, 1), _given(max_bytes, -1), _given(max_age_s, 0.0)))
-        log.info("created stream %s (%s)", name, ", ".join(subjects))
-        return
+        try:
+            await js.add_stream(config(_given(replicas, 1), _given(max_bytes, -1), _given(max_age_s, 0.0)))
+        except BadRequestError:
+            # Created meanwhile with other settings (``up`` starts the gateway, the assembler and
+            # the batcher at once, each ensuring the streams it uses): bring it to ours below.
+            info = await js.stream_info(name)
+        else:
+            log.info("created stream %s (%s)", name, ", ".join(subjects))
+            return
     have = info.config
     wanted = config(
         _given(replicas, have.num_replicas or 1),

@@ -307,7 +307,7 @@ def _moment(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     """The ``stream-gateway`` command, every subcommand on it."""
-    command = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0])
+    command = argparse.ArgumentParser(prog="stream-gateway", description=__doc__.split("\n\n")[0].replace("``", ""))
     commands = command.add_subparsers(dest="command", required=True)
 
     up_command = commands.add_parser(
