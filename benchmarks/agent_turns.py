@@ -1,0 +1,98 @@
+"""Per-turn gateway CPU against the context a session carries (issue 41's "before" table).
+
+One agent-shaped session: every turn echoes the previous answer and appends a tool result of
+``--delta-tokens`` tokens, then asks for ``--output-tokens``. The gateway runs alone in its own
+process (``serve --engine synthetic``, capture off, sessions in memory), so the CPU it spends on a
+turn is read from ``/proc/<pid>/stat`` around the request, and the client's own CPU is not counted.
+The table: context tokens at each turn, the gateway's CPU milliseconds for it, and that per 1k
+tokens held. ``--profile FILE`` records the gateway with py-spy (speedscope JSON) for the whole run.
+
+    .venv/bin/python benchmarks/agent_turns.py --max-context 131072 --delta-tokens 5400
+
+A flat per-turn cost (O(delta)) shows as a flat CPU column; one that grows with the context shows
+as a constant ms per 1k tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import cpu_s, free_port, rss_mb, wait_http
+
+ROOT = Path(__file__).resolve().parents[1]
+_WORDS = ("alpha", "build", "cargo", "delta", "error", "found", "green", "index", "json", "kernel", "lines", "merge")
+
+
+def _tool_result(turn: int, words: int) -> str:
+    """A tool result as an agent sends one: lines of file-ish text (different every turn)."""
+    lines = []
+    for i in range(0, words, 12):
+        lines.append(f"{turn:04d}:{i:06d} " + " ".join(_WORDS[(turn + i + j) % len(_WORDS)] for j in range(12)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="the tokenizer and template (default: tiny)")
+    parser.add_argument("--max-context", type=int, default=131072, help="stop once the context passes this")
+    parser.add_argument("--delta-tokens", type=int, default=5400, help="tokens each turn appends (about)")
+    parser.add_argument("--output-tokens", type=int, default=64, help="tokens each turn asks for")
+    parser.add_argument("--profile", help="py-spy record the gateway into this speedscope file")
+    args = parser.parse_args(argv)
+
+    port = free_port()
+    command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "synthetic", "--model", args.model,
+               "--served-model-name", "m", "--port", str(port), "--log-level", "warning", "--no-shared-sessions",
+               "--max-model-len", str(args.max_context * 2), "--max-request-bytes", str(256 * 1024 * 1024)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
+    gateway = subprocess.Popen(command, env=env, cwd=ROOT)
+    profiler = None
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", gateway, 300)
+        if args.profile:
+            profiler = subprocess.Popen(["py-spy", "record", "-p", str(gateway.pid), "-f", "speedscope", "-o",
+                                         args.profile, "-r", "200", "--nonblocking"])  # fmt: skip
+        url = f"http://127.0.0.1:{port}/sessions/agent-{os.getpid()}/v1/chat/completions"
+        messages: list[dict[str, object]] = [{"role": "system", "content": "You are a coding agent."},
+                                             {"role": "user", "content": "Fix the failing build."}]  # fmt: skip
+        rows: list[tuple[int, float]] = []
+        words = max(1, args.delta_tokens // 4)  # the tiny tokenizer: about 4 tokens a word of these lines
+        turn = 0
+        with httpx.Client(timeout=600) as client:
+            while True:
+                body = {"model": "m", "messages": messages, "max_tokens": args.output_tokens, "ignore_eos": True}
+                before = cpu_s(gateway.pid)
+                answer = client.post(url, json=body).json()
+                spent = cpu_s(gateway.pid) - before
+                context = int(answer["usage"]["prompt_tokens"])
+                rows.append((context, spent))
+                print(f"turn {turn:3d}: context {context:7d} tokens, gateway CPU {spent * 1000:7.1f} ms, "
+                      f"RSS {rss_mb(gateway.pid):.0f} MB", flush=True)  # fmt: skip
+                if context > args.max_context:
+                    break
+                messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+                messages.append({"role": "user", "content": _tool_result(turn, words)})
+                turn += 1
+    finally:
+        if profiler is not None:
+            profiler.send_signal(2)
+            profiler.wait(60)
+        gateway.terminate()
+        gateway.wait(30)
+    print("\n| context tokens | gateway CPU per turn (ms) | ms per 1k tokens held |\n|---:|---:|---:|")
+    for context, spent in rows[1:]:
+        print(f"| {context:,} | {spent * 1000:.1f} | {spent * 1e6 / context:.2f} |")
+    steady = [spent * 1e6 / context for context, spent in rows[len(rows) // 2 :]]
+    print(f"\nmedian of the second half: {statistics.median(steady):.2f} ms per 1k tokens held")
+
+
+if __name__ == "__main__":
+    main()
