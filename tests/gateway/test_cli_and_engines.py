@@ -183,12 +183,15 @@ def test_unknown_tool_parser_is_refused_at_start() -> None:
 
 
 def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp_path: Path) -> None:
-    """``stream-gateway up``, the main job, in a real subprocess: traffic in, a verl batch on disk."""
+    """``stream-gateway up``, the main job, in a real subprocess: traffic in, a verl batch on disk.
+
+    Plain traffic, as a newcomer sends it (issue 43): no feedback, one session closed and one
+    simply left, and up's own defaults (no reward given: 0) make the batch."""
     port = free_port()
     data_dir = tmp_path / "up"
     command = [sys.executable, "-m", "stream_stack", "up", "--model", str(tiny_model_path)]
     command += ["--served-model-name", "tiny", "--port", str(port), "--data-dir", str(data_dir)]
-    command += ["--nats-port", "0", "--nats-monitor-port", "0", "--batch-size", "2", "--default-reward", "0.5"]
+    command += ["--nats-port", "0", "--nats-monitor-port", "0", "--batch-size", "2", "--idle-timeout", "3"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
@@ -198,7 +201,8 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
             base = f"http://127.0.0.1:{port}/sessions/{session}"
             with OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60) as c:
                 c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-            assert httpx.post(f"{base}/close", headers={"authorization": "Bearer x"}).is_success
+            if session == "one":  # "two" is left open: it ends by being idle
+                assert httpx.post(f"{base}/close", headers={"authorization": "Bearer x"}).is_success
         while not list((data_dir / "batches").glob("*.parquet")):
             assert time.monotonic() < deadline, "no batch was written"
             time.sleep(0.2)
@@ -208,13 +212,14 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
     assert process.returncode == 0, output
     for where in (f"http://127.0.0.1:{port}/v1", "NATS ", str(data_dir / "batches"), "stopped"):
         assert where in output, where
-    assert "Traceback" not in output, output
+    assert "Traceback" not in output and "NATS failed" not in output, output
+    assert "once it is closed or idle 3 s; without feedback: reward 0)" in output, output
     from consumers.parquet import decode_batch
 
     [batch] = list((data_dir / "batches").glob("*.parquet"))
     trajectories, _ = decode_batch(batch.read_bytes())
     assert sorted(t.session_id for t in trajectories) == ["one", "two"]
-    assert all(t.reward == 0.5 and t.reward_source == "default" for t in trajectories)
+    assert all(t.reward == 0.0 and t.reward_source == "default" for t in trajectories)
     # Retention (docs/data-rights.md): up's defaults, said in its banner and set on the stores themselves.
     said = "retention      events 30 d, images 30 d, session records 7 d, trajectories 30 d, batches 30 d"
     assert f"{said}, parquet files 30 d" in output, output

