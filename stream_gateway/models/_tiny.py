@@ -38,7 +38,7 @@ __all__ = [
     "TINY_CHAT_TEMPLATE",
 ]
 
-TINY_BUILDER_VERSION = 2
+TINY_BUILDER_VERSION = 3
 
 # Qwen2.5-Instruct semantics, written afresh. Differences from Qwen2.5: `developer` is a system
 # role, content may be a list of text parts, and string `arguments` (as OpenAI clients send
@@ -119,13 +119,16 @@ def _build_tiny(target: Path) -> None:
     pad = _token_id(tokenizer, ENDOFTEXT)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
         # head_dim 32: vLLM's CPU attention kernels take head sizes of 32 and up (16 started, then
         # died on the first request), and every built-in model is served by a real vLLM in the tests.
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        # vLLM's Qwen2 derives the head size from hidden / heads, so the width doubled (64 -> 128)
+        # rather than the heads halved: with 2 heads of 32, tiny-agent mangled its tool calls on the
+        # real agents' long prompts.
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=131072,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True,

@@ -61,7 +61,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-TINY_AGENT_BUILDER_VERSION = 2
+TINY_AGENT_BUILDER_VERSION = 3
 
 # The file-reading tool each variant is trained to call, and how: ``tiny-agent``, pi's and
 # OpenClaw's ``read``; ``tiny-agent-claude``, Claude Code's ``Read`` (a ``file_path`` relative to the

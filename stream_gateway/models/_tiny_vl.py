@@ -9,11 +9,11 @@ carries over) and whose vision tower is small and seeded, then both are fine-tun
 ``VL_COLOURS``; ``vl_image`` draws such images: ``_tiny_vl_images.py``) when the last user turn or
 tool result holds an image, and is tiny-agent otherwise.
 
-Shapes. Language model: tiny-agent's (hidden 64, 2 layers, 2 heads, 1 KV head, head_dim 32,
-MLP 128, tied embeddings), ``mrope_section`` [4, 6, 6] (the 16 rotary frequencies of head_dim 32
+Shapes. Language model: tiny-agent's (hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32,
+MLP 256, tied embeddings), ``mrope_section`` [4, 6, 6] (the 16 rotary frequencies of head_dim 32
 split over time, height, width). Vision tower: 14-pixel patches, 2 frames a temporal patch (an image
 is its frame twice), 2x2 patches merged into one LM token, embed 32, 2 blocks of 2 heads, MLP
-ratio 2, output 64. Tokenizer: tiny-agent's plus the special tokens ``<|vision_start|>``,
+ratio 2, output 128 (the language model's width). Tokenizer: tiny-agent's plus the special tokens ``<|vision_start|>``,
 ``<|vision_end|>``, ``<|image_pad|>`` and ``<|video_pad|>`` (ids 2000-2003).
 
 Image processor: Qwen2-VL's, resizing every image to multiples of 28 pixels with ``min_pixels`` =
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TINY_VL_BUILDER_VERSION", "TINY_VL_CHAT_TEMPLATE", "build_tiny_vl"]
 
-TINY_VL_BUILDER_VERSION = 2
+TINY_VL_BUILDER_VERSION = 3
 
 # tiny's template, an image part rendered as Qwen2-VL's placeholder.
 _TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
@@ -69,7 +69,7 @@ TINY_VL_CHAT_TEMPLATE = TINY_CHAT_TEMPLATE.replace(_TEXT_PART, _TEXT_OR_IMAGE_PA
 _MIN_PIXELS, _MAX_PIXELS = 4 * 28 * 28, 16 * 28 * 28
 _MROPE_SECTION = [4, 6, 6]
 _VL_SEED = 20240605  # the vision tower's weights and the new embedding rows
-_VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64}
+_VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}
 
 
 def build_tiny_vl(agent: Path, target: Path) -> None:
@@ -127,7 +127,9 @@ def _vl_model(text: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Qwen
     }
     config = Qwen2VLConfig(
         text_config=text_config,
-        vision_config={**_VISION, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2},
+        # the merger's output is the language model's width
+        vision_config={**_VISION, "hidden_size": source.hidden_size, "patch_size": 14, "temporal_patch_size": 2,
+                       "spatial_merge_size": 2},  # fmt: skip
         image_token_id=_token_id(tokenizer, IMAGE_PAD),
         video_token_id=_token_id(tokenizer, VIDEO_PAD),
         vision_start_token_id=_token_id(tokenizer, VISION_START),

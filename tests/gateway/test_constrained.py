@@ -8,6 +8,7 @@ the gateway records must reproduce under the trainer's recompute with the gramma
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -69,19 +70,21 @@ def _session_turns(gateway: RunningGateway, session_id: str) -> list[dict[str, A
 
 
 def test_parse_with_a_pydantic_response_format(client: OpenAI) -> None:
+    # Bounded fields: every document the grammar allows ends within the budget (an unbounded string
+    # depends on when this tiny model happens to close it).
     for seed in range(3):
         reply = client.chat.completions.parse(
             model="tiny-agent",
             messages=[{"role": "user", "content": "a city and its population"}],
-            response_format=City,
-            max_tokens=48,
+            response_format=BoundedCityModel,
+            max_tokens=96,
             seed=seed,
         )
         choice = reply.choices[0]
         if choice.finish_reason == "length":
             continue  # a string the model never closes; the JSON so far still follows the schema
         assert choice.finish_reason == "stop"
-        assert isinstance(choice.message.parsed, City)
+        assert isinstance(choice.message.parsed, BoundedCityModel)
         return
     raise AssertionError("no seed produced a finished answer")
 
@@ -99,7 +102,8 @@ BOUNDED_CITY = {
 
 
 def _closed(prefix: str) -> Any:
-    """``prefix`` (JSON cut off inside a value) completed by closing its open string and containers."""
+    """``prefix`` (JSON cut off anywhere) completed: its open string and containers closed, and a
+    member cut before its value (a dangling key, colon or comma) left out."""
     closers, in_string, escaped = [], False, False
     for char in prefix:
         if in_string:
@@ -110,7 +114,17 @@ def _closed(prefix: str) -> Any:
             closers.append("}" if char == "{" else "]")
         elif char in "}]":
             closers.pop()
-    return json.loads(prefix + ('"' if in_string else "") + "".join(reversed(closers)))
+    text = prefix + ('"' if in_string else "")
+    tail = "".join(reversed(closers))
+    try:
+        return json.loads(text + tail)
+    except json.JSONDecodeError:  # cut after a key, its colon, or a comma: that member is not there yet
+        return json.loads(re.sub(r'(,\s*"(?:[^"\\]|\\.)*"\s*:?\s*|,\s*)$', "", text) + tail)
+
+
+def _present_only(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` without ``required``: what a document cut short must still satisfy."""
+    return {k: v for k, v in schema.items() if k != "required"}
 
 
 @pytest.mark.parametrize(
@@ -154,9 +168,10 @@ def test_streamed_json_schema_and_json_object(
         assert tokens < max_tokens, (tokens, text)
         document = json.loads(text)
     else:
-        # Cut off inside a value: what was written is the start of a document of the schema.
+        # Cut off: what was written is the start of a document of the schema (every member there is valid).
         assert tokens == max_tokens, (tokens, text)
         document = _closed(text)
+        schema = _present_only(schema)
     jsonschema.validate(document, schema)
 
 

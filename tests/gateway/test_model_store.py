@@ -250,7 +250,7 @@ def test_tiny_model_config_and_forward_pass(tiny_dir: Path, tiny_tokenizer: Any)
     model: Any = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True)
     config = model.config
     assert type(model).__name__ == "Qwen2ForCausalLM"
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 2, 2)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 2, 4)
     assert (config.num_key_value_heads, config.intermediate_size) == (2, 128)
     assert config.max_position_embeddings == 131072 and config.rope_parameters["rope_theta"] == 1e6
     assert config.tie_word_embeddings and config.vocab_size == len(tiny_tokenizer)
@@ -449,7 +449,7 @@ def test_tiny_agent_is_tiny_fine_tuned_with_tinys_tokenizer(agent_dir: Path) -> 
         assert agent_files[name] == tiny_files[name], name
     assert agent_files["model.safetensors"] != tiny_files["model.safetensors"]
     config = json.loads((agent_dir / "config.json").read_text())
-    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (64, 2, 2000)
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (128, 2, 2000)
     assert json.loads((agent_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
 
 
@@ -465,7 +465,7 @@ def test_tiny_agent_build_is_deterministic_cached_and_resolvable(
     assert build_tiny_agent_model(tmp_path / "a") == first
     assert resolve_model("tiny-agent", tmp_path / "a") == str(first)
     assert marker.stat().st_mtime_ns == before
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [first.name, "tiny-qwen2-v2"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [first.name, "tiny-qwen2-v3"]
 
 
 def test_tiny_agent_call_is_what_the_template_renders_back(agent: tuple[Any, Any]) -> None:

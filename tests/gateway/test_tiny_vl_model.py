@@ -145,7 +145,7 @@ def test_builds_resolves_and_keeps_tiny_agents_shape(vl_dir: Path, network: Any)
         2,
         3,
     )
-    assert (vision.embed_dim, vision.depth, vision.num_heads, vision.mlp_ratio, vision.hidden_size) == (32, 2, 2, 2, 64)
+    assert (vision.embed_dim, vision.depth, vision.num_heads, vision.mlp_ratio, vision.hidden_size) == (32, 2, 2, 2, 128)
     generation = json.loads((vl_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [agent["eos_token_id"], agent["pad_token_id"]]
 
