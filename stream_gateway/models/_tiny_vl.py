@@ -128,8 +128,13 @@ def _vl_model(text: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Qwen
     config = Qwen2VLConfig(
         text_config=text_config,
         # the merger's output is the language model's width
-        vision_config={**_VISION, "hidden_size": source.hidden_size, "patch_size": 14, "temporal_patch_size": 2,
-                       "spatial_merge_size": 2},  # fmt: skip
+        vision_config={
+            **_VISION,
+            "hidden_size": source.hidden_size,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+        },
         image_token_id=_token_id(tokenizer, IMAGE_PAD),
         video_token_id=_token_id(tokenizer, VIDEO_PAD),
         vision_start_token_id=_token_id(tokenizer, VISION_START),
