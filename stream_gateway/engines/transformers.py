@@ -596,8 +596,9 @@ class TransformersEngine:
                     faults[i] = "its grammar allows no token here"
                     continue
                 logits[i, torch.from_numpy(~allowed)] = float("-inf")
-        if not bool(torch.isfinite(logits).any(dim=1).all()) or bool(torch.isnan(logits).any()):
-            unusable = torch.isnan(logits).any(dim=1) | ~torch.isfinite(logits).any(dim=1)
+        # One reduction per step: a row's peak is NaN if any score is, -inf if every score is.
+        unusable = ~torch.isfinite(logits.amax(dim=1))
+        if bool(unusable.any()):
             for i in unusable.nonzero().flatten().tolist():
                 faults.setdefault(i, "the model's scores for it are not finite")
         if faults:  # sampled like the rest (so one row cannot fail the draw), then dropped

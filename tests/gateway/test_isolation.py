@@ -151,6 +151,33 @@ def test_a_fault_in_one_sequence_fails_that_request_alone(agent_gateway: Running
     assert turn["finish_reason"] is None and len(turn["output_ids"]) == 3
 
 
+def test_scores_that_are_not_finite_fail_that_request_alone(
+    agent_gateway: RunningGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's scores for one row turn NaN (injected at the sampling step, for the request
+    seeded 4242, from its fourth token): that request fails, the batch's others go on."""
+    from stream_gateway.engines.transformers import TransformersEngine
+
+    emit = TransformersEngine._emit
+
+    def poisoning_emit(self: Any, rows: list[Any], logits: Any, *args: Any, **kwargs: Any) -> list[bool]:
+        for i, row in enumerate(rows):
+            if row.params.seed == 4242 and row.generated >= 3:
+                logits[i] = float("nan")
+        return emit(self, rows, logits, *args, **kwargs)
+
+    monkeypatch.setattr(TransformersEngine, "_emit", poisoning_emit)
+    tokens = 120
+    with OpenAI(base_url=f"{agent_gateway.base_url}/v1", api_key="x", timeout=180, max_retries=0) as client:
+        threads, results = _plain_streams(client, "tiny-agent", 2, tokens)
+        with pytest.raises(openai.APIError, match="not finite"):
+            for _ in client.chat.completions.create(model="tiny-agent", messages=[{"role": "user", "content": "go"}],
+                                                    stream=True, max_tokens=40, seed=4242):  # fmt: skip
+                pass
+        _finish(threads, results, tokens)
+    assert agent_gateway.health()["engine_recoveries"] == 0
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_fault_of_the_loop_fails_its_batch_and_the_engine_recovers(tiny_model_path: Path) -> None:
     """The worker's step itself raises (a poisoned inbox item): the engine recovers with a fresh
