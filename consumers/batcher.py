@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import anyio
+import orjson
 from anyio.abc import TaskStatus
 from pipeline.connection import NatsAuth
 from pipeline.events import PolicyUpdated, decode_event
@@ -235,6 +236,7 @@ class Batcher:
         self._tombstones = Tombstones(config.names.prefix, replicas=config.names.replicas)
         self._tombstones.on_forgotten = self._forgotten
         self._images: ImageStore | None = None
+        self._flushes: list[Msg] = []  # flush requests (``stream-gateway flush``), answered after the next fetch
 
     def statistics(self) -> BatcherStatistics:
         """A snapshot of the counters."""
@@ -260,6 +262,7 @@ class Batcher:
             self._images = ImageStore(js, config.names.image_bucket, cache_bytes=config.image_cache_bytes)
             self._writer = BatchWriter(nc, js, kv, names=config.names, output_dir=config.output_dir, log=log)
             await self._tombstones.load(js)
+            flushes = await nc.subscribe(config.names.flush_subject, cb=self._on_flush_request)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._tombstones.follow, js)
                 tg.start_soon(self._heartbeat_loop)
@@ -269,7 +272,11 @@ class Batcher:
                 if self._progress is not None:
                     tg.start_soon(self._progress_loop)
                 task_status.started()
-                await self._runner.consume(subscription, self._on_fetch, self._room)
+                try:
+                    await self._runner.consume(subscription, self._on_fetch, self._room)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await flushes.unsubscribe()
 
     async def _retention_loop(self, directory: Path, max_age_s: float) -> None:
         """Delete the batch files in ``directory`` older than ``max_age_s``, now and then (an hour at most
@@ -293,7 +300,19 @@ class Batcher:
                 await self._receive(msg)
             except (nats.errors.Error, TimeoutError) as exc:  # neither held nor acked: redelivered later
                 log.warning("batcher: message %s put aside (%r)", msg.metadata.sequence.stream, exc)
-        await self._emit_ready()
+        flushes, self._flushes = self._flushes, []
+        before = self._counts["batches"]
+        await self._emit_ready(partial=bool(flushes))
+        if flushes:  # the answer: what was emitted, and what still waits (groups not yet whole)
+            answer = orjson.dumps({"batches": self._counts["batches"] - before, "held": len(self._held),
+                                   "open_groups": self._planner.open_groups})  # fmt: skip
+            for request in flushes:
+                if request.reply:
+                    await request.respond(answer)
+
+    async def _on_flush_request(self, msg: Msg) -> None:
+        """Kept for the consuming task (the only one that touches what is held), which answers it."""
+        self._flushes.append(msg)
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -417,7 +436,9 @@ class Batcher:
                 if held is not None:
                     self._ack_soon(held.msg)
 
-    async def _emit_ready(self) -> None:
+    async def _emit_ready(self, partial: bool = False) -> None:
+        """Emit the batches that are complete (``partial``: every whole group held, in batches that
+        may be smaller than ``batch_size``: a flush on demand)."""
         import nats.errors
 
         assert self._js is not None
@@ -429,7 +450,7 @@ class Batcher:
         await self._flush_acks()
         for batch in [b for b in self._bound.values() if all(m in self._held for m in b.members)]:
             await self._emit(batch)
-        while (plan := self._planner.next_batch()) is not None:
+        while (plan := self._planner.next_batch(partial)) is not None:
             record = BatchRecord.assign(plan, self._planner.policy, created_at=time.time())
             await self._emit(_Batch(record=record, recovered=False))
 

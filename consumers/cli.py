@@ -122,6 +122,37 @@ def _batch(args: argparse.Namespace) -> int:
     return _run_consumer("batch", run_batcher, config)
 
 
+def _flush(args: argparse.Namespace) -> int:
+    """``stream-gateway flush``: ask the batcher for the partial batch it holds, print its answer."""
+    import anyio
+    import nats.errors
+    import orjson
+    from pipeline.connection import connect
+
+    from .streams import ConsumerStreams
+
+    if (given := nats_from_args(args, "flush")) is None:
+        return 2
+    servers, auth = given
+    subject = ConsumerStreams(prefix=args.subject_prefix).flush_subject
+
+    async def ask() -> int:
+        nc = await connect(servers, auth, name="stream-gateway-flush", max_reconnect_attempts=1)
+        try:
+            reply = await nc.request(subject, b"", timeout=args.timeout)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            print(f"stream-gateway flush: no batcher answered on {subject} (is one running?)", file=sys.stderr)
+            return 1
+        finally:
+            await nc.close()
+        answer = orjson.loads(reply.data)
+        print(f"batcher: {answer['batches']} batches emitted; still held: {answer['held']} trajectories "
+              f"({answer['open_groups']} groups not yet whole)")  # fmt: skip
+        return 0
+
+    return int(anyio.run(ask))
+
+
 def _run_consumer(command: str, run: Any, config: Any) -> int:
     """Run a consumer until Ctrl-C; a server refusing its credentials ends it with exit status 1."""
     import anyio
@@ -206,6 +237,14 @@ def add_commands(commands: Any) -> None:
     add_stream_replicas_flag(batch, "the streams and buckets it provisions")
     add_batch_flags(batch)
     batch.set_defaults(run=_batch)
+
+    flush = commands.add_parser(
+        "flush", help="have the running batcher emit what it holds now, as batches smaller than --batch-size"
+    )
+    add_nats_arguments(flush)
+    flush.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    flush.add_argument("--timeout", type=float, default=30.0, help="how long to wait for the batcher's answer (s)")
+    flush.set_defaults(run=_flush)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -379,13 +379,15 @@ class GroupPlanner:
                 released.append(DroppedGroup(ready[1], tuple(ready[2]), adapter))
         return released
 
-    def next_batch(self) -> PlannedBatch | None:
+    def next_batch(self, partial: bool = False) -> PlannedBatch | None:
         """The next ``batch_size`` members from one adapter's whole groups, oldest first; ``None``: not enough yet.
 
         Of the adapters with enough members ready, the one whose oldest whole group completed first.
+        ``partial`` (a flush on demand): fewer will do, as long as one whole group is ready.
         """
         batch_size = self._policy.batch_size
-        full = [(lane.ready[0][0], a) for a, lane in self._lanes.items() if lane.ready_members >= batch_size]
+        enough = 1 if partial else batch_size
+        full = [(lane.ready[0][0], a) for a, lane in self._lanes.items() if lane.ready and lane.ready_members >= enough]
         if not full:
             return None
         _, adapter = min(full, key=lambda item: item[0])
@@ -393,7 +395,7 @@ class GroupPlanner:
         uids: list[str] = []
         members: list[str] = []
         occurrences: dict[str, int] = {}
-        while len(members) < batch_size:
+        while len(members) < batch_size and lane.ready:
             _, uid, group = lane.ready.popleft()
             seen = occurrences.get(uid, 0)
             occurrences[uid] = seen + 1

@@ -64,6 +64,11 @@ class ConsumerStreams:
     def batch_subject(self) -> str:
         return f"{self.prefix}.batches.ready"
 
+    @property
+    def flush_subject(self) -> str:
+        """Where ``stream-gateway flush`` asks the batchers for the partial batches they hold."""
+        return f"{self.prefix}.control.batcher.flush"
+
     def trajectory_subject(self, trajectory: Trajectory) -> str:
         """Where one trajectory is published."""
         return f"{self.prefix}.trajectories.{subject_token(trajectory.tenant)}.{subject_token(trajectory.session_id)}"

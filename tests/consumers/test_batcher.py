@@ -760,3 +760,33 @@ def _shuffled(rng: random.Random, items: list[Trajectory]) -> list[Trajectory]:
 
 async def _covers(covered: Callable[[], Any], everything: list[Trajectory]) -> bool:
     return len(await covered()) == len(everything)
+
+
+async def test_flush_emits_what_is_held_as_a_smaller_batch(nats_server: EmbeddedNatsServer, tmp_path: Path) -> None:
+    """``stream-gateway flush`` (issue 43): 3 whole groups held by a batcher of 8 become a batch of 3
+    at once; a group not yet whole stays held, and the answer says so."""
+    names = unique_names()
+    rng = random.Random(9)
+    whole = [make_trajectory(rng, group=f"w{i}") for i in range(3)]
+    config = batcher_config(nats_server.url, names, batch_size=8, group_size=1)
+    with anyio.fail_after(30):
+        async with jetstream(nats_server.url, names) as (nc, js), anyio.create_task_group() as tg:
+            batcher = Batcher(config)
+            await tg.start(batcher.run)
+            await publish(nc, js, names, *whole)
+            await wait_until(lambda: batcher.statistics().received == len(whole))
+            assert batcher.statistics().batches == 0  # 3 of 8: nothing yet
+            reply = await nc.request(names.flush_subject, b"", timeout=10)
+            assert orjson.loads(reply.data) == {"batches": 1, "held": 0, "open_groups": 0}
+            [(_, manifest)] = await read_manifests(js, names)
+            assert sorted(manifest.trajectory_ids) == sorted(t.trajectory_id for t in whole)
+            again = await nc.request(names.flush_subject, b"", timeout=10)  # nothing left: nothing emitted
+            assert orjson.loads(again.data)["batches"] == 0
+            tg.cancel_scope.cancel()
+
+
+def test_flush_without_a_batcher_says_so(nats_server: EmbeddedNatsServer) -> None:
+    result = subprocess.run([sys.executable, "-m", "consumers.cli", "flush", "--nats-url", nats_server.url,
+                             "--subject-prefix", f"t{secrets.token_hex(4)}", "--timeout", "2"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 1 and "no batcher answered" in result.stderr, result
