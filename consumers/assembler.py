@@ -173,11 +173,44 @@ class Assembler:
             await self._load_deadlines(kv)
             work = _Work(nc, js, kv)
             self._last_report = time.monotonic()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._tombstones.follow, js)
-                consume = partial(self._on_fetch, work)
-                await self._runner.consume(subscription, consume, lambda: self._config.fetch_batch)
-                tg.cancel_scope.cancel()
+            pending = await nc.subscribe(self._config.names.pending_subject, cb=partial(self._on_pending, kv))
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._tombstones.follow, js)
+                    consume = partial(self._on_fetch, work)
+                    await self._runner.consume(subscription, consume, lambda: self._config.fetch_batch)
+                    tg.cancel_scope.cancel()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await pending.unsubscribe()
+
+    async def _on_pending(self, kv: KeyValue, msg: Msg) -> None:
+        """``stream-gateway pending``: each session this instance waits on, and what for (read only)."""
+        config, now = self._config, time.time()
+        sessions = []
+        for key, due in sorted(self._deadlines.items(), key=lambda item: item[1])[:500]:
+            try:
+                state = orjson.loads((await kv.get(key)).value or b"{}")
+            except Exception:  # gone meanwhile (emitted, forgotten): not waiting any more
+                continue
+            if not state or state.get("emitted"):
+                continue
+            kinds = state["kinds"].values()
+            closed = state["closed_seq"] is not None
+            if not closed:
+                why = f"close, or {config.idle_timeout_s:g} s without a request"
+            elif key in self._waiting_reward:
+                why = f"feedback (--reward-wait {config.reward_wait_s:g} s)"
+            else:
+                why = f"late events ({config.close_grace_s:g} s after close)"
+            sessions.append({
+                "session_id": state["session_id"], "turns": sum(k in ("turn.completed", "turn.aborted") for k in kinds),
+                "feedback": sum(k == "feedback.recorded" for k in kinds), "closed": closed,
+                "waiting_for": why, "due_in_s": round(max(0.0, due - now), 1),
+                "reward_if_none": config.default_reward,
+            })  # fmt: skip
+        if msg.reply:
+            await msg.respond(orjson.dumps({"role": "assembler", "sessions": sessions}))
 
     async def _on_fetch(self, work: _Work, messages: list[Msg]) -> None:
         """One fetch's messages (maybe none), then whatever came due, then the progress line."""

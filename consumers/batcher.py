@@ -263,6 +263,7 @@ class Batcher:
             self._writer = BatchWriter(nc, js, kv, names=config.names, output_dir=config.output_dir, log=log)
             await self._tombstones.load(js)
             flushes = await nc.subscribe(config.names.flush_subject, cb=self._on_flush_request)
+            pending = await nc.subscribe(config.names.pending_subject, cb=self._on_pending)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._tombstones.follow, js)
                 tg.start_soon(self._heartbeat_loop)
@@ -277,6 +278,7 @@ class Batcher:
                 finally:
                     with anyio.CancelScope(shield=True):
                         await flushes.unsubscribe()
+                        await pending.unsubscribe()
 
     async def _retention_loop(self, directory: Path, max_age_s: float) -> None:
         """Delete the batch files in ``directory`` older than ``max_age_s``, now and then (an hour at most
@@ -309,6 +311,15 @@ class Batcher:
             for request in flushes:
                 if request.reply:
                     await request.respond(answer)
+
+    async def _on_pending(self, msg: Msg) -> None:
+        """``stream-gateway pending``: what this batcher holds and what a batch still needs (read only)."""
+        s = self.statistics()
+        config = self._config
+        answer = {"role": "batcher", "held": s.held, "open_groups": s.open_groups, "batch_size": config.batch_size,
+                  "group_size": config.group_size, "batches": s.batches}  # fmt: skip
+        if msg.reply:
+            await msg.respond(orjson.dumps(answer))
 
     async def _on_flush_request(self, msg: Msg) -> None:
         """Kept for the consuming task (the only one that touches what is held), which answers it."""

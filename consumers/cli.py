@@ -153,6 +153,54 @@ def _flush(args: argparse.Namespace) -> int:
     return int(anyio.run(ask))
 
 
+def _pending(args: argparse.Namespace) -> int:
+    """``stream-gateway pending``: what the running assemblers and batchers wait for, per session."""
+    import anyio
+    import orjson
+    from pipeline.connection import connect
+
+    from .streams import ConsumerStreams
+
+    if (given := nats_from_args(args, "pending")) is None:
+        return 2
+    servers, auth = given
+    subject = ConsumerStreams(prefix=args.subject_prefix).pending_subject
+
+    async def ask() -> list[dict[str, Any]]:
+        nc = await connect(servers, auth, name="stream-gateway-pending", max_reconnect_attempts=1)
+        try:
+            inbox = nc.new_inbox()
+            answers = await nc.subscribe(inbox)
+            await nc.publish(subject, b"", reply=inbox)
+            found: list[dict[str, Any]] = []
+            with anyio.move_on_after(args.timeout):  # every assembler and batcher answers; gather for a while
+                async for msg in answers.messages:
+                    found.append(orjson.loads(msg.data))
+            return found
+        finally:
+            await nc.close()
+
+    answers = anyio.run(ask)
+    if not answers:
+        print(f"stream-gateway pending: no assembler or batcher answered on {subject}", file=sys.stderr)
+        return 1
+    for answer in answers:
+        if answer["role"] == "assembler":
+            for s in answer["sessions"]:
+                default = s["reward_if_none"]
+                reward = "none, dropped" if default is None else f"{default:g}"
+                reward = "" if s["feedback"] else f"; no feedback: reward {reward}"
+                print(f"session {s['session_id']}: {s['turns']} turns, {'closed' if s['closed'] else 'open'}, "
+                      f"waiting for {s['waiting_for']} (at most {s['due_in_s']:g} s more){reward}")  # fmt: skip
+            if not answer["sessions"]:
+                print("assembler: no session waiting")
+        else:
+            print(f"batcher: {answer['held']} trajectories held ({answer['open_groups']} groups not yet whole, "
+                  f"groups of {answer['group_size']}); a batch takes {answer['batch_size']} "
+                  f"(stream-gateway flush makes one now); {answer['batches']} batches so far")  # fmt: skip
+    return 0
+
+
 def _run_consumer(command: str, run: Any, config: Any) -> int:
     """Run a consumer until Ctrl-C; a server refusing its credentials ends it with exit status 1."""
     import anyio
@@ -245,6 +293,12 @@ def add_commands(commands: Any) -> None:
     flush.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
     flush.add_argument("--timeout", type=float, default=30.0, help="how long to wait for the batcher's answer (s)")
     flush.set_defaults(run=_flush)
+
+    pending = commands.add_parser("pending", help="what the running assembler and batcher wait for, session by session")
+    add_nats_arguments(pending)
+    pending.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    pending.add_argument("--timeout", type=float, default=2.0, help="how long to gather answers (s)")
+    pending.set_defaults(run=_pending)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,6 +65,11 @@ class ConsumerStreams:
         return f"{self.prefix}.batches.ready"
 
     @property
+    def pending_subject(self) -> str:
+        """Where ``stream-gateway pending`` asks the assemblers and batchers what they wait for."""
+        return f"{self.prefix}.control.pending"
+
+    @property
     def flush_subject(self) -> str:
         """Where ``stream-gateway flush`` asks the batchers for the partial batches they hold."""
         return f"{self.prefix}.control.batcher.flush"

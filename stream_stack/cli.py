@@ -203,6 +203,7 @@ def _ready(
                 ("parquet files", batcher.parquet_max_age_s),
             )
         ),
+        f"  waiting:       {command} pending --nats-url {url}   (each session, and why)",
         f"  flush a batch  {command} flush --nats-url {url}   (what is held now, fewer than {batcher.batch_size})",
         f"  new weights    {command} publish-weights --nats-url {url} --policy-version N DIR",
         f"  watch events:  {command} tail --nats-url {url}",

@@ -644,3 +644,24 @@ def test_policy_and_closed_events_shape() -> None:
     assert isinstance(events[-1], SessionClosed)
     assert [e.seq for e in events] == list(range(len(events)))
     assert sum(isinstance(e, TurnCompleted) for e in events) == 2
+
+
+def test_pending_says_what_each_open_session_waits_for(tmp_path: Path) -> None:
+    """``stream-gateway pending`` (issue 43): an open session is waiting for its close or its idle
+    timeout, and the command says so, with the reward it gets without feedback."""
+    rng = random.Random(5)
+    waiting = [e for e in _fake_session("waiting1", 2, rng, close=False) if e.kind != "feedback.recorded"]
+    with EmbeddedNatsServer() as server:
+        anyio.run(_publish, server.url, tmp_path / "outbox", waiting)
+        config = AssemblerConfig(servers=(server.url,), idle_timeout_s=600, default_reward=0.0)
+        with background_assembler(config):
+            wait_for(lambda: _pending_output(server.url).count("waiting1") == 1, timeout=30)
+            said = _pending_output(server.url)
+    assert "session waiting1: 2 turns, open, waiting for close, or 600 s without a request" in said, said
+    assert "no feedback: reward 0" in said, said
+
+
+def _pending_output(url: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "consumers.cli", "pending", "--nats-url", url, "--timeout", "1"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    return result.stdout
