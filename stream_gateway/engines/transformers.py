@@ -446,13 +446,13 @@ class TransformersEngine:
         self._last_fault = f"{type(exc).__name__}: {exc}"[:300]
         log.exception("transformers engine: a step failed; its %d requests end with an error and the engine "
                       "goes on (recovery %d)", len(batch.rows), self._recoveries)  # fmt: skip
-        failed = SequenceFailed(f"The engine failed while serving this request: {self._last_fault}")
         rows = list(batch.rows)
         if self._prefilling is not None:
             rows.append(self._prefilling)
             self._prefilling = None
-        for row in rows:
+        for row in rows:  # an exception each: each is raised in its own request's task
             self._active -= 1
+            failed = SequenceFailed(f"The engine failed while serving this request: {self._last_fault}")
             row.loop.call_soon_threadsafe(row.outbox.put_nowait, failed)
         if self._routes is not None:
             self._routes.discard()
