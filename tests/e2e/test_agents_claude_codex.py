@@ -134,11 +134,15 @@ def test_codex_runs_a_command_and_resumes_in_one_token_exact_chain(
 
     body = _session(codex_gateway, session, "sk-codex-local")
     turns = body["turns"]
-    assert len(turns) >= 3 and [t["finish_reason"] for t in turns[:2]] == ["tool_calls", "stop"], turns
+    # The first run: the command (the model may run it more than once: how often is the tiny
+    # model's choice, not the gateway's), then the answer; the resumed run goes on from there.
+    finishes = [t["finish_reason"] for t in turns]
+    answered = finishes.index("stop") if "stop" in finishes else -1
+    assert answered >= 1 and set(finishes[:answered]) == {"tool_calls"} and len(turns) > answered + 1, finishes
     assert turns[0]["message"]["tool_calls"][0]["function"] == {"name": "exec_command",
                                                                "arguments": '{"cmd":"cat README.md"}'}  # fmt: skip
     chains = body["chains"]
     longest = max(chains, key=lambda c: len(c["turn_ids"]))
-    assert longest["turn_ids"][:2] == [turns[0]["turn_id"], turns[1]["turn_id"]]
+    assert longest["turn_ids"][: answered + 1] == [t["turn_id"] for t in turns[: answered + 1]]
     assert len(chains) == 1, [c["turn_ids"] for c in chains]  # the resumed run continued the chain
     _assert_token_exact(body, codex_agent_model_path)
