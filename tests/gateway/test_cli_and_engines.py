@@ -27,6 +27,7 @@ def test_public_api_is_what_we_mean_to_export() -> None:
     assert stream_gateway.__all__ == sorted(stream_gateway.__all__)
     assert set(stream_gateway.__all__) == {
         "AuthenticationFailed",
+        "Conflict",
         "ContextLengthExceeded",
         "EngineError",
         "EngineUnavailable",
@@ -34,10 +35,18 @@ def test_public_api_is_what_we_mean_to_export() -> None:
         "InvalidRequest",
         "ModelNotFound",
         "NotFound",
+        "PermissionDenied",
+        "RateLimited",
+        "RequestTooLarge",
+        "SequenceFailed",
         "Settings",
+        "ShuttingDown",
         "UnsupportedParameter",
         "create_app",
     }
+    # every error the HTTP layer can answer with is exported (issue 39)
+    errors = {n for n, v in vars(stream_gateway._errors).items() if isinstance(v, type) and issubclass(v, Exception)}
+    assert errors <= set(stream_gateway.__all__), errors - set(stream_gateway.__all__)
 
 
 def test_serve_command_starts_a_working_gateway(tiny_model_path: Path) -> None:
