@@ -79,6 +79,9 @@ AGENT_READERS: dict[str, dict[str, str]] = {
 # _agent_conversation): Codex sends a second developer message and the environment as a user
 # message before the user's own.
 _AGENT_CONTEXT_MESSAGE_SHARE = {"read": 0.0, "Read": 0.0, "exec_command": 0.5}
+# Codex's variant learns from two shapes (with and without the context messages): at hidden 128 its
+# answer after a tool result had not formed by 320 steps (it ran the command again).
+_AGENT_STEPS_SCALE = {"exec_command": 1.5}  # of _AGENT_STEPS
 
 
 def agent_tool_call(reader: str = "read") -> str:
@@ -171,7 +174,8 @@ def build_tiny_agent(tiny: Path, target: Path, reader: str = "read") -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny, local_files_only=True)
     model = Qwen2ForCausalLM.from_pretrained(tiny, local_files_only=True, dtype=torch.float32)
-    _fine_tune(model, tokenizer, _Recipe("tiny-agent", partial(_agent_examples, reader=reader), _AGENT_STEPS))
+    steps = round(_AGENT_STEPS * _AGENT_STEPS_SCALE.get(reader, 1.0))
+    _fine_tune(model, tokenizer, _Recipe("tiny-agent", partial(_agent_examples, reader=reader), steps))
     model.save_pretrained(target)  # weights, config and generation config (ChatML stops, as tiny's)
     for source in sorted(tiny.iterdir()):
         if source.name not in {"model.safetensors", "config.json", "generation_config.json", MARKER_FILE}:

@@ -251,7 +251,7 @@ def test_tiny_model_config_and_forward_pass(tiny_dir: Path, tiny_tokenizer: Any)
     config = model.config
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 2, 4)
-    assert (config.num_key_value_heads, config.intermediate_size) == (2, 128)
+    assert (config.num_key_value_heads, config.intermediate_size) == (2, 256)
     assert config.max_position_embeddings == 131072 and config.rope_parameters["rope_theta"] == 1e6
     assert config.tie_word_embeddings and config.vocab_size == len(tiny_tokenizer)
     assert model.dtype == torch.float32

@@ -26,6 +26,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 OTHER_PROGRAMS_FLAGS = {
     "--enable-return-routed-experts": "vllm serve, sglang.launch_server",
+    "--enable-scale-out": "vllm serve (its token-in generate API)",
     "--allowedTools": "claude",
     "--gil": "py-spy",
     "--incremental-streaming-output": "sglang",
