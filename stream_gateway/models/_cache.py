@@ -39,7 +39,11 @@ def _cached_build(cache_dir: Path | None, name: str, version: int, build: Callab
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     # A fine-tuned test model takes a minute or two to build on first use: say so, and when it is done
     # (``serve --model tiny-agent`` was silent for two minutes).
-    log.warning("building %s once on this machine (no download; tiny-agent and its kin take a few minutes on two cores) in %s", name, root)
+    log.warning(
+        "building %s once on this machine (no download; tiny-agent and its kin take a few minutes on two cores) in %s",
+        name,
+        root,
+    )
     started = time.perf_counter()
     try:
         build(tmp)
