@@ -39,6 +39,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
@@ -275,20 +276,17 @@ class _Vocabulary:
 _PROBE = 'Hello,\n  world: {"a": [1, 2.5]}\t\u00c4\u20ac \u65e5\u672c <x>'
 
 
+@cache
 def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
-    printable += range(ord("\u00ae"), ord("\u00ff") + 1)
-    table = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
+    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte -> the byte
+    (transformers' own table, as ``completion/_service.py`` reads token bytes)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
 
 
-def _byte_level(piece: str, table: dict[str, int] = _byte_level_table()) -> bytes:  # noqa: B008 (built once)
+def _byte_level(piece: str) -> bytes:
+    table = _byte_level_table()
     try:
         return bytes(table[c] for c in piece)
     except KeyError:
