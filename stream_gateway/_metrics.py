@@ -65,6 +65,14 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.context_builds = Counter(
+            "gateway_context_builds",
+            "Chat prompts built: cold (the whole render tokenized: a first turn, a new root, a turn no "
+            "longer in memory, images) or warm (a continuation tokenizing only what it adds)",
+            ["kind"],
+            registry=self.registry,
+        )
+
         self.images = Counter(
             "gateway_images",
             "Images in admitted requests (a conversation's images count once per request that sends them)",

@@ -17,6 +17,17 @@ sampled ids stand in for it. The new text is ``full[len(upto):]``, preceded by w
 end-of-turn marker the model did not sample itself (``"\\n"`` after a sampled ``<|im_end|>``,
 all of ``"<|im_end|>\\n"`` after a turn cut by ``max_tokens``).
 
+Agent-sized turns (docs/performance.md). A continuing turn tokenizes only what it adds, never the
+whole conversation again. ``matches_full_render`` (does the prompt equal a fresh tokenization of
+the whole render?) is carried from turn to turn by a :class:`RenderAnchor`: the render's text up to
+its last special token (the generation prompt's ``<|im_start|>``), as a digest, with how many
+prompt ids it took and whether they equal that text's tokenization. Fast tokenizers split special
+tokens out before anything else, so a text tokenizes as the parts on either side of one (checked
+once per tokenizer, :func:`_splits_at_special_tokens`); a continuation whose render still starts
+with its parent's anchored text then only tokenizes the text after it. A turn without a usable
+anchor (a session's first turn, a turn loaded from the shared store, images, a template without
+special tokens) tokenizes the full render once: a *cold* build, counted.
+
 Templates that are not prefix-stable (templates that render the system prompt differently as
 the conversation grows) fail that check: the request then starts a new root turn from a full
 render. Tokens are never spliced where the text does not line up.
@@ -35,9 +46,10 @@ linked to the parent as its ``predecessor`` with the reason recorded.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -48,7 +60,7 @@ from stream_gateway.completion._images import RequestImages, expand_placeholders
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import Message, Tool
 from stream_gateway.reasoning import ReasoningFormat
-from stream_gateway.sessions import Turn
+from stream_gateway.sessions import RenderAnchor, Turn
 
 _PROBE = "\u2063probe\u2063"
 
@@ -63,6 +75,8 @@ class Context:
     matches_full_render: bool
     fallback_reason: str | None = None  # why a matched parent could not be continued
     predecessor: Turn | None = None  # that parent (the new root is linked to it)
+    anchor: RenderAnchor | None = None  # for this turn's continuations (None: they build cold)
+    cold: bool = True  # the whole render was tokenized (False: only what the turn adds)
 
 
 class ContextBuilder:
@@ -84,6 +98,8 @@ class ContextBuilder:
             else None
         )
         self._turn_end = self._probe_turn_end()
+        self._markers = self._template_markers()
+        self._splits = bool(self._markers) and _splits_at_special_tokens(self._encode, self._markers)
         self._end_ids = {
             int(i)
             for i in (tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens)
@@ -119,20 +135,14 @@ class ContextBuilder:
                         message["content"] = content.rpartition(self._reasoning.end_tag)[2].lstrip("\n")
         kwargs = dict(template_kwargs or {})
         full = self._render(rendered, specs, generation=True, **kwargs)
-        full_ids = self._encode(full)
-        if images is not None:
-            try:
-                full_ids = expand_placeholders(full_ids, images.all(), images.token_id)
-            except ValueError as exc:
-                raise InvalidRequest(
-                    f"{exc}: a message's text spells the model's image placeholder", param="messages"
-                ) from exc
+        # With images the placeholders expand by the processor's counts: always a full tokenization.
+        full_ids = self._full_ids(full, images) if images is not None else None
         if parent is None:
-            return Context(full_ids, None, 0, True)
+            return self._cold(full, full_ids, None)
         k = parent.context_length
 
         def new_root(reason: str) -> Context:
-            return Context(full_ids, None, 0, True, reason, parent)
+            return replace(self._cold(full, full_ids, None), fallback_reason=reason, predecessor=parent)
 
         try:
             base = self._render(rendered[:k], specs, generation=False, **kwargs)
@@ -141,9 +151,13 @@ class ContextBuilder:
             return new_root("the template cannot render the shorter conversation")
         if not (upto.startswith(base) and upto.endswith(self._turn_end)):
             return new_root("the chat template is not prefix-stable here")
+        known: int | None = len(
+            upto
+        )  # where the text the prompt's new ids stand for starts in ``full`` (None: not there)
         if full.startswith(upto):
             tail = full[len(upto) :]
         else:
+            known = None
             without = self._tail_without_thinking(upto, full)
             if without is None:
                 return new_root("the chat template is not prefix-stable here")
@@ -160,7 +174,80 @@ class ContextBuilder:
         prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + tail)]
         if images is not None and not _expand_new_images(prompt, reused, images, k):
             return new_root("the conversation's images do not line up with the template's placeholders")
-        return Context(prompt, parent, reused, prompt == full_ids)
+        if full_ids is None:
+            tail_at = None
+            if known is not None and self._splits and tail.startswith(self._markers):
+                # The new ids are the bridge's, then the tail's own (tokenized apart at its marker).
+                tail_at = (known, reused + len(self._encode(bridge)))
+            warm = self._warm_anchor(full, prompt, parent.render_anchor, tail_at)
+            if warm is not None:
+                return Context(prompt, parent, reused, warm.exact, anchor=warm, cold=False)
+        return replace(self._cold(full, full_ids, prompt), parent=parent, reused_prompt_tokens=reused)
+
+    def _full_ids(self, full: str, images: RequestImages | None) -> list[int]:
+        """The full render tokenized, its image placeholders expanded."""
+        ids = self._encode(full)
+        if images is None:
+            return ids
+        try:
+            return expand_placeholders(ids, images.all(), images.token_id)
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"{exc}: a message's text spells the model's image placeholder", param="messages"
+            ) from exc
+
+    def _cold(self, full: str, full_ids: list[int] | None, prompt: list[int] | None) -> Context:
+        """A context from the whole render tokenized: ``prompt`` (a continuation's) compared with
+        it, or ``None`` for a new root, whose prompt it is."""
+        if full_ids is None:
+            full_ids = self._encode(full)
+        own = prompt if prompt is not None else full_ids
+        anchor = None
+        cut = self._last_marker(full)
+        if cut > 0 and len(own) == len(full_ids):
+            after = self._encode(full[cut:])
+            tokens = len(full_ids) - len(after)
+            if tokens >= 0 and full_ids[tokens:] == after and own[tokens:] == after:
+                exact = own is full_ids or own[:tokens] == full_ids[:tokens]
+                anchor = RenderAnchor(cut, tokens, _text_digest(full[:cut]), exact)
+        return Context(own, None, 0, own == full_ids, anchor=anchor, cold=True)
+
+    def _warm_anchor(
+        self, full: str, prompt: list[int], parent: RenderAnchor | None, tail_at: tuple[int, int] | None
+    ) -> RenderAnchor | None:
+        """This turn's anchor from its parent's, tokenizing only the text after the parent's anchor
+        (``None``: the render no longer starts with the parent's anchored text, or the ids do not
+        line up; the caller then tokenizes the whole render). ``tail_at``: ``(chars, index)`` when
+        ``full[chars:]`` is known to tokenize as ``prompt[index:]`` (the new messages): only the
+        text between the parent's anchor and them (its generation prompt, the assistant message,
+        the end of turn) is tokenized to compare, not the new messages a second time."""
+        if parent is None or not self._splits:
+            return None
+        cut = self._last_marker(full)
+        if cut < parent.chars:
+            return None
+        hasher = hashlib.blake2b(digest_size=16)
+        hasher.update(full[: parent.chars].encode("utf-8", "surrogatepass"))
+        if hasher.digest() != parent.digest:
+            return None
+        after = self._encode(full[cut:])
+        tokens = len(prompt) - len(after)
+        if tokens < parent.tokens or prompt[tokens:] != after:
+            return None
+        if tail_at is not None and parent.chars <= tail_at[0] <= cut and parent.tokens <= tail_at[1] <= tokens:
+            chars, index = tail_at
+            exact = parent.exact and prompt[parent.tokens : index] == self._encode(full[parent.chars : chars])
+        else:
+            exact = parent.exact and prompt[parent.tokens : tokens] == self._encode(full[parent.chars : cut])
+        hasher.update(full[parent.chars : cut].encode("utf-8", "surrogatepass"))
+        return RenderAnchor(cut, tokens, hasher.digest(), exact)
+
+    def _last_marker(self, text: str) -> int:
+        """Where the last special token of the template's in ``text`` starts (-1: none, or the
+        tokenizer does not split at them)."""
+        if not self._splits:
+            return -1
+        return max(text.rfind(marker) for marker in self._markers)
 
     def thought(self, turn: Turn) -> str:
         """A recorded turn's thinking as text (tags and their newlines left out; ``""``: none)."""
@@ -193,15 +280,8 @@ class ContextBuilder:
         self, messages: Sequence[Message], tools: Sequence[Tool] | None, images: RequestImages | None = None
     ) -> list[int]:
         """A fresh full render of ``messages`` with the generation prompt, tokenized (images expanded)."""
-        ids = self._encode(self._render([template_message(m) for m in messages], _tool_specs(tools), generation=True))
-        if images is None:
-            return ids
-        try:
-            return expand_placeholders(ids, images.all(), images.token_id)
-        except ValueError as exc:
-            raise InvalidRequest(
-                f"{exc}: a message's text spells the model's image placeholder", param="messages"
-            ) from exc
+        full = self._render([template_message(m) for m in messages], _tool_specs(tools), generation=True)
+        return self._full_ids(full, images)
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, *, generation: bool, **kwargs: Any) -> str:
         try:
@@ -217,6 +297,15 @@ class ContextBuilder:
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
         return ids
+
+    def _template_markers(self) -> tuple[str, ...]:
+        """The special tokens the chat template writes (``<|im_start|>``, ``<|im_end|>``)."""
+        conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+        text = self._render(conversation, None, generation=False)
+        text += self._render(conversation[:1], None, generation=True)
+        special = {token.content for token in self._tokenizer.added_tokens_decoder.values() if token.special}
+        special.update(self._tokenizer.all_special_tokens)
+        return tuple(sorted(marker for marker in special if marker and marker in text))
 
     def _probe_turn_end(self) -> str:
         """The text a template puts after an assistant message's content (``"<|im_end|>\\n"``)."""
@@ -235,6 +324,25 @@ def _expand_new_images(prompt: list[int], reused: int, images: RequestImages, po
     spans = placeholder_spans(prompt, images.token_id)
     expected = images.all()
     return len(spans) == len(expected) and all(n == image.tokens for (_, n), image in zip(spans, expected, strict=True))
+
+
+def _splits_at_special_tokens(encode: Callable[[str], list[int]], markers: Sequence[str]) -> bool:
+    """Whether ``encode`` tokenizes a text as the parts before and from each special token, probed
+    on texts around each marker (fast and slow tokenizers split added tokens out first; a
+    normalizer or pre-tokenizer that reaches across them would fail here, and the builder then
+    tokenizes whole renders)."""
+    befores = ("", "hello", " world\n", "\n\n", "a  b ", "\u00e9t\u00e9", "}")
+    afters = ("", "assistant\n", "\nnext", " spaced", "x", "\n\n\n")
+    for marker in markers:
+        for before in befores:
+            for after in afters:
+                if encode(before + marker + after) != encode(before) + encode(marker + after):
+                    return False
+    return True
+
+
+def _text_digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 _THOUGHTS_KEPT = 8192  # decoded thoughts kept by ContextBuilder.thought

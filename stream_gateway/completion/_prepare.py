@@ -247,6 +247,7 @@ class Preparer:
             context = await anyio.to_thread.run_sync(
                 builder.build, body.messages, body.tools, parent, lineage, kwargs, images
             )
+        self._metrics.context_builds.labels("cold" if context.cold else "warm").inc()
         if unavailable is not None and context.fallback_reason is None:
             context = replace(context, fallback_reason=unavailable)
         if context.fallback_reason is not None:
@@ -378,7 +379,7 @@ class Preparer:
                     arrived=arrived,
                     model=self._engine.model_id,
                     session=session,
-                    context=Context(ids, parent, reused, True),
+                    context=Context(ids, parent, reused, True, cold=False),
                     conversation_key=b"",
                     context_length=0,
                     prompt_ids=ids,

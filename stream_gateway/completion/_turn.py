@@ -206,6 +206,7 @@ class TurnLifecycle:
             **_own_routes(result, context.reused_prompt_tokens if context.parent is not None else 0),
             adapter=self.params.adapter,
             images=tuple(_turn_image(placed) for placed in prepared.images),
+            render_anchor=context.anchor,
         )
         if turn.routes is not None and context.parent is not None:
             self._compare_prefill(result, context.parent)

@@ -22,6 +22,7 @@ from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, e
 from stream_gateway.sessions._store import (
     SEQ_BLOCK,
     Chain,
+    RenderAnchor,
     Session,
     SessionStore,
     Turn,
@@ -33,6 +34,7 @@ from stream_gateway.sessions._store import (
 
 __all__ = [
     "Chain",
+    "RenderAnchor",
     "SEQ_BLOCK",
     "Session",
     "SessionDirectory",

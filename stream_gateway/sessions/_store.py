@@ -67,6 +67,22 @@ class TurnImage:
 
 
 @dataclass(frozen=True, slots=True)
+class RenderAnchor:
+    """Where a turn's render and its prompt ids line up, for its continuations to start from.
+
+    ``chars`` characters of the turn's full render (up to its last special token) hash to
+    ``digest`` and took the first ``tokens`` prompt ids; ``exact``: those ids are that text's own
+    tokenization (false once a chain holds ids a fresh render would not: kept thinking, an ancestor
+    whose sampled ids tokenize otherwise).
+    """
+
+    chars: int
+    tokens: int
+    digest: bytes
+    exact: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Turn:
     """One generation, token-exact."""
 
@@ -99,6 +115,9 @@ class Turn:
     routes_start: int = 0
     adapter: str | None = None  # the LoRA adapter that sampled it (docs/adapters.md); None: the base model
     images: tuple[TurnImage, ...] = ()  # every image of the prompt, in order (the reused prefix's too)
+    # Where its render and prompt line up, for continuations to tokenize only what they add
+    # (completion._context); in memory only: a turn loaded from the shared store has none.
+    render_anchor: RenderAnchor | None = field(default=None, compare=False)
 
 
 Chain = TokenChain
@@ -120,6 +139,8 @@ class Session:
     by_tokens: dict[bytes, str] = field(default_factory=dict)  # digest of prompt + output ids -> turn id
     token_lengths: dict[int, int] = field(default_factory=dict)  # lengths of those sequences -> how many
     token_digests: dict[str, bytes] = field(default_factory=dict)  # turn id -> its digest
+    # turn id -> the hasher that made its digest, for its continuations to extend (O(what they add))
+    token_hashers: dict[str, Any] = field(default_factory=dict)
     announced: bool = False  # its session.opened was published (here, or by the replica that created it)
     # Durable event numbers: the next one, and the end of the block this replica holds (None:
     # unbounded, a session nobody else writes); reserved blocks not yet started; and the numbers
@@ -169,13 +190,28 @@ class Session:
             self.by_key.setdefault(turn.key, []).append(turn.turn_id)
         if turn.finish_reason is None:
             return None
-        digest = token_digest(turn.prompt_ids, turn.output_ids)
+        hasher = self._token_hasher(turn)
+        hasher.update(array("q", turn.output_ids).tobytes())
+        digest: bytes = hasher.digest()
+        self.token_hashers[turn.turn_id] = hasher
         length = len(turn.prompt_ids) + len(turn.output_ids)
         if digest not in self.by_tokens:
             self.token_lengths[length] = self.token_lengths.get(length, 0) + 1
         self.by_tokens[digest] = turn.turn_id
         self.token_digests[turn.turn_id] = digest
         return digest
+
+    def _token_hasher(self, turn: Turn) -> Any:
+        """A hasher fed ``turn``'s prompt ids: its parent's, extended by the ids after the ones it
+        reused (the parent's prompt and output, verbatim), or a new one over them all."""
+        start = 0
+        hasher = hashlib.blake2b(digest_size=16)
+        parent = self.turns.get(turn.parent_id) if turn.parent_id is not None else None
+        reused = parent is not None and turn.reused_prompt_tokens == len(parent.prompt_ids) + len(parent.output_ids)
+        if reused and turn.parent_id in self.token_hashers:
+            hasher, start = self.token_hashers[turn.parent_id].copy(), turn.reused_prompt_tokens
+        hasher.update(array("q", turn.prompt_ids[start:]).tobytes())
+        return hasher
 
     def match_tokens(self, prompt_ids: list[int]) -> Turn | None:
         """The deepest finished turn whose prompt and output ids are a prefix of ``prompt_ids``."""
@@ -217,14 +253,6 @@ class Session:
             path.reverse()
             chains.append(chain_tokens(path))
         return chains
-
-
-def token_digest(*parts: tuple[int, ...] | list[int]) -> bytes:
-    """A digest of a token sequence (the concatenation of ``parts``)."""
-    hasher = hashlib.blake2b(digest_size=16)
-    for part in parts:
-        hasher.update(array("q", part).tobytes())
-    return hasher.digest()
 
 
 def prefix_digests(ids: list[int], lengths: dict[int, int] | Any) -> list[bytes]:
