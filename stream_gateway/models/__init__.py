@@ -37,7 +37,9 @@ Deliberate choices:
 
 * Builds go into a temp directory next to the target and are renamed into place, so a
   concurrent or interrupted build never leaves a half model; the loser of a race just discards
-  its copy. The marker file is written last and its presence means "complete".
+  its copy. The marker file is written last and its presence means "complete"; it records the
+  weights' sha256, which ``REFERENCE_WEIGHTS`` holds for the reference build: every recipe is
+  deterministic (seeded, fixed threads, fp32), and a build that comes out otherwise says so.
 * The builder version is part of the directory name, so changing what a build produces means
   bumping a number rather than invalidating caches in place.
 * The tiny tokenizer is byte-level BPE with Qwen2's pre-tokenizer *and* Qwen2's NFC normalizer.
@@ -52,11 +54,12 @@ Deliberate choices:
 
 from __future__ import annotations
 
-from stream_gateway.models._cache import MARKER_FILE, default_cache_dir
+from stream_gateway.models._cache import MARKER_FILE, default_cache_dir, recorded_weights_digest, weights_digest
 from stream_gateway.models._registry import (
     AGENT_VARIANTS,
     DEFAULT_MODEL,
     REASONING_VARIANTS,
+    REFERENCE_WEIGHTS,
     build_tiny_agent_model,
     build_tiny_model,
     build_tiny_moe_model,
@@ -97,6 +100,7 @@ __all__ = [
     "REASONING_VARIANTS",
     "REASONING_WITHOUT_TOOLS",
     "REASONING_WITHOUT_TOOLS_THOUGHT",
+    "REFERENCE_WEIGHTS",
     "SmolLM2NotInstalled",
     "VL_COLOURS",
     "agent_tool_call",
@@ -107,8 +111,10 @@ __all__ = [
     "build_tiny_vl_model",
     "default_cache_dir",
     "reasoning_reply",
+    "recorded_weights_digest",
     "resolve_model",
     "smollm2_path",
     "vl_answer",
     "vl_image",
+    "weights_digest",
 ]

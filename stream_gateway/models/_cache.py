@@ -6,6 +6,7 @@ current version (see the package docstring for why).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["MARKER_FILE", "default_cache_dir"]
+__all__ = ["MARKER_FILE", "default_cache_dir", "recorded_weights_digest", "weights_digest"]
 
 MARKER_FILE = "stream_gateway_model.json"
 
@@ -28,8 +29,14 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "stream-gateway" / "models"
 
 
-def _cached_build(cache_dir: Path | None, name: str, version: int, build: Callable[[Path], None]) -> Path:
-    """Return ``cache_dir/name`` if complete; otherwise build it in a temp dir and rename it there."""
+def _cached_build(
+    cache_dir: Path | None, name: str, version: int, build: Callable[[Path], None], reference: str | None = None
+) -> Path:
+    """Return ``cache_dir/name`` if complete; otherwise build it in a temp dir and rename it there.
+
+    ``reference``: the weights digest of the reference build (the registry's ``REFERENCE_WEIGHTS``);
+    a build that comes out otherwise is kept, with a warning that this machine's numerics differ.
+    """
     root = cache_dir if cache_dir is not None else default_cache_dir()
     final = root / name
     if _is_complete(final, version):
@@ -48,7 +55,17 @@ def _cached_build(cache_dir: Path | None, name: str, version: int, build: Callab
     try:
         build(tmp)
         log.warning("built %s in %.0f s", name, time.perf_counter() - started)
-        (tmp / MARKER_FILE).write_text(json.dumps({"name": name, "builder_version": version}) + "\n")
+        digest = weights_digest(tmp)
+        if reference is not None and digest != reference:
+            log.warning(
+                "%s came out unlike the reference build (weights sha256 %s, not %s): this machine's float "
+                "kernels differ, and its answers may differ from what the tests and docs expect",
+                name,
+                digest[:16],
+                reference[:16],
+            )
+        marker = {"name": name, "builder_version": version, "weights_sha256": digest}
+        (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
         try:
             tmp.rename(final)
         except OSError as exc:
@@ -58,6 +75,26 @@ def _cached_build(cache_dir: Path | None, name: str, version: int, build: Callab
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def weights_digest(path: Path) -> str:
+    """The sha256 of a model directory's weights (its ``*.safetensors`` files, by name, concatenated)."""
+    hasher = hashlib.sha256()
+    for weights in sorted(path.glob("*.safetensors")):
+        with weights.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def recorded_weights_digest(path: Path) -> str | None:
+    """The weights digest a build wrote into its marker (``None``: built before digests were kept)."""
+    try:
+        marker = json.loads((path / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    digest = marker.get("weights_sha256") if isinstance(marker, dict) else None
+    return digest if isinstance(digest, str) else None
 
 
 def _is_complete(path: Path, version: int) -> bool:

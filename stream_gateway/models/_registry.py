@@ -16,6 +16,7 @@ __all__ = [
     "AGENT_VARIANTS",
     "DEFAULT_MODEL",
     "REASONING_VARIANTS",
+    "REFERENCE_WEIGHTS",
     "build_tiny_agent_model",
     "build_tiny_model",
     "build_tiny_moe_model",
@@ -26,6 +27,24 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "smollm2"
+
+# The sha256 of each built-in model's weights as the reference build makes them (torch 2.13.0's
+# CPU build, two threads, AVX-512 kernels): every build is deterministic (seeded, fixed threads,
+# fp32, no dropout), so a build elsewhere that comes out otherwise is logged, and
+# tests/unit/test_model_digests.py checks the models the tests use. Changing a recipe means bumping its
+# builder version and recording the new digest here.
+REFERENCE_WEIGHTS = {
+    "tiny-qwen2-v3": "bfcaa27e9e0383cf1a0474384685851e2e999da5ef9a1c33afd69206179f1ae0",
+    "tiny-agent-v3": "16726ec380be38146a45fca2aadf512006f5bab7ae46910a03ca7f90669fe8e9",
+    "tiny-agent-claude-v3": "9bfa5820ea84b964e2cbdf5e738ba2730ba445eeae8d2d141706d6aee1011f98",
+    "tiny-agent-codex-v3": "f3d15dcb46d44e65c72ea2eab435c1a7682fcc7efeb316581c6e8271e14600bc",
+    "tiny-reasoning-v3": "6f6acfca8593d609cfc1450c5ada410338cedb5f35ad5fe1dca6ff353c0f9c00",
+    "tiny-reasoning-claude-v3": "6b0ecd2a2027957afa7f6d754153e919e87481fc046c9c8ab5d82ee0b8840167",
+    "tiny-reasoning-codex-v3": "a3cf3c1d3dfcd0eb1217fe918a032672651cb8e8958b09cabe6e6ea0e3c0b9e4",
+    "tiny-moe-v2": "062dc6e4de38e7760041aff4f16e6b789c65f40233a94b6997ed786d231f168e",
+    "tiny-vl-v3": "dd8477250aa897bdd189b3a9fd8fc03becdd79855ee3b8932dfcfe1fd312b8dc",
+    "smollm2-135m-instruct-v1": "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd",
+}
 # tiny-agent and its variants: the file-reading tool each calls (_tiny_agent.AGENT_READERS).
 AGENT_VARIANTS = {"tiny-agent": "read", "tiny-agent-claude": "Read", "tiny-agent-codex": "exec_command"}
 # tiny-reasoning and its variants, the same way (one model picking among the three does not learn
@@ -65,7 +84,8 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
 
 def build_tiny_model(cache_dir: Path | None = None) -> Path:
     """The directory of the tiny deterministic Qwen2-style test model, built on first use."""
-    return _cached_build(cache_dir, f"tiny-qwen2-v{TINY_BUILDER_VERSION}", TINY_BUILDER_VERSION, _build_tiny)
+    name = f"tiny-qwen2-v{TINY_BUILDER_VERSION}"
+    return _cached_build(cache_dir, name, TINY_BUILDER_VERSION, _build_tiny, REFERENCE_WEIGHTS.get(name))
 
 
 def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-agent") -> Path:
@@ -81,7 +101,11 @@ def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-a
     reader = AGENT_VARIANTS[variant]
     name = f"{variant}-v{TINY_AGENT_BUILDER_VERSION}"
     return _cached_build(
-        cache_dir, name, TINY_AGENT_BUILDER_VERSION, lambda target: build_tiny_agent(tiny, target, reader)
+        cache_dir,
+        name,
+        TINY_AGENT_BUILDER_VERSION,
+        lambda target: build_tiny_agent(tiny, target, reader),
+        REFERENCE_WEIGHTS.get(name),
     )
 
 
@@ -100,7 +124,11 @@ def build_tiny_reasoning_model(cache_dir: Path | None = None, variant: str = "ti
     agent = build_tiny_agent_model(cache_dir, next(name for name, r in AGENT_VARIANTS.items() if r == reader))
     name = f"{variant}-v{TINY_REASONING_BUILDER_VERSION}"
     return _cached_build(
-        cache_dir, name, TINY_REASONING_BUILDER_VERSION, lambda target: build_tiny_reasoning(agent, target, reader)
+        cache_dir,
+        name,
+        TINY_REASONING_BUILDER_VERSION,
+        lambda target: build_tiny_reasoning(agent, target, reader),
+        REFERENCE_WEIGHTS.get(name),
     )
 
 
@@ -113,7 +141,8 @@ def build_tiny_moe_model(cache_dir: Path | None = None) -> Path:
     """
     tiny = build_tiny_model(cache_dir)
     name = f"tiny-moe-v{TINY_MOE_BUILDER_VERSION}"
-    return _cached_build(cache_dir, name, TINY_MOE_BUILDER_VERSION, lambda target: build_tiny_moe(tiny, target))
+    build = lambda target: build_tiny_moe(tiny, target)  # noqa: E731
+    return _cached_build(cache_dir, name, TINY_MOE_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name))
 
 
 def build_tiny_vl_model(cache_dir: Path | None = None) -> Path:
@@ -125,11 +154,13 @@ def build_tiny_vl_model(cache_dir: Path | None = None) -> Path:
     """
     agent = build_tiny_agent_model(cache_dir)
     name = f"tiny-vl-v{TINY_VL_BUILDER_VERSION}"
-    return _cached_build(cache_dir, name, TINY_VL_BUILDER_VERSION, lambda target: build_tiny_vl(agent, target))
+    build = lambda target: build_tiny_vl(agent, target)  # noqa: E731
+    return _cached_build(cache_dir, name, TINY_VL_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name))
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:
     """The directory of SmolLM2-135M-Instruct as float32 safetensors, converted on first use."""
     gguf = _smollm2_gguf()
     name = f"smollm2-135m-instruct-v{SMOLLM2_BUILDER_VERSION}"
-    return _cached_build(cache_dir, name, SMOLLM2_BUILDER_VERSION, lambda target: _convert_smollm2(gguf, target))
+    build = lambda target: _convert_smollm2(gguf, target)  # noqa: E731
+    return _cached_build(cache_dir, name, SMOLLM2_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name))

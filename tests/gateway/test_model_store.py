@@ -82,6 +82,7 @@ def test_models_exports() -> None:
         "REASONING_VARIANTS",
         "REASONING_WITHOUT_TOOLS",
         "REASONING_WITHOUT_TOOLS_THOUGHT",
+        "REFERENCE_WEIGHTS",
         "SmolLM2NotInstalled",
         "VL_COLOURS",
         "agent_tool_call",
@@ -92,10 +93,12 @@ def test_models_exports() -> None:
         "build_tiny_vl_model",
         "default_cache_dir",
         "reasoning_reply",
+        "recorded_weights_digest",
         "resolve_model",
         "smollm2_path",
         "vl_answer",
         "vl_image",
+        "weights_digest",
     }
     assert all(hasattr(stream_gateway.models, name) for name in stream_gateway.models.__all__)
 

@@ -1,0 +1,62 @@
+"""Built-in models come out the same on every machine: deterministic recipes, digests checked.
+
+A model a test depends on must be the model the tests were written against: the fresh clone
+whose tiny-reasoning answered OpenClaw with a mangled path had built a different model. Every
+build records its weights' sha256 in its marker; here each built-in model (built by
+``scripts/test.sh`` before the tests, or now) is checked against the reference build's digest
+(``REFERENCE_WEIGHTS``), and a short fine-tune run twice must give the same bytes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from stream_gateway.models import REFERENCE_WEIGHTS, recorded_weights_digest, resolve_model, weights_digest
+from stream_gateway.models._tiny_agent import _agent_examples, _fine_tune, _Recipe
+
+_BUILT_IN = [
+    "tiny",
+    "tiny-agent",
+    "tiny-agent-claude",
+    "tiny-agent-codex",
+    "tiny-reasoning",
+    "tiny-reasoning-claude",
+    "tiny-reasoning-codex",
+    "tiny-moe",
+    "tiny-vl",
+    "smollm2",
+]
+
+
+@pytest.mark.timeout(900)  # builds what scripts/test.sh has not (minutes, once per machine)
+@pytest.mark.parametrize("spec", _BUILT_IN)
+def test_built_in_model_is_the_reference_build(spec: str) -> None:
+    path = Path(resolve_model(spec))
+    digest = weights_digest(path)
+    assert REFERENCE_WEIGHTS[path.name] == digest, (
+        f"{spec} ({path}) came out unlike the reference build: its recipe is not deterministic here, "
+        f"or this machine's float kernels (torch {torch.__version__}, "
+        f"{torch.backends.cpu.get_cpu_capability()}) round otherwise"
+    )
+    # Built before digests were recorded: no record; otherwise the record is what is on disk.
+    assert recorded_weights_digest(path) in (None, digest)
+
+
+def test_a_fine_tune_gives_the_same_bytes_twice(tiny_model_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    runs = []
+    for _ in range(2):
+        model = Qwen2ForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        _fine_tune(model, tokenizer, _Recipe("determinism", partial(_agent_examples, reader="read"), 6))
+        runs.append({name: tensor.clone() for name, tensor in model.state_dict().items()})
+    first, second = runs
+    assert first.keys() == second.keys()
+    changed = [name for name in first if not torch.equal(first[name], second[name])]
+    assert not changed, f"the same recipe trained twice differs in {changed[:5]}"
+    untouched = Qwen2ForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).state_dict()
+    assert any(not torch.equal(first[name], untouched[name]) for name in first), "the fine-tune changed nothing"
