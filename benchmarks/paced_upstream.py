@@ -167,9 +167,12 @@ class PacedUpstream:
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         stop_after: int = 0,
         incremental: bool = False,
+        prefill_tokens_per_second: float = 0.0,
     ) -> None:
-        if tokens_per_second < 0 or first_token_s < 0 or stop_after < 0:
+        if tokens_per_second < 0 or first_token_s < 0 or stop_after < 0 or prefill_tokens_per_second < 0:
             raise ValueError("rates, delays and --stop-after must be >= 0")
+        # Prefill time that grows with the prompt (agent-sized contexts): first_token_s + prompt / rate.
+        self.prefill_interval = 1.0 / prefill_tokens_per_second if prefill_tokens_per_second else 0.0
         self.cycle = cycle
         self.interval = 1.0 / tokens_per_second if tokens_per_second else 0.0
         self.first_token_s = first_token_s
@@ -472,13 +475,13 @@ class _Connection(asyncio.Protocol):
             data = orjson.loads(body)
             if not isinstance(data, dict):
                 raise ValueError("the body is not a JSON object")
-            turn, tokens = self._turn_of(path, data)
+            turn, ask = self._turn_of(path, data)
         except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
             self._error(400, str(exc), close=close)
             return
-        self._start(turn, tokens)
+        self._start(turn, ask.tokens, upstream.first_token_s + ask.prompt_tokens * upstream.prefill_interval)
 
-    def _turn_of(self, path: str, data: dict[str, Any]) -> tuple[_Turn, int]:
+    def _turn_of(self, path: str, data: dict[str, Any]) -> tuple[_Turn, _Ask]:
         upstream = self._upstream
         if path == "/generate":
             sampling = data.get("sampling_params") or {}
@@ -487,21 +490,20 @@ class _Connection(asyncio.Protocol):
             data = {**data, "ignore_eos": sampling.get("ignore_eos", False)}
             ask = upstream.ask(data, prompt_key="input_ids" if "input_ids" in data else "text",
                                limit=sampling.get("max_new_tokens"), default_limit=128)  # fmt: skip
-            return _GenerateTurn(upstream, ask, data), ask.tokens
+            return _GenerateTurn(upstream, ask, data), ask
         if path == "/v1/completions":
             ask = upstream.ask(data, prompt_key="prompt", limit=data.get("max_tokens"), default_limit=16)
-            return _CompletionTurn(upstream, ask, data), ask.tokens
+            return _CompletionTurn(upstream, ask, data), ask
         limit = data.get("max_tokens")
         limit = data.get("max_completion_tokens") if limit is None else limit
         ask = upstream.ask(data, prompt_key="messages", limit=limit, default_limit=16)
-        return _ChatTurn(upstream, ask), ask.tokens
+        return _ChatTurn(upstream, ask), ask
 
-    def _start(self, turn: _Turn, tokens: int) -> None:
-        upstream = self._upstream
+    def _start(self, turn: _Turn, tokens: int, prefill_s: float) -> None:
         self._turn, self._tokens, self._sent = turn, tokens, 0
         head = _STREAM_HEAD + (b"\r\n" if self._keep_alive else b"connection: close\r\n\r\n")
         self._write(head, close=False)
-        self._first_at = self._loop.time() + upstream.first_token_s
+        self._first_at = self._loop.time() + prefill_s
         self._timer = self._loop.call_at(self._first_at, self._tick)
 
     def _tick(self) -> None:
@@ -584,6 +586,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", default="tiny-agent")
     parser.add_argument("--tokens-per-second", type=float, default=50.0, help="per stream; 0: as fast as possible")
     parser.add_argument("--first-token-ms", type=float, default=20.0, help="request to first token (the prefill)")
+    parser.add_argument("--prefill-tokens-per-second", type=float, default=0.0,
+                        help="add prompt tokens / this to the first-token delay (0: a fixed delay)")  # fmt: skip
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument("--stop-after", type=int, default=0, help="end turns without ignore_eos with EOS after N")
     parser.add_argument("--incremental-streaming-output", action="store_true", help="SGLang: frames hold new tokens")
@@ -596,6 +600,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         stop_after=args.stop_after,
         incremental=args.incremental_streaming_output,
+        prefill_tokens_per_second=args.prefill_tokens_per_second,
     )
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     try:
