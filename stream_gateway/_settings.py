@@ -158,6 +158,13 @@ class Settings(BaseSettings):
         10_000, ge=1, description="sessions kept in memory; beyond it the least recently used are evicted"
     )
     session_idle_seconds: float = Field(3600.0, gt=0, description="a session idle this long is evicted")
+    max_session_tokens: int | None = Field(
+        20_000_000,
+        ge=1,
+        description="token ids all sessions' turns may hold in memory (each turn's prompt and output); "
+        "beyond it the least recently used sessions are evicted: to the shared sessions with NATS (a later "
+        "turn loads them back and builds its prompt cold), closed without; about 8-10 bytes a token",
+    )
 
     nats_url: str | None = Field(None, description="NATS server(s), comma-separated; unset: capture is off")
     nats_user: str | None = Field(None, description="NATS user (with nats_password)")

@@ -107,12 +107,14 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     sessions = SessionDirectory(
         max_sessions=settings.max_sessions,
         idle_seconds=settings.session_idle_seconds,
+        max_tokens=settings.max_session_tokens,
         sharing=_sharing(settings),
         on_closed=lambda session, reason, expected: recorder.session_closed(
             session, engine.policy_version, reason, expected
         ),
         before_open=limiter.check_new_session,
     )
+    metrics.watch_sessions(sessions.store)
     service = CompletionService(engine, settings, metrics, sessions, recorder, spend=limiter.spend)
     edges = protocol_edges(service)
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"

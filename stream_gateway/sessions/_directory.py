@@ -54,6 +54,7 @@ class SessionDirectory:
         *,
         max_sessions: int,
         idle_seconds: float,
+        max_tokens: int | None = None,
         sharing: SharingConfig | None = None,
         on_closed: Callable[[Session, str, list[tuple[int, int]] | None], None] | None = None,
         before_open: Callable[[str], None] | None = None,
@@ -66,6 +67,7 @@ class SessionDirectory:
         self.store = SessionStore(
             max_sessions=max_sessions,
             idle_seconds=idle_seconds,
+            max_tokens=max_tokens,
             on_close=self._closed,
             on_evict=self._evicted if sharing is not None else None,
         )

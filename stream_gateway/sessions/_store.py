@@ -152,6 +152,10 @@ class Session:
     opened_seq: int | None = None
     shared: SharedState | None = None  # the shared sessions' bookkeeping (revision, loaded events), when on
     captured: bool = True  # False: its user did not consent; nothing of it leaves the process (docs/data-rights.md)
+    # Token ids its turns hold in memory (each turn's prompt and output), and how many of them the
+    # store holding it has counted towards its bound (SessionStore's max_tokens).
+    held_tokens: int = 0
+    counted_tokens: int = 0
 
     @property
     def scope(self) -> str:
@@ -185,6 +189,8 @@ class Session:
 
     def add(self, turn: Turn) -> bytes | None:
         """Record a finished (or aborted) turn; returns its token digest if it can be continued by ids."""
+        if turn.turn_id not in self.turns:
+            self.held_tokens += len(turn.prompt_ids) + len(turn.output_ids)
         self.turns[turn.turn_id] = turn
         if turn.key is not None:
             self.by_key.setdefault(turn.key, []).append(turn.turn_id)
@@ -282,7 +288,7 @@ def _extends(prompt_ids: list[int], turn: Turn) -> bool:
 
 
 class SessionStore:
-    """In-memory sessions of all tenants, bounded by idle time and count.
+    """In-memory sessions of all tenants, bounded by idle time, count and the token ids they hold.
 
     Automatic lookup goes through an index from (tenant, turn key) to session, so finding the
     session a conversation continues costs one dictionary probe per request message, however many
@@ -294,15 +300,20 @@ class SessionStore:
         *,
         max_sessions: int = 10_000,
         idle_seconds: float = 3600.0,
+        max_tokens: int | None = None,
         on_close: Callable[[Session, str], None] | None = None,
         on_evict: Callable[[Session, str], None] | None = None,
     ) -> None:
+        """``max_tokens``: beyond this many token ids held by all sessions' turns, the least
+        recently used sessions are evicted too (never the one just used); ``None``: no bound."""
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._index: dict[tuple[str, bytes], str] = {}
         # Token-id prefixes (the token-in API): (tenant, digest) -> session, and each tenant's lengths.
         self._token_index: dict[tuple[str, bytes], str] = {}
         self._token_lengths: dict[str, dict[int, int]] = {}
         self._max_sessions = max_sessions
+        self._max_tokens = max_tokens
+        self.held_tokens = 0  # of the sessions held, as last counted (_count)
         self._idle_seconds = idle_seconds
         self._on_close = on_close
         self._on_evict = on_evict  # set: eviction only drops the cached copy (shared sessions)
@@ -336,6 +347,8 @@ class SessionStore:
         if held is not None:
             return held
         self._sessions[session.session_id] = session
+        session.counted_tokens = 0
+        self._count(session)
         for turn in session.turns.values():
             self._index_turn(session, turn)
         self._evict(time.time())
@@ -363,6 +376,7 @@ class SessionStore:
         """Forget ``session`` without closing it (a copy another replica's replaced)."""
         if self._sessions.get(session.session_id) is session:
             del self._sessions[session.session_id]
+            self.held_tokens -= session.counted_tokens
             self._unindex(session)
 
     def find_tokens(self, scope: str, prompt_ids: list[int]) -> tuple[Session, Turn] | None:
@@ -381,6 +395,8 @@ class SessionStore:
     def add_turn(self, session: Session, turn: Turn) -> None:
         """Record ``turn`` in ``session`` and make it findable (unless the session was closed)."""
         session.add(turn)
+        if self._sessions.get(session.session_id) is session:
+            self._count(session)
         self._index_turn(session, turn)
 
     def _index_turn(self, session: Session, turn: Turn) -> None:
@@ -419,9 +435,16 @@ class SessionStore:
     def touch(self, session: Session) -> None:
         """Mark ``session`` as just used (it is evicted last), and evict what is due."""
         session.last_active = time.time()
-        if session.session_id in self._sessions:
+        if self._sessions.get(session.session_id) is session:
             self._sessions.move_to_end(session.session_id)
+            self._count(session)
         self._evict(session.last_active)
+
+    def _count(self, session: Session) -> None:
+        """Bring the store's count of held tokens up to ``session``'s (turns also arrive from the
+        shared state, which counts here at the session's next use)."""
+        self.held_tokens += session.held_tokens - session.counted_tokens
+        session.counted_tokens = session.held_tokens
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
@@ -439,9 +462,15 @@ class SessionStore:
     def _evict(self, now: float) -> None:
         while self._sessions:
             oldest = next(iter(self._sessions.values()))
-            if len(self._sessions) <= self._max_sessions and now - oldest.last_active < self._idle_seconds:
+            over_tokens = self._max_tokens is not None and self.held_tokens > self._max_tokens
+            if (
+                len(self._sessions) <= self._max_sessions
+                and now - oldest.last_active < self._idle_seconds
+                and not (over_tokens and len(self._sessions) > 1)
+            ):
                 return
             del self._sessions[oldest.session_id]
+            self.held_tokens -= oldest.counted_tokens
             reason = "idle" if now - oldest.last_active >= self._idle_seconds else "evicted"
             if self._on_evict is not None:
                 self._unindex(oldest)

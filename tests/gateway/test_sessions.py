@@ -62,6 +62,17 @@ def _session(gateway: RunningGateway, session_id: str, key: str = "sk-alice") ->
     return body
 
 
+def _context_builds(gateway: RunningGateway) -> dict[str, float]:
+    """``gateway_context_builds_total`` by kind, from the gateway's ``/metrics``."""
+    text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
+    builds = {"cold": 0.0, "warm": 0.0}
+    for line in text.splitlines():
+        for kind in builds:
+            if line.startswith(f'gateway_context_builds_total{{kind="{kind}"}}'):
+                builds[kind] = float(line.rsplit(" ", 1)[1])
+    return builds
+
+
 def _chain_turns(body: dict[str, Any]) -> list[list[str]]:
     return sorted(c["turn_ids"] for c in body["chains"])
 
@@ -70,13 +81,21 @@ def test_multi_turn_chain_reuses_sampled_ids(
     session_client: OpenAI, gateway: RunningGateway, session_id: str, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "first question"}]
+    builds = _context_builds(gateway)
     for i in range(3):
         messages.append(_reply(session_client, messages, stream=i % 2 == 1))
         messages.append({"role": "user", "content": f"follow-up {i}"})
     _reply(session_client, messages)
+    after = _context_builds(gateway)
+    # The first turn tokenized its whole render; each continuation only what it added (issue 41).
+    assert (after["cold"] - builds["cold"], after["warm"] - builds["warm"]) == (1, 3)
     body = _session(gateway, session_id)
     turns = body["turns"]
     assert len(turns) == 4
+    for k, turn in enumerate(turns):  # what each says of a fresh tokenization is what one gives
+        text = tokenizer.apply_chat_template(messages[: 2 + 2 * k], add_generation_prompt=True, tokenize=False)
+        fresh = tokenizer.encode(str(text), add_special_tokens=False)
+        assert turn["matches_full_render"] == (fresh == turn["prompt_ids"])
     assert [t["parent_id"] for t in turns] == [None] + [t["turn_id"] for t in turns[:-1]]
     re_tokenized_differs = 0
     for parent, child in itertools.pairwise(turns):
@@ -255,3 +274,30 @@ def test_store_is_bounded_and_its_index_follows_evictions() -> None:
     found = store.find_at("t", [bytes([2]) * 16, b"next"], [0])
     assert found is not None and found[1].turn_id == "turn2"
     assert store.find_at("other-tenant", [bytes([2]) * 16, b"next"], [0]) is None
+
+
+def test_store_is_bounded_by_the_token_ids_its_sessions_hold() -> None:
+    from stream_gateway.sessions._store import SessionStore, Turn
+
+    closed: list[tuple[str, str]] = []
+    store = SessionStore(max_tokens=2_500, on_close=lambda s, reason: closed.append((s.session_id, reason)))
+
+    def turn(session_id: str, n: int, tokens: int) -> Turn:
+        return Turn(
+            f"{session_id}-{n}", session_id, None, None, 1, tuple(range(tokens)), 0, (7,), (-0.1,), "stop", "", (),
+            0, ((0, 0),), 0.0, None, 0.0, True, None,
+        )  # fmt: skip
+
+    first, second, third = (store.create("t") for _ in range(3))
+    store.add_turn(first, turn(first.session_id, 0, 999))
+    store.add_turn(second, turn(second.session_id, 0, 999))
+    assert store.held_tokens == 2_000 and first.held_tokens == second.held_tokens == 1_000
+    store.touch(first)  # the first is now the most recently used
+    store.add_turn(third, turn(third.session_id, 0, 999))
+    store.touch(third)  # over the bound: the least recently used (the second) goes
+    assert [s.session_id for s in store] == [first.session_id, third.session_id]
+    assert closed == [(second.session_id, "evicted")] and store.held_tokens == 2_000
+    # One session alone over the bound is kept: it is the one in use.
+    store.add_turn(third, turn(third.session_id, 1, 4_999))
+    store.touch(third)
+    assert [s.session_id for s in store] == [third.session_id] and store.held_tokens == 6_000
