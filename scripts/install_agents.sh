@@ -17,7 +17,10 @@ set -euo pipefail
 PI_VERSION=0.73.1
 OPENCLAW_VERSION=2026.9.6
 NODE24_VERSION=24
-CLAUDE_CODE_VERSION=2.1.332
+# Claude Code stays at 2.1.197: 2.1.332 (the newest on 2026-11-27) sends a request shape that
+# tiny-reasoning-claude was not trained on, and it answers with a malformed tool call (tiny-agent-claude
+# still passes); the pin moves once that recipe learns the new shape.
+CLAUDE_CODE_VERSION=2.1.197
 CODEX_VERSION=0.171.0
 
 dir=${STREAM_GATEWAY_AGENTS_DIR:-$HOME/.cache/stream-gateway/agents}
