@@ -73,6 +73,13 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.context_tokenized_chars = Counter(
+            "gateway_context_tokenized_chars",
+            "Characters of rendered chat templates tokenized to build prompts, by build kind (cold or warm)",
+            ["kind"],
+            registry=self.registry,
+        )
+
         self.images = Counter(
             "gateway_images",
             "Images in admitted requests (a conversation's images count once per request that sends them)",

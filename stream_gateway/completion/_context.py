@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -77,6 +78,7 @@ class Context:
     predecessor: Turn | None = None  # that parent (the new root is linked to it)
     anchor: RenderAnchor | None = None  # for this turn's continuations (None: they build cold)
     cold: bool = True  # the whole render was tokenized (False: only what the turn adds)
+    tokenized_chars: int = 0  # characters the build tokenized (gateway_context_tokenized_chars_total)
 
 
 class ContextBuilder:
@@ -98,6 +100,7 @@ class ContextBuilder:
             else None
         )
         self._turn_end = self._probe_turn_end()
+        self._counted = threading.local()  # characters tokenized by the build running on this thread
         self._markers = self._template_markers()
         self._splits = bool(self._markers) and _splits_at_special_tokens(self._encode, self._markers)
         self._end_ids = {
@@ -107,6 +110,21 @@ class ContextBuilder:
         }
 
     def build(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None,
+        parent: Turn | None,
+        lineage: Mapping[int, Turn] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        images: RequestImages | None = None,
+    ) -> Context:
+        """The prompt for ``messages``, continuing ``parent`` (a turn they extend) when possible
+        (see :meth:`_build`), with the characters it tokenized counted."""
+        self._counted.chars = 0
+        context = self._build(messages, tools, parent, lineage, template_kwargs, images)
+        return replace(context, tokenized_chars=self._counted.chars)
+
+    def _build(
         self,
         messages: Sequence[Message],
         tools: Sequence[Tool] | None,
@@ -140,6 +158,10 @@ class ContextBuilder:
         if parent is None:
             return self._cold(full, full_ids, None)
         k = parent.context_length
+        if full_ids is None and self._reasoning is None and k < len(rendered):
+            quick = self._continue_from_anchor(full, parent, rendered[k])
+            if quick is not None:
+                return quick
 
         def new_root(reason: str) -> Context:
             return replace(self._cold(full, full_ids, None), fallback_reason=reason, predecessor=parent)
@@ -165,11 +187,7 @@ class ContextBuilder:
             if self._history == "template":
                 return new_root("reasoning_history=template: the chat template drops earlier thinking here")
         sampled = parent.output_ids
-        bridge = self._turn_end
-        if sampled and sampled[-1] in self._end_ids:
-            end_text = str(self._tokenizer.decode([sampled[-1]]))
-            if self._turn_end.startswith(end_text):
-                bridge = self._turn_end[len(end_text) :]
+        bridge = self._bridge(sampled)
         reused = len(parent.prompt_ids) + len(sampled)
         prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + tail)]
         if images is not None and not _expand_new_images(prompt, reused, images, k):
@@ -183,6 +201,47 @@ class ContextBuilder:
             if warm is not None:
                 return Context(prompt, parent, reused, warm.exact, anchor=warm, cold=False)
         return replace(self._cold(full, full_ids, prompt), parent=parent, reused_prompt_tokens=reused)
+
+    def _continue_from_anchor(self, full: str, parent: Turn, assistant: Mapping[str, Any]) -> Context | None:
+        """The continuation from one render, when ``parent``'s anchor allows (``None``: it does not,
+        and the caller takes the general path, which renders the shorter conversations too).
+
+        The render must start with the text the parent's anchor covers (its own render up to its
+        generation prompt: the template rendered the history before the parent's answer as it did
+        then); the parent's answer ends at the first end-of-turn marker after it, and the new
+        messages start there with a special token. Not for thinking models (whether the template
+        dropped earlier thinking needs the shorter renders), nor for an answer whose own text spells
+        a special token (where it ends would be ambiguous)."""
+        anchor = parent.render_anchor
+        if anchor is None or not self._splits or _spells_marker(assistant, self._markers):
+            return None
+        end = full.find(self._turn_end, anchor.chars)
+        if end < 0:
+            return None
+        known = end + len(self._turn_end)
+        tail = full[known:]
+        if not tail.startswith(self._markers):
+            return None
+        hasher = hashlib.blake2b(digest_size=16)
+        hasher.update(full[: anchor.chars].encode("utf-8", "surrogatepass"))
+        if hasher.digest() != anchor.digest:
+            return None
+        sampled = parent.output_ids
+        bridge = self._bridge(sampled)
+        reused = len(parent.prompt_ids) + len(sampled)
+        prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + tail)]
+        warm = self._warm_anchor(full, prompt, anchor, (known, reused + len(self._encode(bridge))), hasher)
+        if warm is None:
+            return None
+        return Context(prompt, parent, reused, warm.exact, anchor=warm, cold=False)
+
+    def _bridge(self, sampled: Sequence[int]) -> str:
+        """The end-of-turn text the model did not sample itself (all of it after a turn cut short)."""
+        if sampled and sampled[-1] in self._end_ids:
+            end_text = str(self._tokenizer.decode([sampled[-1]]))
+            if self._turn_end.startswith(end_text):
+                return self._turn_end[len(end_text) :]
+        return self._turn_end
 
     def _full_ids(self, full: str, images: RequestImages | None) -> list[int]:
         """The full render tokenized, its image placeholders expanded."""
@@ -213,23 +272,31 @@ class ContextBuilder:
         return Context(own, None, 0, own == full_ids, anchor=anchor, cold=True)
 
     def _warm_anchor(
-        self, full: str, prompt: list[int], parent: RenderAnchor | None, tail_at: tuple[int, int] | None
+        self,
+        full: str,
+        prompt: list[int],
+        parent: RenderAnchor | None,
+        tail_at: tuple[int, int] | None,
+        checked: Any = None,
     ) -> RenderAnchor | None:
         """This turn's anchor from its parent's, tokenizing only the text after the parent's anchor
         (``None``: the render no longer starts with the parent's anchored text, or the ids do not
         line up; the caller then tokenizes the whole render). ``tail_at``: ``(chars, index)`` when
         ``full[chars:]`` is known to tokenize as ``prompt[index:]`` (the new messages): only the
         text between the parent's anchor and them (its generation prompt, the assistant message,
-        the end of turn) is tokenized to compare, not the new messages a second time."""
+        the end of turn) is tokenized to compare, not the new messages a second time. ``checked``:
+        a hasher already fed ``full[:parent.chars]`` and found to match."""
         if parent is None or not self._splits:
             return None
         cut = self._last_marker(full)
         if cut < parent.chars:
             return None
-        hasher = hashlib.blake2b(digest_size=16)
-        hasher.update(full[: parent.chars].encode("utf-8", "surrogatepass"))
-        if hasher.digest() != parent.digest:
-            return None
+        hasher = checked
+        if hasher is None:
+            hasher = hashlib.blake2b(digest_size=16)
+            hasher.update(full[: parent.chars].encode("utf-8", "surrogatepass"))
+            if hasher.digest() != parent.digest:
+                return None
         after = self._encode(full[cut:])
         tokens = len(prompt) - len(after)
         if tokens < parent.tokens or prompt[tokens:] != after:
@@ -296,6 +363,7 @@ class ContextBuilder:
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        self._counted.chars = getattr(self._counted, "chars", 0) + len(text)
         return ids
 
     def _template_markers(self) -> tuple[str, ...]:
@@ -339,6 +407,12 @@ def _splits_at_special_tokens(encode: Callable[[str], list[int]], markers: Seque
                 if encode(before + marker + after) != encode(before) + encode(marker + after):
                     return False
     return True
+
+
+def _spells_marker(message: Mapping[str, Any], markers: Sequence[str]) -> bool:
+    """Whether a template message's text (content, tool calls) holds a special token's spelling."""
+    text = str(message.get("content") or "") + str(message.get("tool_calls") or "")
+    return any(marker in text for marker in markers)
 
 
 def _text_digest(text: str) -> bytes:

@@ -247,7 +247,9 @@ class Preparer:
             context = await anyio.to_thread.run_sync(
                 builder.build, body.messages, body.tools, parent, lineage, kwargs, images
             )
-        self._metrics.context_builds.labels("cold" if context.cold else "warm").inc()
+        kind = "cold" if context.cold else "warm"
+        self._metrics.context_builds.labels(kind).inc()
+        self._metrics.context_tokenized_chars.labels(kind).inc(context.tokenized_chars)
         if unavailable is not None and context.fallback_reason is None:
             context = replace(context, fallback_reason=unavailable)
         if context.fallback_reason is not None:

@@ -62,15 +62,39 @@ def _session(gateway: RunningGateway, session_id: str, key: str = "sk-alice") ->
     return body
 
 
-def _context_builds(gateway: RunningGateway) -> dict[str, float]:
-    """``gateway_context_builds_total`` by kind, from the gateway's ``/metrics``."""
+def _context_builds(gateway: RunningGateway, metric: str = "gateway_context_builds_total") -> dict[str, float]:
+    """A ``{kind="cold"|"warm"}`` counter of the gateway's ``/metrics``."""
     text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
     builds = {"cold": 0.0, "warm": 0.0}
     for line in text.splitlines():
         for kind in builds:
-            if line.startswith(f'gateway_context_builds_total{{kind="{kind}"}}'):
+            if line.startswith(f'{metric}{{kind="{kind}"}}'):
                 builds[kind] = float(line.rsplit(" ", 1)[1])
     return builds
+
+
+def test_a_continuing_turn_tokenizes_what_it_adds_however_long_the_history(
+    session_client: OpenAI, gateway: RunningGateway
+) -> None:
+    """Issue 41, through the gateway's own counters: each continuation of a growing tool loop
+    tokenizes about the text it appends, while the conversation it carries grows past ten times that."""
+    chars = "gateway_context_tokenized_chars_total"
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Read the files."}]
+    seen = []
+    for n in range(14):
+        before = _context_builds(gateway, chars)
+        messages.append(_reply(session_client, messages))
+        after = _context_builds(gateway, chars)
+        seen.append((after["cold"] - before["cold"], after["warm"] - before["warm"]))
+        result = "".join(f"file {n} line {i}: {'text ' * 6}\n" for i in range(50))
+        messages.append({"role": "user", "content": result})
+    history = sum(len(str(m["content"])) for m in messages)
+    cold, _ = seen[0]
+    assert cold > 0 and all(c == 0 for c, _ in seen[1:])  # the first turn alone tokenized its whole render
+    added = len(result)
+    for _, warm in seen[2:]:  # each later one: its new message, the echoed answer, the template around them
+        assert 0 < warm <= added + 300
+    assert history > 10 * (added + 300)
 
 
 def _chain_turns(body: dict[str, Any]) -> list[list[str]]:

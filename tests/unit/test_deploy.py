@@ -456,6 +456,7 @@ def _exported_names() -> set[str]:
     metrics = GatewayMetrics()
     zeros = {f.name: 0 for f in fields(PublisherStatistics)}
     metrics.watch_publisher(lambda: PublisherStatistics(**{**zeros, "connected": False}))
+    metrics.watch_sessions([])
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
     return {f"{family.name}{suffix}" for family in metrics.registry.collect() for suffix in suffixes[family.type]}
 
