@@ -46,12 +46,13 @@ linked to the parent as its ``predecessor`` with the reason recorded.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
@@ -79,6 +80,24 @@ class Context:
     anchor: RenderAnchor | None = None  # for this turn's continuations (None: they build cold)
     cold: bool = True  # the whole render was tokenized (False: only what the turn adds)
     tokenized_chars: int = 0  # characters the build tokenized (gateway_context_tokenized_chars_total)
+
+
+_P = ParamSpec("_P")
+
+
+def _counting_tokenized(
+    build: Callable[Concatenate[ContextBuilder, _P], Context],
+) -> Callable[Concatenate[ContextBuilder, _P], Context]:
+    """``build``, its context carrying the characters it tokenized (counted per thread: builds
+    run on worker threads, one build a thread at a time)."""
+
+    @functools.wraps(build)
+    def counted(self: ContextBuilder, /, *args: _P.args, **kwargs: _P.kwargs) -> Context:
+        self._counted.chars = 0
+        context = build(self, *args, **kwargs)
+        return replace(context, tokenized_chars=self._counted.chars)
+
+    return counted
 
 
 class ContextBuilder:
@@ -109,22 +128,8 @@ class ContextBuilder:
             if isinstance(i, int)
         }
 
+    @_counting_tokenized
     def build(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[Tool] | None,
-        parent: Turn | None,
-        lineage: Mapping[int, Turn] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-        images: RequestImages | None = None,
-    ) -> Context:
-        """The prompt for ``messages``, continuing ``parent`` (a turn they extend) when possible
-        (see :meth:`_build`), with the characters it tokenized counted."""
-        self._counted.chars = 0
-        context = self._build(messages, tools, parent, lineage, template_kwargs, images)
-        return replace(context, tokenized_chars=self._counted.chars)
-
-    def _build(
         self,
         messages: Sequence[Message],
         tools: Sequence[Tool] | None,
