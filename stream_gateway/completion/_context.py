@@ -218,14 +218,14 @@ class ContextBuilder:
         dropped earlier thinking needs the shorter renders), nor for an answer whose own text spells
         a special token (where it ends would be ambiguous)."""
         anchor = parent.render_anchor
-        if anchor is None or not self._splits or _spells_marker(assistant, self._markers):
+        if anchor is None or not self._splits or not self._turn_end or _spells_marker(assistant, self._markers):
             return None
         end = full.find(self._turn_end, anchor.chars)
         if end < 0:
             return None
         known = end + len(self._turn_end)
         tail = full[known:]
-        if not tail.startswith(self._markers):
+        if not tail.startswith(self._markers) or known > self._last_marker(full):
             return None
         hasher = hashlib.blake2b(digest_size=16)
         hasher.update(full[: anchor.chars].encode("utf-8", "surrogatepass"))
