@@ -29,7 +29,7 @@ Policies, checked in this order except that a too-long *response* is judged afte
   (:mod:`consumers.images`: an object missing, or pixels that differ from those the policy saw) is
   dropped (``images``): the batcher decides that, and tells :meth:`GroupPlanner.admit`.
 
-Groups: a trajectory's group is its :func:`~consumers.verl_batch.group_uid` by ``group_key``; a
+Groups: a trajectory's group is its :func:`group_uid` by ``group_key``; a
 ``metadata:<name>`` key that the session lacks falls back to the prompt. A group with a dropped
 member can never be whole: when its members plus its dropped count reach ``group_size`` the rest
 are released too (dropped as an incomplete group). More than ``group_size`` trajectories with one
@@ -51,6 +51,7 @@ for members that will not come (hence ``group_timeout_s``).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections import deque
@@ -72,6 +73,7 @@ __all__ = [
     "PlannedBatch",
     "adapter_filter",
     "check_batch_shape",
+    "group_uid",
     "prepare_trajectory",
 ]
 
@@ -338,7 +340,7 @@ class GroupPlanner:
                 overlong=policy.overlong,
                 no_reward=policy.no_reward,
             )
-        uid = _group_uid(trajectory, policy.group_key)
+        uid = group_uid(trajectory, policy.group_key)
         group = lane.open.get(uid)
         if group is None:
             group = lane.open[uid] = _OpenGroup(uid, since=self._clock())
@@ -410,9 +412,21 @@ class GroupPlanner:
         return lane
 
 
-def _group_uid(trajectory: Trajectory, key: str) -> str:
-    from .verl_batch import group_uid  # imports torch: only once a trajectory is grouped
+def group_uid(trajectory: Trajectory, key: str) -> str:
+    """The GRPO group a trajectory belongs to, by ``key`` (the one definition: the batcher's and
+    every caller's; no torch needed).
 
-    if key.startswith("metadata:") and key.removeprefix("metadata:") not in trajectory.metadata:
+    ``"metadata:<name>"``: the session's ``metadata[name]``, or, for a session without it, the
+    prompt's group; ``"prompt"``: the sha256 of the first prompt's token ids
+    (``token_ids[:prompt_length]``), so trajectories that started from the same tokens share a
+    group. Any other key is a :class:`ValueError`.
+    """
+    if key.startswith("metadata:") and len(key) > len("metadata:"):
+        value = trajectory.metadata.get(key.removeprefix("metadata:"))
+        if value is not None:
+            return value
         key = "prompt"
-    return group_uid(trajectory, key)
+    if key == "prompt":
+        prompt = trajectory.token_ids[: trajectory.prompt_length]
+        return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()
+    raise ValueError(f"unknown group key {key!r}: expected 'prompt' or 'metadata:<name>'")

@@ -91,7 +91,6 @@ that need them. ``import verl`` pulls in ray, sets up the root logger
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -100,6 +99,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from .grouping import group_uid
 from .trajectory import Trajectory
 from .verl_vision import mrope_position_ids, multi_modal_inputs
 
@@ -166,28 +166,6 @@ class _Row:
     logprobs: list[float]
     reasoning: list[int]
     routes: npt.NDArray[Any] | None  # [len(prompt) + len(response) - 1, layers, top_k]: every id but the last
-
-
-def group_uid(trajectory: Trajectory, key: str) -> str:
-    """The GRPO group a trajectory belongs to, by ``key``.
-
-    ``"metadata:<name>"``: the session's ``metadata[name]`` (a :class:`ValueError` if missing);
-    ``"prompt"``: the sha256 of the first prompt's token ids (``token_ids[:prompt_length]``), so
-    trajectories that started from the same tokens share a group.
-    """
-    if key == "prompt":
-        prompt = trajectory.token_ids[: trajectory.prompt_length]
-        return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()
-    if key.startswith("metadata:") and len(key) > len("metadata:"):
-        name = key.removeprefix("metadata:")
-        try:
-            return trajectory.metadata[name]
-        except KeyError:
-            raise ValueError(
-                f"trajectory {trajectory.trajectory_id} (session {trajectory.session_id}) has no metadata "
-                f"`{name}` to group by (it has {sorted(trajectory.metadata)})"
-            ) from None
-    raise ValueError(f"unknown group key {key!r}: expected 'prompt' or 'metadata:<name>'")
 
 
 def padded_batch(

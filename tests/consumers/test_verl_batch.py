@@ -726,8 +726,8 @@ def test_group_uid() -> None:
     b = _trajectory([5, 6], [9, 10], [1, 1])
     c = _trajectory([5, 7], [8], [1])
     assert group_uid(a, "metadata:group") == "g1"
-    with pytest.raises(ValueError, match="no metadata `group`"):
-        group_uid(b, "metadata:group")
+    # A session without the metadata groups by its prompt, as the batcher groups it (one definition).
+    assert group_uid(b, "metadata:group") == group_uid(b, "prompt")
     assert group_uid(a, "prompt") == group_uid(b, "prompt") != group_uid(c, "prompt")
     assert len(group_uid(a, "prompt")) == 64
     for bad in ("metadata:", "session", ""):

@@ -47,6 +47,17 @@ def test_trainer_side_modules_import_without_the_web_stack() -> None:
     assert result.stdout.strip() == "[]"
 
 
+def test_grouping_a_trajectory_needs_no_torch() -> None:
+    """The batcher's grouping (and the one ``group_uid``) imports without torch: a group id is a
+    sha256 of ids or a metadata value, and ``consumers.verl_batch`` only re-exports it (issue 39)."""
+    code = "import sys; from consumers.grouping import GroupPlanner, group_uid; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "False"
+    from consumers import grouping, verl_batch
+
+    assert verl_batch.group_uid is grouping.group_uid
+
+
 def _imports(package: str) -> set[str]:
     found = set()
     for path in (ROOT / package).glob("*.py"):
