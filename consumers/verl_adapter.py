@@ -226,6 +226,7 @@ class StreamAgentLoopManager:
             try:
                 if len(data) != manifest.size or hashlib.sha256(data).hexdigest() != manifest.sha256:
                     raise ValueError(f"batch {manifest.batch_id}: the object does not match its manifest")
+                _check_lengths(manifest, settings)
                 trajectories, uids = decode_batch(data)
                 images = loop.call(self._resolve_images(trajectories))
                 output = to_data_proto(
@@ -430,6 +431,19 @@ async def _acknowledge(msg: Msg) -> None:
             if attempt == _ACK_ATTEMPTS - 1:
                 raise RuntimeError(f"could not acknowledge a batch manifest (it would come again): {exc!r}") from exc
             await anyio.sleep(1)
+
+
+def _check_lengths(manifest: BatchManifest, settings: StreamSettings) -> None:
+    """A batch cut for longer prompts or responses than this trainer pads to is refused up front,
+    naming both settings (it stays in the stream for a trainer that fits it)."""
+    if manifest.prompt_length <= settings.prompt_length and manifest.response_length <= settings.response_length:
+        return
+    raise ValueError(
+        f"batch {manifest.batch_id} was cut for prompts of up to {manifest.prompt_length} and responses of up "
+        f"to {manifest.response_length} tokens (the batcher's --prompt-length/--response-length), but this "
+        f"trainer pads to {settings.prompt_length} and {settings.response_length} "
+        "(actor_rollout_ref.rollout.prompt_length/response_length): set the trainer's at least as long"
+    )
 
 
 def _fit_to_request(

@@ -7,6 +7,7 @@ Batches come from a real :class:`~consumers.batcher.Batcher`; the "trainer" is t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -111,6 +112,13 @@ async def test_generate_sequences_returns_the_next_batch_in_the_trainers_step(
                 await wait_until(lambda: batcher.statistics().batches == 2)
                 manifests = [m for _, m in await read_manifests(js, names)]
                 tg.cancel_scope.cancel()
+
+            short = dataclasses.replace(settings, prompt_length=8)
+            with StreamAgentLoopManager(settings=short) as manager:
+                # A trainer padding shorter than the batcher cut: said up front, naming both settings.
+                _, request = _trainer_request(prompts=2, n=2)
+                with pytest.raises(ValueError, match=r"cut for prompts of up to 16 .* pads to 8 and 32"):
+                    await anyio.to_thread.run_sync(manager.generate_sequences, request)
 
             with StreamAgentLoopManager(settings=settings) as manager:
                 # A trainer whose step does not match the batch: a clear error, and the batch stays.
