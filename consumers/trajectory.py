@@ -55,11 +55,11 @@ and the chain's turn ids, so the same chain always gets the same id, and publish
 
 from __future__ import annotations
 
-import base64
 import hashlib
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
+from pipeline.routes import decode_routes, encode_routes, routes_problem
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
@@ -135,33 +135,17 @@ class ExpertRoutes(BaseModel):
         Checked on construction too; a copy made without validation (``model_copy``) is checked
         here by the batcher and the verl layouts.
         """
-        rows, layers, top_k = self.shape
-        if rows < 0 or layers < 1 or top_k < 1:
-            return f"routed_experts.shape must be [rows >= 0, layers >= 1, top_k >= 1], not {list(self.shape)}"
-        size = rows * layers * top_k * (1 if self.dtype == "uint8" else 2)
-        padding = len(self.data) - len(self.data.rstrip("="))
-        if len(self.data) % 4 or len(self.data) * 3 // 4 - padding != size:
-            return f"routed_experts.data does not hold {size} bytes (shape {list(self.shape)}, {self.dtype})"
-        if tokens is not None and rows != max(tokens - 1, 0):
-            return f"routed_experts has {rows} rows for {tokens} token ids (one per id but the last)"
-        return None
+        return routes_problem(self.shape, self.dtype, self.data, tokens)
 
     def array(self) -> npt.NDArray[Any]:
-        """The expert ids, ``[rows, layers, top_k]`` (read-only: a view of the decoded bytes)."""
-        import numpy as np
-
-        array: npt.NDArray[Any] = np.frombuffer(base64.b64decode(self.data), dtype=self.dtype)
-        return array.reshape(self.shape)
+        """The expert ids, ``[rows, layers, top_k]``, in native byte order (:func:`pipeline.routes.decode_routes`)."""
+        return decode_routes({"shape": list(self.shape), "dtype": self.dtype, "data": self.data})
 
     @classmethod
     def of(cls, array: npt.NDArray[Any]) -> ExpertRoutes:
         """Encode a ``[rows, layers, top_k]`` array of uint8 or uint16 expert ids."""
-        dtype = str(array.dtype)
-        if dtype not in ("uint8", "uint16") or array.ndim != 3:
-            raise ValueError(f"routes must be a [rows, layers, top_k] uint8/uint16 array, not {dtype} {array.shape}")
-        rows, layers, top_k = (int(n) for n in array.shape)
-        data = base64.b64encode(array.tobytes(order="C")).decode("ascii")
-        return cls(shape=(rows, layers, top_k), dtype=dtype, data=data)  # type: ignore[arg-type]
+        encoded = encode_routes(array)
+        return cls(shape=tuple(encoded["shape"]), dtype=encoded["dtype"], data=encoded["data"])
 
     def head(self, rows: int) -> ExpertRoutes:
         """The first ``rows`` rows (all of them if there are fewer)."""

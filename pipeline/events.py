@@ -73,6 +73,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from pipeline.routes import routes_problem
+
 __all__ = [
     "DURABLE_KINDS",
     "EVENT_TYPES",
@@ -257,12 +259,8 @@ class RoutedExperts(BaseModel):
 
     @model_validator(mode="after")
     def _data_of_the_right_size(self) -> RoutedExperts:
-        if min(self.shape) < 0 or self.shape[1] < 1 or self.shape[2] < 1:
-            raise ValueError("routed_experts.shape must be [rows >= 0, layers >= 1, top_k >= 1]")
-        size = self.shape[0] * self.shape[1] * self.shape[2] * (1 if self.dtype == "uint8" else 2)
-        padding = len(self.data) - len(self.data.rstrip("="))
-        if len(self.data) % 4 or len(self.data) * 3 // 4 - padding != size:
-            raise ValueError(f"routed_experts.data does not hold {size} bytes (shape {list(self.shape)})")
+        if (problem := routes_problem(self.shape, self.dtype, self.data)) is not None:
+            raise ValueError(problem)
         return self
 
 

@@ -40,14 +40,13 @@ Not thread-safe: a capture belongs to one model, driven by one thread (the engin
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pipeline.routes import decode_routes, encode_routes
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +56,9 @@ __all__ = ["RouterCapture", "decode_routes", "encode_routes", "replay_routes", "
 
 _PROBE_ROWS = 5  # rows of a router probe: a count no top-k or expert count is likely to share
 _EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
 # uint16 is little-endian on the wire, whatever the host.
-_WIRE_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype("u1"), "uint16": np.dtype("<u2")}
-
-
 def route_dtype(num_experts: int) -> np.dtype[Any]:
     """The smallest unsigned dtype holding an expert id: uint8 up to 256 experts, uint16 up to 65,536."""
     if num_experts < 1:
@@ -359,49 +357,7 @@ class RouterCapture:
         self.discard()
 
 
-# -- wire form ---------------------------------------------------------------------------------
-
-
-def encode_routes(routes: np.ndarray[Any, np.dtype[Any]]) -> dict[str, Any]:
-    """{"shape": [T, L, K], "dtype": "uint8" | "uint16", "data": <standard base64 of the C-order bytes>}
-
-    uint16 bytes are little-endian.
-    """
-    if routes.ndim != 3:
-        raise ValueError(f"routes must be [positions, layers, top_k], got shape {list(routes.shape)}")
-    name = routes.dtype.name
-    if name not in _WIRE_DTYPES:
-        raise ValueError(f"routes must be uint8 or uint16, got {name}")
-    data = np.ascontiguousarray(routes, dtype=_WIRE_DTYPES[name]).tobytes()
-    return {"shape": [int(n) for n in routes.shape], "dtype": name, "data": base64.b64encode(data).decode("ascii")}
-
-
-def decode_routes(value: Mapping[str, Any]) -> np.ndarray[Any, np.dtype[Any]]:
-    """The inverse of :func:`encode_routes`; a clear ValueError for a wrong dtype, shape/size mismatch or bad base64.
-
-    The array is writable and in native byte order.
-    """
-    name, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
-    if not isinstance(name, str) or name not in _WIRE_DTYPES:
-        raise ValueError(f"routes dtype must be 'uint8' or 'uint16', got {name!r}")
-    if (
-        not isinstance(shape, list | tuple)
-        or len(shape) != 3
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
-    ):
-        raise ValueError(f"routes shape must be three non-negative ints [positions, layers, top_k], got {shape!r}")
-    if not isinstance(data, str):
-        raise ValueError(f"routes data must be a base64 string, got {type(data).__name__}")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"routes data is not valid base64: {exc}") from exc
-    dtype = _WIRE_DTYPES[name]
-    expected = int(np.prod(shape)) * dtype.itemsize
-    if len(raw) != expected:
-        raise ValueError(f"routes data holds {len(raw)} bytes; shape {list(shape)} of {name} needs {expected}")
-    routes = np.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-    return routes.astype(dtype.newbyteorder("="), copy=False)
+# -- wire form: pipeline.routes (encode_routes, decode_routes), re-exported here ------------------
 
 
 # -- replay ------------------------------------------------------------------------------------
