@@ -59,6 +59,7 @@ import hashlib
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
+from pipeline.events import ImageRecord
 from pipeline.routes import decode_routes, encode_routes, routes_problem
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -154,23 +155,13 @@ class ExpertRoutes(BaseModel):
         return ExpertRoutes.of(self.array()[: max(rows, 0)])
 
 
-class TrajectoryImage(BaseModel):
-    """One image of a trajectory's prompts (schema 5): its bytes' name, its place in ``token_ids``,
-    and what the model's processor made of it (:class:`pipeline.events.ImageRecord`'s fields)."""
+class TrajectoryImage(ImageRecord):
+    """One image of a trajectory's prompts (schema 5): a turn's image record
+    (:class:`pipeline.events.ImageRecord`, the one declaration of its fields), placed in ``token_ids``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="of the image's bytes: `images/<sha256>` in sg_images")
-    media_type: str = Field(description="image/png, image/jpeg, image/webp or image/gif")
-    width: int = Field(ge=1, description="pixels, as sent")
-    height: int = Field(ge=1, description="pixels, as sent")
     start: int = Field(ge=0, description="index in token_ids of its first placeholder token")
-    tokens: int = Field(ge=1, description="placeholder tokens it takes")
-    grid_thw: tuple[int, int, int] = Field(description="the processor's patch grid: time, height, width")
-    pixels_sha256: str = Field(
-        pattern=r"^[0-9a-f]{64}$", description="of the float32 pixel values the policy consumed (C order)"
-    )
-    processor: str = Field(description="the image processor's fingerprint: `processors/<fingerprint>` in sg_images")
 
     @property
     def end(self) -> int:
