@@ -37,10 +37,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipeline.chains import chain_tokens
 from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnRecord
+from pipeline.routes import chain_routes_rows
 
 from .trajectory import (
     ExpertRoutes,
@@ -54,7 +55,7 @@ from .trajectory import (
 )
 
 if TYPE_CHECKING:
-    import numpy.typing as npt
+    pass
 
 __all__ = ["SessionEvents", "build_trajectories", "chain_images", "chain_routes"]
 
@@ -295,31 +296,13 @@ def _adapter_name(adapter: str | None) -> str:
 
 def chain_routes(chain: list[TurnRecord], length: int) -> ExpertRoutes | None:
     """The routes of a chain of ``length`` ids from its turns' own rows; ``None``: no turn has any.
-
-    A :class:`ValueError` says why routes that exist cannot make the chain's: a turn without
-    any, rows that do not start where the previous turn's end, a different number of layers or
-    experts per token, or not one row per id but the last. A chain mixing uint8 and uint16 turns
-    gets uint16.
-    """
-    recorded = [turn.routed_experts for turn in chain]
-    if all(r is None for r in recorded):
-        return None
-    rows = 0
-    parts: list[npt.NDArray[Any]] = []
-    for turn, routes in zip(chain, recorded, strict=True):
-        if routes is None:
-            raise ValueError(f"turn {turn.turn_id} has no routed_experts while others of its chain do")
-        if routes.start != rows:
-            raise ValueError(f"turn {turn.turn_id}'s routed_experts start at {routes.start}, not at {rows}")
-        if parts and routes.shape[1:] != parts[0].shape[1:]:
-            raise ValueError(
-                f"turn {turn.turn_id} has routes of {list(routes.shape[1:])} (layers, top_k), "
-                f"not {list(parts[0].shape[1:])}"
-            )
-        parts.append(ExpertRoutes(shape=routes.shape, dtype=routes.dtype, data=routes.data).array())
-        rows += routes.shape[0]
-    if rows != max(length - 1, 0):
-        raise ValueError(f"the turns' routed_experts hold {rows} rows for a chain of {length} ids")
-    import numpy as np
-
-    return ExpertRoutes.of(np.concatenate(parts, axis=0, dtype=np.result_type(*parts)))
+    A :class:`ValueError` says why routes that exist cannot make the chain's
+    (:func:`pipeline.routes.chain_routes_rows`, the one chaining rule)."""
+    turns = [
+        (turn.turn_id, r.start, ExpertRoutes(shape=r.shape, dtype=r.dtype, data=r.data).array())
+        if (r := turn.routed_experts) is not None
+        else (turn.turn_id, 0, None)
+        for turn in chain
+    ]
+    rows = chain_routes_rows(turns, length)
+    return ExpertRoutes.of(rows) if rows is not None else None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # numpy is imported by the codec, not by the events that only check sizes
     import numpy as np
 
-__all__ = ["decode_routes", "encode_routes", "routes_problem", "wire_dtypes"]
+__all__ = ["chain_routes_rows", "decode_routes", "encode_routes", "routes_problem", "wire_dtypes"]
 
 
 @cache
@@ -89,3 +89,36 @@ def routes_problem(shape: Sequence[int], dtype: str, data: str, tokens: int | No
     if tokens is not None and rows != max(tokens - 1, 0):
         return f"routed_experts has {rows} rows for {tokens} token ids (one per id but the last)"
     return None
+
+
+def chain_routes_rows(
+    turns: Sequence[tuple[str, int, np.ndarray[Any, np.dtype[Any]] | None]], length: int
+) -> np.ndarray[Any, np.dtype[Any]] | None:
+    """The routes of a chain of ``length`` ids from its turns' own rows, given in chain order as
+    ``(turn id, position of the turn's first row, its rows or None)``; ``None``: no turn has any.
+
+    A :class:`ValueError` says why rows that exist cannot make the chain's: a turn without any,
+    rows that do not start where the previous turn's end, another number of layers or experts per
+    token, or not one row per id but the last (never a guessed alignment). A chain mixing uint8
+    and uint16 turns gets uint16. The session API and the assembler both chain with this.
+    """
+    if all(rows is None for _, _, rows in turns):
+        return None
+    import numpy as np
+
+    covered = 0
+    parts: list[np.ndarray[Any, np.dtype[Any]]] = []
+    for turn_id, start, rows in turns:
+        if rows is None:
+            raise ValueError(f"turn {turn_id} has no routed_experts while others of its chain do")
+        if start != covered:
+            raise ValueError(f"turn {turn_id}'s routed_experts start at {start}, not at {covered}")
+        if parts and rows.shape[1:] != parts[0].shape[1:]:
+            raise ValueError(
+                f"turn {turn_id} has routes of {list(rows.shape[1:])} (layers, top_k), not {list(parts[0].shape[1:])}"
+            )
+        parts.append(rows)
+        covered += rows.shape[0]
+    if covered != max(length - 1, 0):
+        raise ValueError(f"the turns' routed_experts hold {covered} rows for a chain of {length} ids")
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0, dtype=np.result_type(*parts))

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pipeline import TokenChain, chain_tokens
+from pipeline.routes import chain_routes_rows
 
 from stream_gateway._errors import NotFound, PermissionDenied
 from stream_gateway.tool_parsers import ToolCall
@@ -517,25 +518,23 @@ def foreign_session(session_id: str) -> PermissionDenied:
 
 def turn_routes(session: Session, turn: Turn) -> np.ndarray | None:
     """The experts that routed every position ``turn`` ran over (``prompt + output - 1`` rows):
-    each row from the turn that first ran it, the ancestors' then its own. ``None`` when a turn
-    of the chain recorded none (a dense model, or a replica that did not receive them)."""
+    each row from the turn that first ran it, the ancestors' then its own. ``None`` when no turn of
+    the chain recorded any (a dense model), or when the rows do not make the chain's
+    (:func:`pipeline.routes.chain_routes_rows`: a turn of a replica that did not receive them,
+    rows that do not line up), which is logged."""
     lineage = []
     current: Turn | None = turn
     while current is not None:
-        if current.routes is None:
-            return None
         lineage.append(current)
         current = session.turns.get(current.parent_id) if current.parent_id is not None else None
-    rows, covered = [], 0
-    for each in reversed(lineage):
-        if each.routes_start != covered:  # rows missing or doubled: never guess an alignment
-            log.warning("turn %s: routes start at %d, not %d", each.turn_id, each.routes_start, covered)
-            return None
-        rows.append(each.routes)
-        covered += len(each.routes)  # type: ignore[arg-type]
-    if covered != len(turn.prompt_ids) + len(turn.output_ids) - 1:
+    try:
+        return chain_routes_rows(
+            [(t.turn_id, t.routes_start, t.routes) for t in reversed(lineage)],
+            len(turn.prompt_ids) + len(turn.output_ids),
+        )
+    except ValueError as exc:  # the same rule the assembler applies; here the API answers null
+        log.warning("turn %s: no routes for its chain: %s", turn.turn_id, exc)
         return None
-    return rows[0] if len(rows) == 1 else np.concatenate(rows)  # type: ignore[arg-type]
 
 
 def session_body(session: Session, *, routed_experts: bool = False) -> dict[str, Any]:
