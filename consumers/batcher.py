@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -70,7 +70,6 @@ from .grouping import (
     GroupingPolicy,
     GroupPlanner,
     adapter_filter,
-    check_batch_shape,
     prepare_trajectory,
 )
 from .images import ImagesRefused, ImageStore
@@ -100,19 +99,13 @@ class BatcherConfig:
     durable: str = "batcher"  # with an adapter filter, the consumer is named after it too (consumer_name)
     only_adapter: str | None = None  # take only this LoRA adapter's trajectories
     only_base: bool = False  # take only the base model's trajectories
-    batch_size: int = 16  # trajectories per batch
-    group_size: int = 1  # a batch holds only whole groups of this size
-    group_key: str = "metadata:group"  # or "prompt"
-    max_staleness: int | None = None  # in policy versions; None: keep everything
-    prompt_length: int = 1024
-    response_length: int = 2048
-    overlong: Literal["truncate", "drop"] = "truncate"
-    no_reward: Literal["drop", "zero"] = "drop"
+    # batch and group sizes, the group key, staleness, lengths and the policies for over-long and
+    # unrewarded trajectories: the planner's own settings (flat, as the CLI's flags: BatcherConfig.of)
+    grouping: GroupingPolicy = field(default_factory=GroupingPolicy)
     output_dir: Path | None = None  # also write <batch_id>.parquet here
     parquet_max_age_s: float = 0.0  # delete this batcher's parquet files older than this (retention); 0: never
     ack_wait_s: float = 30.0
     max_pending: int = 4096  # trajectories held unacknowledged (the consumer's max_ack_pending)
-    group_timeout_s: float | None = None  # drop a group still incomplete after this long
     state_bucket: str = "sg_batcher"  # the KV bucket of batch assignments
     image_cache_bytes: int = 256 << 20  # processed images kept for the image check (consumers.images)
     fetch_batch: int = 256
@@ -120,11 +113,17 @@ class BatcherConfig:
     progress_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
-        check_batch_shape(self.batch_size, self.group_size)
-        if self.max_pending < self.batch_size:
-            raise ValueError(f"max_pending {self.max_pending} must be at least batch_size {self.batch_size}")
-        _ = self.grouping  # checks the policies
-        _ = self.adapters  # and the adapter filter
+        if self.max_pending < self.grouping.batch_size:
+            raise ValueError(f"max_pending {self.max_pending} must be at least batch_size {self.grouping.batch_size}")
+        _ = self.adapters  # checks the adapter filter
+
+    @classmethod
+    def of(cls, **values: Any) -> BatcherConfig:
+        """A config from flat values, as the command line has them: :class:`GroupingPolicy`'s
+        fields (``batch_size``, ``group_size``, ...) go into ``grouping``, the rest are this class's."""
+        policy = {name.name for name in fields(GroupingPolicy)}
+        grouping = GroupingPolicy(**{k: v for k, v in values.items() if k in policy})
+        return cls(grouping=grouping, **{k: v for k, v in values.items() if k not in policy})
 
     @property
     def adapters(self) -> AdapterFilter | None:
@@ -136,21 +135,6 @@ class BatcherConfig:
         """The durable consumer read: ``durable``, or with an adapter filter ``<durable>-adapter-<name>``/``-base``."""
         adapters = self.adapters
         return self.durable if adapters is None else adapters.consumer_name(self.durable)
-
-    @property
-    def grouping(self) -> GroupingPolicy:
-        """The fields the grouping policy decides by."""
-        return GroupingPolicy(
-            batch_size=self.batch_size,
-            group_size=self.group_size,
-            group_key=self.group_key,
-            max_staleness=self.max_staleness,
-            prompt_length=self.prompt_length,
-            response_length=self.response_length,
-            overlong=self.overlong,
-            no_reward=self.no_reward,
-            group_timeout_s=self.group_timeout_s,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,9 +299,9 @@ class Batcher:
     async def _on_pending(self, msg: Msg) -> None:
         """``stream-gateway pending``: what this batcher holds and what a batch still needs (read only)."""
         s = self.statistics()
-        config = self._config
-        answer = {"role": "batcher", "held": s.held, "open_groups": s.open_groups, "batch_size": config.batch_size,
-                  "group_size": config.group_size, "batches": s.batches}  # fmt: skip
+        policy = self._config.grouping
+        answer = {"role": "batcher", "held": s.held, "open_groups": s.open_groups, "batch_size": policy.batch_size,
+                  "group_size": policy.group_size, "batches": s.batches}  # fmt: skip
         if msg.reply:
             await msg.respond(orjson.dumps(answer))
 
@@ -516,7 +500,7 @@ class Batcher:
                     "batcher: group %s%s incomplete after %.0f s (%d held): dropped",
                     group.uid,
                     "" if group.adapter is None else f" (adapter {group.adapter!r})",
-                    self._config.group_timeout_s,
+                    self._config.grouping.group_timeout_s,
                     len(group.members),
                 )
                 self._release(group)

@@ -80,7 +80,7 @@ def batcher_config(
         replicas=replicas,
         batches_max_age_s=args.batches_max_age_seconds,
     )
-    return BatcherConfig(
+    return BatcherConfig.of(
         **more,
         servers=servers,
         auth=auth,
@@ -117,7 +117,8 @@ def _batch(args: argparse.Namespace) -> int:
     where = f", parquet files in {output_dir}" if output_dir else ""
     only = "" if config.adapters is None else f" of {config.adapters} only (consumer {config.consumer_name})"
     progress(
-        f"batcher: batches of {config.batch_size} (groups of {config.group_size}){only} from {args.nats_url}{where}"
+        f"batcher: batches of {config.grouping.batch_size} (groups of {config.grouping.group_size}){only} "
+        f"from {args.nats_url}{where}"
     )
     return _run_consumer("batch", run_batcher, config)
 

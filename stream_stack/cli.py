@@ -182,6 +182,7 @@ def _ready(
     stream = f"stream {settings.events_stream}, subjects {settings.subject_prefix}.events.>"
     command = _command_path()
     reward = "no reward: dropped" if assembler.default_reward is None else f"reward {assembler.default_reward:g}"
+    size, groups = batcher.grouping.batch_size, batcher.grouping.group_size
     return [
         f"  OpenAI API     {base}/v1   (model {model_name!r}{workers})",
         f"  sessions       {base}/sessions/<id>/v1   (end one: POST {base}/sessions/<id>/close)",
@@ -190,7 +191,7 @@ def _ready(
         *([f"  NATS monitor   {monitor}"] if monitor else []),
         f"  trajectories   stream {names.trajectories} (a session's, once it is closed or idle "
         f"{assembler.idle_timeout_s:g} s; without feedback: {reward})",
-        f"  batches        {batch_dir}   (batches of {batcher.batch_size}, groups of {batcher.group_size})",
+        f"  batches        {batch_dir}   (batches of {size}, groups of {groups})",
         "  retention      "
         + ", ".join(
             f"{what} {_days(seconds)}"
@@ -204,7 +205,7 @@ def _ready(
             )
         ),
         f"  waiting:       {command} pending --nats-url {url}   (each session, and why)",
-        f"  flush a batch  {command} flush --nats-url {url}   (what is held now, fewer than {batcher.batch_size})",
+        f"  flush a batch  {command} flush --nats-url {url}   (what is held now, fewer than {size})",
         f"  new weights    {command} publish-weights --nats-url {url} --policy-version N DIR",
         f"  watch events:  {command} tail --nats-url {url}",
     ]

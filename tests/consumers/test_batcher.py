@@ -125,7 +125,7 @@ def batcher_config(url: str, names: ConsumerStreams, **overrides: Any) -> Batche
         "ack_wait_s": 5.0,
         "policy_poll_s": 0.1,
     }
-    return BatcherConfig(**(values | overrides))
+    return BatcherConfig.of(**(values | overrides))
 
 
 # -- grouping and artifacts --------------------------------------------------------------------

@@ -53,7 +53,7 @@ KEY = "sk-e2e"
 def consumers(server: EmbeddedNatsServer, batch_dir: Path) -> Iterator[None]:
     """The assembler and the batcher on their own event loop, as ``up`` runs them."""
     assembler = AssemblerConfig(servers=(server.url,), ack_wait_s=10)
-    batcher = BatcherConfig(
+    batcher = BatcherConfig.of(
         servers=(server.url,), batch_size=4, group_size=2, prompt_length=512, response_length=512, output_dir=batch_dir
     )
     with anyio.from_thread.start_blocking_portal() as portal:

@@ -65,7 +65,7 @@ def main() -> None:
     _instrument(spec.pop("die_at", None), float(spec.pop("step_delay_s", 0.0)))
     names = ConsumerStreams(**spec.pop("names"))
     servers = tuple(spec.pop("servers"))
-    anyio.run(_main, BatcherConfig(servers=servers, names=names, **spec))
+    anyio.run(_main, BatcherConfig.of(servers=servers, names=names, **spec))
 
 
 if __name__ == "__main__":

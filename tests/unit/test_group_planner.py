@@ -153,7 +153,7 @@ def test_an_invalid_policy_says_why_as_the_batchers_config_does(fields: dict[str
     with pytest.raises(ValueError, match=message):
         GroupingPolicy(**fields)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=message):
-        BatcherConfig(**fields)  # type: ignore[arg-type]
+        BatcherConfig.of(**fields)
     with pytest.raises(ValueError, match="max_pending 8 must be at least batch_size 16"):
         BatcherConfig(max_pending=8)
 
