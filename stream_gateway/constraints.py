@@ -20,6 +20,13 @@ otherwise), as vLLM applies structured outputs only after ``</think>``. The thin
 only as far as a block's text allows (no special token but the closing tag), so its recorded
 logprobs replay with the same grammar as the answer's.
 
+Objects hold their declared properties only: an object schema with ``properties`` and no
+``additionalProperties`` of its own gets ``additionalProperties: false`` (:func:`_closed`), as
+OpenAI's strict mode and xgrammar's (vLLM's default backend) read schemas; JSON Schema's own
+default lets a model add keys without end (a tiny model forced into one call wrote ``{"city": ...,
+"population": 9, ": ": -8.4e-8, ...}`` until ``max_tokens``). A schema that allows more says so; a
+function without ``parameters`` takes none (``{}``), as OpenAI reads it.
+
 JSON is written with fixed separators (``", "``, ``": "``) and no other whitespace: a model free
 to choose its whitespace inside a grammar can pad forever, and these are the separators of
 ``json.dumps`` that models were trained on. The grammar ends where the JSON (or the last call)
@@ -122,7 +129,35 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
         raise InvalidRequest(
             "'response_format.json_schema.schema' must be a JSON schema object", param="response_format"
         )
-    return Constraint.of("json_schema", _json_rule(schema))
+    return Constraint.of("json_schema", _json_rule(_closed(schema)))
+
+
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that declares
+    ``properties`` and says nothing of others (a copy; the request's schema is left as sent)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
@@ -165,7 +200,7 @@ def tool_choice_constraint(
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": f.name}, "arguments": f.parameters or {"type": "object"}},
+            "properties": {"name": {"const": f.name}, "arguments": _closed(f.parameters or _NO_PARAMETERS)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }

@@ -217,8 +217,16 @@ def test_tool_choice_required_and_named(agent_gateway: RunningGateway, client: O
 
 
 def test_langchain_structured_output(agent_gateway: RunningGateway) -> None:
+    # The budget and temperature on the model itself: with_structured_output drops what .bind() set
+    # (langchain-openai 1.7 sent neither, so the request ran at the default temperature).
     model = ChatOpenAI(
-        model="tiny-agent", base_url=agent_gateway.base_url + "/v1", api_key="x", max_retries=0, timeout=120
+        model="tiny-agent",
+        base_url=agent_gateway.base_url + "/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=120,
+        max_tokens=256,
+        temperature=0,
     )
     # by function calling: a named tool_choice; by json_schema: response_format. Bounded fields, so
     # every document the grammar allows ends within the token budget, however the model leans
@@ -228,12 +236,27 @@ def test_langchain_structured_output(agent_gateway: RunningGateway) -> None:
     # a character a token (under 90): 96 ran out once in a full run, when the batch beside it leaned
     # the model to escapes.
     for method in ("function_calling", "json_schema"):
-        structured = model.bind(max_tokens=256, temperature=0).with_structured_output(
-            BoundedCityModel, method=method, include_raw=True
-        )
+        structured = model.with_structured_output(BoundedCityModel, method=method, include_raw=True)
         result = structured.invoke("a city")
         # What the gateway answered and why LangChain could not read it, should it not.
         assert isinstance(result["parsed"], BoundedCityModel), (method, result["raw"], result["parsing_error"])
+
+
+def test_forced_calls_hold_the_declared_arguments_only(agent_gateway: RunningGateway) -> None:
+    """A schema that says nothing of other properties gets none (as OpenAI's strict mode and vLLM's
+    xgrammar read it): at temperature 1.0 over several seeds, every forced call ends, with exactly
+    the declared keys. Before, JSON Schema's default let tiny-agent add keys until max_tokens."""
+    tool = {"type": "function", "function": {"name": "BoundedCityModel",
+            "parameters": BoundedCityModel.model_json_schema()}}  # fmt: skip
+    for seed in range(6):
+        body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "a city"}], "tools": [tool],
+                "tool_choice": {"type": "function", "function": {"name": "BoundedCityModel"}}, "seed": seed,
+                "max_tokens": 400, "temperature": 1.0}  # fmt: skip
+        answer = httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=120).json()
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", (seed, choice)
+        [call] = choice["message"]["tool_calls"]
+        assert set(json.loads(call["function"]["arguments"])) == {"city", "population"}, (seed, call)
 
 
 def test_constrained_requests_are_checked(agent_gateway: RunningGateway) -> None:
