@@ -263,9 +263,14 @@ def to_chat_request(
                 function["strict"] = tool.strict
             tools.append({"type": "function", "function": function})
         fields["tools"] = tools
-    if isinstance(body.tool_choice, dict):
+    if isinstance(body.tool_choice, dict) and body.tool_choice.get("type") == "allowed_tools":
+        fields["tool_choice"] = _allowed_tools(body.tool_choice)
+    elif isinstance(body.tool_choice, dict):
         if body.tool_choice.get("type") != "function" or not body.tool_choice.get("name"):
-            raise InvalidRequest("tool_choice must name a function: {type: function, name}.", param="tool_choice")
+            raise InvalidRequest(
+                "tool_choice must name a function ({type: function, name}) or be {type: allowed_tools, mode, tools}.",
+                param="tool_choice",
+            )
         fields["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice["name"]}}
     elif body.tool_choice is not None:
         fields["tool_choice"] = body.tool_choice
@@ -694,3 +699,18 @@ class ResponsesEdge(EdgeBase):
         prepared = await service.prepare(chat, **call.placement())
         conversation = [m.model_dump(exclude_none=True) for m in chat.messages]
         return ResponsesExchange(prepared, body, response_id(), call.tenant, conversation, self._held, service.signer)
+
+
+def _allowed_tools(choice: dict[str, Any]) -> dict[str, Any]:
+    """The Responses API's flat ``{type: allowed_tools, mode, tools: [{type: function, name}]}`` as
+    chat's ``{type: allowed_tools, allowed_tools: {mode, tools: [{type: function, function: {name}}]}}``
+    (what the mode and names may be is checked there, as for chat requests)."""
+    entries = choice.get("tools")
+    if isinstance(entries, list):
+        entries = [
+            {"type": "function", "function": {"name": e.get("name")}}
+            if isinstance(e, dict) and e.get("type") == "function" and "function" not in e
+            else e
+            for e in entries
+        ]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": entries}}

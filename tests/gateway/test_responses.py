@@ -131,6 +131,26 @@ def test_a_function_call_loop_is_one_token_exact_chain(
     assert_chain_logprobs(model, chain["token_ids"], chain["mask"], chain["logprobs"])
 
 
+def test_allowed_tools_in_the_responses_form_narrow_the_calls(agent_gateway: RunningGateway) -> None:
+    """``tool_choice: {type: allowed_tools, mode, tools: [{type: function, name}]}``, the Responses
+    API's flat form (openai 3.57's ``ToolChoiceAllowed``): tiny-agent, which calls ``read`` given the
+    choice, calls the one tool allowed; a name that is not among the tools is a 400 naming the field."""
+    write = {"type": "function", "name": "write", "description": "Write a file.",
+             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}  # fmt: skip
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "write"}]}
+    with _client(agent_gateway) as client:
+        free = client.responses.create(model="tiny-agent", input="What does the README say?", tools=[READ, write])
+        assert [item.name for item in free.output if item.type == "function_call"] == ["read"]
+        asked = client.responses.create(model="tiny-agent", input="What does the README say?", tools=[READ, write],
+                                        tool_choice=allowed)  # type: ignore[arg-type]  # fmt: skip
+        calls = [item for item in asked.output if item.type == "function_call"]
+        assert [c.name for c in calls] == ["write"] and set(json.loads(calls[0].arguments)) == {"path"}
+        unknown = {**allowed, "tools": [{"type": "function", "name": "delete"}]}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="tiny-agent", input="x", tools=[READ, write], tool_choice=unknown)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == "tool_choice.allowed_tools"  # type: ignore[index]
+
+
 def test_a_previous_response_of_another_key_is_not_continued(gateway: RunningGateway) -> None:
     first = httpx.post(f"{gateway.base_url}/v1/responses", json={"model": "tiny", "input": SEA, "max_output_tokens": 2},
                        headers={"authorization": "Bearer key-a"}, timeout=60)  # fmt: skip
