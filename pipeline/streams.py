@@ -201,7 +201,7 @@ async def ensure_bucket(
     ``max_bytes`` applies to a new one.
     """
     from nats.js.api import ObjectStoreConfig, StorageType
-    from nats.js.errors import BucketNotFoundError, NotFoundError
+    from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
     try:
         store = await js.object_store(bucket)
@@ -213,7 +213,10 @@ async def ensure_bucket(
             max_bytes=_given(max_bytes, -1),
             ttl=max_age_s or None,
         )
-        return await js.create_object_store(bucket, config=config)
+        try:
+            return await js.create_object_store(bucket, config=config)
+        except BadRequestError:  # created meanwhile with other settings (see ensure_named_stream)
+            store = await js.object_store(bucket)
     await _scale(js, f"OBJ_{bucket}", replicas, max_age_s)
     return store
 
@@ -223,13 +226,16 @@ async def ensure_key_value(
 ) -> KeyValue:
     """A file-backed key-value bucket, created if missing; ``replicas`` as :func:`ensure_bucket`'s."""
     from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import BucketNotFoundError, NotFoundError
+    from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
     try:
         kv = await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
         config = KeyValueConfig(bucket=bucket, storage=StorageType.FILE, replicas=_given(replicas, 1), history=history)
-        return await js.create_key_value(config=config)
+        try:
+            return await js.create_key_value(config=config)
+        except BadRequestError:  # created meanwhile with other settings (see ensure_named_stream)
+            kv = await js.key_value(bucket)
     await _scale(js, f"KV_{bucket}", replicas)
     return kv
 
