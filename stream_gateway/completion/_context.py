@@ -178,9 +178,8 @@ class ContextBuilder:
             return new_root("the template cannot render the shorter conversation")
         if not (upto.startswith(base) and upto.endswith(self._turn_end)):
             return new_root("the chat template is not prefix-stable here")
-        known: int | None = len(
-            upto
-        )  # where the text the prompt's new ids stand for starts in ``full`` (None: not there)
+        # Where the text the prompt's new ids stand for starts in ``full`` (None: not there).
+        known: int | None = len(upto)
         if full.startswith(upto):
             tail = full[len(upto) :]
         else:
@@ -227,8 +226,7 @@ class ContextBuilder:
         tail = full[known:]
         if not tail.startswith(self._markers) or known > self._last_marker(full):
             return None
-        hasher = hashlib.blake2b(digest_size=16)
-        hasher.update(full[: anchor.chars].encode("utf-8", "surrogatepass"))
+        hasher = _text_hasher(full[: anchor.chars])
         if hasher.digest() != anchor.digest:
             return None
         sampled = parent.output_ids
@@ -273,7 +271,7 @@ class ContextBuilder:
             tokens = len(full_ids) - len(after)
             if tokens >= 0 and full_ids[tokens:] == after and own[tokens:] == after:
                 exact = own is full_ids or own[:tokens] == full_ids[:tokens]
-                anchor = RenderAnchor(cut, tokens, _text_digest(full[:cut]), exact)
+                anchor = RenderAnchor(cut, tokens, _text_hasher(full[:cut]).digest(), exact)
         return Context(own, None, 0, own == full_ids, anchor=anchor, cold=True)
 
     def _warm_anchor(
@@ -296,12 +294,9 @@ class ContextBuilder:
         cut = self._last_marker(full)
         if cut < parent.chars:
             return None
-        hasher = checked
-        if hasher is None:
-            hasher = hashlib.blake2b(digest_size=16)
-            hasher.update(full[: parent.chars].encode("utf-8", "surrogatepass"))
-            if hasher.digest() != parent.digest:
-                return None
+        hasher = checked if checked is not None else _text_hasher(full[: parent.chars])
+        if checked is None and hasher.digest() != parent.digest:
+            return None
         after = self._encode(full[cut:])
         tokens = len(prompt) - len(after)
         if tokens < parent.tokens or prompt[tokens:] != after:
@@ -420,8 +415,9 @@ def _spells_marker(message: Mapping[str, Any], markers: Sequence[str]) -> bool:
     return any(marker in text for marker in markers)
 
 
-def _text_digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def _text_hasher(text: str) -> Any:
+    """A render anchor's hasher, fed ``text`` (it goes on to cover a continuation's text too)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16)
 
 
 _THOUGHTS_KEPT = 8192  # decoded thoughts kept by ContextBuilder.thought
