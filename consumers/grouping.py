@@ -169,7 +169,7 @@ def prepare_trajectory(
     if trajectory.reward is None:
         if no_reward == "drop":
             return "no_reward"
-        trajectory = trajectory.model_copy(update={"reward": 0.0, "reward_source": "default"})
+        trajectory = trajectory.rewarded(0.0, "default")
     if trajectory.response_length > response_length:
         if overlong == "drop":
             return "length"

@@ -29,6 +29,8 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     prompt_length, num_turns, min_policy_version, max_policy_version   int64
     reward           double (nullable)
     aborted, truncated, complete   bool
+    abort_reason     string (nullable)  why the last turn did not finish
+    health           list<string>  record-health flags (:data:`~consumers.trajectory.HEALTH_FLAGS`)
     started_at, ended_at           double (Unix seconds)
     metadata, turns                string (JSON)
     schema_version                 int8
@@ -143,6 +145,8 @@ def _schema() -> pa.Schema:
             ("reward_source", pa.string()),
             ("adapter", pa.string()),
             ("aborted", pa.bool_()),
+            ("abort_reason", pa.string()),
+            ("health", pa.list_(pa.string())),
             ("truncated", pa.bool_()),
             ("complete", pa.bool_()),
             ("emitted_because", pa.string()),
@@ -215,6 +219,7 @@ def decode_batch(data: bytes) -> tuple[list[Trajectory], list[str]]:
         uids.append(row.pop("uid"))
         row.pop("token_policy_versions", None)  # derived; absent from batches written before it
         row["images"] = row.get("images") or []  # absent from batches written before images
+        row["health"] = row.get("health") or []  # absent from batches written before health flags
         row["routed_experts"] = _routes(*(row.pop(column, None) for column in _ROUTE_COLUMNS))
         for column in _JSON_COLUMNS:
             row[column] = orjson.loads(row[column])

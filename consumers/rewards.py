@@ -68,4 +68,4 @@ async def apply_reward(
         value, source = default_reward, "default" if default_reward is not None else None
     else:
         source = name
-    return trajectory.model_copy(update={"reward": None if value is None else float(value), "reward_source": source})
+    return trajectory.rewarded(None if value is None else float(value), source)

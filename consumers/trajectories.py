@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pipeline.chains import chain_tokens
-from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnRecord
+from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnAborted, TurnRecord
 from pipeline.routes import chain_routes_rows
 
 from .trajectory import (
@@ -48,6 +48,7 @@ from .trajectory import (
     Trajectory,
     TrajectoryImage,
     TurnSummary,
+    health_flags,
     image_cut,
     images_problem,
     token_policy_versions,
@@ -126,8 +127,9 @@ def build_trajectories(
         parent_of[record.turn_id] = parent
         full[record.turn_id] = [*prompt, *record.output_ids]
     has_child = {p for p in parent_of.values() if p is not None}
+    leaves = [t for t in parent_of if t not in has_child]
     trajectories = []
-    for leaf in (t for t in parent_of if t not in has_child):
+    for leaf in leaves:
         path = [leaf]
         while (up := parent_of[path[-1]]) is not None:
             path.append(up)
@@ -145,6 +147,7 @@ def build_trajectories(
                 capped,
                 max_tokens,
                 on_unrouted,
+                forked=len(leaves) > 1,
             )
         except _ImagesRefused as exc:
             log.warning(
@@ -172,6 +175,8 @@ def _trajectory(
     capped: bool,
     max_tokens: int | None,
     on_unrouted: Callable[[str], None] | None,
+    *,
+    forked: bool,
 ) -> Trajectory:
     root = chain[0]
     laid_out = chain_tokens(chain, prompts="appended")  # events carry what each turn appended
@@ -179,9 +184,11 @@ def _trajectory(
     reasoning = list(laid_out.reasoning_mask)
     prompt_length = laid_out.prompt_length
     routes: ExpertRoutes | None = None
+    unrouted = False
     try:
         routes = chain_routes(chain, len(tokens))
     except ValueError as exc:
+        unrouted = True
         log.warning("session %s: chain ending in turn %s has no routes: %s", root.session_id, chain[-1].turn_id, exc)
         if on_unrouted is not None:
             on_unrouted(str(exc))
@@ -220,7 +227,8 @@ def _trajectory(
     own = [turn for turn in chain if turn.adapter == adapter]
     counted = [s for s in summaries if s.turn_id in {turn.turn_id for turn in own}]
     versions = [v for v in token_policy_versions(counted, len(tokens)) if v >= 0] or [own[0].policy_version]
-    return Trajectory(
+    leaf = chain[-1]
+    trajectory = Trajectory(
         trajectory_id=trajectory_id(root.session_id or "", list(laid_out.turn_ids)),
         session_id=root.session_id or "",
         tenant=root.tenant,
@@ -241,13 +249,22 @@ def _trajectory(
         max_policy_version=max(versions),
         reward=reward,
         reward_source=reward_source,
-        aborted=chain[-1].kind == "turn.aborted",
+        aborted=isinstance(leaf, TurnAborted),
+        abort_reason=leaf.reason if isinstance(leaf, TurnAborted) else None,
         truncated=truncated,
         complete=complete,
         emitted_because=emitted_because,
         started_at=root.started_at,
-        ended_at=chain[-1].started_at + chain[-1].duration_s,
+        ended_at=leaf.started_at + leaf.duration_s,
     )
+    health = health_flags(
+        trajectory,
+        forked=forked,
+        unrouted=unrouted,
+        new_root=root.predecessor_turn_id is not None or root.fallback_reason is not None,
+        adapters=len({turn.adapter for turn in chain}),
+    )
+    return trajectory.model_copy(update={"health": health})
 
 
 class _ImagesRefused(ValueError):

@@ -56,6 +56,7 @@ and the chain's turn ids, so the same chain always gets the same id, and publish
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
@@ -68,12 +69,14 @@ if TYPE_CHECKING:
     from pipeline.tombstones import Tombstones
 
 __all__ = [
+    "HEALTH_FLAGS",
     "ExpertRoutes",
     "TRAJECTORY_SCHEMA_VERSION",
     "Trajectory",
     "TrajectoryImage",
     "TurnSummary",
     "erased",
+    "health_flags",
     "image_cut",
     "images_problem",
     "token_policy_versions",
@@ -206,6 +209,40 @@ def image_cut(images: list[TrajectoryImage], cut: int) -> int:
     return cut
 
 
+HEALTH_FLAGS: dict[str, str] = {
+    "no-logprobs": "a sampled token has no logprob (not a finite number)",
+    "truncated": "cut at the turn or token cap: the last turns are not in it",
+    "aborted": "the last turn did not finish (abort_reason says why)",
+    "incomplete": "an event of the session was missing when it was emitted",
+    "no-reward": "no feedback and no default reward: the batcher drops it by default",
+    "mixed-versions": "its sampled tokens come from more than one policy version",
+    "mixed-adapters": "its turns name more than one LoRA adapter",
+    "no-routes": "a mixture-of-experts chain whose routes were dropped (some turns had none, or they do not join)",
+    "forked": "its session's turn tree has more than one chain: another trajectory shares its first turns",
+    "new-root": "its first turn re-rendered a history the gateway had recorded (a fork cause is on the turn): "
+    "assistant text in its prompt was not sampled in this chain",
+}
+"""Every record-health flag a trajectory can carry, and what it means (docs/trajectories.md)."""
+
+
+def health_flags(trajectory: Trajectory, *, forked: bool, unrouted: bool, new_root: bool, adapters: int) -> list[str]:
+    """The record-health flags of a built trajectory, in :data:`HEALTH_FLAGS`'s order."""
+    sampled = (lp for lp, m in zip(trajectory.logprobs, trajectory.loss_mask, strict=True) if m)
+    found = {
+        "no-logprobs": any(not math.isfinite(lp) for lp in sampled),
+        "truncated": trajectory.truncated,
+        "aborted": trajectory.aborted,
+        "incomplete": not trajectory.complete,
+        "no-reward": trajectory.reward is None,
+        "mixed-versions": trajectory.min_policy_version != trajectory.max_policy_version,
+        "mixed-adapters": adapters > 1,
+        "no-routes": unrouted,
+        "forked": forked,
+        "new-root": new_root,
+    }
+    return [flag for flag in HEALTH_FLAGS if found[flag]]
+
+
 class TurnSummary(BaseModel):
     """Where one turn sits in a trajectory, and what it was."""
 
@@ -280,6 +317,14 @@ class Trajectory(BaseModel):
     emitted_because: Literal["closed", "idle", "cap"]
     started_at: float
     ended_at: float
+    abort_reason: str | None = Field(
+        None, description="why the last turn did not finish (turn.aborted's reason); null: it finished"
+    )
+    health: list[str] = Field(
+        default_factory=list,
+        description="record-health flags (HEALTH_FLAGS, docs/trajectories.md): what makes this row doubtful; "
+        "computed once by the assembler, so the console, /metrics and the command line agree",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -299,6 +344,13 @@ class Trajectory(BaseModel):
         if (problem := images_problem(self.token_ids, self.images)) is not None:
             raise ValueError(problem)
         return self
+
+    def rewarded(self, reward: float | None, source: str | None) -> Trajectory:
+        """This trajectory with another reward, its ``no-reward`` health flag following it."""
+        health = [f for f in self.health if f != "no-reward"]
+        if reward is None:
+            health = [f for f in HEALTH_FLAGS if f in health or f == "no-reward"]
+        return self.model_copy(update={"reward": reward, "reward_source": source, "health": health})
 
     def token_policy_versions(self) -> list[int]:
         """The policy version of every position of ``token_ids``: -1 where nothing was sampled."""

@@ -450,7 +450,9 @@ def test_a_chain_whose_routes_do_not_join_up_has_none(
     dense = [_with_routes(e, None) for e in events if isinstance(e, TurnCompleted)]
     [plain] = build_trajectories(SessionEvents.of(dense), emitted_because="closed", on_unrouted=unrouted.append)
     assert plain.routed_experts is None and len(unrouted) == 1
-    assert plain == trajectory
+    # The same ids and masks; only the health says the routed chain lost its routes.
+    assert "no-routes" in trajectory.health and "no-routes" not in plain.health
+    assert plain == trajectory.model_copy(update={"health": [f for f in trajectory.health if f != "no-routes"]})
 
 
 def test_schema_3_trajectories_decode_with_no_routes_and_wrong_row_counts_are_refused() -> None:
