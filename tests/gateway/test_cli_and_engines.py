@@ -196,11 +196,12 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
 
     Plain traffic, as a newcomer sends it (issue 43): no feedback, one session closed and one
     simply left, and up's own defaults (no reward given: 0) make the batch."""
-    port = free_port()
+    port, console = free_port(), free_port()
     data_dir = tmp_path / "up"
     command = [sys.executable, "-m", "stream_stack", "up", "--model", str(tiny_model_path)]
     command += ["--served-model-name", "tiny", "--port", str(port), "--data-dir", str(data_dir)]
     command += ["--nats-port", "0", "--nats-monitor-port", "0", "--batch-size", "2", "--idle-timeout", "3"]
+    command += ["--console-port", str(console)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
@@ -215,11 +216,19 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
         while not list((data_dir / "batches").glob("*.parquet")):
             assert time.monotonic() < deadline, "no batch was written"
             time.sleep(0.2)
+        # The console up prints reads the same stores: both sessions, each in its batch.
+        with httpx.Client(base_url=f"http://127.0.0.1:{console}") as browser:
+            browser.post("/api/login", json={"key": "x"}).raise_for_status()
+            listed = browser.get("/api/sessions").json()["sessions"]
+            assert sorted(s["session_id"] for s in listed) == ["one", "two"]
+            trajectories = [t for s in ("one", "two") for t in browser.get(f"/api/sessions/{s}").json()["trajectories"]]
+            assert len(trajectories) == 2 and all(t["batch_id"] for t in trajectories), trajectories
     finally:
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
-    for where in (f"http://127.0.0.1:{port}/v1", "NATS ", str(data_dir / "batches"), "stopped"):
+    for where in (f"http://127.0.0.1:{port}/v1", "NATS ", str(data_dir / "batches"), "stopped",
+                  f"console        http://127.0.0.1:{console}/"):  # fmt: skip
         assert where in output, where
     assert "Traceback" not in output and "NATS failed" not in output, output
     assert "once it is closed or idle 3 s; without feedback: reward 0)" in output, output
@@ -272,6 +281,7 @@ def test_up_stops_its_nats_server_on_sigterm(tiny_model_path: Path, tmp_path: Pa
     port = free_port()
     command = [sys.executable, "-m", "stream_stack", "up", "--model", str(tiny_model_path), "--port", str(port)]
     command += ["--data-dir", str(tmp_path / "up"), "--nats-port", "0", "--nats-monitor-port", "0"]
+    command += ["--console-port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
