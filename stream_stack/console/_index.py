@@ -249,6 +249,7 @@ class ConsoleIndex:
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (turn_id) DO UPDATE SET "
             "predecessor_turn_id = excluded.predecessor_turn_id, fallback_reason = excluded.fallback_reason, "
             "state = excluded.state, end_reason = excluded.end_reason, detail = excluded.detail, "
+            "started_at = excluded.started_at, "
             "prompt_tokens = excluded.prompt_tokens, output_tokens = excluded.output_tokens, "
             "adapter = excluded.adapter, preview = excluded.preview, tool_calls = excluded.tool_calls, "
             "seq = excluded.seq",
