@@ -439,7 +439,10 @@ class ConsoleIndex:
             rewards = [dict(r) for r in self._db.execute(
                 f"SELECT ended_at, reward FROM trajectories {where} {'AND' if where else 'WHERE'} reward IS NOT NULL "
                 "ORDER BY ended_at DESC LIMIT 2000", values)]  # fmt: skip
+        # The newest version anything served: a replica's (policy.applied), else a batch's newest token's.
         newest = max((r["version"] for r in replicas), default=None)
+        if newest is None:
+            newest = max((b["max_version"] for b in batches if b["max_version"] is not None), default=None)
         for batch in batches:
             batch["lag"] = None if newest is None or batch["min_version"] is None else newest - batch["min_version"]
         if tenant is not None:

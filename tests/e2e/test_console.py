@@ -24,6 +24,7 @@ import pytest
 from openai import OpenAI
 
 from consumers.assembler import AssemblerConfig, run_assembler
+from consumers.batcher import BatcherConfig, run_batcher
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
@@ -71,7 +72,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
                                 api_key_file=keys, admin_api_keys=(ADMIN,),
                                 tokenizers={"tiny": str(tiny_model_path)})  # fmt: skip
         assembler = AssemblerConfig(servers=(nats.url,), idle_timeout_s=3, close_grace_s=1, aborted="keep")
-        tasks = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_console, console)]
+        batcher = BatcherConfig.of(servers=(nats.url,), batch_size=2, group_size=1, prompt_length=1024,
+                                   response_length=1024, no_reward="zero")  # fmt: skip
+        tasks = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_console, console),
+                 portal.start_task_soon(run_batcher, batcher)]  # fmt: skip
         with run_gateway(build_engine(tiny), tiny) as a, run_gateway(build_engine(slow), slow) as b:
             wait_until(lambda: _up(console.url), timeout=30, what="the console listening")
             yield Stack(a.base_url, b.base_url, console.url.rstrip("/"), tmp)
@@ -167,6 +171,12 @@ def _index_has(stack: Stack, key: str, session: str, trajectories: int) -> bool:
         return found.status_code == 200 and len(found.json()["trajectories"]) >= trajectories
 
 
+def _batched(stack: Stack, session: str) -> int:
+    with httpx.Client(base_url=stack.console) as http:
+        http.post("/api/login", json={"key": ALICE}).raise_for_status()
+        return sum(1 for t in http.get(f"/api/sessions/{session}").json()["trajectories"] if t["batch_id"])
+
+
 def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(stack: Stack, browser: Any) -> None:
     tools = _tool_session(stack)
     xss = _xss_session(stack)
@@ -188,6 +198,11 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         page.wait_for_function("location.hash.includes('flag=aborted')")
         wait_until(lambda: page.locator("#sessions tr").count() == 1, timeout=10, what="the filter applied")
         assert page.inner_text("#sessions").startswith("walked-away")
+
+        # Into training: the batcher put the two chains of the tool session into batches.
+        page.goto(f"{stack.console}/#/session/{tools}")
+        page.wait_for_selector("#trajectories tr[data-trajectory]")
+        wait_until(lambda: _batched(stack, tools) == 2, timeout=30, what="the tool session's chains batched")
 
         # The tree: the tool call's turn with two children, the fork's cause said.
         page.goto(f"{stack.console}/#/session/{tools}")
@@ -286,6 +301,9 @@ def test_an_admin_forgets_a_session_from_the_console(stack: Stack, browser: Any)
         page.goto(f"{stack.console}/#/sessions")
         page.wait_for_selector("#sessions")
         assert session not in page.inner_text("#sessions")
+        page.goto(f"{stack.console}/#/loop")
+        page.wait_for_selector("#batches")
+        shot(page, "loop")
     # No trace: not in the index, not in the streams.
     with httpx.Client(base_url=stack.console) as http:
         http.post("/api/login", json={"key": ADMIN}).raise_for_status()

@@ -117,6 +117,7 @@ async function sessionsView(view, params) {
     field("agent", facets.agent), field("model", facets.model), field("adapter", facets.adapter),
     field("status", ["open", "closed"]), field("flag", Object.keys(me.flags)),
     el("label", {}, "active since", since), el("label", {}, "search", text),
+    me.admin ? el("label", {}, "tenant", el("input", { name: "tenant", placeholder: "tenant id", value: params.get("tenant") || "" })) : null,
     el("button", { type: "submit", text: "Filter" }));
   form.addEventListener("submit", (event) => {
     event.preventDefault();
@@ -363,7 +364,8 @@ async function loopView(view) {
       el("tbody", {}, loop.batches.map((b) => el("tr", {}, el("td", { class: "mono", text: short(b.batch_id) }), el("td", { text: b.rows }),
         el("td", { text: `v${b.min_version}–v${b.max_version}` }), el("td", { text: b.lag ?? "" }), el("td", { text: b.adapter || "base" }), el("td", { class: "dim", text: when(b.created_at) })))))
       : el("p", { class: "dim", text: "Batches mix tenants: an admin key sees them." }),
-    el("h2", { text: "Reward over time" }), plot(loop.rewards));
+    el("h2", { text: "Reward over time" }),
+    loop.rewards.length ? plot(loop.rewards) : el("p", { class: "dim", text: "No trajectory has a reward yet (feedback, a reward function, or --default-reward)." }));
 }
 
 start();
