@@ -97,6 +97,9 @@ class AssemblerConfig:
     reward_function: str | None = None  # "module:function", called per trajectory, may be async
     reward_timeout_s: float = 10.0
     aborted: Literal["drop", "keep"] = "drop"
+    # A sampled turn two chains share (a retry, an edit, n > 1): in the loss of one of them ("once",
+    # the first by start time) or of every one ("every"): docs/trajectories.md.
+    shared_turns: Literal["once", "every"] = "once"
     max_turns: int | None = None
     max_tokens: int | None = None
     ack_wait_s: float = 60.0
@@ -409,6 +412,7 @@ class Assembler:
             emitted_because=because,
             complete=complete,
             keep_aborted=config.aborted == "keep",
+            shared_turns=config.shared_turns,
             max_turns=config.max_turns,
             max_tokens=config.max_tokens,
             default_reward=None if self._reward_function is not None else config.default_reward,

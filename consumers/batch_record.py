@@ -95,6 +95,7 @@ class BatchRecord:
     overlong: Literal["truncate", "drop"]
     no_reward: Literal["drop", "zero"]
     created_at: float  # Unix seconds, when the batch was first assembled
+    unfinished: Literal["keep", "drop", "mask"] = "keep"  # records written before the policy: keep
     batches_last_seq: int | None = None  # the batches stream's last sequence at the commit
     adapter: str | None = None  # the LoRA adapter of every member; None: the base model
 
@@ -113,6 +114,7 @@ class BatchRecord:
             no_reward=policy.no_reward,
             created_at=created_at,
             adapter=plan.adapter,
+            unfinished=policy.unfinished,
         )
 
     def committed(self, batches_last_seq: int) -> BatchRecord:
@@ -124,12 +126,14 @@ class BatchRecord:
         return dataclasses.replace(self, state="published")
 
     def encode(self) -> bytes:
-        """The wire form: compact JSON, fields in order, ``batches_last_seq`` left out while unknown and
-        ``adapter`` for the base model."""
+        """The wire form: compact JSON, fields in order, ``batches_last_seq`` left out while unknown,
+        ``adapter`` for the base model and ``unfinished`` when it is ``keep``."""
         data = dataclasses.asdict(self)
         for key in ("batches_last_seq", "adapter"):
             if data[key] is None:
                 del data[key]
+        if data["unfinished"] == "keep":  # the default: left out, as before the policy existed
+            del data["unfinished"]
         return orjson.dumps(data)
 
     @classmethod
@@ -148,6 +152,7 @@ class BatchRecord:
             created_at=data["created_at"],
             batches_last_seq=data.get("batches_last_seq"),
             adapter=data.get("adapter"),
+            unfinished=data.get("unfinished", "keep"),
         )
 
     @classmethod

@@ -75,7 +75,7 @@ from .grouping import (
 from .images import ImagesRefused, ImageStore
 from .parquet import require_pyarrow
 from .streams import ConsumerStreams
-from .trajectory import Trajectory, erased
+from .trajectory import UNFINISHED, Trajectory, erased
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -158,11 +158,14 @@ class BatcherStatistics:
     other_adapter: int = 0  # trajectories of an adapter this batcher does not take, acknowledged untouched
     dropped_images: int = 0  # images missing from sg_images, or processed to other pixels than the policy saw
     dropped_erased: int = 0  # of a session or tenant forgotten (stream-gateway forget), with their groups
+    dropped_unfinished: int = 0  # an unfinished last turn, under --unfinished drop
+    masked_unfinished: int = 0  # an unfinished last turn taken out of the loss, under --unfinished mask
+    end_reasons: dict[str, int] = field(default_factory=dict)  # received trajectories per end reason
     adapter_versions: dict[str | None, int] = field(default_factory=dict)  # newest known per adapter (None: base)
 
 
 # The counters a Batcher keeps itself; the rest of its statistics are read off its state.
-_STATE = ("held", "open_groups", "policy_version", "adapter_versions")
+_STATE = ("held", "open_groups", "policy_version", "adapter_versions", "end_reasons")
 _COUNTERS = tuple(f.name for f in fields(BatcherStatistics) if f.name not in _STATE)
 
 
@@ -202,6 +205,7 @@ class Batcher:
         self._bound_member: dict[str, str] = {}  # trajectory id -> batch id, for those
         self._pending_acks: list[Msg] = []
         self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._end_reasons: dict[str, int] = {}
         spec = PullSpec(
             stream=config.names.trajectories,
             subjects=config.names.trajectory_subjects,
@@ -231,6 +235,7 @@ class Batcher:
             open_groups=self._planner.open_groups,
             policy_version=self._planner.version_of(adapter),
             adapter_versions=self._planner.versions(),
+            end_reasons=dict(self._end_reasons),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -387,12 +392,15 @@ class Batcher:
             response_length=record.response_length,
             overlong=record.overlong,
             no_reward=record.no_reward,
+            unfinished=record.unfinished,
         )
         if isinstance(prepared, str):  # the policies are pure functions of the record: cannot happen
             raise RuntimeError(f"trajectory {raw.trajectory_id} of assigned batch {batch.batch_id} now {prepared}")
         self._held[raw.trajectory_id] = _Held(msg, sequence, prepared)
 
     def _admit(self, msg: Msg, sequence: int, raw: Trajectory, refused: Drop | None = None) -> None:
+        reason = raw.end_reason or "unknown"
+        self._end_reasons[reason] = self._end_reasons.get(reason, 0) + 1
         admission = self._planner.admit(raw, refused)
         outcome = admission.outcome
         if isinstance(outcome, str):
@@ -400,6 +408,9 @@ class Batcher:
             self._ack_soon(msg)
         else:
             self._counts["truncated"] += outcome.truncated and not raw.truncated
+            self._counts["masked_unfinished"] += (
+                self._planner.policy.unfinished == "mask" and raw.end_reason in UNFINISHED and bool(raw.turns)
+            )
             self._held[raw.trajectory_id] = _Held(msg, sequence, outcome)
         if admission.released is not None:
             self._release(admission.released)

@@ -50,6 +50,7 @@ def _assemble(args: argparse.Namespace) -> int:
         reward_function=args.reward_function,
         reward_timeout_s=args.reward_timeout,
         aborted=args.aborted,
+        shared_turns=args.shared_turns,
         max_turns=args.max_turns,
         max_tokens=args.max_tokens,
         ack_wait_s=args.ack_wait,
@@ -93,6 +94,7 @@ def batcher_config(
         response_length=args.response_length,
         overlong=args.overlong,
         no_reward=args.no_reward,
+        unfinished=args.unfinished,
         only_adapter=args.adapter,
         only_base=args.base,
         output_dir=output_dir,
@@ -225,6 +227,9 @@ def add_batch_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--response-length", type=int, default=2048, help="verl response length")
     command.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="too-long responses")
     command.add_argument("--no-reward", choices=("drop", "zero"), default="drop", help="samples without a reward")
+    command.add_argument("--unfinished", choices=("keep", "drop", "mask"), default="keep",
+                         help="samples whose last turn is unfinished (cut at max_tokens, or aborted): keep them, "
+                         "drop them, or keep them with that turn out of the loss (default keep)")  # fmt: skip
     command.add_argument(
         "--batches-max-age-seconds",
         type=_seconds,
@@ -270,6 +275,9 @@ def add_commands(commands: Any) -> None:
     assemble.add_argument("--reward-function", help="module:function computing a reward per trajectory")
     assemble.add_argument("--reward-timeout", type=float, default=10.0, help="reward function time limit (s)")
     assemble.add_argument("--aborted", choices=("drop", "keep"), default="drop", help="aborted turns (default drop)")
+    assemble.add_argument("--shared-turns", choices=("once", "every"), default="once",
+                          help="a sampled turn two chains share is trained once (in the first chain) or in every "
+                          "chain holding it (default once)")  # fmt: skip
     assemble.add_argument("--max-turns", type=int, help="emit a session (truncated) at this many turns")
     assemble.add_argument("--max-tokens", type=int, help="cut trajectories at this many tokens")
     assemble.add_argument("--ack-wait", type=float, default=60.0, help="redelivery delay after a crash (s)")

@@ -61,7 +61,7 @@ from typing import Literal
 
 from pipeline.events import subject_token
 
-from .trajectory import Trajectory, TurnSummary, image_cut, images_problem
+from .trajectory import UNFINISHED, Trajectory, TurnSummary, image_cut, images_problem
 
 __all__ = [
     "AdapterFilter",
@@ -77,7 +77,7 @@ __all__ = [
     "prepare_trajectory",
 ]
 
-Drop = Literal["stale", "length", "no_reward", "malformed", "images"]
+Drop = Literal["stale", "length", "no_reward", "malformed", "images", "unfinished"]
 
 
 def check_batch_shape(batch_size: int, group_size: int) -> None:
@@ -139,6 +139,9 @@ class GroupingPolicy:
     overlong: Literal["truncate", "drop"] = "truncate"
     no_reward: Literal["drop", "zero"] = "drop"
     group_timeout_s: float | None = None  # release a group still incomplete after this long
+    # A trajectory whose last turn is unfinished (end reason `length`, or aborted: UNFINISHED):
+    # kept as it is, dropped, or kept with that turn out of the loss (docs/batches.md).
+    unfinished: Literal["keep", "drop", "mask"] = "keep"
 
     def __post_init__(self) -> None:
         check_batch_shape(self.batch_size, self.group_size)
@@ -157,6 +160,7 @@ def prepare_trajectory(
     response_length: int,
     overlong: Literal["truncate", "drop"],
     no_reward: Literal["drop", "zero"],
+    unfinished: Literal["keep", "drop", "mask"] = "keep",
 ) -> Trajectory | Drop:
     """The trajectory as it goes into a batch (cut, reward defaulted), or why it is dropped.
 
@@ -170,6 +174,14 @@ def prepare_trajectory(
         if no_reward == "drop":
             return "no_reward"
         trajectory = trajectory.rewarded(0.0, "default")
+    if unfinished != "keep" and trajectory.end_reason in UNFINISHED and trajectory.turns:
+        if unfinished == "drop":
+            return "unfinished"
+        last = trajectory.turns[-1]
+        mask = list(trajectory.loss_mask)
+        mask[last.start : last.start + last.length] = [0] * last.length
+        turns = [*trajectory.turns[:-1], last.model_copy(update={"trained": False})]
+        trajectory = trajectory.model_copy(update={"loss_mask": mask, "turns": turns})
     if trajectory.response_length > response_length:
         if overlong == "drop":
             return "length"
@@ -339,6 +351,7 @@ class GroupPlanner:
                 response_length=policy.response_length,
                 overlong=policy.overlong,
                 no_reward=policy.no_reward,
+                unfinished=policy.unfinished,
             )
         uid = group_uid(trajectory, policy.group_key)
         group = lane.open.get(uid)

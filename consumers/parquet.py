@@ -30,6 +30,7 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     reward           double (nullable)
     aborted, truncated, complete   bool
     abort_reason     string (nullable)  why the last turn did not finish
+    end_reason       string (nullable)  why the trajectory ends (:data:`~consumers.trajectory.END_REASONS`)
     health           list<string>  record-health flags (:data:`~consumers.trajectory.HEALTH_FLAGS`)
     started_at, ended_at           double (Unix seconds)
     metadata, turns                string (JSON)
@@ -146,6 +147,7 @@ def _schema() -> pa.Schema:
             ("adapter", pa.string()),
             ("aborted", pa.bool_()),
             ("abort_reason", pa.string()),
+            ("end_reason", pa.string()),
             ("health", pa.list_(pa.string())),
             ("truncated", pa.bool_()),
             ("complete", pa.bool_()),

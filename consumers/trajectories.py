@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pipeline.chains import chain_tokens
-from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnAborted, TurnRecord
+from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnAborted, TurnCompleted, TurnRecord
 from pipeline.routes import chain_routes_rows
 
 from .trajectory import (
+    EndReason,
     ExpertRoutes,
     Trajectory,
     TrajectoryImage,
@@ -58,7 +59,7 @@ from .trajectory import (
 if TYPE_CHECKING:
     pass
 
-__all__ = ["SessionEvents", "build_trajectories", "chain_images", "chain_routes"]
+__all__ = ["SessionEvents", "build_trajectories", "chain_images", "chain_routes", "train_once"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def build_trajectories(
     max_turns: int | None = None,
     max_tokens: int | None = None,
     default_reward: float | None = None,
+    shared_turns: Literal["once", "every"] = "once",
     on_unrouted: Callable[[str], None] | None = None,
     on_refused_images: Callable[[str], None] | None = None,
 ) -> list[Trajectory]:
@@ -161,7 +163,30 @@ def build_trajectories(
             continue
         trajectories.append(trajectory)
     trajectories.sort(key=lambda t: (t.started_at, t.trajectory_id))
+    if shared_turns == "once":
+        trajectories = train_once(trajectories)
     return trajectories
+
+
+def train_once(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """Each sampled turn in the loss of exactly one trajectory: the first (in the given order) that
+    holds it; the others keep its ids and logprobs with ``loss_mask`` 0 there and the turn marked
+    ``trained=False``. A leaf turn belongs to one chain only, so every trajectory keeps its own."""
+    owner: dict[str, str] = {}
+    out = []
+    for trajectory in trajectories:
+        shared = [s for s in trajectory.turns if owner.setdefault(s.turn_id, trajectory.trajectory_id)
+                  != trajectory.trajectory_id]  # fmt: skip
+        if not shared:
+            out.append(trajectory)
+            continue
+        mask = list(trajectory.loss_mask)
+        for summary in shared:
+            mask[summary.start : summary.start + summary.length] = [0] * summary.length
+        ids = {s.turn_id for s in shared}
+        turns = [s.model_copy(update={"trained": False}) if s.turn_id in ids else s for s in trajectory.turns]
+        out.append(trajectory.model_copy(update={"loss_mask": mask, "turns": turns}))
+    return out
 
 
 def _trajectory(
@@ -207,13 +232,18 @@ def _trajectory(
             reasoning_tokens=turn.reasoning_tokens,
             answer_start=turn.answer_start,
             reward=turn_rewards.get(turn.turn_id),
+            trained=True,
             time_to_first_token_s=turn.time_to_first_token_s,
             duration_s=turn.duration_s,
         )
         for turn, start in zip(chain, laid_out.output_starts, strict=True)
     ]
     truncated = capped
+    end_reason = _end_reason(leaf := chain[-1])
+    if capped:
+        end_reason = "max_turns"
     if max_tokens is not None and len(tokens) > max_tokens:
+        end_reason = "max_tokens"
         cut = image_cut(images, max_tokens)  # never half an image
         tokens, mask, logprobs = tokens[:cut], mask[:cut], logprobs[:cut]
         reasoning = reasoning[:cut]
@@ -227,7 +257,6 @@ def _trajectory(
     own = [turn for turn in chain if turn.adapter == adapter]
     counted = [s for s in summaries if s.turn_id in {turn.turn_id for turn in own}]
     versions = [v for v in token_policy_versions(counted, len(tokens)) if v >= 0] or [own[0].policy_version]
-    leaf = chain[-1]
     trajectory = Trajectory(
         trajectory_id=trajectory_id(root.session_id or "", list(laid_out.turn_ids)),
         session_id=root.session_id or "",
@@ -251,6 +280,7 @@ def _trajectory(
         reward_source=reward_source,
         aborted=isinstance(leaf, TurnAborted),
         abort_reason=leaf.reason if isinstance(leaf, TurnAborted) else None,
+        end_reason=end_reason,
         truncated=truncated,
         complete=complete,
         emitted_because=emitted_because,
@@ -265,6 +295,14 @@ def _trajectory(
         adapters=len({turn.adapter for turn in chain}),
     )
     return trajectory.model_copy(update={"health": health})
+
+
+def _end_reason(turn: TurnRecord) -> EndReason:
+    """The chain's end as its last turn says it: its finish reason, or why it was aborted."""
+    if isinstance(turn, TurnAborted):
+        return turn.reason
+    assert isinstance(turn, TurnCompleted)
+    return turn.finish_reason
 
 
 class _ImagesRefused(ValueError):

@@ -69,7 +69,10 @@ if TYPE_CHECKING:
     from pipeline.tombstones import Tombstones
 
 __all__ = [
+    "END_REASONS",
     "HEALTH_FLAGS",
+    "UNFINISHED",
+    "EndReason",
     "ExpertRoutes",
     "TRAJECTORY_SCHEMA_VERSION",
     "Trajectory",
@@ -209,6 +212,27 @@ def image_cut(images: list[TrajectoryImage], cut: int) -> int:
     return cut
 
 
+EndReason = Literal[
+    "stop", "tool_calls", "length", "client_disconnected", "engine_error", "shutdown", "cancelled",
+    "max_turns", "max_tokens",
+]  # fmt: skip
+END_REASONS: dict[str, str] = {
+    "stop": "the model ended its last turn (an end-of-turn token or a stop string)",
+    "tool_calls": "the last turn called tools and no turn with their results followed (the agent stopped)",
+    "length": "the last turn hit its max_tokens (or the context's end): its answer is unfinished",
+    "client_disconnected": "the client went away while the last turn streamed (aborted)",
+    "engine_error": "the engine failed during the last turn (aborted)",
+    "shutdown": "the gateway shut down during the last turn (aborted)",
+    "cancelled": "the last turn was cancelled (aborted)",
+    "max_turns": "cut at the assembler's --max-turns: the session went on",
+    "max_tokens": "cut at the assembler's --max-tokens: the chain went on",
+}
+"""Every end reason, and what it means (docs/trajectories.md); ``length`` and the aborted ones leave an
+unfinished last turn, ``max_turns``/``max_tokens`` a cut chain (the batcher's ``--unfinished`` policy)."""
+
+UNFINISHED = frozenset({"length", "client_disconnected", "engine_error", "shutdown", "cancelled"})
+"""End reasons whose last turn is unfinished."""
+
 HEALTH_FLAGS: dict[str, str] = {
     "no-logprobs": "a sampled token has no logprob (not a finite number)",
     "truncated": "cut at the turn or token cap: the last turns are not in it",
@@ -266,6 +290,11 @@ class TurnSummary(BaseModel):
         description="index in the turn's output of its first answer id; null: it ended while thinking",
     )
     reward: float | None = Field(None, description="turn-level feedback (the latest), if any")
+    trained: bool = Field(
+        True,
+        description="its sampled ids are in this trajectory's loss_mask; false: another trajectory of the "
+        "session, which shares this turn, trains them (train-once, docs/trajectories.md)",
+    )
     time_to_first_token_s: float | None = None
     duration_s: float = 0.0
 
@@ -319,6 +348,10 @@ class Trajectory(BaseModel):
     ended_at: float
     abort_reason: str | None = Field(
         None, description="why the last turn did not finish (turn.aborted's reason); null: it finished"
+    )
+    end_reason: EndReason | None = Field(
+        None,
+        description="why the trajectory ends where it does (END_REASONS); null: written before end reasons",
     )
     health: list[str] = Field(
         default_factory=list,

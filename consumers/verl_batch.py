@@ -141,7 +141,9 @@ class PaddedBatch:
     images, empty otherwise; verl's trainer iterates it unconditionally); ``turn_scores`` (turn-level
     rewards in turn order), ``tool_rewards`` (empty lists), ``min_global_steps`` and
     ``max_global_steps`` (the policy versions the trajectory spans), ``extras`` (None), all
-    dtype object as verl's ``extra_fields``; ``policy_versions``: per row an int64 array of length R,
+    dtype object as verl's ``extra_fields``; ``sg.end_reason`` (the trajectory's end reason, str or
+    None) and ``sg.health`` (its record-health flags, a list per row), dtype object;
+    ``policy_versions``: per row an int64 array of length R,
     the policy version that sampled each response token (-1 where nothing was sampled, padding
     included), so a trainer can weight or mask stale tokens (``np.stack`` gives [B,R]).
 
@@ -263,6 +265,9 @@ def padded_batch(
         "adapter": _objects([t.adapter for t in trajectories]),
         "multi_modal_inputs": _objects([multi_modal_inputs(r) for r in resolved or [()] * size]),
         "policy_versions": _objects(list(versions)),
+        # What the row says about itself (docs/batches.md): why it ends, and its record-health flags.
+        "sg.end_reason": _objects([t.end_reason for t in trajectories]),
+        "sg.health": _objects([list(t.health) for t in trajectories]),
     }
     extra = [_extra_fields(t) for t in trajectories]
     for key in _EXTRA_FIELD_KEYS:

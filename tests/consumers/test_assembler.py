@@ -133,11 +133,20 @@ def test_gateway_sessions_become_their_chains_token_for_token(
         mine = wait_for(lambda: [t for t in read_trajectories(nats_server.url) if t.session_id == session_id])
     chains = {tuple(c["turn_ids"]): c for c in body["chains"]}
     assert len(mine) == len(chains) == 2
+    trained: dict[str, list[str]] = {}  # turn id -> the trajectories whose loss holds it
     for trajectory in mine:
         chain = chains[tuple(s.turn_id for s in trajectory.turns)]
         assert trajectory.token_ids == chain["token_ids"]
-        assert trajectory.loss_mask == chain["mask"]
-        assert trajectory.logprobs == chain["logprobs"]
+        # Train-once: the gateway's chain mask, but a turn the first chain holds too is out of the later one's loss.
+        expected = list(chain["mask"])
+        for summary in trajectory.turns:
+            if summary.trained:
+                trained.setdefault(summary.turn_id, []).append(trajectory.trajectory_id)
+            else:
+                expected[summary.start : summary.start + summary.length] = [0] * summary.length
+        assert trajectory.loss_mask == expected
+        assert trajectory.logprobs == chain["logprobs"]  # a shared turn keeps its logprobs
+        assert "forked" in trajectory.health and trajectory.end_reason == "length"
         assert trajectory.prompt_length == len(body["turns"][0]["prompt_ids"])
         assert (trajectory.reward, trajectory.reward_source, trajectory.emitted_because) == (1.0, "feedback", "closed")
         assert trajectory.complete and not trajectory.truncated
@@ -147,6 +156,8 @@ def test_gateway_sessions_become_their_chains_token_for_token(
         assert rewards == {turn_id: 0.25 if turn_id == turn_ids[1] else None for turn_id in rewards}
         assert trajectory.num_turns == len(trajectory.turns)
     assert {t.num_turns for t in mine} == {3, 2}
+    assert sorted(trained) == sorted(turn_ids) and all(len(owners) == 1 for owners in trained.values())
+    assert sum(not s.trained for t in mine for s in t.turns) == 1  # turn 1, in the later chain
 
 
 def _fake_session(session_id: str, turns: int, rng: random.Random, *, close: bool = True) -> list[Event]:

@@ -139,8 +139,18 @@ def test_gateway_turns_and_their_events_lay_out_as_the_gateways_chains() -> None
 
 
 def test_the_assemblers_trajectories_are_the_gateways_chains() -> None:
+    """With every chain training its shared turns (``shared_turns="every"``) a trajectory is its chain;
+    by default (``"once"``) the same but for the shared turns' mask, owned by the first chain."""
     session, events = _session_tree(random.Random(8))
-    trajectories = build_trajectories(SessionEvents.of(events), emitted_because="closed")
+    trajectories = build_trajectories(SessionEvents.of(events), emitted_because="closed", shared_turns="every")
+    once = build_trajectories(SessionEvents.of(events), emitted_because="closed")
+    assert [t.token_ids for t in once] == [t.token_ids for t in trajectories]
+    owners: dict[str, int] = {}
+    for trajectory in once:
+        for s in trajectory.turns:
+            owners[s.turn_id] = owners.get(s.turn_id, 0) + s.trained
+            assert trajectory.loss_mask[s.start : s.start + s.length] == [int(s.trained)] * s.length
+    assert set(owners.values()) == {1}  # each sampled turn in exactly one loss mask
     by_turns = {tuple(s.turn_id for s in t.turns): t for t in trajectories}
     for chain in session.chains():
         trajectory = by_turns[chain.turn_ids]
