@@ -380,9 +380,9 @@ async def _live(api: ConsoleApi, tenant: str, session_id: str, model: str | None
 
 
 def _compare(row_a: dict[str, Any], a: dict[str, Any], row_b: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two chains from the last turn they share: shared turns and tokens, and the sampled tokens
-    both would train on (each batch row keeps its whole chain's loss mask: a shared sampled token
-    is in the loss once per chain that holds it)."""
+    """Two chains from the last turn they share: shared turns and tokens, and the sampled tokens in
+    both loss masks (none under the assembler's default train-once; with ``--shared-turns every``
+    a shared sampled token is in the loss of every chain that holds it)."""
     shared_turns = 0
     for x, y in zip(row_a["turn_ids"], row_b["turn_ids"], strict=False):
         if x != y:

@@ -7,6 +7,8 @@ Kinds, one per position (first match wins):
 ``thinking``   sampled, in the loss, and thinking (``reasoning_mask``)
 ``tool-call``  sampled, in the loss, inside a ``<tool_call>`` ... ``</tool_call>`` span
 ``sampled``    sampled and in the loss (``loss_mask`` 1)
+``untrained``  sampled, but out of this row's loss: a turn another chain of the session trains
+               (train-once), or an unfinished last turn the batcher masked
 ``template``   the chat template's own text: special tokens, a ChatML message's ``<|im_start|>role\\n``
 ``system``, ``prompt``, ``tool-result``   a message's text, by its role (a user message that opens
                with ``<tool_response>`` is a tool result, as Qwen-style templates write them)
@@ -28,7 +30,19 @@ from typing import Any
 
 __all__ = ["KINDS", "TokenView", "Tokenizers"]
 
-KINDS = ("image", "thinking", "tool-call", "sampled", "template", "system", "prompt", "tool-result", "history", "text")
+KINDS = (
+    "image",
+    "thinking",
+    "tool-call",
+    "sampled",
+    "untrained",
+    "template",
+    "system",
+    "prompt",
+    "tool-result",
+    "history",
+    "text",
+)
 
 _ROLE_KINDS = {"system": "system", "user": "prompt", "tool": "tool-result", "assistant": "history"}
 
@@ -72,6 +86,8 @@ class TokenView:
         self._special: frozenset[int] = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
         self._images = sorted((image["start"], image["start"] + image["tokens"]) for image in data.get("images") or [])
         self._versions = _versions(data, self.length)
+        self._untrained = sorted((t["start"], t["start"] + t["length"]) for t in data.get("turns") or []
+                                 if t.get("trained") is False)  # fmt: skip
         self._messages: list[_Message] = []
         self._calls: list[tuple[int, int]] = []
         if tokenizer is not None:
@@ -120,6 +136,8 @@ class TokenView:
             if self._inside(self._calls, i):
                 return "tool-call"
             return "sampled"
+        if self._inside(self._untrained, i):
+            return "untrained"
         if data["token_ids"][i] in self._special:
             return "template"
         at = bisect.bisect_right(self._message_starts, i) - 1
@@ -143,7 +161,7 @@ class TokenView:
         texts = [self._text(t) for t in ids]
         tokens = []
         for i, (token, text) in enumerate(zip(ids, texts, strict=True), start=offset):
-            sampled = bool(data["loss_mask"][i])
+            sampled = bool(data["loss_mask"][i]) or self._inside(self._untrained, i)
             tokens.append({
                 "i": i,
                 "id": token,

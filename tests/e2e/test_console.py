@@ -213,11 +213,20 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         assert causes.count() == 2 and "fork: another continuation" in causes.first.inner_text()
         shot(page, "session-tree")
 
-        # Tokens as training sees them: the tool call sampled, the tool result, the template.
-        page.locator("#trajectories a").first.click()
+        # Tokens as training sees them: the tool call sampled, the tool result, the template; the
+        # shared tool-call turn in the loss of one chain (the one that trains it), untrained in the other.
+        seen: dict[str, set[str]] = {}
+        for link in [a.get_attribute("href") or "" for a in page.locator("#trajectories a").all()]:
+            page.goto(f"{stack.console}/{link}")
+            page.wait_for_selector("#tokens .tok")
+            seen[link] = set(page.eval_on_selector_all("#tokens .tok", "nodes => nodes.map(n => n.dataset.kind)"))
+        assert len(seen) == 2
+        owner = next(link for link, kinds in seen.items() if "tool-call" in kinds)
+        other = next(link for link in seen if link != owner)
+        assert {"template", "prompt", "system", "tool-call", "tool-result", "sampled"} <= seen[owner], seen
+        assert "untrained" not in seen[owner] and "untrained" in seen[other] and "tool-call" not in seen[other]
+        page.goto(f"{stack.console}/{owner}")
         page.wait_for_selector("#tokens .tok")
-        kinds = set(page.eval_on_selector_all("#tokens .tok", "nodes => nodes.map(n => n.dataset.kind)"))
-        assert {"template", "prompt", "system", "tool-call", "tool-result", "sampled"} <= kinds, kinds
         sampled = page.locator("#tokens .tok[data-kind='tool-call']").first
         title = sampled.get_attribute("title") or ""
         assert "logprob" in title and "version v0" in title and "position" in title
@@ -228,7 +237,7 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         # The XSS strings of the tool result are text on the page, and ran nothing.
         assert page.evaluate("window.__xss") is None
 
-        # The two chains side by side: the shared turn, and its sampled tokens in both losses.
+        # The two chains side by side: the shared turn, and none of its sampled tokens in both losses.
         page.goto(f"{stack.console}/#/session/{tools}")
         page.wait_for_selector("#trajectories input[type=checkbox]")
         for box in page.locator("#trajectories input[type=checkbox]").all():
@@ -237,7 +246,7 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         page.wait_for_selector("#compare")
         compare = page.inner_text("#compare")
         assert "shared turns\n1" in compare.replace("\t", "\n")
-        assert int(page.inner_text("#twice")) > 0
+        assert int(page.inner_text("#twice")) == 0  # train-once: the assembler's default
         shot(page, "compare")
 
         # XSS through the agent header, the prompt and the tool result: shown, never run.

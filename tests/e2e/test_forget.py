@@ -98,8 +98,9 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         )
         consumers = [
             _consumer("assemble", nats.url, "--close-grace", "0.5", "--default-reward", "0.5", log=root / "a.log"),
-            _consumer("batch", nats.url, "--batch-size", "3", "--output-dir", str(root / "batches"),
-                      log=root / "b.log"),  # fmt: skip
+            _consumer(
+                "batch", nats.url, "--batch-size", "3", "--output-dir", str(root / "batches"), log=root / "b.log"
+            ),  # fmt: skip
         ]
         try:
             with run_gateway(build_engine(settings), settings) as running:
@@ -191,9 +192,7 @@ def _metric(base_url: str, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
-def test_a_replica_stopped_during_the_forget_never_brings_the_session_back(
-    stack: Stack, tiny_model_path: Path
-) -> None:
+def test_a_replica_stopped_during_the_forget_never_brings_the_session_back(stack: Stack, tiny_model_path: Path) -> None:
     """A second replica holds a session's events in its outbox (NATS was away), is stopped while
     the session is forgotten, then continues and replays its outbox: the forgotten session's
     events are withheld, the other session's in the same outbox are published."""

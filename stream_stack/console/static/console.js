@@ -322,7 +322,9 @@ async function compareView(view, a, b) {
       el("dt", { text: "shared tokens" }), el("dd", { text: `${c.shared_tokens} (of ${c.length_a} and ${c.length_b})` }),
       el("dt", { text: "sampled tokens in both loss masks" }), el("dd", { id: "twice", text: c.shared_sampled_in_both_losses }),
       el("dt", { text: "batches" }), el("dd", { class: "mono", text: c.batches.map((x) => x || "none yet").join(" · ") })),
-    el("p", { class: "dim", text: "Each batch row keeps its chain's whole loss mask: a sampled token the two chains share is trained once per chain that holds it." }),
+    el("p", { class: "dim", text: c.shared_sampled_in_both_losses
+      ? "These chains were assembled with --shared-turns every: a sampled token they share is trained once per chain that holds it."
+      : "Train-once (the assembler's default): a sampled turn the chains share is in the loss of the first chain only, shown as untrained in the other." }),
     legend(),
     el("div", { class: "side" }, [pa, pb].map((p, k) => el("div", {}, el("h2", {}, el("a", { class: "mono", href: `#/trajectory/${encodeURIComponent([a, b][k])}`, text: short([a, b][k]) }), ` from position ${from}`),
       el("div", { class: "tokens" }, tokenSpans(p, null))))));

@@ -1,0 +1,150 @@
+"""Training data that says what it is (issue 42), through the real pipeline: gateway → NATS →
+assembler → batcher → the parquet batch and verl's padded batch.
+
+Two gateway replicas capture into one nats-server (the tiny model on the transformers engine; the
+synthetic engine at a slow pace, for a stream the client walks away from), the assembler keeps
+aborted turns, the batcher writes parquet files. Checked on what reaches the trainer: each end
+reason, and a forked session's shared sampled tokens in exactly one loss mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from openai import OpenAI
+
+from consumers.assembler import AssemblerConfig, run_assembler
+from consumers.batcher import BatcherConfig, run_batcher
+from consumers.parquet import decode_batch
+from consumers.trajectory import Trajectory
+from consumers.verl_batch import padded_batch
+from pipeline.embedded import EmbeddedNatsServer
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+
+from ..support.agent_loop import READ_TOOL
+from ..support.servers import run_gateway
+from ..support.waiting import wait_until
+
+KEY = "sk-data"
+SESSIONS = 5  # below: six trajectories, one batch
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+@dataclass
+class Pipeline:
+    tiny: str
+    slow: str
+    batches: Path
+
+    def client(self, session: str, base: str | None = None) -> OpenAI:
+        return OpenAI(base_url=(base or self.tiny) + "/v1", api_key=KEY, default_headers={"x-session-id": session})
+
+    def close(self, session: str) -> None:
+        httpx.post(
+            f"{self.tiny}/sessions/{session}/close", headers={"authorization": f"Bearer {KEY}"}
+        ).raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Pipeline]:
+    tmp = tmp_path_factory.mktemp("data")
+    with EmbeddedNatsServer() as nats, anyio.from_thread.start_blocking_portal() as portal:
+        tiny = Settings(model=str(tiny_model_path), served_model_name="tiny", nats_url=nats.url,
+                        outbox_dir=tmp / "outbox-a", replica_id="a")  # fmt: skip
+        slow = Settings(model=str(tiny_model_path), served_model_name="tiny", engine="synthetic",
+                        synthetic_tokens_per_second=25, nats_url=nats.url, outbox_dir=tmp / "outbox-b",
+                        replica_id="b")  # fmt: skip
+        assembler = AssemblerConfig(servers=(nats.url,), idle_timeout_s=3, close_grace_s=1, aborted="keep",
+                                    default_reward=1.0)  # fmt: skip
+        batcher = BatcherConfig.of(servers=(nats.url,), batch_size=6, group_size=1, prompt_length=2048,
+                                   response_length=2048, output_dir=tmp / "batches")  # fmt: skip
+        tasks = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_batcher, batcher)]
+        with run_gateway(build_engine(tiny), tiny) as a, run_gateway(build_engine(slow), slow) as b:
+            yield Pipeline(a.base_url, b.base_url, tmp / "batches")
+        for task in tasks:
+            task.cancel()
+
+
+def _traffic(p: Pipeline) -> None:
+    ask = [{"role": "user", "content": "Give me a number."}]
+    p.client("ends-stop").chat.completions.create(
+        model="tiny", messages=ask, max_tokens=200,  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},  # type: ignore[typeddict-item]
+    )  # fmt: skip
+    p.client("ends-tool").chat.completions.create(
+        model="tiny", messages=ask, tools=[READ_TOOL], max_tokens=300,  # type: ignore[arg-type,list-item]
+        tool_choice={"type": "function", "function": {"name": "read"}},
+    )  # fmt: skip
+    p.client("ends-length").chat.completions.create(model="tiny", messages=ask, max_tokens=5)  # type: ignore[arg-type]
+    # A retry: the same second request twice, two continuations of the first turn.
+    forked = p.client("forked")
+    first = forked.chat.completions.create(model="tiny", messages=ask, max_tokens=6)  # type: ignore[arg-type]
+    history = [
+        *ask,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "More."},
+    ]
+    for _ in range(2):
+        forked.chat.completions.create(model="tiny", messages=history, max_tokens=6)  # type: ignore[arg-type]
+    for session in ("ends-stop", "ends-tool", "ends-length", "forked"):
+        p.close(session)
+    stream = p.client("ends-client-gone", p.slow).chat.completions.create(
+        model="tiny",
+        messages=ask,
+        max_tokens=400,
+        stream=True,  # type: ignore[arg-type]
+    )
+    for count, _chunk in enumerate(stream):
+        if count >= 3:
+            break
+    stream.close()  # walked away: the turn is aborted; the session ends by being idle
+
+
+def _batch(p: Pipeline) -> list[Trajectory]:
+    files = sorted(p.batches.glob("*.parquet")) if p.batches.exists() else []
+    return [t for f in files for t in decode_batch(f.read_bytes())[0]]
+
+
+def test_every_end_reason_reaches_the_batch_and_shared_turns_are_trained_once(pipeline: Pipeline) -> None:
+    _traffic(pipeline)
+    wait_until(lambda: len(_batch(pipeline)) == 6, timeout=90, what="one batch of the six trajectories")
+    rows = _batch(pipeline)
+    ends: dict[str, list[Any]] = {}
+    for row in rows:
+        ends.setdefault(row.session_id, []).append(row.end_reason)
+    assert ends == {
+        "ends-stop": ["stop"], "ends-tool": ["tool_calls"], "ends-length": ["length"],
+        "ends-client-gone": ["client_disconnected"], "forked": ["length", "length"],
+    }  # fmt: skip
+    gone = next(r for r in rows if r.session_id == "ends-client-gone")
+    assert gone.aborted and gone.abort_reason == "client_disconnected" and "aborted" in gone.health
+
+    # Train-once over the whole batch stream: each sampled turn of a session in exactly one loss mask.
+    in_loss: dict[tuple[str, str], int] = {}
+    for row in rows:
+        for turn in row.turns:
+            span = row.loss_mask[turn.start : turn.start + turn.length]
+            assert span == [int(turn.trained)] * turn.length  # the mask and the turn agree
+            in_loss[(row.session_id, turn.turn_id)] = in_loss.get((row.session_id, turn.turn_id), 0) + sum(span) // max(
+                1, turn.length
+            )
+    assert set(in_loss.values()) == {1}, in_loss
+    forks = [r for r in rows if r.session_id == "forked"]
+    assert all("forked" in r.health for r in forks)
+    assert sum(not t.trained for r in forks for t in r.turns) == 1  # the shared first turn, once out
+
+    # verl's padded batch says the same per row.
+    batch = padded_batch(
+        rows, [r.trajectory_id for r in rows], prompt_length=2048, response_length=2048, pad_token_id=0
+    )
+    assert list(batch.non_tensors["sg.end_reason"]) == [r.end_reason for r in rows]
+    assert [list(h) for h in batch.non_tensors["sg.health"]] == [r.health for r in rows]
+    trained = batch.tensors["response_mask"].sum().item()
+    assert trained == sum(sum(r.loss_mask[r.prompt_length :]) for r in rows)
