@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -179,6 +180,7 @@ class BatchWriter:
 def _manifest(
     record: BatchRecord, bucket: str, object_name: str, data: bytes, trajectories: Sequence[Trajectory]
 ) -> BatchManifest:
+    newest = max(t.max_policy_version for t in trajectories)
     return BatchManifest(
         batch_id=record.batch_id,
         bucket=bucket,
@@ -189,12 +191,21 @@ def _manifest(
         groups=list(dict.fromkeys(record.uids)),
         trajectory_ids=list(record.members),
         min_policy_version=min(t.min_policy_version for t in trajectories),
-        max_policy_version=max(t.max_policy_version for t in trajectories),
+        max_policy_version=newest,
         prompt_length=record.prompt_length,
         response_length=record.response_length,
         created_at=record.created_at,
         adapter=record.adapter,
+        logprob_coverage=[logprob_coverage(t) for t in trajectories],
+        version_lag=[newest - t.min_policy_version for t in trajectories],
     )
+
+
+def logprob_coverage(trajectory: Trajectory) -> float:
+    """The fraction of a trajectory's sampled ids (its turns' spans) with a finite recorded logprob."""
+    sampled = [trajectory.logprobs[p] for turn in trajectory.turns
+               for p in range(turn.start, min(turn.start + turn.length, len(trajectory.logprobs)))]  # fmt: skip
+    return sum(math.isfinite(v) for v in sampled) / len(sampled) if sampled else 1.0
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

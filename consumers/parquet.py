@@ -94,6 +94,16 @@ class BatchManifest(BaseModel):
         None,
         description="the LoRA adapter of every row (a batch never mixes adapters); null or absent: the base model",
     )
+    logprob_coverage: list[float] = Field(
+        default_factory=list,
+        description="per row, in order: the fraction of its sampled ids with a finite recorded logprob (1.0: all); "
+        "empty in manifests written before it",
+    )
+    version_lag: list[int] = Field(
+        default_factory=list,
+        description="per row: max_policy_version minus the row's min_policy_version, the versions its oldest "
+        "token is behind the batch's newest (a trainer adds its own lead over max_policy_version); empty before it",
+    )
 
     def encode(self) -> bytes:
         """The wire form: compact JSON (``adapter`` left out for the base model)."""

@@ -364,6 +364,47 @@ def _console_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_command(args: argparse.Namespace) -> int:
+    """``stream-gateway verify``: recompute a batch's logprobs with a checkpoint; the mismatch per row."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from consumers.parquet import decode_batch
+    from consumers.verify import verify_rows
+    from stream_gateway.models import resolve_model
+
+    path = Path(args.batch).expanduser()
+    try:
+        trajectories, _ = decode_batch(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        print(f"stream-gateway verify: cannot read {path}: {exc}", file=sys.stderr)
+        return 2
+    where = resolve_model(args.model)
+    progress(f"verify: {len(trajectories)} rows in {path.name}; loading {where}")
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, args.dtype))
+    model.eval()  # type: ignore[no-untyped-call]  # transformers 5.10: nn.Module.eval is untyped here
+    report = verify_rows(
+        trajectories, model, rows=args.rows, threshold=args.threshold, temperature=args.temperature, seed=args.seed
+    )
+    if args.format == "json":
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(f"{'row':>4}  {'trajectory':<36}{'sampled':>8}{'max|Δ|':>10}{'mean|Δ|':>10}{'ratio min..max':>18}"
+              f"{'KL':>10}  flag")  # fmt: skip
+        for r in report.rows:
+            flag = r.skipped or ("FLAGGED" if r.flagged else "ok")
+            print(f"{r.row:>4}  {r.trajectory_id:<36}{r.sampled:>8}{r.max_abs_delta:>10.2e}{r.mean_abs_delta:>10.2e}"
+                  f"{f'{r.ratio_min:.4f}..{r.ratio_max:.4f}':>18}{r.kl:>10.2e}  {flag}")  # fmt: skip
+        summary = report.summary()
+        print(f"rows {summary['rows_checked']} checked, {summary['rows_flagged']} flagged "
+              f"(max |Δ| > {args.threshold:g}),"
+              f" {summary['rows_skipped']} skipped; max |Δ| {summary['max_abs_delta']:.2e}, mean |Δ| "
+              f"{summary['mean_abs_delta']:.2e}, KL {summary['kl']:.2e}")  # fmt: skip
+    return 1 if report.flagged else 0
+
+
 def _tokenizer_spec(spec: str) -> tuple[str, str]:
     """``NAME`` (a built-in model, or a directory) or ``NAME=DIR``: a served name and its tokenizer's directory."""
     from stream_gateway.models import resolve_model
@@ -472,6 +513,23 @@ def parser() -> argparse.ArgumentParser:
     console_command.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
     console_command.set_defaults(run=_console_command)
 
+    verify_command = commands.add_parser(
+        "verify", help="recompute a batch's logprobs with a checkpoint: rollout-vs-trainer mismatch per row"
+    )
+    verify_command.add_argument("batch", help="a batch's parquet file (the batcher's --output-dir, or up's batches)")
+    verify_command.add_argument("--model", required=True, help="the checkpoint: a built-in name or a directory")
+    verify_command.add_argument("--rows", type=int, help="check this many rows, picked at random (default all)")
+    verify_command.add_argument("--threshold", type=float, default=0.05,
+                                help="flag a row whose largest |Δ logprob| passes this "
+                                "(nats, default 0.05)")  # fmt: skip
+    verify_command.add_argument("--temperature", type=float, default=1.0, help="the trainer's temperature (default 1)")
+    verify_command.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                                help="the forward pass's dtype (default float32)")  # fmt: skip
+    verify_command.add_argument("--seed", type=int, default=0, help="which rows --rows picks")
+    verify_command.add_argument("--format", choices=("table", "json"), default="table",
+                                help="the report as a table (default) or as JSON")  # fmt: skip
+    verify_command.set_defaults(run=_verify_command)
+
     stream_gateway.cli.add_commands(commands)
     pipeline.cli.add_commands(commands)
     consumers.cli.add_commands(commands)
@@ -481,7 +539,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-gateway`` console script."""
     args = parser().parse_args(argv)
-    if args.command in ("up", "serve", "prepare-model", "forget", "console"):
+    if args.command in ("up", "serve", "prepare-model", "forget", "console", "verify"):
         result: int = args.run(args)
         return result
     return pipeline.cli.run_command(args)

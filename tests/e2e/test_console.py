@@ -30,7 +30,6 @@ from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 from stream_stack.console import ConsoleConfig, run_console
 
-from ..support.agent_loop import READ_TOOL
 from ..support.servers import free_port, run_gateway
 from ..support.waiting import wait_until
 
@@ -38,6 +37,16 @@ CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / "docs" / "console"
 XSS = ["<script>window.__xss = 1</script>", '<img src=x onerror="window.__xss = 2">', "[go](javascript:window.__xss=3)"]
 ALICE, BOB, ADMIN = "sk-alice", "sk-bob", "sk-admin"
+# A tool whose arguments are finite (an enum): the forced call always ends by itself, never at max_tokens.
+READ_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read",
+        "description": "Read a file",
+        "parameters": {"type": "object", "properties": {"path": {"enum": ["notes.txt", "todo.txt"]}},
+                       "required": ["path"], "additionalProperties": False},
+    },
+}  # fmt: skip
 
 
 @dataclass

@@ -9,6 +9,7 @@ reason, and a forked session's shared sampled tokens in exactly one loss mask.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +22,21 @@ from openai import OpenAI
 
 from consumers.assembler import AssemblerConfig, run_assembler
 from consumers.batcher import BatcherConfig, run_batcher
-from consumers.parquet import decode_batch
+from consumers.parquet import BatchManifest, decode_batch
 from consumers.trajectory import Trajectory
 from consumers.verl_batch import padded_batch
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
-from ..support.agent_loop import READ_TOOL
 from ..support.servers import run_gateway
 from ..support.waiting import wait_until
 
 KEY = "sk-data"
 SESSIONS = 5  # below: six trajectories, one batch
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+# Finite answers (an enum), so that a constrained turn always ends by itself, never at max_tokens.
+SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"], "additionalProperties": False}
+PICK = {"type": "function", "function": {"name": "pick", "description": "Pick one", "parameters": SCHEMA}}
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Pipeline:
     tiny: str
     slow: str
     batches: Path
+    nats: str
 
     def client(self, session: str, base: str | None = None) -> OpenAI:
         return OpenAI(base_url=(base or self.tiny) + "/v1", api_key=KEY, default_headers={"x-session-id": session})
@@ -67,7 +70,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) ->
                                    response_length=2048, output_dir=tmp / "batches")  # fmt: skip
         tasks = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_batcher, batcher)]
         with run_gateway(build_engine(tiny), tiny) as a, run_gateway(build_engine(slow), slow) as b:
-            yield Pipeline(a.base_url, b.base_url, tmp / "batches")
+            yield Pipeline(a.base_url, b.base_url, tmp / "batches", nats.url)
         for task in tasks:
             task.cancel()
 
@@ -79,8 +82,8 @@ def _traffic(p: Pipeline) -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},  # type: ignore[typeddict-item]
     )  # fmt: skip
     p.client("ends-tool").chat.completions.create(
-        model="tiny", messages=ask, tools=[READ_TOOL], max_tokens=300,  # type: ignore[arg-type,list-item]
-        tool_choice={"type": "function", "function": {"name": "read"}},
+        model="tiny", messages=ask, tools=[PICK], max_tokens=300,  # type: ignore[arg-type,list-item]
+        tool_choice={"type": "function", "function": {"name": "pick"}},
     )  # fmt: skip
     p.client("ends-length").chat.completions.create(model="tiny", messages=ask, max_tokens=5)  # type: ignore[arg-type]
     # A retry: the same second request twice, two continuations of the first turn.
@@ -112,10 +115,29 @@ def _batch(p: Pipeline) -> list[Trajectory]:
     return [t for f in files for t in decode_batch(f.read_bytes())[0]]
 
 
-def test_every_end_reason_reaches_the_batch_and_shared_turns_are_trained_once(pipeline: Pipeline) -> None:
+@pytest.fixture(scope="module")
+def rows(pipeline: Pipeline) -> list[Trajectory]:
+    """The traffic above, as the batch the trainer gets."""
     _traffic(pipeline)
     wait_until(lambda: len(_batch(pipeline)) == 6, timeout=90, what="one batch of the six trajectories")
-    rows = _batch(pipeline)
+    return _batch(pipeline)
+
+
+async def _manifests(url: str) -> list[BatchManifest]:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        last = (await js.stream_info("SG_BATCHES")).state.last_seq
+        return [BatchManifest.decode((await js.get_msg("SG_BATCHES", seq)).data or b"") for seq in range(1, last + 1)]
+    finally:
+        await nc.close()
+
+
+def test_every_end_reason_reaches_the_batch_and_shared_turns_are_trained_once(
+    pipeline: Pipeline, rows: list[Trajectory]
+) -> None:
     ends: dict[str, list[Any]] = {}
     for row in rows:
         ends.setdefault(row.session_id, []).append(row.end_reason)
@@ -140,6 +162,11 @@ def test_every_end_reason_reaches_the_batch_and_shared_turns_are_trained_once(pi
     assert all("forked" in r.health for r in forks)
     assert sum(not t.trained for r in forks for t in r.turns) == 1  # the shared first turn, once out
 
+    # The manifest carries each row's logprob coverage and version lag (for verl's rollout correction).
+    [manifest] = anyio.run(_manifests, pipeline.nats)
+    assert manifest.trajectory_ids == [r.trajectory_id for r in rows]
+    assert manifest.logprob_coverage == [1.0] * 6 and manifest.version_lag == [0] * 6
+
     # verl's padded batch says the same per row.
     batch = padded_batch(
         rows, [r.trajectory_id for r in rows], prompt_length=2048, response_length=2048, pad_token_id=0
@@ -148,3 +175,38 @@ def test_every_end_reason_reaches_the_batch_and_shared_turns_are_trained_once(pi
     assert [list(h) for h in batch.non_tensors["sg.health"]] == [r.health for r in rows]
     trained = batch.tensors["response_mask"].sum().item()
     assert trained == sum(sum(r.loss_mask[r.prompt_length :]) for r in rows)
+
+
+def test_verify_measures_the_mismatch_and_flags_a_perturbed_row(
+    pipeline: Pipeline, rows: list[Trajectory], tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stream-gateway verify`` on the batch as written: the plain sampled rows match a forward pass
+    of the model; the grammar-constrained ones (their logprobs are the masked distribution's) and
+    the synthetic engine's (made-up logprobs) are flagged. Then one plain row's logprobs, perturbed
+    in a copy of the file, flag it too."""
+    from consumers.parquet import encode_batch
+    from stream_stack.cli import main
+
+    [path] = sorted(pipeline.batches.glob("*.parquet"))
+    assert main(["verify", str(path), "--model", str(tiny_model_path), "--format", "json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    by_session = {rows[r["row"]].session_id: r for r in report["rows"]}
+    flagged = {session for session, r in by_session.items() if r["flagged"]}
+    assert flagged == {"ends-stop", "ends-tool", "ends-client-gone"}, by_session
+    for session in ("ends-length", "forked"):
+        assert by_session[session]["max_abs_delta"] < 2e-4 and by_session[session]["kl"] < 1e-6
+    assert by_session["ends-length"]["sampled"] == 5
+
+    plain = next(i for i, r in enumerate(rows) if r.session_id == "ends-length")
+    logprobs = list(rows[plain].logprobs)
+    for position in [p for p, m in enumerate(rows[plain].loss_mask) if m][:3]:
+        logprobs[position] += 0.3
+    perturbed = [r.model_copy(update={"logprobs": logprobs}) if i == plain else r for i, r in enumerate(rows)]
+    copy = path.with_name("perturbed.parquet")
+    copy.write_bytes(encode_batch(perturbed, [r.trajectory_id for r in rows], batch_id="perturbed",
+                                  prompt_length=2048, response_length=2048))  # fmt: skip
+    assert main(["verify", str(copy), "--model", str(tiny_model_path), "--format", "json"]) == 1
+    again = {rows[r["row"]].session_id: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert again["ends-length"]["flagged"] and abs(again["ends-length"]["max_abs_delta"] - 0.3) < 1e-3
+    assert again["ends-length"]["ratio_min"] < 0.75 and not again["forked"]["flagged"]
+    copy.unlink()
