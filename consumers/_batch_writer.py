@@ -26,6 +26,7 @@ import hashlib
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -159,6 +160,17 @@ class BatchWriter:
         if self._output_dir is not None:
             await anyio.to_thread.run_sync(_write_atomically, self._output_dir / object_name, data)
         await self._kv.put(f"b.{record.batch_id}", record.published().encode())
+
+    async def record_late_reward(self, batch_id: str, trajectory: Trajectory) -> None:
+        """A reward that arrived after ``trajectory`` went into the published batch ``batch_id``:
+        kept in the bucket as ``l.<batch id>.<trajectory>`` (the newest revision), never dropped."""
+        late = {
+            "batch_id": batch_id, "trajectory_id": trajectory.trajectory_id, "revision": trajectory.revision,
+            "reward": trajectory.reward, "reward_source": trajectory.reward_source,
+            "turn_rewards": {s.turn_id: s.reward for s in trajectory.turns if s.reward is not None},
+            "recorded_at": time.time(),
+        }  # fmt: skip
+        await self._kv.put(f"l.{batch_id}.{subject_token(trajectory.trajectory_id)}", orjson.dumps(late))
 
     async def _manifest_published(self, record: BatchRecord) -> bool:
         """Whether a manifest with this batch's id is on the stream after the record's sequence."""

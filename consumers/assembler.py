@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -59,7 +59,7 @@ import anyio
 import orjson
 from pipeline.connection import NatsAuth
 from pipeline.durable import publish_durable
-from pipeline.events import decode_event, subject_token
+from pipeline.events import Event, decode_event, subject_token
 from pipeline.subscriber import decode_message, message_payload
 from pipeline.tombstones import Tombstones
 
@@ -67,7 +67,7 @@ from ._runner import DurableRunner, PullSpec
 from .rewards import apply_reward, load_reward_function
 from .streams import ConsumerStreams
 from .trajectories import SessionEvents, build_trajectories
-from .trajectory import erased
+from .trajectory import Trajectory, erased
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -121,6 +121,7 @@ class AssemblerStatistics:
     unrouted: int = 0  # trajectories emitted without routes although some of their turns had them
     images_refused: int = 0  # chains left out because their images do not line up with their ids
     erased: int = 0  # events and sessions not assembled: forgotten (stream-gateway forget)
+    revisions: int = 0  # trajectories published again with a late reward (feedback after emission)
 
 
 class Assembler:
@@ -134,7 +135,7 @@ class Assembler:
         self._waiting_reward: set[str] = set()
         self._limiter = anyio.CapacityLimiter(32)  # sessions of one fetch handled at once
         self._events = self._emitted = self._trajectories = self._late = self._conflicts = self._unrouted = 0
-        self._images_refused = self._erased = 0
+        self._images_refused = self._erased = self._revisions = 0
         self._tombstones = Tombstones(config.names.prefix, replicas=config.names.replicas)  # never assembled
         self._last_report = time.monotonic()
         self._last_line = ""
@@ -165,6 +166,7 @@ class Assembler:
             unrouted=self._unrouted,
             images_refused=self._images_refused,
             erased=self._erased,
+            revisions=self._revisions,
         )
 
     async def run(self) -> None:
@@ -269,6 +271,8 @@ class Assembler:
                 state, revision = await self._merge(work, key, [entry for _, entry in items])
                 if not state.get("emitted"):
                     await self._emit_if_due(work, key, state, revision, in_hand=in_hand)
+                elif state.get("late_refs"):
+                    await self._emit_revision(work, key, state, revision, in_hand)
                 for msg, _ in items:
                     await msg.ack()
 
@@ -286,8 +290,23 @@ class Assembler:
                 state = {"session_id": entries[0]["session_id"], "tenant": entries[0]["tenant"], "refs": {}}
                 state |= {"kinds": {}, "closed_seq": None, "closed_at": None, "emitted": False}
             if state["emitted"]:
-                self._late += len(entries)
-                return state, revision
+                # Feedback after emission is kept: the session's trajectories it changes are emitted
+                # again as a new revision (late rewards, docs/trajectories.md). Anything else is late.
+                feedback = [
+                    e for e in entries if e["kind"] == "feedback.recorded" and str(e["seq"]) not in state["refs"]
+                ]
+                self._late += len(entries) - len(feedback)
+                if not feedback:
+                    return state, revision
+                late = dict(state.get("late_refs") or {})
+                for entry in feedback:
+                    late[str(entry["seq"])] = entry["ref"]
+                state = state | {"late_refs": late}
+                stored = await work.store(key, state, revision)
+                if stored is not None:
+                    return state, stored
+                self._conflicts += 1
+                continue
             for entry in entries:
                 seq = str(entry["seq"])
                 state["refs"][seq] = entry["ref"]
@@ -386,7 +405,7 @@ class Assembler:
     ) -> None:
         import nats.errors
 
-        config, names = self._config, self._config.names
+        names = self._config.names
         try:
             await self._tombstones.current(work.js)
         except (nats.errors.Error, TimeoutError) as exc:  # NATS away: emitted at a later sweep
@@ -397,16 +416,56 @@ class Assembler:
             self._waiting_reward.discard(key)
             self._erased += 1
             return
-        events = [decode_event(in_hand[ref]) for ref in state["refs"].values() if ref in in_hand]
-        missing = [ref for ref in state["refs"].values() if ref not in in_hand]
+        events = await self._events_of(work, state["refs"].values(), in_hand)
+        trajectories = await self._build(events, because, complete)
+        for trajectory in trajectories:
+            await publish_durable(
+                work.nc,
+                work.js,
+                names.trajectory_subject(trajectory),
+                trajectory.trajectory_id,
+                trajectory.encode(),
+                bucket=names.payload_bucket,
+            )
+        current: dict[str, Any] | None = state
+        while True:  # mark emitted; a concurrent writer only ever adds refs, which come too late now
+            if current is None or current["emitted"]:
+                break
+            current = current | {
+                "emitted": True,
+                "emitted_because": because,
+                "complete": complete,
+                "trajectory_ids": [t.trajectory_id for t in trajectories],
+            }
+            if await work.store(key, current, revision) is not None:
+                break
+            self._conflicts += 1
+            current, revision = await work.load(key)
+        self._deadlines.pop(key, None)
+        self._waiting_reward.discard(key)
+        self._emitted += 1
+        self._trajectories += len(trajectories)
+        log.info("session %s: %d trajectories (%s)", state["session_id"], len(trajectories), because)
+
+    async def _events_of(self, work: _Work, refs: Iterable[int], in_hand: dict[int, bytes]) -> list[Event]:
+        """The events at ``refs`` in the events stream: from ``in_hand`` or read back, at once."""
+        wanted = list(refs)
+        events = [decode_event(in_hand[ref]) for ref in wanted if ref in in_hand]
 
         async def fetch(ref: int) -> None:
-            raw = await work.js.get_msg(names.events, ref)
+            raw = await work.js.get_msg(self._config.names.events, ref)
             events.append(await decode_message(raw, work.js))  # type: ignore[arg-type]
 
         async with anyio.create_task_group() as tg:  # earlier events of the session: read back at once
-            for ref in missing:
-                tg.start_soon(fetch, ref)
+            for ref in wanted:
+                if ref not in in_hand:
+                    tg.start_soon(fetch, ref)
+        return events
+
+    async def _build(
+        self, events: list[Event], because: Literal["closed", "idle", "cap"], complete: bool
+    ) -> list[Trajectory]:
+        config = self._config
         trajectories = build_trajectories(
             SessionEvents.of(events),
             emitted_because=because,
@@ -427,33 +486,54 @@ class Assembler:
                 )
                 for t in trajectories
             ]
-        for trajectory in trajectories:
+        return trajectories
+
+    async def _emit_revision(
+        self, work: _Work, key: str, state: dict[str, Any], revision: int | None, in_hand: dict[int, bytes]
+    ) -> None:
+        """Feedback that arrived after the session was emitted: each trajectory whose rewards it
+        changes is published again, same id, ``revision`` one higher (``Nats-Msg-Id``
+        ``<id>.r<revision>``, so a crash before the state is stored republishes the same copies,
+        which JetStream drops). The batcher uses it if the old one is not in a batch yet, and
+        otherwise records it as a late reward on that batch."""
+        import nats.errors
+
+        names = self._config.names
+        try:
+            await self._tombstones.current(work.js)
+        except (nats.errors.Error, TimeoutError):
+            return  # the feedback is in the state: a later message or a restart emits it
+        if erased(self._tombstones, state["tenant"], state["session_id"]):
+            return
+        late: dict[str, int] = state["late_refs"]
+        because, complete = state.get("emitted_because", "closed"), bool(state.get("complete", True))
+        before = await self._build(await self._events_of(work, state["refs"].values(), in_hand), because, complete)
+        after = await self._build(
+            await self._events_of(work, [*state["refs"].values(), *late.values()], in_hand), because, complete
+        )
+        number = int(state.get("revisions", 0)) + 1
+        old = {t.trajectory_id: t for t in before}
+        changed = [t for t in after if t.trajectory_id not in old or _rewards(old[t.trajectory_id]) != _rewards(t)]
+        for trajectory in changed:
+            trajectory = trajectory.model_copy(update={"revision": number})
             await publish_durable(
-                work.nc,
-                work.js,
-                names.trajectory_subject(trajectory),
-                trajectory.trajectory_id,
-                trajectory.encode(),
-                bucket=names.payload_bucket,
-            )
+                work.nc, work.js, names.trajectory_subject(trajectory), f"{trajectory.trajectory_id}.r{number}",
+                trajectory.encode(), bucket=names.payload_bucket,
+            )  # fmt: skip
         current: dict[str, Any] | None = state
-        while True:  # mark emitted; a concurrent writer only ever adds refs, which come too late now
-            if current is None or current["emitted"]:
-                break
-            current = current | {
-                "emitted": True,
-                "emitted_because": because,
-                "trajectory_ids": [t.trajectory_id for t in trajectories],
-            }
+        while current is not None:  # the late refs join the session's: the next feedback builds on them
+            refs = {**current["refs"], **(current.get("late_refs") or {})}
+            current = current | {"refs": refs, "late_refs": {}, "revisions": number}
             if await work.store(key, current, revision) is not None:
                 break
             self._conflicts += 1
             current, revision = await work.load(key)
-        self._deadlines.pop(key, None)
-        self._waiting_reward.discard(key)
-        self._emitted += 1
-        self._trajectories += len(trajectories)
-        log.info("session %s: %d trajectories (%s)", state["session_id"], len(trajectories), because)
+        self._revisions += len(changed)
+        log.info("session %s: late feedback, revision %d of %d trajectories", state["session_id"], number, len(changed))
+
+
+def _rewards(trajectory: Trajectory) -> tuple[float | None, tuple[float | None, ...]]:
+    return trajectory.reward, tuple(s.reward for s in trajectory.turns)
 
 
 @dataclass(slots=True)

@@ -160,6 +160,8 @@ class BatcherStatistics:
     dropped_erased: int = 0  # of a session or tenant forgotten (stream-gateway forget), with their groups
     dropped_unfinished: int = 0  # an unfinished last turn, under --unfinished drop
     masked_unfinished: int = 0  # an unfinished last turn taken out of the loss, under --unfinished mask
+    revised: int = 0  # held trajectories replaced by a late-reward revision before their batch
+    late_rewards: int = 0  # late-reward revisions of trajectories already in a published batch (recorded on it)
     end_reasons: dict[str, int] = field(default_factory=dict)  # received trajectories per end reason
     adapter_versions: dict[str | None, int] = field(default_factory=dict)  # newest known per adapter (None: base)
 
@@ -343,6 +345,8 @@ class Batcher:
         if held is not None:
             if held.sequence == sequence:  # redelivered while held: answer the newest delivery
                 held.msg = msg
+            elif trajectory.revision > held.trajectory.revision:  # a late reward before its batch: use it
+                self._revise(held, msg, sequence, trajectory)
             else:  # the same trajectory published twice: one copy is enough
                 self._counts["duplicates_skipped"] += 1
                 await msg.ack()
@@ -351,7 +355,14 @@ class Batcher:
         batch = await self._binding(tid)
         if batch is not None:
             if batch.record.state == "published":
-                self._counts["duplicates_skipped"] += 1
+                if trajectory.revision > 0:  # a late reward after its batch: recorded on that batch
+                    assert self._writer is not None
+                    await self._writer.record_late_reward(batch.record.batch_id, trajectory)
+                    self._counts["late_rewards"] += 1
+                    log.info("batcher: late reward for %s (revision %d) recorded on batch %s",
+                             tid, trajectory.revision, batch.record.batch_id)  # fmt: skip
+                else:
+                    self._counts["duplicates_skipped"] += 1
                 await msg.ack()
                 return
             self._hold_bound(batch, msg, sequence, trajectory)
@@ -397,6 +408,22 @@ class Batcher:
         if isinstance(prepared, str):  # the policies are pure functions of the record: cannot happen
             raise RuntimeError(f"trajectory {raw.trajectory_id} of assigned batch {batch.batch_id} now {prepared}")
         self._held[raw.trajectory_id] = _Held(msg, sequence, prepared)
+
+    def _revise(self, held: _Held, msg: Msg, sequence: int, trajectory: Trajectory) -> None:
+        """A held trajectory's late-reward revision replaces it (same id, same group)."""
+        policy = self._planner.policy
+        prepared = prepare_trajectory(
+            trajectory, prompt_length=policy.prompt_length, response_length=policy.response_length,
+            overlong=policy.overlong, no_reward=policy.no_reward, unfinished=policy.unfinished,
+        )  # fmt: skip
+        if isinstance(prepared, str):  # a revision only adds rewards: what was admitted stays admissible
+            log.warning("batcher: revision %d of %s now %s; the held copy stays", trajectory.revision,
+                        trajectory.trajectory_id, prepared)  # fmt: skip
+            self._ack_soon(msg)
+            return
+        self._ack_soon(held.msg)
+        held.msg, held.sequence, held.trajectory = msg, sequence, prepared
+        self._counts["revised"] += 1
 
     def _admit(self, msg: Msg, sequence: int, raw: Trajectory, refused: Drop | None = None) -> None:
         reason = raw.end_reason or "unknown"

@@ -30,6 +30,7 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     reward           double (nullable)
     aborted, truncated, complete   bool
     abort_reason     string (nullable)  why the last turn did not finish
+    revision         int64         0, or the late-reward revision the row was batched at
     end_reason       string (nullable)  why the trajectory ends (:data:`~consumers.trajectory.END_REASONS`)
     health           list<string>  record-health flags (:data:`~consumers.trajectory.HEALTH_FLAGS`)
     started_at, ended_at           double (Unix seconds)
@@ -158,6 +159,7 @@ def _schema() -> pa.Schema:
             ("aborted", pa.bool_()),
             ("abort_reason", pa.string()),
             ("end_reason", pa.string()),
+            ("revision", pa.int64()),
             ("health", pa.list_(pa.string())),
             ("truncated", pa.bool_()),
             ("complete", pa.bool_()),
@@ -232,6 +234,7 @@ def decode_batch(data: bytes) -> tuple[list[Trajectory], list[str]]:
         row.pop("token_policy_versions", None)  # derived; absent from batches written before it
         row["images"] = row.get("images") or []  # absent from batches written before images
         row["health"] = row.get("health") or []  # absent from batches written before health flags
+        row["revision"] = row.get("revision") or 0
         row["routed_experts"] = _routes(*(row.pop(column, None) for column in _ROUTE_COLUMNS))
         for column in _JSON_COLUMNS:
             row[column] = orjson.loads(row[column])

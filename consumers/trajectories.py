@@ -280,6 +280,7 @@ def _trajectory(
         reward_source=reward_source,
         aborted=isinstance(leaf, TurnAborted),
         abort_reason=leaf.reason if isinstance(leaf, TurnAborted) else None,
+        revision=0,
         end_reason=end_reason,
         truncated=truncated,
         complete=complete,

@@ -353,6 +353,12 @@ class Trajectory(BaseModel):
         None,
         description="why the trajectory ends where it does (END_REASONS); null: written before end reasons",
     )
+    revision: int = Field(
+        0,
+        ge=0,
+        description="0 as first emitted; each late reward (feedback after emission) publishes the trajectory "
+        "again, same id, one higher",
+    )
     health: list[str] = Field(
         default_factory=list,
         description="record-health flags (HEALTH_FLAGS, docs/trajectories.md): what makes this row doubtful; "

@@ -210,3 +210,69 @@ def test_verify_measures_the_mismatch_and_flags_a_perturbed_row(
     assert again["ends-length"]["flagged"] and abs(again["ends-length"]["max_abs_delta"] - 0.3) < 1e-3
     assert again["ends-length"]["ratio_min"] < 0.75 and not again["forked"]["flagged"]
     copy.unlink()
+
+
+def _feedback(p: Pipeline, session: str, score: float) -> None:
+    response = httpx.post(f"{p.tiny}/sessions/{session}/feedback", json={"score": score},
+                          headers={"authorization": f"Bearer {KEY}"})  # fmt: skip
+    response.raise_for_status()
+
+
+async def _late_rewards(url: str) -> dict[str, dict[str, Any]]:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().key_value("sg_batcher")
+        keys = [k for k in await kv.keys() if k.startswith("l.")]
+        return {k: json.loads((await kv.get(k)).value or b"{}") for k in keys}
+    finally:
+        await nc.close()
+
+
+def test_feedback_after_emission_is_kept_as_a_revision_or_a_late_reward(
+    pipeline: Pipeline, rows: list[Trajectory]
+) -> None:
+    """Feedback that comes after a session's trajectories were emitted is never dropped: before its
+    batch, the batcher trains the new revision; after, it is recorded on the batch it went into."""
+    # After the batch: ends-length's trajectory is in the published batch of the first test.
+    published = next(r for r in rows if r.session_id == "ends-length")
+    _feedback(pipeline, "ends-length", -1.0)
+    wait_until(lambda: len(anyio.run(_late_rewards, pipeline.nats)) == 1, timeout=30, what="the late reward recorded")
+    [late] = anyio.run(_late_rewards, pipeline.nats).values()
+    assert (late["trajectory_id"], late["revision"], late["reward"]) == (published.trajectory_id, 1, -1.0)
+    assert late["reward_source"] == "feedback"
+
+    # Before the batch: a session emitted, then scored, then five more to fill the next batch.
+    ask = [{"role": "user", "content": "Say something."}]
+    pipeline.client("scored-late").chat.completions.create(model="tiny", messages=ask, max_tokens=4)  # type: ignore[arg-type]
+    pipeline.close("scored-late")
+    wait_until(lambda: _emitted(pipeline, "scored-late"), timeout=30, what="scored-late emitted")
+    _feedback(pipeline, "scored-late", 0.25)
+    wait_until(lambda: _emitted(pipeline, "scored-late", revision=1), timeout=30, what="its revision emitted")
+    for i in range(5):
+        pipeline.client(f"filler-{i}").chat.completions.create(model="tiny", messages=ask, max_tokens=4)  # type: ignore[arg-type]
+        pipeline.close(f"filler-{i}")
+    wait_until(lambda: len(_batch(pipeline)) == 12, timeout=60, what="the second batch")
+    [scored] = [r for r in _batch(pipeline) if r.session_id == "scored-late"]
+    assert (scored.reward, scored.reward_source, scored.revision) == (0.25, "feedback", 1)
+
+
+def _emitted(p: Pipeline, session: str, revision: int = 0) -> bool:
+    async def read() -> bool:
+        import nats
+
+        nc = await nats.connect(p.nats)
+        try:
+            js = nc.jetstream()
+            last = (await js.stream_info("SG_TRAJECTORIES")).state.last_seq
+            for seq in range(1, last + 1):
+                raw = await js.get_msg("SG_TRAJECTORIES", seq)
+                data = json.loads(raw.data or b"{}")
+                if data.get("session_id") == session and data.get("revision", 0) == revision:
+                    return True
+            return False
+        finally:
+            await nc.close()
+
+    return anyio.run(read)
