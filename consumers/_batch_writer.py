@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from pipeline.streams import ensure_key_value
 from .batch_record import BatchRecord
 from .parquet import BatchManifest, encode_batch
 from .streams import ConsumerStreams
-from .trajectory import Trajectory
+from .trajectory import Trajectory, has_logprob
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -217,7 +216,7 @@ def logprob_coverage(trajectory: Trajectory) -> float:
     """The fraction of a trajectory's sampled ids (its turns' spans) with a finite recorded logprob."""
     sampled = [trajectory.logprobs[p] for turn in trajectory.turns
                for p in range(turn.start, min(turn.start + turn.length, len(trajectory.logprobs)))]  # fmt: skip
-    return sum(math.isfinite(v) for v in sampled) / len(sampled) if sampled else 1.0
+    return sum(has_logprob(v) for v in sampled) / len(sampled) if sampled else 1.0
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -31,6 +31,7 @@ its GRPO group has in this batch, so :func:`decode_batch` rebuilds the trajector
     aborted, truncated, complete   bool
     abort_reason     string (nullable)  why the last turn did not finish
     revision         int64         0, or the late-reward revision the row was batched at
+    continues_turn_id  string (nullable)  the turn its conversation continues after a compaction
     end_reason       string (nullable)  why the trajectory ends (:data:`~consumers.trajectory.END_REASONS`)
     health           list<string>  record-health flags (:data:`~consumers.trajectory.HEALTH_FLAGS`)
     started_at, ended_at           double (Unix seconds)
@@ -160,6 +161,7 @@ def _schema() -> pa.Schema:
             ("abort_reason", pa.string()),
             ("end_reason", pa.string()),
             ("revision", pa.int64()),
+            ("continues_turn_id", pa.string()),
             ("health", pa.list_(pa.string())),
             ("truncated", pa.bool_()),
             ("complete", pa.bool_()),

@@ -281,6 +281,7 @@ def _trajectory(
         aborted=isinstance(leaf, TurnAborted),
         abort_reason=leaf.reason if isinstance(leaf, TurnAborted) else None,
         revision=0,
+        continues_turn_id=root.continues_turn_id,
         end_reason=end_reason,
         truncated=truncated,
         complete=complete,

@@ -79,6 +79,7 @@ __all__ = [
     "TrajectoryImage",
     "TurnSummary",
     "erased",
+    "has_logprob",
     "health_flags",
     "image_cut",
     "images_problem",
@@ -234,7 +235,7 @@ UNFINISHED = frozenset({"length", "client_disconnected", "engine_error", "shutdo
 """End reasons whose last turn is unfinished."""
 
 HEALTH_FLAGS: dict[str, str] = {
-    "no-logprobs": "a sampled token has no logprob (not a finite number)",
+    "no-logprobs": "a sampled token has no logprob (not finite, or the -9999 a server without logprobs leaves)",
     "truncated": "cut at the turn or token cap: the last turns are not in it",
     "aborted": "the last turn did not finish (abort_reason says why)",
     "incomplete": "an event of the session was missing when it was emitted",
@@ -249,11 +250,21 @@ HEALTH_FLAGS: dict[str, str] = {
 """Every record-health flag a trajectory can carry, and what it means (docs/trajectories.md)."""
 
 
+MISSING_LOGPROB = -9999.0
+"""How a logprob the engine did not give is written (JSON has no -inf; a server that sent none: the
+remote engines write this): a sampled id at or below it has no logprob."""
+
+
+def has_logprob(value: float) -> bool:
+    """Whether a sampled id's recorded logprob is a real one (finite, above :data:`MISSING_LOGPROB`)."""
+    return math.isfinite(value) and value > MISSING_LOGPROB
+
+
 def health_flags(trajectory: Trajectory, *, forked: bool, unrouted: bool, new_root: bool, adapters: int) -> list[str]:
     """The record-health flags of a built trajectory, in :data:`HEALTH_FLAGS`'s order."""
     sampled = (lp for lp, m in zip(trajectory.logprobs, trajectory.loss_mask, strict=True) if m)
     found = {
-        "no-logprobs": any(not math.isfinite(lp) for lp in sampled),
+        "no-logprobs": any(not has_logprob(lp) for lp in sampled),
         "truncated": trajectory.truncated,
         "aborted": trajectory.aborted,
         "incomplete": not trajectory.complete,
@@ -352,6 +363,11 @@ class Trajectory(BaseModel):
     end_reason: EndReason | None = Field(
         None,
         description="why the trajectory ends where it does (END_REASONS); null: written before end reasons",
+    )
+    continues_turn_id: str | None = Field(
+        None,
+        description="its first turn carries on the session's conversation after the client compacted its history: "
+        "the turn it continues (turn.completed's continues_turn_id); group the trajectories of one conversation by it",
     )
     revision: int = Field(
         0,

@@ -20,13 +20,12 @@ another temperature shows that as mismatch, as the trainer would see it.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .trajectory import Trajectory
+from .trajectory import Trajectory, has_logprob
 
 __all__ = ["RowCheck", "VerifyReport", "verify_rows"]
 
@@ -113,14 +112,14 @@ def verify_rows(
             report.rows.append(_skipped(index, trajectory, "images"))
             continue
         recorded = [trajectory.logprobs[p] for p in positions]
-        missing = sum(not math.isfinite(v) for v in recorded)
+        missing = sum(not has_logprob(v) for v in recorded)
         ids = torch.tensor([trajectory.token_ids], device=device)
         with torch.inference_mode():
             logits = model(input_ids=ids).logits[0].float() / temperature
         at = torch.tensor([p - 1 for p in positions], device=device)
         chosen = torch.tensor([trajectory.token_ids[p] for p in positions], device=device)
         recomputed = torch.log_softmax(logits[at], -1).gather(1, chosen.unsqueeze(1)).squeeze(1).double().cpu()
-        finite = torch.tensor([math.isfinite(v) for v in recorded], dtype=torch.bool)
+        finite = torch.tensor([has_logprob(v) for v in recorded], dtype=torch.bool)
         delta = recomputed[finite] - torch.tensor(recorded, dtype=torch.float64)[finite]
         report.rows.append(_row(index, trajectory, delta, missing, threshold))
     return report

@@ -107,7 +107,7 @@ __all__ = [
     "tenant_id",
 ]
 
-SCHEMA_VERSION: Literal[5] = 5
+SCHEMA_VERSION: Literal[6] = 6
 
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Serialization-mode JSON Schemas mark defaulted fields required: the wire always carries them.
@@ -138,10 +138,10 @@ class Event(BaseModel):
 
     model_config = _MODEL_CONFIG
 
-    schema_version: Literal[1, 2, 3, 4, 5] = Field(
+    schema_version: Literal[1, 2, 3, 4, 5, 6] = Field(
         SCHEMA_VERSION,
         description="bumped when the contract changes (2: per-token policy versions; 3: thinking spans and "
-        "predecessor links; 4: routed experts and LoRA adapters; 5: images)",
+        "predecessor links; 4: routed experts and LoRA adapters; 5: images; 6: compaction links)",
     )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
@@ -327,6 +327,14 @@ class TurnRecord(Event):
     adapter: str | None = Field(
         None,
         description="the LoRA adapter that sampled this turn (policy_versions are its versions); null: the base model",
+    )
+    continues_turn_id: str | None = Field(
+        None,
+        description="a new root that carries on the session's conversation after the client replaced its history "
+        "(an agent's compaction): the latest turn of the conversation it replaced; null: none (schema 6)",
+    )
+    continues_cause: Literal["compacted"] | None = Field(
+        None, description="why it continues that turn: `compacted` (same system prompt and tools, a shorter history)"
     )
     routed_experts: RoutedExperts | None = Field(
         None,

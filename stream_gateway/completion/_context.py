@@ -77,6 +77,7 @@ class Context:
     matches_full_render: bool
     fallback_reason: str | None = None  # why a matched parent could not be continued
     predecessor: Turn | None = None  # that parent (the new root is linked to it)
+    continues: Turn | None = None  # a root after the client compacted its history: the turn it carries on
     anchor: RenderAnchor | None = None  # for this turn's continuations (None: they build cold)
     cold: bool = True  # the whole render was tokenized (False: only what the turn adds)
     tokenized_chars: int = 0  # characters the build tokenized (gateway_context_tokenized_chars_total)

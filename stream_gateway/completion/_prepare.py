@@ -78,6 +78,7 @@ class PreparedCompletion:
     routes_from: int = 0  # ... from this position on
     images: tuple[PromptImage, ...] = ()  # vision-language models: the prompt's images and where they sit
     warnings: tuple[str, ...] = ()  # what the client should know (the template dropped its tools...)
+    head: bytes | None = None  # key of (tools, system message): a conversation's identity across compaction
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +167,9 @@ class Preparer:
         session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id, captured)
         adapter = _session_adapter(session, adapter)
         context = await self._build_context(body, session, parent, unavailable, session_id, images)
+        head = keys[0] if body.messages and body.messages[0].role in ("system", "developer") else None
+        if parent is None and session is not None and context.fallback_reason is None and head is not None:
+            context = replace(context, continues=compacted_from(session, head, len(context.prompt_ids)))
         if constraint is not None and (fmt := self.reasoning) is not None:  # the answer is held, not the thinking
             opened = fmt.thinking_at_start(context.prompt_ids)
             constraint = constraint.after_thinking(fmt.start_id, fmt.end_id, opened=opened)
@@ -208,6 +212,7 @@ class Preparer:
             reasoning=self.reasoning,
             images=placed,
             warnings=(_TOOLS_DROPPED,) if body.tools and self.template_drops_tools else (),
+            head=head,
         )
 
     async def _find_conversation(
@@ -470,6 +475,19 @@ class Preparer:
             self._recorder.session_opened(session, self._engine.policy_version, agent, metadata)
         self._sessions.store.touch(session)
         return session
+
+
+def compacted_from(session: Session, head: bytes, prompt_tokens: int) -> Turn | None:
+    """The turn a new root of ``session`` carries on after the client compacted its history: the
+    session's latest turn with the same system message and tools (``head``), when the new prompt is
+    shorter than that turn's whole context (its history was replaced by something shorter: Claude
+    Code's and Codex's compaction, a summary). ``None``: not a compaction (another agent, whose
+    system prompt differs; a longer history)."""
+    same = [t for t in session.turns.values() if t.head == head]
+    if not same:
+        return None
+    latest = max(same, key=lambda t: t.created_at)
+    return latest if prompt_tokens < len(latest.prompt_ids) + len(latest.output_ids) else None
 
 
 def _lineage(session: Session | None, parent: Turn | None) -> dict[int, Turn]:

@@ -201,6 +201,8 @@ class TurnLifecycle:
             matches_full_render=context.matches_full_render,
             fallback_reason=context.fallback_reason,
             predecessor_id=context.predecessor.turn_id if context.predecessor is not None else None,
+            continues_id=context.continues.turn_id if context.continues is not None else None,
+            head=prepared.head,
             reasoning_tokens=result.reasoning_tokens,
             answer_start=result.answer_start,
             **_own_routes(result, context.reused_prompt_tokens if context.parent is not None else 0),

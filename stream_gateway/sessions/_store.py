@@ -107,6 +107,10 @@ class Turn:
     matches_full_render: bool  # prompt ids equal a fresh tokenization of the full conversation
     fallback_reason: str | None  # why a matching parent could not be continued (a new root instead)
     predecessor_id: str | None = None  # that parent, for a root that could not continue it
+    continues_id: str | None = None  # a root after the client compacted its history: the turn it carries on
+    # The key of its conversation's (tools, system message), in memory only: a root with the same head
+    # and a shorter history continues it (completion._prepare.compacted_from).
+    head: bytes | None = field(default=None, compare=False)
     reasoning_tokens: int = 0  # the first output ids that are thinking, tags included (stream_gateway.reasoning)
     answer_start: int | None = 0  # output index of the first answer token; None: ended inside thinking
     # Mixture of experts (stream_gateway.moe): the experts that routed the positions this turn
@@ -589,6 +593,7 @@ def _session_body(session: Session) -> dict[str, Any]:
                 "matches_full_render": t.matches_full_render,
                 "fallback_reason": t.fallback_reason,
                 "predecessor_id": t.predecessor_id,
+                "continues_id": t.continues_id,
                 "reasoning_tokens": t.reasoning_tokens,
                 "answer_start": t.answer_start,
                 "adapter": t.adapter,

@@ -276,3 +276,48 @@ def _emitted(p: Pipeline, session: str, revision: int = 0) -> bool:
             await nc.close()
 
     return anyio.run(read)
+
+
+def _trajectories_of(p: Pipeline, session: str) -> list[dict[str, Any]]:
+    async def read() -> list[dict[str, Any]]:
+        import nats
+
+        nc = await nats.connect(p.nats)
+        try:
+            js = nc.jetstream()
+            last = (await js.stream_info("SG_TRAJECTORIES")).state.last_seq
+            found = [json.loads((await js.get_msg("SG_TRAJECTORIES", seq)).data or b"{}") for seq in range(1, last + 1)]
+            return [t for t in found if t.get("session_id") == session]
+        finally:
+            await nc.close()
+
+    return anyio.run(read)
+
+
+def test_a_compacting_client_is_linked_to_the_conversation_it_compacted(pipeline: Pipeline) -> None:
+    """A client that replaces its history with a summary (same system prompt, a shorter history)
+    starts a new root that says which turn it continues; another agent in the session (another
+    system prompt) starts an unlinked one."""
+    session = "compacting"
+    client = pipeline.client(session)
+    system = {"role": "system", "content": "You are a careful coding agent."}
+    history: list[dict[str, Any]] = [system, {"role": "user", "content": "Refactor the parser, step by step."}]
+    for follow_up in ("Go on.", "And the tests?"):
+        reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=24)  # type: ignore[arg-type]
+        history += [{"role": "assistant", "content": reply.choices[0].message.content},
+                    {"role": "user", "content": follow_up}]  # fmt: skip
+    last = client.chat.completions.create(model="tiny", messages=history, max_tokens=24)  # type: ignore[arg-type]
+    compacted = [system, {"role": "user", "content": "Summary: the parser is refactored; the tests remain."}]
+    client.chat.completions.create(model="tiny", messages=compacted, max_tokens=8)  # type: ignore[arg-type]
+    other = [{"role": "system", "content": "You are a search sub-agent."}, {"role": "user", "content": "Find it."}]
+    client.chat.completions.create(model="tiny", messages=other, max_tokens=8)  # type: ignore[arg-type]
+    pipeline.close(session)
+    wait_until(lambda: len(_trajectories_of(pipeline, session)) == 3, timeout=30, what="three trajectories")
+    by_turns = {len(t["turns"]): t for t in _trajectories_of(pipeline, session)}
+    chain = by_turns[3]  # the conversation before the compaction
+    roots = [t for t in _trajectories_of(pipeline, session) if len(t["turns"]) == 1]
+    linked = [t for t in roots if t["continues_turn_id"] is not None]
+    assert len(linked) == 1 and linked[0]["continues_turn_id"] == chain["turns"][-1]["turn_id"]
+    assert last.id  # the continued turn is the latest one of the compacted conversation
+    [unlinked] = [t for t in roots if t["continues_turn_id"] is None]
+    assert unlinked["trajectory_id"] != linked[0]["trajectory_id"]

@@ -157,6 +157,7 @@ async function sessionsView(view, params) {
 // -- a session -------------------------------------------------------------------------------------
 
 function cause(turn, parent, siblings) {
+  if (turn.continues_turn_id) return `new root: the agent compacted its history; continues ${short(turn.continues_turn_id)}`;
   if (turn.fallback_reason) return `new root: ${turn.fallback_reason}`;
   if (turn.predecessor_turn_id) return "new root, continuing a recorded turn";
   if (!turn.parent_turn_id && parent === undefined && turn.index > 0)
