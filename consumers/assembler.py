@@ -122,6 +122,8 @@ class AssemblerStatistics:
     images_refused: int = 0  # chains left out because their images do not line up with their ids
     erased: int = 0  # events and sessions not assembled: forgotten (stream-gateway forget)
     revisions: int = 0  # trajectories published again with a late reward (feedback after emission)
+    health: dict[str, int] = field(default_factory=dict)  # emitted trajectories per record-health flag
+    end_reasons: dict[str, int] = field(default_factory=dict)  # emitted trajectories per end reason
 
 
 class Assembler:
@@ -136,6 +138,8 @@ class Assembler:
         self._limiter = anyio.CapacityLimiter(32)  # sessions of one fetch handled at once
         self._events = self._emitted = self._trajectories = self._late = self._conflicts = self._unrouted = 0
         self._images_refused = self._erased = self._revisions = 0
+        self._health: dict[str, int] = {}
+        self._end_reasons: dict[str, int] = {}
         self._tombstones = Tombstones(config.names.prefix, replicas=config.names.replicas)  # never assembled
         self._last_report = time.monotonic()
         self._last_line = ""
@@ -167,6 +171,8 @@ class Assembler:
             images_refused=self._images_refused,
             erased=self._erased,
             revisions=self._revisions,
+            health=dict(self._health),
+            end_reasons=dict(self._end_reasons),
         )
 
     async def run(self) -> None:
@@ -445,6 +451,11 @@ class Assembler:
         self._waiting_reward.discard(key)
         self._emitted += 1
         self._trajectories += len(trajectories)
+        for trajectory in trajectories:
+            for flag in trajectory.health:
+                self._health[flag] = self._health.get(flag, 0) + 1
+            reason = trajectory.end_reason or "unknown"
+            self._end_reasons[reason] = self._end_reasons.get(reason, 0) + 1
         log.info("session %s: %d trajectories (%s)", state["session_id"], len(trajectories), because)
 
     async def _events_of(self, work: _Work, refs: Iterable[int], in_hand: dict[int, bytes]) -> list[Event]:

@@ -529,6 +529,8 @@ def test_routes_through_a_real_stream_and_the_object_store(tmp_path: Path) -> No
     assert len(by_session["big"].encode()) > 64 * 1024  # so it was published through the object store
     assert by_session["partial"].routed_experts is None and by_session["partial"].num_turns == 2
     assert assembler.statistics().unrouted == 1
+    assert assembler.statistics().health.get("no-routes") == 1 and "no-routes" in by_session["partial"].health
+    assert sum(assembler.statistics().end_reasons.values()) == 2
 
 
 async def _publish(url: str, outbox: Path, events: list[Event]) -> None:
