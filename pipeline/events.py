@@ -141,7 +141,8 @@ class Event(BaseModel):
     schema_version: Literal[1, 2, 3, 4, 5, 6] = Field(
         SCHEMA_VERSION,
         description="bumped when the contract changes (2: per-token policy versions; 3: thinking spans and "
-        "predecessor links; 4: routed experts and LoRA adapters; 5: images; 6: compaction links)",
+        "predecessor links; 4: routed experts and LoRA adapters; 5: images; 6: compaction links, cached prompt "
+        "tokens)",
     )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
@@ -327,6 +328,12 @@ class TurnRecord(Event):
     adapter: str | None = Field(
         None,
         description="the LoRA adapter that sampled this turn (policy_versions are its versions); null: the base model",
+    )
+    cached_prompt_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="prompt tokens the engine reused from its prefix cache (vLLM's cached_tokens; 0 for the "
+        "transformers engine, which never reuses); null: the engine does not say (schema 6)",
     )
     continues_turn_id: str | None = Field(
         None,

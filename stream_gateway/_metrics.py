@@ -31,6 +31,17 @@ class GatewayMetrics:
             "gateway_requests", "Chat completion requests by outcome", ["stream", "status"], registry=self.registry
         )
         self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        # The engine's prefix-cache hits: the hit rate is cached over counted (of turns whose engine says).
+        self.prompt_tokens_counted = Counter(
+            "gateway_prompt_tokens_cache_counted",
+            "Prompt tokens of finished turns whose engine reported its prefix-cache reuse",
+            registry=self.registry,
+        )
+        self.prompt_tokens_cached = Counter(
+            "gateway_prompt_tokens_cached",
+            "Of those, the prompt tokens the engine served from its prefix cache (vLLM's cached_tokens)",
+            registry=self.registry,
+        )
         self.completion_tokens = Counter(
             "gateway_completion_tokens", "Completion tokens sampled", registry=self.registry
         )

@@ -195,8 +195,7 @@ class CompletionService:
                         spans = list(step.version_spans)  # the server's own account, given at the end
                     ids.extend(step.token_ids)
                     logprobs.extend(step.logprobs)
-                    if step.routes is not None:
-                        result.add_routes(step.routes, step.routes_start)
+                    result.take_extras(step)
                     if top is not None and step.top_logprobs is not None:
                         top.extend(step.top_logprobs)
                     turn.step(ids, logprobs, perf_counter())

@@ -154,6 +154,9 @@ class TurnLifecycle:
         of, prepared = self._of, self.prepared
         ids = result.token_ids
         of.metrics.completion_tokens.inc(len(ids))
+        if result.cached_prompt_tokens is not None:
+            of.metrics.prompt_tokens_counted.inc(len(prepared.prompt_ids))
+            of.metrics.prompt_tokens_cached.inc(result.cached_prompt_tokens)
         if of.spend is not None:
             of.spend(prepared.session.tenant, len(ids))
         of.metrics.inter_token_latency.observe_many(self._gaps)
@@ -203,6 +206,7 @@ class TurnLifecycle:
             predecessor_id=context.predecessor.turn_id if context.predecessor is not None else None,
             continues_id=context.continues.turn_id if context.continues is not None else None,
             head=prepared.head,
+            cached_prompt_tokens=result.cached_prompt_tokens,
             reasoning_tokens=result.reasoning_tokens,
             answer_start=result.answer_start,
             **_own_routes(result, context.reused_prompt_tokens if context.parent is not None else 0),

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stream_gateway.tool_parsers import ToolCall, ToolCallDelta
+
+if TYPE_CHECKING:
+    from stream_gateway.engines import EngineStep
 
 __all__ = ["ChoiceResult", "ChoiceUpdate"]
 
@@ -60,6 +64,14 @@ class ChoiceResult:
     route_parts: list[np.ndarray] = field(default_factory=list)  # the engine steps' routes (mixtures of experts)
     routes_start: int = 0  # the position of route_parts' first row
     routes: np.ndarray | None = None  # the final update's routes (whole responses)
+    cached_prompt_tokens: int | None = None  # the engine's prefix-cache reuse (its last step), if it says
+
+    def take_extras(self, step: EngineStep) -> None:
+        """What an engine step carries besides its tokens: routes, and the prefix-cache reuse."""
+        if step.routes is not None:
+            self.add_routes(step.routes, step.routes_start)
+        if step.cached_prompt_tokens is not None:
+            self.cached_prompt_tokens = step.cached_prompt_tokens
 
     def add(self, update: ChoiceUpdate) -> None:
         """Fold one update in."""

@@ -79,6 +79,10 @@ class EngineStep:
     # The position of the first row of ``routes`` in the first step that has any (``0``: the
     # prompt's first; remote engines: ``SamplingParams.routes_from`` when the server honoured it).
     routes_start: int = 0
+    # Last step only: the prompt tokens the engine reused from its prefix cache for this request
+    # (vLLM's ``usage.prompt_tokens_details.cached_tokens``; 0 for an engine that never reuses,
+    # the transformers engine). ``None``: the engine does not say.
+    cached_prompt_tokens: int | None = None
 
 
 def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
@@ -104,6 +108,7 @@ def merge_steps(steps: Sequence[EngineStep]) -> EngineStep:
         last.version_spans,
         routes,
         with_routes[0].routes_start if with_routes else 0,
+        last.cached_prompt_tokens,
     )
 
 

@@ -635,6 +635,7 @@ class TransformersEngine:
                 self._adapter_versions[adapter] if adapter is not None else self.policy_version,
                 None,
                 routes[i] if routes is not None else None,
+                cached_prompt_tokens=0 if reason is not None else None,  # it prefills every prompt whole
             )
             finished.append(reason is not None)
             if reason is not None:

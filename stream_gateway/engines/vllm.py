@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -222,7 +223,9 @@ class VLLMEngine:
                         # closing it after its last output would send a needless abort.
                         async for _ in outs:
                             pass
-                        yield step
+                        # RequestOutput.num_cached_tokens: the prompt tokens its prefix cache served.
+                        cached = getattr(output, "num_cached_tokens", None)
+                        yield replace(step, cached_prompt_tokens=cached) if isinstance(cached, int) else step
                         return
                     yield step
         finally:

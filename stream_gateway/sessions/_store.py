@@ -108,6 +108,7 @@ class Turn:
     fallback_reason: str | None  # why a matching parent could not be continued (a new root instead)
     predecessor_id: str | None = None  # that parent, for a root that could not continue it
     continues_id: str | None = None  # a root after the client compacted its history: the turn it carries on
+    cached_prompt_tokens: int | None = None  # prompt tokens the engine reused from its prefix cache (None: unsaid)
     # The key of its conversation's (tools, system message), in memory only: a root with the same head
     # and a shorter history continues it (completion._prepare.compacted_from).
     head: bytes | None = field(default=None, compare=False)
@@ -594,6 +595,7 @@ def _session_body(session: Session) -> dict[str, Any]:
                 "fallback_reason": t.fallback_reason,
                 "predecessor_id": t.predecessor_id,
                 "continues_id": t.continues_id,
+                "cached_prompt_tokens": t.cached_prompt_tokens,
                 "reasoning_tokens": t.reasoning_tokens,
                 "answer_start": t.answer_start,
                 "adapter": t.adapter,

@@ -60,7 +60,7 @@ CREATE TABLE IF NOT EXISTS turns (
     predecessor_turn_id TEXT, fallback_reason TEXT, state TEXT NOT NULL, end_reason TEXT, detail TEXT,
     started_at REAL NOT NULL, prompt_tokens INTEGER, reused_prompt_tokens INTEGER, output_tokens INTEGER,
     policy_version INTEGER, adapter TEXT, preview TEXT, tool_calls TEXT, request_id TEXT,
-    choice_index INTEGER, seq INTEGER, continues_turn_id TEXT
+    choice_index INTEGER, seq INTEGER, continues_turn_id TEXT, cached_prompt_tokens INTEGER
 );
 CREATE INDEX IF NOT EXISTS turns_session ON turns (tenant, session_id, started_at);
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -157,8 +157,9 @@ class ConsoleIndex:
     def _migrate(self) -> None:
         """Columns added since an index file was made (the index is a projection: nothing else changes)."""
         have = {row[1] for row in self._db.execute("PRAGMA table_info(turns)")}
-        if "continues_turn_id" not in have:
-            self._db.execute("ALTER TABLE turns ADD COLUMN continues_turn_id TEXT")
+        for column, kind in (("continues_turn_id", "TEXT"), ("cached_prompt_tokens", "INTEGER")):
+            if column not in have:
+                self._db.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -252,18 +253,20 @@ class ConsoleIndex:
         self._db.execute(
             "INSERT INTO turns (turn_id, tenant, session_id, parent_turn_id, predecessor_turn_id, fallback_reason, "
             "state, end_reason, detail, started_at, prompt_tokens, reused_prompt_tokens, output_tokens, "
-            "policy_version, adapter, preview, tool_calls, request_id, choice_index, seq, continues_turn_id) "
-            f"VALUES ({', '.join('?' * 21)}) ON CONFLICT (turn_id) DO UPDATE SET "
+            "policy_version, adapter, preview, tool_calls, request_id, choice_index, seq, continues_turn_id, "
+            f"cached_prompt_tokens) VALUES ({', '.join('?' * 22)}) ON CONFLICT (turn_id) DO UPDATE SET "
             "predecessor_turn_id = excluded.predecessor_turn_id, fallback_reason = excluded.fallback_reason, "
             "state = excluded.state, end_reason = excluded.end_reason, detail = excluded.detail, "
             "started_at = excluded.started_at, "
             "prompt_tokens = excluded.prompt_tokens, output_tokens = excluded.output_tokens, "
             "adapter = excluded.adapter, preview = excluded.preview, tool_calls = excluded.tool_calls, "
-            "seq = excluded.seq, continues_turn_id = excluded.continues_turn_id",
+            "seq = excluded.seq, continues_turn_id = excluded.continues_turn_id, "
+            "cached_prompt_tokens = excluded.cached_prompt_tokens",
             (event.turn_id, event.tenant, event.session_id, event.parent_turn_id, event.predecessor_turn_id,
              event.fallback_reason, state, end, detail, event.started_at, event.usage.prompt_tokens,
              event.reused_prompt_tokens, len(event.output_ids), event.policy_version, event.adapter, preview,
-             calls, event.request_id, event.choice_index, seq, event.continues_turn_id),
+             calls, event.request_id, event.choice_index, seq, event.continues_turn_id,
+             event.cached_prompt_tokens),
         )  # fmt: skip
         if event.adapter is not None:
             self._db.execute(

@@ -185,3 +185,25 @@ def test_failover_when_one_of_two_real_servers_is_killed(
                     ask = [{"role": "user", "content": f"hi {turn}"}]
                     reply = client.chat.completions.create(model="tiny-agent", max_tokens=6, messages=ask)  # type: ignore[arg-type]
                     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_prefix_cache_hits_are_recorded_per_turn(front: RunningGateway) -> None:
+    """vLLM's own prefix cache, as it reports it (``cached_tokens``): none for a new prompt, most of
+    it for the next turn of the same session (its prompt extends the first turn's ids), on the turn
+    and in ``/metrics``."""
+    session = "real-vllm-cache"
+    long_task = "Read every file under src/ and summarise what each one does. " * 40
+    messages: list[dict[str, Any]] = [{"role": "user", "content": long_task}]
+    with OpenAI(base_url=f"{front.base_url}/sessions/{session}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        for _ in range(2):
+            reply = c.chat.completions.create(model="tiny-agent", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                         {"role": "user", "content": "Go on."}]  # fmt: skip
+    first, second = _session(front, session)["turns"]
+    assert first["cached_prompt_tokens"] == 0
+    assert len(first["prompt_ids"]) > 256 and second["cached_prompt_tokens"] >= 256
+    assert second["cached_prompt_tokens"] <= len(second["prompt_ids"])
+    metrics = httpx.get(f"{front.base_url}/metrics", timeout=30).text
+    cached = next(float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("gateway_prompt_tokens_cached_total"))  # fmt: skip
+    assert cached >= second["cached_prompt_tokens"]

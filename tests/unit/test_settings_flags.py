@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 OTHER_PROGRAMS_FLAGS = {
+    "--enable-prompt-tokens-details": "vllm serve (cached_tokens in its usage)",
     "--enable-return-routed-experts": "vllm serve, sglang.launch_server",
     "--enable-scale-out": "vllm serve (its token-in generate API)",
     "--allowedTools": "claude",

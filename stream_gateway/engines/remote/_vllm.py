@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
+import anyio
 import numpy as np
 
 from stream_gateway.engines._base import EngineStep, SamplingParams, merge_steps
@@ -37,6 +39,8 @@ from stream_gateway.engines.remote._wire import (
 __all__ = ["VllmDialect"]
 
 log = logging.getLogger(__name__)
+
+_USAGE_WAIT_S = 0.25  # how long a finished request's last step waits for the usage frame after it
 
 
 class VllmDialect(Dialect):
@@ -60,6 +64,7 @@ class VllmDialect(Dialect):
             "top_k": params.top_k if params.top_k > 0 else -1,
             "logprobs": params.top_logprobs,
             "stream": True,
+            "stream_options": {"include_usage": True},  # the usage frame: prefix-cache hits (cached_tokens)
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "return_weight_versions": True,
@@ -77,55 +82,97 @@ class VllmDialect(Dialect):
         self, batches: AsyncIterator[list[dict[str, Any]]], exchange: Exchange
     ) -> AsyncGenerator[EngineStep, None]:
         """One step per batch of frames that arrived together; a LoRA adapter's carry its version
-        (the server's own labels count the base's versions, or its own of the adapter: both ignored)."""
-        url, top_n, wanted = exchange.url, exchange.top_n, exchange.wanted
-        adapter_version = exchange.adapter_version
-        version = exchange.pool_version() if adapter_version is None else adapter_version
+        (the server's own labels count the base's versions, or its own of the adapter: both ignored).
+
+        The finishing step waits for the usage frame vLLM writes right after it (``stream_options``
+        ``include_usage``), for its ``prompt_tokens_details.cached_tokens`` (vLLM reports it with
+        ``--enable-prompt-tokens-details``): until the usage frame, the stream's end, or
+        ``_USAGE_WAIT_S``, whichever comes first."""
+        version = exchange.pool_version() if exchange.adapter_version is None else exchange.adapter_version
         output = 0
-        async for batch in batches:
+        held: EngineStep | None = None  # the finishing step, waiting for the usage frame
+        cached: int | None = None
+        frames = batches.__aiter__()
+        while True:
+            try:
+                if held is None:
+                    batch = await frames.__anext__()
+                else:
+                    waited: list[dict[str, Any]] | None = None
+                    with anyio.move_on_after(_USAGE_WAIT_S):
+                        waited = await frames.__anext__()
+                    if waited is None:
+                        break  # no usage frame in time: the step goes without it
+                    batch = waited
+            except StopAsyncIteration:
+                break
             pieces: list[EngineStep] = []
             for event in batch:
+                usage = event.get("usage")
+                if isinstance(usage, dict) and not event.get("choices"):
+                    cached = _cached_tokens(usage)
+                    continue  # the usage frame
                 choices = event.get("choices")
-                if not choices:
-                    continue  # a usage-only frame
-                choice = choices[0]
-                reason = finish_reason(choice.get("finish_reason"), url)
-                logprobs = choice.get("logprobs") or {}
-                ids = choice.get("token_ids")
-                if ids is None:  # an older server: the ids are in the tokens ("token_id:N")
-                    ids = [token_id(t) for t in logprobs.get("tokens") or ()]
-                values = logprobs.get("token_logprobs") or ()
-                if len(values) != len(ids):
-                    raise UpstreamFailed(
-                        f"The inference server {url} sent {len(ids)} token ids with {len(values)} logprobs; "
-                        "it must return both (logprobs and return_token_ids)."
-                    )
-                if not ids and reason is None:
-                    continue  # the first frame may carry the prompt ids alone
-                top: tuple[tuple[tuple[int, float], ...], ...] | None = None
-                if top_n:
-                    top = tuple(top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
-                output += len(ids)
-                routes, routes_start = None, 0
-                if wanted is not None and reason is not None:
-                    raw = _npy_routes(choice.get("routed_experts"), url)
-                    routes, routes_start = exchange.routes.place(raw, wanted, output, url)
-                pieces.append(
-                    EngineStep(
-                        tuple(ids),
-                        tuple(values) if None not in values else tuple(-9999.0 if v is None else v for v in values),
-                        top,
-                        reason,
-                        version,
-                        _version_spans(choice.get("weight_versions")) if adapter_version is None else None,
-                        routes,
-                        routes_start,
-                    )
-                )
-                if reason is not None:
-                    break  # what follows is the usage frame
+                if not choices or held is not None:
+                    continue
+                piece = self._piece(choices[0], exchange, version, output)
+                if piece is None:
+                    continue
+                output += len(piece.token_ids)
+                pieces.append(piece)
+                if piece.finish_reason is not None:
+                    break
             if pieces:
-                yield pieces[0] if len(pieces) == 1 else merge_steps(pieces)
+                step = pieces[0] if len(pieces) == 1 else merge_steps(pieces)
+                if step.finish_reason is None:
+                    yield step
+                else:
+                    held = step
+            if held is not None and cached is not None:
+                break
+        if held is not None:
+            yield dataclasses.replace(held, cached_prompt_tokens=cached)
+
+    def _piece(self, choice: dict[str, Any], exchange: Exchange, version: int, output: int) -> EngineStep | None:
+        """One frame's choice as a step (``None``: a frame with nothing sampled)."""
+        url, top_n, wanted = exchange.url, exchange.top_n, exchange.wanted
+        reason = finish_reason(choice.get("finish_reason"), url)
+        logprobs = choice.get("logprobs") or {}
+        ids = choice.get("token_ids")
+        if ids is None:  # an older server: the ids are in the tokens ("token_id:N")
+            ids = [token_id(t) for t in logprobs.get("tokens") or ()]
+        values = logprobs.get("token_logprobs") or ()
+        if len(values) != len(ids):
+            raise UpstreamFailed(
+                f"The inference server {url} sent {len(ids)} token ids with {len(values)} logprobs; "
+                "it must return both (logprobs and return_token_ids)."
+            )
+        if not ids and reason is None:
+            return None  # the first frame may carry the prompt ids alone
+        top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+        if top_n:
+            top = tuple(top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
+        routes, routes_start = None, 0
+        if wanted is not None and reason is not None:
+            raw = _npy_routes(choice.get("routed_experts"), url)
+            routes, routes_start = exchange.routes.place(raw, wanted, output + len(ids), url)
+        return EngineStep(
+            tuple(ids),
+            tuple(values) if None not in values else tuple(-9999.0 if v is None else v for v in values),
+            top,
+            reason,
+            version,
+            _version_spans(choice.get("weight_versions")) if exchange.adapter_version is None else None,
+            routes,
+            routes_start,
+        )
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``, when the server reports it."""
+    details = usage.get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and value >= 0 else None
 
 
 def _npy_routes(value: object, url: str) -> np.ndarray | None:

@@ -186,6 +186,7 @@ async function sessionView(view, sessionId, params) {
       el("span", { class: t.state === "live" ? "badge live" : "badge", text: t.state === "completed" ? t.end_reason : t.state === "aborted" ? `aborted: ${t.end_reason}` : "live" }),
       el("span", { class: "badge", text: `${t.prompt_tokens} prompt · ${t.output_tokens ?? "…"} sampled` }),
       t.policy_version != null ? el("span", { class: "badge", text: `v${t.policy_version}` }) : null,
+      t.cached_prompt_tokens ? el("span", { class: "badge", title: "prompt tokens the engine served from its prefix cache", text: `${t.cached_prompt_tokens} cached` }) : null,
       t.adapter ? el("span", { class: "badge", text: `adapter ${t.adapter}` }) : null,
       t.tool_calls.length ? el("span", { class: "badge", text: `tool call: ${t.tool_calls.join(", ")}` }) : null,
       why ? el("span", { class: "badge cause", "data-cause": why, text: why }) : null,
