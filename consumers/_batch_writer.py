@@ -171,6 +171,14 @@ class BatchWriter:
         }  # fmt: skip
         await self._kv.put(f"l.{batch_id}.{subject_token(trajectory.trajectory_id)}", orjson.dumps(late))
 
+    async def record_drops(self, drops: Sequence[tuple[str, str]]) -> None:
+        """Why trajectories were left out of every batch: ``d.<trajectory>`` in the bucket, each
+        ``{trajectory_id, reason, at}`` (the console shows it; a later revision may still be batched)."""
+        now = time.time()
+        for tid, reason in drops:
+            record = {"trajectory_id": tid, "reason": reason, "at": now}
+            await self._kv.put(f"d.{subject_token(tid)}", orjson.dumps(record))
+
     async def _manifest_published(self, record: BatchRecord) -> bool:
         """Whether a manifest with this batch's id is on the stream after the record's sequence."""
         from nats.js.errors import NotFoundError

@@ -208,6 +208,7 @@ class Batcher:
         self._pending_acks: list[Msg] = []
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._end_reasons: dict[str, int] = {}
+        self._drops: list[tuple[str, str]] = []  # (trajectory id, why) not yet in the bucket
         spec = PullSpec(
             stream=config.names.trajectories,
             subjects=config.names.trajectory_subjects,
@@ -432,6 +433,7 @@ class Batcher:
         outcome = admission.outcome
         if isinstance(outcome, str):
             self._counts[f"dropped_{outcome}"] += 1
+            self._drops.append((raw.trajectory_id, outcome))
             self._ack_soon(msg)
         else:
             self._counts["truncated"] += outcome.truncated and not raw.truncated
@@ -444,6 +446,7 @@ class Batcher:
 
     def _release(self, group: DroppedGroup) -> None:
         self._counts["dropped_incomplete_group"] += len(group.members)
+        self._drops.extend((tid, "incomplete_group") for tid in group.members if tid in self._held)
         for tid in group.members:
             held = self._held.pop(tid, None)
             if held is not None:
@@ -519,6 +522,12 @@ class Batcher:
         import nats.errors
 
         acks, self._pending_acks = self._pending_acks, []
+        drops, self._drops = self._drops, []
+        if drops and self._writer is not None:
+            try:  # why each was left out, for the console (before the ack: a crash decides it again)
+                await self._writer.record_drops(drops)
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("batcher: %d drop reasons not recorded: %r", len(drops), exc)
         for msg in acks:
             try:
                 await msg.ack()

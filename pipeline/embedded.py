@@ -305,9 +305,26 @@ class EmbeddedNatsServer(_Running):
         with self._lock:
             self._terminate(grace=0.0)
 
-    def pause(self) -> None:
-        """SIGSTOP the server: connections stay open but nothing is answered."""
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP the server: connections stay open but nothing is answered.
+
+        Returns once every thread of the process is stopped (``/proc/<pid>/task/*/stat`` state
+        ``T``, where there is a /proc): the signal is asynchronous, and a thread running on another
+        core would otherwise still answer what arrives in the meantime (seen on a loaded machine)."""
         self._signal(signal.SIGSTOP)
+        pid = self.pid
+        tasks = Path(f"/proc/{pid}/task")
+        if pid is None or not tasks.is_dir():
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                states = [(t / "stat").read_text().rpartition(")")[2].split()[0] for t in tasks.iterdir()]
+            except (OSError, IndexError):  # a thread came or went while reading: look again
+                continue
+            if all(state in ("T", "t") for state in states):
+                return
+            time.sleep(0.005)
 
     def resume(self) -> None:
         """SIGCONT a paused server."""

@@ -50,7 +50,10 @@ async def read_message(js: JetStreamContext, stream: str, seq: int) -> bytes:
 class Feed:
     """Keeps a :class:`ConsoleIndex` current with the streams named by ``names``, until cancelled."""
 
-    def __init__(self, nc: Client, index: ConsoleIndex, names: ConsumerStreams) -> None:
+    def __init__(
+        self, nc: Client, index: ConsoleIndex, names: ConsumerStreams, batcher_bucket: str = "sg_batcher"
+    ) -> None:
+        self._batcher_bucket = batcher_bucket
         self._nc = nc
         self._js = nc.jetstream()
         self._index = index
@@ -80,6 +83,9 @@ class Feed:
             tg.start_soon(self._follow, names.events, names.event_subjects, self._event)
             tg.start_soon(self._follow, names.trajectories, names.trajectory_subjects, self._trajectory)
             tg.start_soon(self._follow, names.batches, names.batch_subject, self._batch)
+            # Why the batcher left a trajectory out (its bucket's d.<trajectory> keys).
+            bucket = self._batcher_bucket
+            tg.start_soon(self._follow, f"KV_{bucket}", f"$KV.{bucket}.d.>", self._drop)
 
     def _forgotten(self, tenant: str, session_id: str | None) -> bool:
         return session_id is not None and self.tombstones.forgets(subject_token(tenant), subject_token(session_id))
@@ -99,6 +105,9 @@ class Feed:
     async def _batch(self, payload: bytes) -> tuple[str, Any] | None:
         return "batch", orjson.loads(payload)
 
+    async def _drop(self, payload: bytes) -> tuple[str, Any] | None:
+        return ("drop", orjson.loads(payload)) if payload else None  # empty: a key deleted
+
     async def _follow(self, stream: str, subject: str, decode: Callable[[bytes], Any]) -> None:
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -114,7 +123,7 @@ class Feed:
     async def _read(self, stream: str, subject: str, decode: Any, consumer_config: Any, deliver: Any) -> None:
         info = await self._js.stream_info(stream)
         start = self._index.position(stream) + 1
-        if info.state.last_seq < start:
+        if info.state.last_seq < start and stream in self.caught_up:
             self.caught_up[stream] = True
         config = consumer_config(deliver_policy=deliver.BY_START_SEQUENCE, opt_start_seq=max(start, 1))
         sub = await self._js.subscribe(
@@ -140,9 +149,9 @@ class Feed:
                             log.warning("console: %s message %d not indexed: %r", stream, seq, exc)
                             item = None
                         pending.append((seq, *item) if item is not None else (seq, "skip", None))
-                        if msg.metadata.num_pending == 0:
+                        if msg.metadata.num_pending == 0 and stream in self.caught_up:
                             self.caught_up[stream] = True
-                    if pending and (msg is None or len(pending) >= _BATCH or self.caught_up[stream]):
+                    if pending and (msg is None or len(pending) >= _BATCH or self.caught_up.get(stream, True)):
                         await anyio.to_thread.run_sync(self._index.apply, stream, pending)
                         pending = []
         finally:

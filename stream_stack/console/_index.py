@@ -78,6 +78,7 @@ CREATE TABLE IF NOT EXISTS replicas (
     replica TEXT NOT NULL, adapter TEXT NOT NULL, version INTEGER NOT NULL, time REAL NOT NULL,
     PRIMARY KEY (replica, adapter)
 );
+CREATE TABLE IF NOT EXISTS drops (trajectory_id TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL);
 CREATE TABLE IF NOT EXISTS forgotten (tenant TEXT NOT NULL, session_id TEXT NOT NULL, PRIMARY KEY (tenant, session_id));
 """
 
@@ -190,7 +191,13 @@ class ConsoleIndex:
                 elif kind == "trajectory":
                     self._trajectory(seq, value)
                 elif kind == "batch":
-                    self._batch(value)  # "skip": a message not indexed, only counted as read
+                    self._batch(value)
+                elif kind == "drop":
+                    self._db.execute(
+                        "INSERT INTO drops VALUES (?, ?, ?) ON CONFLICT DO UPDATE SET reason = excluded.reason, "
+                        "at = excluded.at",
+                        (value["trajectory_id"], value["reason"], value.get("at")),
+                    )  # "skip": a message not indexed, only counted as read
             self._db.execute(
                 "INSERT INTO position VALUES (?, ?) ON CONFLICT (stream) DO UPDATE SET seq = max(seq, excluded.seq)",
                 (stream, max(seq for seq, _, _ in items)),
@@ -401,9 +408,9 @@ class ConsoleIndex:
                 return None
             key = (row["tenant"], row["session_id"])
             trajectories = [dict(r) for r in self._db.execute(
-                "SELECT trajectory_id, seq, turn_ids, tokens, sampled, reward, health, ended_at, min_version, "
-                "max_version, adapter, batch_id FROM trajectories WHERE tenant = ? AND session_id = ? "
-                "ORDER BY ended_at",
+                "SELECT t.trajectory_id, seq, turn_ids, tokens, sampled, reward, health, ended_at, min_version, "
+                "max_version, adapter, batch_id, d.reason AS dropped FROM trajectories t LEFT JOIN drops d "
+                "ON d.trajectory_id = t.trajectory_id WHERE tenant = ? AND session_id = ? ORDER BY ended_at",
                 key,
             )]  # fmt: skip
         for t in trajectories:

@@ -127,6 +127,13 @@ def signed_in(browser: Any, stack: Stack, key: str) -> Iterator[Any]:
     context.close()
 
 
+def visit(page: Any, url: str) -> None:
+    """Open a view by its address: a full load, so that no element of the view before it is waited for
+    (a hash change alone re-renders in place, and the old view's elements would satisfy a wait)."""
+    page.goto(url)
+    page.reload()
+
+
 def shot(page: Any, name: str) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=False)
@@ -193,12 +200,17 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
     stack.client(BOB, **{"x-session-id": "bobs-own"}).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "bob here"}], max_tokens=4
     )
+    too_long = "too-long"  # its prompt passes the batcher's prompt_length (1024): left out, and said why
+    stack.client(ALICE, **{"x-session-id": too_long}).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "word " * 1500}], max_tokens=4
+    )
+    stack.close(ALICE, too_long)
     wait_until(lambda: _index_has(stack, ALICE, tools, 2), timeout=60, what="the tool session's two chains indexed")
     wait_until(lambda: _index_has(stack, ALICE, aborted, 1), timeout=60, what="the aborted chain indexed (idle)")
 
     with signed_in(browser, stack, ALICE) as page:
         rows = page.locator("#sessions tr")
-        wait_until(lambda: rows.count() == 3, timeout=10, what="alice's three sessions listed")
+        wait_until(lambda: rows.count() == 4, timeout=10, what="alice's four sessions listed")
         assert "bobs-own" not in page.inner_text("#sessions")  # another tenant's session is not there
         shot(page, "sessions")
 
@@ -209,12 +221,12 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         assert page.inner_text("#sessions").startswith("walked-away")
 
         # Into training: the batcher put the two chains of the tool session into batches.
-        page.goto(f"{stack.console}/#/session/{tools}")
+        visit(page, f"{stack.console}/#/session/{tools}")
         page.wait_for_selector("#trajectories tr[data-trajectory]")
         wait_until(lambda: _batched(stack, tools) == 2, timeout=30, what="the tool session's chains batched")
 
         # The tree: the tool call's turn with two children, the fork's cause said.
-        page.goto(f"{stack.console}/#/session/{tools}")
+        visit(page, f"{stack.console}/#/session/{tools}")
         page.wait_for_selector("#tree .node")
         assert page.locator("#tree .node").count() == 3
         assert "tool call: read" in page.inner_text("#tree")
@@ -226,7 +238,7 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         # shared tool-call turn in the loss of one chain (the one that trains it), untrained in the other.
         seen: dict[str, set[str]] = {}
         for link in [a.get_attribute("href") or "" for a in page.locator("#trajectories a").all()]:
-            page.goto(f"{stack.console}/{link}")
+            visit(page, f"{stack.console}/{link}")
             page.wait_for_selector("#tokens .tok")
             seen[link] = set(page.eval_on_selector_all("#tokens .tok", "nodes => nodes.map(n => n.dataset.kind)"))
         assert len(seen) == 2
@@ -234,7 +246,7 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         other = next(link for link in seen if link != owner)
         assert {"template", "prompt", "system", "tool-call", "tool-result", "sampled"} <= seen[owner], seen
         assert "untrained" not in seen[owner] and "untrained" in seen[other] and "tool-call" not in seen[other]
-        page.goto(f"{stack.console}/{owner}")
+        visit(page, f"{stack.console}/{owner}")
         page.wait_for_selector("#tokens .tok")
         sampled = page.locator("#tokens .tok[data-kind='tool-call']").first
         title = sampled.get_attribute("title") or ""
@@ -246,8 +258,14 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         # The XSS strings of the tool result are text on the page, and ran nothing.
         assert page.evaluate("window.__xss") is None
 
+        # Why a trajectory is in no batch: the batcher's reason, from its bucket.
+        visit(page, f"{stack.console}/#/session/{too_long}")
+        page.wait_for_selector("#trajectories tr[data-trajectory]")
+        wait_until(lambda: "dropped: length" in page.inner_text("#trajectories") or page.reload() is None,
+                   timeout=30, what="the drop reason shown")  # fmt: skip
+
         # The two chains side by side: the shared turn, and none of its sampled tokens in both losses.
-        page.goto(f"{stack.console}/#/session/{tools}")
+        visit(page, f"{stack.console}/#/session/{tools}")
         page.wait_for_selector("#trajectories input[type=checkbox]")
         for box in page.locator("#trajectories input[type=checkbox]").all():
             box.check()
@@ -259,7 +277,7 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
         shot(page, "compare")
 
         # XSS through the agent header, the prompt and the tool result: shown, never run.
-        page.goto(f"{stack.console}/#/session/{xss}")
+        visit(page, f"{stack.console}/#/session/{xss}")
         page.wait_for_selector("#tree .node")
         assert XSS[1] in page.inner_text("main")
         assert page.evaluate("window.__xss") is None
@@ -269,7 +287,7 @@ def test_the_console_shows_sessions_trees_tokens_and_flags_to_their_tenant_only(
     with signed_in(browser, stack, BOB) as page:
         wait_until(lambda: page.locator("#sessions tr").count() == 1, timeout=10, what="bob's one session")
         assert page.inner_text("#sessions").startswith("bobs-own")
-        page.goto(f"{stack.console}/#/session/{tools}")
+        visit(page, f"{stack.console}/#/session/{tools}")
         page.wait_for_selector("#view [role=alert]")
         assert "No session" in page.inner_text("#view [role=alert]")
 
@@ -280,7 +298,7 @@ def test_a_live_turn_appears_token_by_token(stack: Stack, browser: Any) -> None:
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     wait_until(lambda: _index_has(stack, ALICE, session, 0), timeout=30, what="the session indexed")
     with signed_in(browser, stack, ALICE) as page:
-        page.goto(f"{stack.console}/#/session/{session}")
+        visit(page, f"{stack.console}/#/session/{session}")
         page.wait_for_selector("#tree .node")
         time.sleep(0.5)  # the live subscription is made as the page opens
         done = threading.Event()
@@ -308,7 +326,7 @@ def test_an_admin_forgets_a_session_from_the_console(stack: Stack, browser: Any)
     wait_until(lambda: _index_has(stack, BOB, session, 1), timeout=60, what="the session indexed")
     with signed_in(browser, stack, ADMIN) as page:
         assert "every tenant" in page.inner_text("#who")
-        page.goto(f"{stack.console}/#/session/{session}")
+        visit(page, f"{stack.console}/#/session/{session}")
         page.wait_for_selector("#forget")
         page.on("dialog", lambda dialog: dialog.accept())
         page.click("#forget")
@@ -316,10 +334,10 @@ def test_an_admin_forgets_a_session_from_the_console(stack: Stack, browser: Any)
         receipt = json.loads(page.inner_text("#receipt"))
         assert receipt["complete"] is True and receipt["events"] > 0 and receipt["trajectories"] == 1
         shot(page, "forget")
-        page.goto(f"{stack.console}/#/sessions")
+        visit(page, f"{stack.console}/#/sessions")
         page.wait_for_selector("#sessions")
         assert session not in page.inner_text("#sessions")
-        page.goto(f"{stack.console}/#/loop")
+        visit(page, f"{stack.console}/#/loop")
         page.wait_for_selector("#batches")
         shot(page, "loop")
     # No trace: not in the index, not in the streams.

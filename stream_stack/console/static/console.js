@@ -210,7 +210,7 @@ async function sessionView(view, sessionId, params) {
       el("td", {}, el("a", { class: "mono", href: `#/trajectory/${encodeURIComponent(t.trajectory_id)}`, text: short(t.trajectory_id) })),
       el("td", { text: t.turn_ids.length }), el("td", { text: t.tokens }), el("td", { text: t.sampled }),
       el("td", { text: t.reward ?? "none" }), el("td", { text: t.min_version === t.max_version ? `v${t.min_version}` : `v${t.min_version}–v${t.max_version}` }),
-      el("td", {}, flags(t.health)), el("td", { class: "mono", text: t.batch_id ? short(t.batch_id) : "not yet in a batch" })))));
+      el("td", {}, flags(t.health)), el("td", { class: "mono", text: t.batch_id ? short(t.batch_id) : t.dropped ? `dropped: ${t.dropped.replace("_", " ")}` : "not yet in a batch" })))));
   const liveBox = el("div", { class: "live-box", id: "live" });
   const receipt = el("pre", { class: "receipt", id: "receipt", hidden: true });
   const forget = me.admin ? el("button", { type: "button", class: "danger", id: "forget", text: "Forget this session", onclick: async () => {
