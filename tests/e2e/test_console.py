@@ -26,11 +26,10 @@ from openai import OpenAI
 from consumers.assembler import AssemblerConfig, run_assembler
 from consumers.batcher import BatcherConfig, run_batcher
 from pipeline.embedded import EmbeddedNatsServer
-from stream_gateway import Settings
-from stream_gateway.engines import build_engine
 from stream_stack.console import ConsoleConfig, run_console
 
-from ..support.servers import free_port, run_gateway
+from ..support.replicas import close_session, tiny_and_slow
+from ..support.servers import free_port
 from ..support.waiting import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
@@ -60,9 +59,7 @@ class Stack:
         return OpenAI(base_url=(base or self.tiny) + "/v1", api_key=key, default_headers=headers or None)
 
     def close(self, key: str, session: str) -> None:
-        httpx.post(
-            f"{self.tiny}/sessions/{session}/close", headers={"authorization": f"Bearer {key}"}
-        ).raise_for_status()
+        close_session(self.tiny, key, session)
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +67,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
     tmp = tmp_path_factory.mktemp("console")
     keys = tmp / "keys.txt"
     keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
-    common: dict[str, Any] = {"served_model_name": "tiny", "api_key_file": keys, "admin_api_keys": (ADMIN,)}
     with EmbeddedNatsServer() as nats, anyio.from_thread.start_blocking_portal() as portal:
-        tiny = Settings(model=str(tiny_model_path), nats_url=nats.url, outbox_dir=tmp / "outbox-a", replica_id="a",
-                        **common)  # fmt: skip
-        slow = Settings(model=str(tiny_model_path), engine="synthetic", synthetic_tokens_per_second=25,
-                        nats_url=nats.url, outbox_dir=tmp / "outbox-b", replica_id="b", delta_tokens=1,
-                        delta_interval_ms=1, **common)  # fmt: skip
         console = ConsoleConfig(servers=(nats.url,), index_path=tmp / "console.sqlite", port=free_port(),
                                 api_key_file=keys, admin_api_keys=(ADMIN,),
                                 tokenizers={"tiny": str(tiny_model_path)})  # fmt: skip
@@ -85,9 +76,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
                                    response_length=1024, no_reward="zero")  # fmt: skip
         tasks = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_console, console),
                  portal.start_task_soon(run_batcher, batcher)]  # fmt: skip
-        with run_gateway(build_engine(tiny), tiny) as a, run_gateway(build_engine(slow), slow) as b:
+        with tiny_and_slow(nats.url, tmp, tiny_model_path, api_key_file=keys, admin_api_keys=(ADMIN,)) as (a, b):
             wait_until(lambda: _up(console.url), timeout=30, what="the console listening")
-            yield Stack(a.base_url, b.base_url, console.url.rstrip("/"), tmp)
+            yield Stack(a, b, console.url.rstrip("/"), tmp)
         for task in tasks:
             task.cancel()
 
@@ -105,8 +96,8 @@ def browser() -> Iterator[Any]:
     with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
         )  # fmt: skip
         yield chromium
         chromium.close()

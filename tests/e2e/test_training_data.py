@@ -26,10 +26,8 @@ from consumers.parquet import BatchManifest, decode_batch
 from consumers.trajectory import Trajectory
 from consumers.verl_batch import padded_batch
 from pipeline.embedded import EmbeddedNatsServer
-from stream_gateway import Settings
-from stream_gateway.engines import build_engine
 
-from ..support.servers import run_gateway
+from ..support.replicas import close_session, tiny_and_slow
 from ..support.waiting import wait_until
 
 KEY = "sk-data"
@@ -50,27 +48,20 @@ class Pipeline:
         return OpenAI(base_url=(base or self.tiny) + "/v1", api_key=KEY, default_headers={"x-session-id": session})
 
     def close(self, session: str) -> None:
-        httpx.post(
-            f"{self.tiny}/sessions/{session}/close", headers={"authorization": f"Bearer {KEY}"}
-        ).raise_for_status()
+        close_session(self.tiny, KEY, session)
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Pipeline]:
     tmp = tmp_path_factory.mktemp("data")
     with EmbeddedNatsServer() as nats, anyio.from_thread.start_blocking_portal() as portal:
-        tiny = Settings(model=str(tiny_model_path), served_model_name="tiny", nats_url=nats.url,
-                        outbox_dir=tmp / "outbox-a", replica_id="a")  # fmt: skip
-        slow = Settings(model=str(tiny_model_path), served_model_name="tiny", engine="synthetic",
-                        synthetic_tokens_per_second=25, nats_url=nats.url, outbox_dir=tmp / "outbox-b",
-                        replica_id="b")  # fmt: skip
         assembler = AssemblerConfig(servers=(nats.url,), idle_timeout_s=3, close_grace_s=1, aborted="keep",
                                     default_reward=1.0)  # fmt: skip
         batcher = BatcherConfig.of(servers=(nats.url,), batch_size=6, group_size=1, prompt_length=2048,
                                    response_length=2048, output_dir=tmp / "batches")  # fmt: skip
         tasks = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_batcher, batcher)]
-        with run_gateway(build_engine(tiny), tiny) as a, run_gateway(build_engine(slow), slow) as b:
-            yield Pipeline(a.base_url, b.base_url, tmp / "batches", nats.url)
+        with tiny_and_slow(nats.url, tmp, tiny_model_path) as (a, b):
+            yield Pipeline(a, b, tmp / "batches", nats.url)
         for task in tasks:
             task.cancel()
 
