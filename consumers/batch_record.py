@@ -96,6 +96,7 @@ class BatchRecord:
     no_reward: Literal["drop", "zero"]
     created_at: float  # Unix seconds, when the batch was first assembled
     unfinished: Literal["keep", "drop", "mask"] = "keep"  # records written before the policy: keep
+    overlong_penalty: int | None = None  # DAPO's soft over-long punishment's cache length; None: none
     batches_last_seq: int | None = None  # the batches stream's last sequence at the commit
     adapter: str | None = None  # the LoRA adapter of every member; None: the base model
 
@@ -115,6 +116,7 @@ class BatchRecord:
             created_at=created_at,
             adapter=plan.adapter,
             unfinished=policy.unfinished,
+            overlong_penalty=policy.overlong_penalty,
         )
 
     def committed(self, batches_last_seq: int) -> BatchRecord:
@@ -134,6 +136,8 @@ class BatchRecord:
                 del data[key]
         if data["unfinished"] == "keep":  # the default: left out, as before the policy existed
             del data["unfinished"]
+        if data["overlong_penalty"] is None:
+            del data["overlong_penalty"]
         return orjson.dumps(data)
 
     @classmethod
@@ -153,6 +157,7 @@ class BatchRecord:
             batches_last_seq=data.get("batches_last_seq"),
             adapter=data.get("adapter"),
             unfinished=data.get("unfinished", "keep"),
+            overlong_penalty=data.get("overlong_penalty"),
         )
 
     @classmethod

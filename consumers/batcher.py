@@ -405,6 +405,7 @@ class Batcher:
             overlong=record.overlong,
             no_reward=record.no_reward,
             unfinished=record.unfinished,
+            overlong_penalty=record.overlong_penalty,
         )
         if isinstance(prepared, str):  # the policies are pure functions of the record: cannot happen
             raise RuntimeError(f"trajectory {raw.trajectory_id} of assigned batch {batch.batch_id} now {prepared}")
@@ -416,6 +417,7 @@ class Batcher:
         prepared = prepare_trajectory(
             trajectory, prompt_length=policy.prompt_length, response_length=policy.response_length,
             overlong=policy.overlong, no_reward=policy.no_reward, unfinished=policy.unfinished,
+            overlong_penalty=policy.overlong_penalty,
         )  # fmt: skip
         if isinstance(prepared, str):  # a revision only adds rewards: what was admitted stays admissible
             log.warning("batcher: revision %d of %s now %s; the held copy stays", trajectory.revision,

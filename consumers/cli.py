@@ -95,6 +95,7 @@ def batcher_config(
         overlong=args.overlong,
         no_reward=args.no_reward,
         unfinished=args.unfinished,
+        overlong_penalty=args.overlong_penalty,
         only_adapter=args.adapter,
         only_base=args.base,
         output_dir=output_dir,
@@ -227,6 +228,9 @@ def add_batch_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--response-length", type=int, default=2048, help="verl response length")
     command.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="too-long responses")
     command.add_argument("--no-reward", choices=("drop", "zero"), default="drop", help="samples without a reward")
+    command.add_argument("--overlong-penalty", type=int, metavar="TOKENS",
+                         help="DAPO's soft over-long punishment: a response longer than --response-length minus "
+                         "TOKENS loses up to 1 from its reward, linearly, all of it at --response-length")  # fmt: skip
     command.add_argument("--unfinished", choices=("keep", "drop", "mask"), default="keep",
                          help="samples whose last turn is unfinished (cut at max_tokens, or aborted): keep them, "
                          "drop them, or keep them with that turn out of the loss (default keep)")  # fmt: skip

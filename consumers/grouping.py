@@ -142,6 +142,9 @@ class GroupingPolicy:
     # A trajectory whose last turn is unfinished (end reason `length`, or aborted: UNFINISHED):
     # kept as it is, dropped, or kept with that turn out of the loss (docs/batches.md).
     unfinished: Literal["keep", "drop", "mask"] = "keep"
+    # DAPO's soft over-long punishment: a response longer than response_length - overlong_penalty
+    # tokens loses up to 1 from its reward, linearly, all of it at response_length and beyond.
+    overlong_penalty: int | None = None
 
     def __post_init__(self) -> None:
         check_batch_shape(self.batch_size, self.group_size)
@@ -161,6 +164,7 @@ def prepare_trajectory(
     overlong: Literal["truncate", "drop"],
     no_reward: Literal["drop", "zero"],
     unfinished: Literal["keep", "drop", "mask"] = "keep",
+    overlong_penalty: int | None = None,
 ) -> Trajectory | Drop:
     """The trajectory as it goes into a batch (cut, reward defaulted), or why it is dropped.
 
@@ -174,6 +178,10 @@ def prepare_trajectory(
         if no_reward == "drop":
             return "no_reward"
         trajectory = trajectory.rewarded(0.0, "default")
+    if overlong_penalty and trajectory.reward is not None:
+        penalty = soft_overlong_penalty(trajectory.response_length, response_length, overlong_penalty)
+        if penalty:
+            trajectory = trajectory.model_copy(update={"reward": trajectory.reward + penalty})
     if unfinished != "keep" and trajectory.end_reason in UNFINISHED and trajectory.turns:
         if unfinished == "drop":
             return "unfinished"
@@ -203,6 +211,15 @@ def prepare_trajectory(
             }
         )
     return trajectory
+
+
+def soft_overlong_penalty(length: int, maximum: int, cache: int) -> float:
+    """DAPO's soft over-long punishment of a response ``length`` tokens long: 0 up to ``maximum -
+    cache``, then linearly down to -1 at ``maximum``, and -1 beyond."""
+    start = maximum - cache
+    if length <= start:
+        return 0.0
+    return max(-1.0, (start - length) / cache)
 
 
 def _malformed(trajectory: Trajectory) -> bool:
@@ -352,6 +369,7 @@ class GroupPlanner:
                 overlong=policy.overlong,
                 no_reward=policy.no_reward,
                 unfinished=policy.unfinished,
+                overlong_penalty=policy.overlong_penalty,
             )
         uid = group_uid(trajectory, policy.group_key)
         group = lane.open.get(uid)

@@ -47,3 +47,18 @@ def test_the_unfinished_policy_keeps_drops_or_masks_the_last_turn() -> None:
     assert sum(masked.loss_mask) == sum(unfinished.loss_mask) - 2  # the first turn stays in the loss
     assert masked.logprobs == unfinished.logprobs  # what was sampled is still recorded
     assert prepare_trajectory(finished, unfinished="mask", **shape) == finished  # type: ignore[arg-type]
+
+
+def test_the_soft_overlong_penalty_is_dapos() -> None:
+    from consumers.grouping import soft_overlong_penalty
+
+    assert [soft_overlong_penalty(n, 100, 20) for n in (50, 80, 90, 100, 150)] == [0.0, 0.0, -0.5, -1.0, -1.0]
+    [trajectory] = build_trajectories(SessionEvents.of(_session("stop")), emitted_because="closed", default_reward=1.0)  # type: ignore[arg-type]
+    shape = {"prompt_length": 64, "overlong": "truncate", "no_reward": "drop"}
+    response = trajectory.response_length  # 7: the first answer, the second prompt's part, the second answer
+    within = prepare_trajectory(trajectory, response_length=64, overlong_penalty=8, **shape)  # type: ignore[arg-type]
+    assert not isinstance(within, str) and within.reward == 1.0
+    near = prepare_trajectory(trajectory, response_length=response + 2, overlong_penalty=4, **shape)  # type: ignore[arg-type]
+    assert not isinstance(near, str) and near.reward == 1.0 - 0.5  # 2 tokens into a 4-token cache
+    beyond = prepare_trajectory(trajectory, response_length=response - 2, overlong_penalty=4, **shape)  # type: ignore[arg-type]
+    assert not isinstance(beyond, str) and beyond.reward == 0.0 and beyond.truncated  # -1, and cut
