@@ -304,6 +304,8 @@ def _end_reason(turn: TurnRecord) -> EndReason:
     if isinstance(turn, TurnAborted):
         return turn.reason
     assert isinstance(turn, TurnCompleted)
+    if turn.finish_reason == "length" and turn.length_cause == "context":
+        return "context_exhausted"
     return turn.finish_reason
 
 

@@ -214,13 +214,14 @@ def image_cut(images: list[TrajectoryImage], cut: int) -> int:
 
 
 EndReason = Literal[
-    "stop", "tool_calls", "length", "client_disconnected", "engine_error", "shutdown", "cancelled",
-    "max_turns", "max_tokens",
+    "stop", "tool_calls", "length", "context_exhausted", "client_disconnected", "engine_error", "shutdown",
+    "cancelled", "max_turns", "max_tokens",
 ]  # fmt: skip
 END_REASONS: dict[str, str] = {
     "stop": "the model ended its last turn (an end-of-turn token or a stop string)",
     "tool_calls": "the last turn called tools and no turn with their results followed (the agent stopped)",
-    "length": "the last turn hit its max_tokens (or the context's end): its answer is unfinished",
+    "length": "the last turn hit the client's max_tokens: its answer is unfinished",
+    "context_exhausted": "the last turn reached the end of the model's context window: its answer is unfinished",
     "client_disconnected": "the client went away while the last turn streamed (aborted)",
     "engine_error": "the engine failed during the last turn (aborted)",
     "shutdown": "the gateway shut down during the last turn (aborted)",
@@ -231,7 +232,7 @@ END_REASONS: dict[str, str] = {
 """Every end reason, and what it means (docs/trajectories.md); ``length`` and the aborted ones leave an
 unfinished last turn, ``max_turns``/``max_tokens`` a cut chain (the batcher's ``--unfinished`` policy)."""
 
-UNFINISHED = frozenset({"length", "client_disconnected", "engine_error", "shutdown", "cancelled"})
+UNFINISHED = frozenset({"length", "context_exhausted", "client_disconnected", "engine_error", "shutdown", "cancelled"})
 """End reasons whose last turn is unfinished."""
 
 HEALTH_FLAGS: dict[str, str] = {

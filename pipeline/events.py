@@ -142,7 +142,7 @@ class Event(BaseModel):
         SCHEMA_VERSION,
         description="bumped when the contract changes (2: per-token policy versions; 3: thinking spans and "
         "predecessor links; 4: routed experts and LoRA adapters; 5: images; 6: compaction links, cached prompt "
-        "tokens)",
+        "tokens, length causes)",
     )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
@@ -328,6 +328,11 @@ class TurnRecord(Event):
     adapter: str | None = Field(
         None,
         description="the LoRA adapter that sampled this turn (policy_versions are its versions); null: the base model",
+    )
+    length_cause: Literal["max_tokens", "context"] | None = Field(
+        None,
+        description="for finish_reason `length`: the client's max_tokens, or the end of the context window "
+        "(`context`); null otherwise, and in events before schema 6",
     )
     cached_prompt_tokens: int | None = Field(
         None,

@@ -79,6 +79,7 @@ class PreparedCompletion:
     images: tuple[PromptImage, ...] = ()  # vision-language models: the prompt's images and where they sit
     warnings: tuple[str, ...] = ()  # what the client should know (the template dropped its tools...)
     head: bytes | None = None  # key of (tools, system message): a conversation's identity across compaction
+    max_tokens_requested: int | None = None  # what the client asked for (None: nothing); params.max_tokens fits it
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +214,7 @@ class Preparer:
             images=placed,
             warnings=(_TOOLS_DROPPED,) if body.tools and self.template_drops_tools else (),
             head=head,
+            max_tokens_requested=requested,
         )
 
     async def _find_conversation(

@@ -173,6 +173,16 @@ class TurnLifecycle:
                     await durable.wait()
             await of.sessions.wait_shared(shared)
 
+    def _length_cause(self, result: ChoiceResult) -> str | None:
+        """Why a ``length`` finish stopped: the client's ``max_tokens``, or the end of the context
+        window (no cap asked for, a cap the window could not give, or the engine's own limit)."""
+        if result.finish_reason != "length":
+            return None
+        asked = self.prepared.max_tokens_requested
+        if len(result.token_ids) < self.params.max_tokens or asked is None or asked > self.params.max_tokens:
+            return "context"
+        return "max_tokens"
+
     def _record(self, result: ChoiceResult, policy_versions: list[tuple[int, int]]) -> Turn:
         prepared = self.prepared
         content = "".join(result.text_parts)
@@ -207,6 +217,7 @@ class TurnLifecycle:
             continues_id=context.continues.turn_id if context.continues is not None else None,
             head=prepared.head,
             cached_prompt_tokens=result.cached_prompt_tokens,
+            length_cause=self._length_cause(result),
             reasoning_tokens=result.reasoning_tokens,
             answer_start=result.answer_start,
             **_own_routes(result, context.reused_prompt_tokens if context.parent is not None else 0),

@@ -109,6 +109,7 @@ class Turn:
     predecessor_id: str | None = None  # that parent, for a root that could not continue it
     continues_id: str | None = None  # a root after the client compacted its history: the turn it carries on
     cached_prompt_tokens: int | None = None  # prompt tokens the engine reused from its prefix cache (None: unsaid)
+    length_cause: str | None = None  # a "length" finish: "max_tokens" (the client's cap) or "context" (the window)
     # The key of its conversation's (tools, system message), in memory only: a root with the same head
     # and a shorter history continues it (completion._prepare.compacted_from).
     head: bytes | None = field(default=None, compare=False)
@@ -596,6 +597,7 @@ def _session_body(session: Session) -> dict[str, Any]:
                 "predecessor_id": t.predecessor_id,
                 "continues_id": t.continues_id,
                 "cached_prompt_tokens": t.cached_prompt_tokens,
+                "length_cause": t.length_cause,
                 "reasoning_tokens": t.reasoning_tokens,
                 "answer_start": t.answer_start,
                 "adapter": t.adapter,

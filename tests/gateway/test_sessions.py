@@ -325,3 +325,25 @@ def test_store_is_bounded_by_the_token_ids_its_sessions_hold() -> None:
     store.add_turn(third, turn(third.session_id, 1, 4_999))
     store.touch(third)
     assert [s.session_id for s in store] == [third.session_id] and store.held_tokens == 6_000
+
+
+def test_a_length_finish_says_whether_max_tokens_or_the_context_window_stopped_it(tiny_model_path: Path) -> None:
+    """``length_cause``: the client's cap, or the end of the window (no cap asked: the window is the cap)."""
+    from stream_gateway import Settings
+    from stream_gateway.engines import build_engine
+
+    from ..support.servers import run_gateway
+
+    settings = Settings(model=str(tiny_model_path), served_model_name="tiny", max_model_len=64)
+    with run_gateway(build_engine(settings), settings) as gateway:
+        base = f"{gateway.base_url}/sessions/lengths"
+        with OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0, timeout=60) as client:
+            ask = [{"role": "user", "content": "hi"}]
+            capped = client.chat.completions.create(
+                model="tiny", messages=ask, max_tokens=3, extra_body={"ignore_eos": True}
+            )  # type: ignore[arg-type]
+            window = client.chat.completions.create(model="tiny", messages=ask, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+        turns = httpx.get(base, headers={"authorization": "Bearer k"}, timeout=30).json()["turns"]
+    assert capped.choices[0].finish_reason == window.choices[0].finish_reason == "length"
+    assert [t["length_cause"] for t in turns] == ["max_tokens", "context"]
+    assert len(turns[1]["prompt_ids"]) + len(turns[1]["output_ids"]) == 64

@@ -62,3 +62,13 @@ def test_the_soft_overlong_penalty_is_dapos() -> None:
     assert not isinstance(near, str) and near.reward == 1.0 - 0.5  # 2 tokens into a 4-token cache
     beyond = prepare_trajectory(trajectory, response_length=response - 2, overlong_penalty=4, **shape)  # type: ignore[arg-type]
     assert not isinstance(beyond, str) and beyond.reward == 0.0 and beyond.truncated  # -1, and cut
+
+
+def test_a_length_finish_at_the_context_window_is_context_exhausted() -> None:
+    events = _session("length")
+    events[-1] = events[-1].model_copy(update={"length_cause": "context"})  # type: ignore[attr-defined]
+    [trajectory] = build_trajectories(SessionEvents.of(events), emitted_because="closed")  # type: ignore[arg-type]
+    assert trajectory.end_reason == "context_exhausted"
+    events[-1] = events[-1].model_copy(update={"length_cause": "max_tokens"})  # type: ignore[attr-defined]
+    [trajectory] = build_trajectories(SessionEvents.of(events), emitted_because="closed")  # type: ignore[arg-type]
+    assert trajectory.end_reason == "length"
