@@ -130,12 +130,18 @@ def build_trajectories(
         full[record.turn_id] = [*prompt, *record.output_ids]
     has_child = {p for p in parent_of.values() if p is not None}
     leaves = [t for t in parent_of if t not in has_child]
-    trajectories = []
+    paths = []
     for leaf in leaves:
         path = [leaf]
         while (up := parent_of[path[-1]]) is not None:
             path.append(up)
-        path.reverse()
+        paths.append(path[::-1])
+    in_chains: dict[str, int] = {}  # turn id -> how many chains hold it (a fork: more than one)
+    for path in paths:
+        for turn_id in path:
+            in_chains[turn_id] = in_chains.get(turn_id, 0) + 1
+    trajectories = []
+    for path in paths:
         chain = [turns[t] for t in path]
         try:
             trajectory = _trajectory(
@@ -149,13 +155,13 @@ def build_trajectories(
                 capped,
                 max_tokens,
                 on_unrouted,
-                forked=len(leaves) > 1,
+                forked=any(in_chains[t] > 1 for t in path),
             )
         except _ImagesRefused as exc:
             log.warning(
                 "session %s: chain ending in turn %s left out, its images do not line up: %s",
                 chain[-1].session_id,
-                leaf,
+                path[-1],
                 exc,
             )
             if on_refused_images is not None:

@@ -244,7 +244,7 @@ HEALTH_FLAGS: dict[str, str] = {
     "mixed-versions": "its sampled tokens come from more than one policy version",
     "mixed-adapters": "its turns name more than one LoRA adapter",
     "no-routes": "a mixture-of-experts chain whose routes were dropped (some turns had none, or they do not join)",
-    "forked": "its session's turn tree has more than one chain: another trajectory shares its first turns",
+    "forked": "another trajectory of its session shares its first turns (a retry, an edit, n > 1)",
     "new-root": "its first turn re-rendered a history the gateway had recorded (a fork cause is on the turn): "
     "assistant text in its prompt was not sampled in this chain",
 }

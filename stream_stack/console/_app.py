@@ -336,6 +336,30 @@ def _actions(app: FastAPI, api: ConsoleApi) -> None:
             raise _not_found(f"session `{session_id}`")
         return EventSourceResponse(_live(api, tenant, session_id, found["model"] if found else None), ping=10)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Counts only (no ids, no text), over every tenant, in Prometheus' text format."""
+        counts = await anyio.to_thread.run_sync(api.index.counts)
+        lines = [
+            "# HELP sg_console_sessions Sessions in the console's index.", "# TYPE sg_console_sessions gauge",
+            f"sg_console_sessions {counts['sessions']}",
+            "# HELP sg_console_trajectories Trajectories in the console's index.",
+            "# TYPE sg_console_trajectories gauge", f"sg_console_trajectories {counts['trajectories']}",
+            "# HELP sg_console_trajectories_batched Trajectories that went into a batch.",
+            "# TYPE sg_console_trajectories_batched gauge", f"sg_console_trajectories_batched {counts['batched']}",
+            "# HELP sg_console_trajectories_health Trajectories carrying a record-health flag.",
+            "# TYPE sg_console_trajectories_health gauge",
+            *(f'sg_console_trajectories_health{{flag="{f}"}} {n}' for f, n in sorted(counts["health"].items())),
+            "# HELP sg_console_trajectories_end_reason Trajectories by why they end.",
+            "# TYPE sg_console_trajectories_end_reason gauge",
+            *(f'sg_console_trajectories_end_reason{{reason="{r}"}} {n}'
+              for r, n in sorted(counts["end_reasons"].items())),
+            "# HELP sg_console_trajectories_dropped Trajectories the batcher left out, by reason.",
+            "# TYPE sg_console_trajectories_dropped gauge",
+            *(f'sg_console_trajectories_dropped{{reason="{r}"}} {n}' for r, n in sorted(counts["dropped"].items())),
+        ]  # fmt: skip
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
     @app.post("/api/sessions/{session_id}/forget")
     async def forget(request: Request, session_id: str) -> dict[str, Any]:
         who = api.who(request, changes=True)

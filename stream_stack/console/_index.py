@@ -67,7 +67,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     trajectory_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, session_id TEXT NOT NULL, seq INTEGER NOT NULL,
     turn_ids TEXT NOT NULL, tokens INTEGER NOT NULL, sampled INTEGER NOT NULL, reward REAL,
     health TEXT NOT NULL, ended_at REAL, min_version INTEGER, max_version INTEGER, adapter TEXT,
-    batch_id TEXT
+    batch_id TEXT, end_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS trajectories_session ON trajectories (tenant, session_id);
 CREATE TABLE IF NOT EXISTS batches (
@@ -157,10 +157,12 @@ class ConsoleIndex:
 
     def _migrate(self) -> None:
         """Columns added since an index file was made (the index is a projection: nothing else changes)."""
-        have = {row[1] for row in self._db.execute("PRAGMA table_info(turns)")}
-        for column, kind in (("continues_turn_id", "TEXT"), ("cached_prompt_tokens", "INTEGER")):
+        added = (("turns", "continues_turn_id", "TEXT"), ("turns", "cached_prompt_tokens", "INTEGER"),
+                 ("trajectories", "end_reason", "TEXT"))  # fmt: skip
+        for table, column, kind in added:
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in have:
-                self._db.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -310,13 +312,15 @@ class ConsoleIndex:
         sampled = sum(data["loss_mask"])
         self._db.execute(
             "INSERT INTO trajectories (trajectory_id, tenant, session_id, seq, turn_ids, tokens, sampled, reward, "
-            "health, ended_at, min_version, max_version, adapter) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "health, ended_at, min_version, max_version, adapter, end_reason) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (trajectory_id) DO UPDATE SET seq = excluded.seq, reward = excluded.reward, "
             "health = excluded.health",
             (data["trajectory_id"], tenant, session_id, seq,
              orjson.dumps([t["turn_id"] for t in data["turns"]]).decode(), len(data["token_ids"]), sampled,
              data.get("reward"), " ".join(data.get("health") or []), data.get("ended_at"),
-             data.get("min_policy_version"), data.get("max_policy_version"), data.get("adapter")),
+             data.get("min_policy_version"), data.get("max_policy_version"), data.get("adapter"),
+             data.get("end_reason")),
         )  # fmt: skip
         self._db.execute(
             "INSERT INTO sessions (tenant, session_id, model, last_at) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -443,6 +447,25 @@ class ConsoleIndex:
         out = dict(row)
         out["turn_ids"], out["health"] = orjson.loads(out["turn_ids"]), out["health"].split()
         return out
+
+    def counts(self) -> dict[str, Any]:
+        """What ``/metrics`` reports: sessions, trajectories, and trajectories per health flag and end reason."""
+        with self._lock:
+            sessions = int(self._db.execute("SELECT count(*) FROM sessions").fetchone()[0])
+            total = int(self._db.execute("SELECT count(*) FROM trajectories").fetchone()[0])
+            flags: dict[str, int] = {}
+            for (health,) in self._db.execute("SELECT health FROM trajectories WHERE health != ''"):
+                for flag in health.split():
+                    flags[flag] = flags.get(flag, 0) + 1
+            ends = dict(
+                self._db.execute("SELECT coalesce(end_reason, 'unknown'), count(*) FROM trajectories GROUP BY 1")
+            )
+            batched = int(
+                self._db.execute("SELECT count(*) FROM trajectories WHERE batch_id IS NOT NULL").fetchone()[0]
+            )
+            drops = dict(self._db.execute("SELECT reason, count(*) FROM drops GROUP BY 1"))
+        return {"sessions": sessions, "trajectories": total, "health": flags, "end_reasons": ends,
+                "batched": batched, "dropped": drops}  # fmt: skip
 
     def loop(self, tenant: str | None) -> dict[str, Any]:
         """The training loop at a glance: each replica's policy version, the batches and their

@@ -353,3 +353,8 @@ def test_the_api_refuses_what_it_must(stack: Stack) -> None:
         assert http.get("/api/trajectories/nope/tokens").status_code == 404
         page = http.get("/")
         assert "script-src 'self'" in page.headers["content-security-policy"]
+    # /metrics: counts only, the same flags, end reasons and drop reasons as the pages.
+    metrics = httpx.get(f"{stack.console}/metrics").text
+    assert 'sg_console_trajectories_health{flag="forked"} 2' in metrics, metrics  # the tool session's two chains
+    assert 'sg_console_trajectories_dropped{reason="length"} 1' in metrics
+    assert 'sg_console_trajectories_end_reason{reason="client_disconnected"} 1' in metrics
