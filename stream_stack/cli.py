@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC
 from pathlib import Path
@@ -156,9 +156,7 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
                 tg.start_soon(run_assembler, assembler, say)
                 tg.start_soon(run_batcher, batcher, say)
                 if console is not None:
-                    from stream_stack.console import run_console
-
-                    tg.start_soon(run_console, console)
+                    tg.start_soon(_console_beside, console, say)
                 try:
                     await gateway()
                 except KeyboardInterrupt:
@@ -172,6 +170,18 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
         run_until_interrupted(everything)
     say("stopped")
     return 0
+
+
+async def _console_beside(console: ConsoleConfig, say: Callable[[str], None]) -> None:
+    """``up``'s console: one that cannot start (its port taken) is said, and everything else runs on."""
+    from stream_stack.console import run_console
+
+    try:
+        await run_console(console)
+    except* (OSError, SystemExit) as group:  # uvicorn exits (SystemExit) when it cannot bind
+        errors = [e if isinstance(e, OSError) else e.__context__ for e in group.exceptions]
+        reason = next((e for e in errors if isinstance(e, OSError)), group.exceptions[0])
+        say(f"console: not started on port {console.port} ({reason}); the rest of up runs without it")
 
 
 def _up_console(

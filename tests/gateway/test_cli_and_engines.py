@@ -281,7 +281,10 @@ def test_up_stops_its_nats_server_on_sigterm(tiny_model_path: Path, tmp_path: Pa
     port = free_port()
     command = [sys.executable, "-m", "stream_stack", "up", "--model", str(tiny_model_path), "--port", str(port)]
     command += ["--data-dir", str(tmp_path / "up"), "--nats-port", "0", "--nats-monitor-port", "0"]
-    command += ["--console-port", str(free_port())]
+    busy = socket.socket()  # the console's port taken by another program: up runs on without a console
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    command += ["--console-port", str(busy.getsockname()[1])]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
@@ -289,7 +292,9 @@ def test_up_stops_its_nats_server_on_sigterm(tiny_model_path: Path, tmp_path: Pa
     finally:
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
+        busy.close()
     assert process.returncode == 0 and "stopped" in output, output
+    assert "console: not started on port" in output and "address already in use" in output, output
     match = re.search(r"NATS +nats://127\.0\.0\.1:(\d+)", output)
     assert match is not None, output
     with socket.socket() as probe:
