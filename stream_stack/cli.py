@@ -430,10 +430,7 @@ def console_tokenizers(settings: Settings, model_name: str) -> dict[str, str]:
     """The served model's tokenizer directory for ``up``'s console (none for a hub id it would download)."""
     from stream_gateway.models import resolve_model
 
-    try:
-        path = resolve_model(settings.model)
-    except Exception:
-        return {}
+    path = resolve_model(settings.model)  # built already: the engine loaded it
     return {model_name: path} if Path(path).is_dir() else {}
 
 

@@ -137,13 +137,18 @@ class ConsoleApi:
         if view is None or view.data.get("_seq") != row["seq"]:
             if self.feed is None:
                 raise ConsoleError(503, "The console is not connected to NATS.", "server_error", "nats_unavailable")
+            from nats.errors import Error as NatsError
+            from nats.js.errors import NotFoundError
+
             try:
                 payload = await read_message(self.feed.js, self.feed.names.trajectories, row["seq"])
-            except Exception as exc:
+            except (NotFoundError, LookupError) as exc:  # retention or a forget took it
                 raise ConsoleError(
                     410, f"Trajectory `{trajectory_id}` is no longer in the stream ({exc!r}).", "invalid_request_error",
                     "gone",
                 ) from exc  # fmt: skip
+            except (NatsError, TimeoutError) as exc:
+                raise ConsoleError(503, f"NATS did not answer ({exc!r}).", "server_error", "nats_unavailable") from exc
             data = orjson.loads(payload)
             data["_seq"] = row["seq"]
             tokenizer = self.tokenizers.get(data["model"])
@@ -390,7 +395,7 @@ async def _live(api: ConsoleApi, tenant: str, session_id: str, model: str | None
         async for kind, payload in receive:
             try:
                 event = decode_event(payload)
-            except Exception:
+            except ValueError:  # not an event this version reads (pydantic's and orjson's errors are ValueErrors)
                 continue
             if kind == "delta":
                 ids = getattr(event, "token_ids", [])

@@ -347,15 +347,6 @@ class ConsoleIndex:
             for table in ("sessions", "turns", "trajectories"):
                 self._db.execute(f"DELETE FROM {table} WHERE tenant = ? AND session_id = ?", (tenant, session_id))
 
-    def forget_tenant(self, tenant: str) -> None:
-        """Remove every session of a tenant (a tenant-wide tombstone)."""
-        with self._lock:
-            sessions = [
-                r["session_id"] for r in self._db.execute("SELECT session_id FROM sessions WHERE tenant = ?", (tenant,))
-            ]
-        for session_id in sessions:
-            self.forget(tenant, session_id)
-
     def all_sessions(self) -> list[tuple[str, str]]:
         """Every (tenant, session id) indexed (the tombstone sweep's list)."""
         with self._lock:

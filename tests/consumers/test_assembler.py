@@ -33,37 +33,13 @@ from consumers.trajectory import TRAJECTORY_SCHEMA_VERSION, ExpertRoutes, Trajec
 from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
 from pipeline.events import Event, SessionClosed, TurnCompleted, decode_event, encode_event
 from pipeline.publisher import EventPublisher, PublisherConfig
-from pipeline.subscriber import message_payload
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
+from ..support.capture import read_trajectories
 from ..support.servers import RunningGateway, run_gateway
 
 KEY = "sk-assembler"
-
-
-def read_trajectories(url: str, stream: str = "SG_TRAJECTORIES") -> list[Trajectory]:
-    """Every trajectory message in the stream, in order (duplicates would show up twice)."""
-
-    async def fetch() -> list[Trajectory]:
-        nc = await nats.connect(url, max_reconnect_attempts=2, reconnect_time_wait=0.2)
-        try:
-            js = nc.jetstream()
-            try:
-                info = await js.stream_info(stream)
-            except nats.js.errors.NotFoundError:
-                return []
-            out: list[Trajectory] = []
-            if not info.state.messages:
-                return out
-            for seq in range(info.state.first_seq, info.state.last_seq + 1):
-                msg = await js.get_msg(stream, seq)
-                out.append(Trajectory.decode(await message_payload(msg, js)))  # type: ignore[arg-type]
-            return out
-        finally:
-            await nc.close()
-
-    return anyio.run(fetch)
 
 
 def read_events(url: str) -> list[Event]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,7 +290,7 @@ def test_a_live_turn_appears_token_by_token(stack: Stack, browser: Any) -> None:
     with signed_in(browser, stack, ALICE) as page:
         visit(page, f"{stack.console}/#/session/{session}")
         page.wait_for_selector("#tree .node")
-        time.sleep(0.5)  # the live subscription is made as the page opens
+        page.wait_for_selector("#live[data-ready]")  # subscribed: what is sampled from now on is shown
         done = threading.Event()
 
         def talk() -> None:

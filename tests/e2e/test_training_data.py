@@ -27,6 +27,7 @@ from consumers.trajectory import Trajectory
 from consumers.verl_batch import padded_batch
 from pipeline.embedded import EmbeddedNatsServer
 
+from ..support.capture import read_trajectories
 from ..support.replicas import close_session, tiny_and_slow
 from ..support.waiting import wait_until
 
@@ -250,39 +251,11 @@ def test_feedback_after_emission_is_kept_as_a_revision_or_a_late_reward(
 
 
 def _emitted(p: Pipeline, session: str, revision: int = 0) -> bool:
-    async def read() -> bool:
-        import nats
-
-        nc = await nats.connect(p.nats)
-        try:
-            js = nc.jetstream()
-            last = (await js.stream_info("SG_TRAJECTORIES")).state.last_seq
-            for seq in range(1, last + 1):
-                raw = await js.get_msg("SG_TRAJECTORIES", seq)
-                data = json.loads(raw.data or b"{}")
-                if data.get("session_id") == session and data.get("revision", 0) == revision:
-                    return True
-            return False
-        finally:
-            await nc.close()
-
-    return anyio.run(read)
+    return any(t.session_id == session and t.revision == revision for t in read_trajectories(p.nats))
 
 
-def _trajectories_of(p: Pipeline, session: str) -> list[dict[str, Any]]:
-    async def read() -> list[dict[str, Any]]:
-        import nats
-
-        nc = await nats.connect(p.nats)
-        try:
-            js = nc.jetstream()
-            last = (await js.stream_info("SG_TRAJECTORIES")).state.last_seq
-            found = [json.loads((await js.get_msg("SG_TRAJECTORIES", seq)).data or b"{}") for seq in range(1, last + 1)]
-            return [t for t in found if t.get("session_id") == session]
-        finally:
-            await nc.close()
-
-    return anyio.run(read)
+def _trajectories_of(p: Pipeline, session: str) -> list[Trajectory]:
+    return [t for t in read_trajectories(p.nats) if t.session_id == session]
 
 
 def test_a_compacting_client_is_linked_to_the_conversation_it_compacted(pipeline: Pipeline) -> None:
@@ -304,11 +277,11 @@ def test_a_compacting_client_is_linked_to_the_conversation_it_compacted(pipeline
     client.chat.completions.create(model="tiny", messages=other, max_tokens=8)  # type: ignore[arg-type]
     pipeline.close(session)
     wait_until(lambda: len(_trajectories_of(pipeline, session)) == 3, timeout=30, what="three trajectories")
-    by_turns = {len(t["turns"]): t for t in _trajectories_of(pipeline, session)}
-    chain = by_turns[3]  # the conversation before the compaction
-    roots = [t for t in _trajectories_of(pipeline, session) if len(t["turns"]) == 1]
-    linked = [t for t in roots if t["continues_turn_id"] is not None]
-    assert len(linked) == 1 and linked[0]["continues_turn_id"] == chain["turns"][-1]["turn_id"]
+    mine = _trajectories_of(pipeline, session)
+    [chain] = [t for t in mine if t.num_turns == 3]  # the conversation before the compaction
+    roots = [t for t in mine if t.num_turns == 1]
+    linked = [t for t in roots if t.continues_turn_id is not None]
+    assert len(linked) == 1 and linked[0].continues_turn_id == chain.turns[-1].turn_id
     assert last.id  # the continued turn is the latest one of the compacted conversation
-    [unlinked] = [t for t in roots if t["continues_turn_id"] is None]
-    assert unlinked["trajectory_id"] != linked[0]["trajectory_id"]
+    [unlinked] = [t for t in roots if t.continues_turn_id is None]
+    assert unlinked.trajectory_id != linked[0].trajectory_id

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -22,6 +22,9 @@ from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
 from .servers import RunningGateway, run_gateway
+
+if TYPE_CHECKING:
+    from consumers.trajectory import Trajectory
 
 KEY = "sk-capture"
 
@@ -107,3 +110,33 @@ def capture_gateway(
     settings = capture_settings(nats_server.url, delta_tokens=8, delta_interval_ms=60_000)
     with run_gateway(build_engine(settings), settings) as running:
         yield running
+
+
+def read_trajectories(url: str, stream: str = "SG_TRAJECTORIES") -> list[Trajectory]:
+    """Every trajectory message in the stream, in order (duplicates would show up twice)."""
+
+    import nats
+    from nats.js.errors import NotFoundError
+
+    from consumers.trajectory import Trajectory
+    from pipeline.subscriber import message_payload
+
+    async def fetch() -> list[Trajectory]:
+        nc = await nats.connect(url, max_reconnect_attempts=2, reconnect_time_wait=0.2)
+        try:
+            js = nc.jetstream()
+            try:
+                info = await js.stream_info(stream)
+            except NotFoundError:
+                return []
+            out: list[Trajectory] = []
+            if not info.state.messages:
+                return out
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                msg = await js.get_msg(stream, seq)
+                out.append(Trajectory.decode(await message_payload(msg, js)))  # type: ignore[arg-type]
+            return out
+        finally:
+            await nc.close()
+
+    return anyio.run(fetch)

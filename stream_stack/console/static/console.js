@@ -236,6 +236,7 @@ async function sessionView(view, sessionId, params) {
     el("h2", { text: "Trajectories" }), trajectories, compare,
     forget ? el("h2", { text: "Data rights" }) : null, forget, receipt);
   live = new EventSource(`/api/sessions/${encodeURIComponent(sessionId)}/live?` + q({ tenant: s.tenant }));
+  live.addEventListener("ready", () => { liveBox.dataset.ready = "1"; });
   const streaming = new Map();
   live.addEventListener("delta", (event) => {
     const d = JSON.parse(event.data);
