@@ -115,11 +115,12 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         before_open=limiter.check_new_session,
     )
     metrics.watch_sessions(sessions.store)
-    service = CompletionService(engine, settings, metrics, sessions, recorder, spend=limiter.spend)
+    keyring = KeyRing(settings.api_keys, settings.api_key_file, defaults)
+    service = CompletionService(
+        engine, settings, metrics, sessions, recorder, spend=limiter.spend, adapter_owner=keyring.adapter_owner
+    )
     edges = protocol_edges(service)
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
-    keyring = KeyRing(settings.api_keys, settings.api_key_file, defaults)
-    service.admission.adapter_owner = keyring.adapter_owner  # another tenant's adapter is a 404
     state = GatewayState(
         settings=settings,
         engine=engine,
@@ -177,7 +178,7 @@ async def _lifespan(state: GatewayState, _: FastAPI) -> AsyncIterator[None]:
     async with engine, anyio.create_task_group() as tg:
         log.info("engine %s ready: model %s", engine.name, engine.model_id)
         # Chosen and logged now: a bad --reasoning-parser fails the start.
-        thinks = state.service.preparer.reasoning is not None
+        thinks = state.service.thinks
         # (--workers N: the supervisor hands its workers one key file; replicas on other hosts need theirs.)
         if thinks and settings.reasoning_key_file is None and _sharing(settings) is not None:
             log.warning(

@@ -225,7 +225,7 @@ class EventRecorder:
             return
         self._publish(
             TurnStarted.model_construct(
-                **self._common(session, policy_version, self._turn_seq(session, turn_id)),
+                **self._common(session, policy_version, session.take_turn_seq(turn_id)),
                 turn_id=turn_id,
                 parent_turn_id=parent_turn_id,
                 request_id=request_id,
@@ -270,7 +270,7 @@ class EventRecorder:
             return None
         event = turn_to_event(
             turn,
-            self._common(session, turn.policy_version, self._turn_seq(session, turn.turn_id)),
+            self._common(session, turn.policy_version, session.take_turn_seq(turn.turn_id)),
             request_id=request_id,
             choice_index=index,
             sampling=_sampling(params),
@@ -368,12 +368,6 @@ class EventRecorder:
             "model": self._model,
             "policy_version": policy_version,
         }
-
-    @staticmethod
-    def _turn_seq(session: Session, turn_id: str) -> int:
-        seq = session.take_seq()
-        session.turn_seqs.setdefault(turn_id, []).append(seq)
-        return seq
 
 
 def _sampling(params: SamplingParams) -> SamplingRecord:

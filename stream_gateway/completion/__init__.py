@@ -4,9 +4,11 @@ The request's path through it: :class:`Admission` (model, ``n``, sizes, context 
 defaults) → :class:`Preparer` (the session it continues, the prompt the chat template renders
 around the reused ids: :mod:`._context`, :mod:`._prompt`, :mod:`._fingerprint`) →
 :class:`CompletionService` (one engine request per choice; the token loop assembles text
-(:mod:`._text`) and tool calls, and puts :class:`ChoiceUpdate` objects into an
-:class:`UpdateChannel`) → a protocol's :class:`FrameEncoder` or a whole body. Beside the loop,
-:class:`TurnLifecycle` records the turn: events, metrics, spend, the session tree.
+(:mod:`._text`) and tool calls into :class:`ChoiceUpdate` objects; the service decides how a
+response is produced: a one-choice stream in the writer's own task, several choices through an
+:class:`UpdateChannel`, and hands the HTTP layer a :class:`StreamOutput` to send) → a protocol's
+:class:`FrameEncoder` or a whole body. Beside the loop, :class:`TurnLifecycle` records the turn:
+events, metrics, spend, the session tree.
 """
 
 from stream_gateway.completion._admission import Admission, SamplingRequest
@@ -28,7 +30,7 @@ from stream_gateway.completion._request import (
     Tool,
     null_is_absent,
 )
-from stream_gateway.completion._service import CompletionService, FrameEncoder, TokenText
+from stream_gateway.completion._service import CompletionService, FrameEncoder, StreamOutput, TokenText
 from stream_gateway.completion._text import TextAssembler
 from stream_gateway.completion._turn import Spend, TurnLifecycle, Turns
 from stream_gateway.completion._updates import ChoiceResult, ChoiceUpdate
@@ -49,6 +51,7 @@ __all__ = [
     "SamplingRequest",
     "Spend",
     "StreamOptions",
+    "StreamOutput",
     "TextAssembler",
     "TokenInRequest",
     "TokenText",

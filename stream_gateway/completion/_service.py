@@ -1,16 +1,22 @@
-"""Serving prepared completions: the token loop, and the two ways a response takes its output.
+"""Serving prepared completions: the token loop, and how a response takes its output.
 
-The producer (:meth:`CompletionService.produce`) runs one engine request per choice inside its
-own task group and puts :class:`~._updates.ChoiceUpdate` objects into an
-:class:`~._channel.UpdateChannel`. A streamed response takes everything waiting in it at once and
-encodes it with its protocol's :class:`FrameEncoder` (:meth:`CompletionService.frames`); a whole
-response folds it into :class:`~._updates.ChoiceResult` objects (:meth:`CompletionService.collect`).
-The response runs the producer as its ``data_sender_callable``, so a client that disconnects
-cancels it, which closes the engine iterators, which aborts the engine requests. No task group
-ever straddles a ``yield``.
+The service decides how a response's output is produced; the HTTP layer only sends what it gets.
 
-The service knows no wire format: the protocols (:mod:`stream_gateway.protocols`) prepare
-requests through it and encode what it produces.
+- **A stream of one choice** (every agent's request): :meth:`CompletionService.stream` returns
+  writes produced in the response's own task: the choice's updates are encoded as they come, with
+  no channel and no producer task between the engine and the socket.
+- **A stream of several choices** (``n > 1``, or several prompts): one engine request per choice
+  runs in a producer task group that puts :class:`~._updates.ChoiceUpdate` objects into an
+  :class:`~._channel.UpdateChannel`; the writes take everything waiting in it at once and encode
+  it with the protocol's :class:`FrameEncoder`. The response runs the producer as its
+  ``data_sender_callable``, so a client that disconnects cancels it, which closes the engine
+  iterators, which aborts the engine requests. No task group ever straddles a ``yield``.
+- **A whole response** (:meth:`CompletionService.collect`) folds the channel into
+  :class:`~._updates.ChoiceResult` objects.
+
+Every way keeps the same books (:class:`_Books`): a response in progress, its status once, and an
+abort when a choice did not finish. The service knows no wire format: the protocols
+(:mod:`stream_gateway.protocols`) prepare requests through it and encode what it produces.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import replace
-from functools import cached_property, lru_cache
+from dataclasses import dataclass, replace
+from functools import cached_property, lru_cache, partial
 from typing import Any, Protocol
 
 import anyio
@@ -41,7 +47,7 @@ from stream_gateway.reasoning import ThinkingSigner
 from stream_gateway.sessions import SessionDirectory
 from stream_gateway.tool_parsers import ParsedDelta, ToolCallDelta, ToolCallStreamParser, create_tool_parser
 
-__all__ = ["CompletionService", "FrameEncoder", "TokenText"]
+__all__ = ["CompletionService", "FrameEncoder", "StreamOutput", "TokenText"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,55 @@ class FrameEncoder(Protocol):
     def error(self, error: GatewayError) -> bytes: ...
 
 
+@dataclass(frozen=True, slots=True)
+class StreamOutput:
+    """What a streamed response sends: its ``writes``, and the ``producer`` to run beside them
+    (``None`` when the writes produce their own output)."""
+
+    writes: AsyncIterator[bytes]
+    producer: Callable[[], Awaitable[None]] | None
+
+
+class _Books:
+    """One response's metrics: in progress while open, its status once, aborted if a choice did not
+    finish. The one place the three ways of producing a response count what happened."""
+
+    __slots__ = ("_metrics", "_status", "choices", "finished", "streamed")
+
+    def __init__(self, metrics: GatewayMetrics, streamed: bool, choices: int) -> None:
+        self._metrics = metrics
+        self.streamed = "true" if streamed else "false"
+        self.choices = choices
+        self.finished = 0
+        self._status: str | None = None
+
+    def __enter__(self) -> _Books:
+        self._metrics.active_streams.inc()
+        return self
+
+    def ended(self, error: GatewayError | None = None) -> None:
+        """The response ended: well (``error`` is ``None``) or with ``error`` sent to the client."""
+        self._status = "200" if error is None else str(error.status_code)
+
+    def __exit__(self, *_: object) -> None:
+        metrics = self._metrics
+        metrics.active_streams.dec()
+        if self._status is not None:
+            metrics.requests.labels(self.streamed, self._status).inc()
+        if self.finished < self.choices:
+            metrics.aborted.inc()
+
+
+def _as_gateway_error(exc: BaseException, completion_id: str) -> GatewayError:
+    """``exc`` as the client sees it: a bug, not bad input, is logged and becomes a generic
+    :class:`EngineError` (an error frame rather than a silent ``[DONE]`` that a client would take
+    for a complete answer)."""
+    if isinstance(exc, GatewayError):
+        return exc
+    log.error("completion %s failed", completion_id, exc_info=exc)
+    return EngineError("The server had an error while processing your request.")
+
+
 class CompletionService:
     """Prepares requests (:class:`~._prepare.Preparer`), runs their choices, and hands out their output."""
 
@@ -71,15 +126,18 @@ class CompletionService:
         recorder: EventRecorder,
         *,
         spend: Spend | None = None,
+        adapter_owner: Callable[[str], str | None] | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._spend = spend
-        self.preparer = Preparer(engine, settings, metrics, sessions, recorder)
-        self.prepare = self.preparer.chat
-        self.prepare_tokens = self.preparer.tokens
-        self.count_tokens = self.preparer.count_tokens
-        self.admission = self.preparer.admission
+        self._preparer = Preparer(engine, settings, metrics, sessions, recorder)
+        if adapter_owner is not None:
+            self._preparer.admission.adapter_owner = adapter_owner  # another tenant's adapter is a 404
+        self.prepare = self._preparer.chat
+        self.prepare_tokens = self._preparer.tokens
+        self.count_tokens = self._preparer.count_tokens
+        self.check_model = self._preparer.admission.check_model_and_n
         self._turns = Turns(recorder, sessions, metrics, spend, settings.durable_wait_seconds)
         self._stopping: str | None = None  # why streams in flight must end (stop_streams)
         self.signer = ThinkingSigner.from_file(settings.reasoning_key_file)
@@ -100,7 +158,12 @@ class CompletionService:
     @property
     def thinking_switch(self) -> bool:
         """Whether the served model's chat template reads ``enable_thinking`` (it can think or not)."""
-        return "enable_thinking" in self.preparer.template_variables
+        return "enable_thinking" in self._preparer.template_variables
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the served model thinks (a reasoning parser is chosen; a bad one fails here)."""
+        return self._preparer.reasoning is not None
 
     @property
     def token_text(self) -> TokenText:
@@ -114,28 +177,36 @@ class CompletionService:
 
     # -- producing -------------------------------------------------------------------------
 
-    async def produce(
-        self, prepared: PreparedCompletion | Sequence[PreparedCompletion], channel: UpdateChannel
-    ) -> None:
+    def stream(
+        self,
+        batch: Sequence[PreparedCompletion],
+        encoder: FrameEncoder,
+        first: bytes | None,
+        include_usage: bool,
+    ) -> StreamOutput:
+        """How ``batch``'s streamed response is produced: its writes (``first`` if any, the updates,
+        usage if asked, with the protocol's end), and the producer to run beside them, if any."""
+        choices = sum(p.n for p in batch)
+        if choices == 1:
+            return StreamOutput(self._stream_one(batch[0], encoder, first, include_usage), None)
+        channel = UpdateChannel()
+        prompt_tokens = sum(len(p.prompt_ids) for p in batch)
+        writes = self._frames(encoder, channel, first, choices, prompt_tokens, include_usage)
+        return StreamOutput(writes, partial(self._produce, batch, channel))
+
+    async def _produce(self, batch: Sequence[PreparedCompletion], channel: UpdateChannel) -> None:
         """Run every choice (of every prompt); put their updates, or one error, into ``channel`` and close it."""
-        batch = [prepared] if isinstance(prepared, PreparedCompletion) else prepared
-        first = batch[0]
         try:
             self._count_prompts(batch)
-            if len(batch) == 1 and first.n == 1:
-                await self._run_choice(first, 0, channel)  # the common case: no task group to set up
+            if len(batch) == 1 and batch[0].n == 1:
+                await self._run_choice(batch[0], 0, channel)  # a whole response of one choice: no task group
             else:
                 async with anyio.create_task_group() as tg:
                     for item in batch:
                         for index in range(item.n):
                             tg.start_soon(self._run_choice, item, index, channel)
-        except* GatewayError as group:
-            channel.put(group.exceptions[0])  # type: ignore[arg-type]
         except* Exception as group:
-            # A bug, not bad input: log it, and end the stream with an error frame rather than a
-            # silent [DONE] that a client would take for a complete answer.
-            log.error("completion %s failed", first.completion_id, exc_info=group.exceptions[0])
-            channel.put(EngineError("The server had an error while processing your request."))
+            channel.put(_as_gateway_error(group.exceptions[0], batch[0].completion_id))
         finally:
             channel.close()
 
@@ -146,7 +217,7 @@ class CompletionService:
                 self._spend(item.session.tenant, len(item.prompt_ids) * item.n)
 
     async def _run_choice(self, prepared: PreparedCompletion, choice: int, channel: UpdateChannel) -> None:
-        """One choice's updates into the channel (the producer task of a response with several)."""
+        """One choice's updates into the channel (a producer task of a response with several)."""
         async with aclosing(self._choice_updates(prepared, choice)) as updates:
             async for update in updates:
                 channel.put(update)
@@ -260,7 +331,7 @@ class CompletionService:
             result.reasoning_tokens, result.answer_start = ThinkingStream.span_of(thinking)
             await turn.finish(result, spans, abort_reason, abort_detail)
 
-    async def frames(
+    async def _frames(
         self,
         encoder: FrameEncoder,
         channel: UpdateChannel,
@@ -269,51 +340,38 @@ class CompletionService:
         prompt_tokens: int,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        """The writes of a streamed response: ``first`` (if any), updates, usage (if asked) with ``[DONE]``.
-
-        Each write holds everything that waited in the channel: one frame per choice (see
-        :mod:`._streaming`).
-        """
+        """The writes of a streamed response with several choices: each holds everything that
+        waited in the channel, one frame per choice (:func:`~._channel.coalesce`)."""
         completion_tokens = 0
-        finished = 0
-        self._metrics.active_streams.inc()
-        try:
+        with _Books(self._metrics, True, choices) as books:
             if first is not None:
                 yield first
             while (items := await channel.take()) is not None:
                 frames = []
                 for item in coalesce(items):
                     if isinstance(item, GatewayError):
-                        self._metrics.requests.labels("true", str(item.status_code)).inc()
+                        books.ended(item)
                         frames.append(encoder.error(item))
                         yield b"".join(frames)
                         return
                     completion_tokens += len(item.token_ids)
-                    finished += item.finish_reason is not None
+                    books.finished += item.finish_reason is not None
                     frames.append(encoder.update(item))
                 yield frames[0] if len(frames) == 1 else b"".join(frames)
             yield encoder.end(prompt_tokens, completion_tokens, include_usage)
-            self._metrics.requests.labels("true", "200").inc()
-        finally:
-            self._metrics.active_streams.dec()
-            if finished < choices:
-                self._metrics.aborted.inc()
+            books.ended()
 
-    async def stream_one(
+    async def _stream_one(
         self, prepared: PreparedCompletion, encoder: FrameEncoder, first: bytes | None, include_usage: bool
     ) -> AsyncIterator[bytes]:
         """The writes of a streamed response with one choice of one prompt, produced in the writer's own task.
 
-        The common case (every agent's request): the choice's updates are encoded as they come, with
-        no channel and no producer task between the engine and the socket, so a token costs one
-        task wake-up, not two. Tokens still coalesce when the client falls behind: while a write
-        waits, the engine gathers the steps that arrive (remote engines merge the frames that one
-        read returns, in-process ones the steps queued) and hands them over as one.
+        A token costs one task wake-up, not two. Tokens still coalesce when the client falls
+        behind: while a write waits, the engine gathers the steps that arrive (remote engines merge
+        the frames that one read returns, in-process ones the steps queued) and hands them over as one.
         """
         completion_tokens = 0
-        finished = False
-        self._metrics.active_streams.inc()
-        try:
+        with _Books(self._metrics, True, 1) as books:
             self._count_prompts([prepared])
             if first is not None:
                 yield first
@@ -321,26 +379,17 @@ class CompletionService:
                 async with aclosing(self._choice_updates(prepared, 0)) as updates:
                     async for update in updates:
                         completion_tokens += len(update.token_ids)
-                        finished = update.finish_reason is not None
+                        books.finished = update.finish_reason is not None
                         if len(update.tool_calls) > 1:  # one entry per call, as coalesce() makes them
                             update.tool_calls = fold_tool_calls(update.tool_calls)
                         yield encoder.update(update)
-            except GatewayError as error:
-                self._metrics.requests.labels("true", str(error.status_code)).inc()
+            except Exception as exc:
+                error = _as_gateway_error(exc, prepared.completion_id)
+                books.ended(error)
                 yield encoder.error(error)
                 return
-            except Exception as exc:  # a bug, not bad input: as in produce()
-                log.error("completion %s failed", prepared.completion_id, exc_info=exc)
-                bug = EngineError("The server had an error while processing your request.")
-                self._metrics.requests.labels("true", str(bug.status_code)).inc()
-                yield encoder.error(bug)
-                return
             yield encoder.end(len(prepared.prompt_ids), completion_tokens, include_usage)
-            self._metrics.requests.labels("true", "200").inc()
-        finally:
-            self._metrics.active_streams.dec()
-            if not finished:
-                self._metrics.aborted.inc()
+            books.ended()
 
     async def collect(
         self, batch: Sequence[PreparedCompletion], wait_disconnect: Callable[[], Awaitable[None]]
@@ -349,11 +398,10 @@ class CompletionService:
         results = [ChoiceResult(i) for i in range(sum(p.n for p in batch))]
         error: GatewayError | None = None
         channel = UpdateChannel()
-        self._metrics.active_streams.inc()
-        try:
+        with _Books(self._metrics, False, len(results)) as books:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_when, wait_disconnect, tg.cancel_scope)
-                tg.start_soon(self.produce, batch, channel)
+                tg.start_soon(self._produce, batch, channel)
                 while (items := await channel.take()) is not None:
                     for item in items:
                         if isinstance(item, GatewayError):
@@ -361,15 +409,13 @@ class CompletionService:
                         else:
                             results[item.index].add(item)
                 tg.cancel_scope.cancel()  # the producer is done; stop watching the client
-        finally:
-            self._metrics.active_streams.dec()
-        if error is not None:
-            self._metrics.requests.labels("false", str(error.status_code)).inc()
-            raise error
-        if any(r.finish_reason is None for r in results):
-            self._metrics.aborted.inc()
-            return None
-        self._metrics.requests.labels("false", "200").inc()
+            books.finished = sum(r.finish_reason is not None for r in results)
+            if error is not None:
+                books.ended(error)
+                raise error
+            if books.finished < books.choices:
+                return None
+            books.ended()
         return results
 
 

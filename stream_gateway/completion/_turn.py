@@ -166,7 +166,7 @@ class TurnLifecycle:
         durable = of.recorder.turn_finished(
             prepared.session, turn, prepared.completion_id, self.index, self.params, abort_reason, abort_detail
         )
-        shared = of.sessions.turn_recorded(prepared.session, turn)
+        shared = of.sessions.record_turn(prepared.session, turn)
         if abort_reason is None:
             if durable is not None:
                 with anyio.move_on_after(of.durable_wait_s):
@@ -227,7 +227,6 @@ class TurnLifecycle:
         )
         if turn.routes is not None and context.parent is not None:
             self._compare_prefill(result, context.parent)
-        self._of.sessions.store.add_turn(prepared.session, turn)
         return turn
 
     def _compare_prefill(self, result: ChoiceResult, parent: Turn) -> None:

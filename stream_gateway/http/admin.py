@@ -327,7 +327,7 @@ async def list_models(request: Request) -> Response:
         "max_model_len": engine.max_model_len,
     }
     # LoRA adapters as vLLM lists them (``parent``: the base); another tenant's are not shown.
-    owner = state.service.admission.adapter_owner
+    owner = state.auth.keyring.adapter_owner
     adapters = [
         {**model, "id": name, "parent": engine.model_id, "policy_version": version}
         for name, version in engine.adapters.items()

@@ -3,22 +3,21 @@
 Each edge's route (``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``,
 ``/v1/responses``) and its session-scoped twin (``/sessions/{session_id}`` + the route) run under
 the tenant's limits: its slot is held until the response has ended. The handler parses the body
-into the edge's request, opens it into an exchange, then streams (the core produces into an
-update channel, the edge's encoder writes frames) or collects the choices into the edge's body.
+into the edge's request, opens it into an exchange, then sends what the core produces: a stream
+(:meth:`~stream_gateway.completion.CompletionService.stream` decides how it is produced, the edge's
+encoder writes the frames) or the edge's body of the collected choices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from stream_gateway.completion import UpdateChannel
 from stream_gateway.http._auth import CAPTURE_HEADER, WARNING_HEADER, captured
 from stream_gateway.http._body import check_session_id, parse_body
 from stream_gateway.http._render import HeldResponse, ORJSONResponse
@@ -112,25 +111,12 @@ async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call
     service = state.service
     if exchange.stream:
         start = exchange.start_stream()
-        choices = sum(p.n for p in batch)
+        output = service.stream(batch, start.encoder, start.first, start.include_usage)
         settings = state.settings
-        if choices == 1:  # one choice: produced in the response's own task (CompletionService.stream_one)
-            one = service.stream_one(batch[0], start.encoder, start.first, start.include_usage)
-            return TokenStreamResponse(
-                one,
-                headers=headers,
-                ping=settings.sse_ping_seconds,
-                send_timeout=settings.sse_send_timeout_seconds,
-                shutdown_grace=settings.shutdown_grace_seconds,
-                on_shutdown=service.stop_streams,
-            )
-        channel = UpdateChannel()
-        prompt_tokens = sum(len(p.prompt_ids) for p in batch)
-        frames = service.frames(start.encoder, channel, start.first, choices, prompt_tokens, start.include_usage)
         return TokenStreamResponse(
-            frames,
+            output.writes,
             headers=headers,
-            data_sender_callable=partial(service.produce, batch, channel),
+            data_sender_callable=output.producer,
             ping=settings.sse_ping_seconds,
             send_timeout=settings.sse_send_timeout_seconds,
             shutdown_grace=settings.shutdown_grace_seconds,

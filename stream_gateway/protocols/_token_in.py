@@ -400,7 +400,7 @@ class TokenInEdge(EdgeBase):
         return body.session_id or None
 
     async def open(self, body: CompletionRequest, call: Call) -> TokenInExchange:
-        self._service.admission.check_model_and_n(body.model, body.n, tenant=call.tenant, bound=call.adapter)
+        self._service.check_model(body.model, body.n, tenant=call.tenant, bound=call.adapter)
         body.check_supported()
         sampling = SamplingRequest(
             max_tokens=body.max_tokens,

@@ -234,8 +234,11 @@ class SessionDirectory:
         if (shared := self._shared_for(session)) is not None:
             await shared.ensure_seqs(session)
 
-    def turn_recorded(self, session: Session, turn: Turn) -> anyio.Event | None:
-        """Share ``turn``; an event set once it is stored (``None`` without shared sessions)."""
+    def record_turn(self, session: Session, turn: Turn) -> anyio.Event | None:
+        """Add a finished (or aborted) ``turn`` to ``session``, findable here at once, and share it:
+        the one call a turn's end makes. Returns an event set once the shared state stores it
+        (``None`` without shared sessions)."""
+        self.store.add_turn(session, turn)
         if (shared := self._shared_for(session)) is None:
             return None
         return shared.turn_recorded(session, turn)

@@ -170,6 +170,13 @@ class Session:
         never both (a capture-off request never continues a captured conversation, nor the reverse)."""
         return scope_of(self.tenant, self.captured)
 
+    def take_turn_seq(self, turn_id: str) -> int:
+        """The number of the next durable event, one of turn ``turn_id``'s (kept in ``turn_seqs``,
+        which the shared state records so that another replica reads the turn's events back)."""
+        seq = self.take_seq()
+        self.turn_seqs.setdefault(turn_id, []).append(seq)
+        return seq
+
     def take_seq(self) -> int:
         """The number of the session's next durable event."""
         seq = self.seq_next
