@@ -1,4 +1,5 @@
-"""The JetStream durable pull consumer that the assembler and the batcher both read through.
+"""The JetStream durable pull consumer that every consumer reads through: the assembler, the
+batcher and the trainer's :class:`~consumers.verl_adapter.StreamAgentLoopManager`.
 
 :class:`DurableRunner` owns what the two share: connecting (waiting for a server that is not up
 yet; one that refuses the credentials ends the run with ``NatsRefused``), provisioning the
@@ -6,7 +7,9 @@ consumers' streams and buckets, creating or binding the durable consumer (explic
 delivery from the start of the stream), the fetch loop, and closing the connection. What a
 message means, and when it is acknowledged, stays with the caller: its handler receives every
 fetch, empty ones included, so timers (the assembler's sweep, the batcher's batches) run
-between fetches without a task of their own.
+between fetches without a task of their own. The trainer's adapter does not loop forever: it
+calls :meth:`DurableRunner.fetch` itself, one batch at a time under its own deadline, on a
+connection it keeps between calls (:meth:`DurableRunner.open`).
 
 Deliberate choices, each a field of :class:`PullSpec` because the two consumers differ:
 
@@ -31,7 +34,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 from pipeline.connection import NatsAuth, connect
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.js import JetStreamContext
 
-__all__ = ["DurableRunner", "PullSpec"]
+__all__ = ["DurableRunner", "PullSpec", "close_quietly"]
 
 _CLOSE_TIMEOUT_S = 2.0
 _RETRY_FETCH_S = 1.0
@@ -83,18 +86,27 @@ class DurableRunner:
         self._role = role  # "assembler", "batcher": names the connection and starts log lines
         self._log = log  # the caller's: its records keep their logger name
 
-    @asynccontextmanager
-    async def connected(self) -> AsyncIterator[tuple[Client, JetStreamContext]]:
-        """A connection with the consumers' streams and buckets provisioned; closed on exit."""
+    async def open(self, **options: Any) -> tuple[Client, JetStreamContext]:
+        """A connection with the consumers' streams and buckets provisioned (closed again if that
+        fails). ``options`` are nats-py's; by default it reconnects for ever."""
         name = f"{self._role}-{self._spec.durable}"
-        nc = await connect(self._servers, self._auth, name=name, max_reconnect_attempts=-1)
+        nc = await connect(self._servers, self._auth, name=name, **{"max_reconnect_attempts": -1, **options})
         try:
             js = nc.jetstream()
             await ensure_consumer_streams(js, self._names)
+        except BaseException:
+            await close_quietly(nc)
+            raise
+        return nc, js
+
+    @asynccontextmanager
+    async def connected(self) -> AsyncIterator[tuple[Client, JetStreamContext]]:
+        """:meth:`open`, closed on exit."""
+        nc, js = await self.open()
+        try:
             yield nc, js
         finally:
-            with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-                await nc.close()
+            await close_quietly(nc)
 
     async def bind(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
         """Create (or, for a sole reader, update) the durable consumer and subscribe to it."""
@@ -127,6 +139,28 @@ class DurableRunner:
         )
         return await js.pull_subscribe_bind(spec.durable, stream=spec.stream)
 
+    async def fetch(self, subscription: JetStreamContext.PullSubscription, size: int, wait_s: float) -> list[Msg]:
+        """One fetch of up to ``size`` messages: an empty list when none came within ``wait_s``, or
+        when the stream is between leaders or (``ride_out_disconnects``) the connection is away;
+        then it has waited a second before returning, so a caller can simply fetch again."""
+        import nats.errors
+        import nats.js.errors
+
+        # On a cluster, the stream or the consumer between leaders: nats-server answers 503 (or
+        # nobody does) until one is elected, seconds later. Every role waits that out.
+        electing = (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
+        disconnected = (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError)
+        try:
+            return await subscription.fetch(size, timeout=wait_s)
+        except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
+            return []
+        except (*electing, *disconnected) as exc:
+            if isinstance(exc, disconnected) and not self._spec.ride_out_disconnects:
+                raise
+            self._log.warning("%s: fetch failed (%r); retrying", self._role, exc)
+            await anyio.sleep(_RETRY_FETCH_S)
+            return []
+
     async def consume(
         self,
         subscription: JetStreamContext.PullSubscription,
@@ -134,22 +168,13 @@ class DurableRunner:
         size: Callable[[], int],
     ) -> NoReturn:
         """Fetch up to ``size()`` messages at a time and hand every fetch to ``handle``, forever."""
-        import nats.errors
-        import nats.js.errors
-
-        # On a cluster, the stream or the consumer between leaders: nats-server answers 503 (or
-        # nobody does) until one is elected, seconds later. Both roles wait that out.
-        electing = (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
-        disconnected = (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError)
         while True:
-            try:
-                messages = await subscription.fetch(size(), timeout=self._spec.fetch_timeout_s)
-            except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
-                messages = []
-            except (*electing, *disconnected) as exc:
-                if isinstance(exc, disconnected) and not self._spec.ride_out_disconnects:
-                    raise
-                self._log.warning("%s: fetch failed (%r); retrying", self._role, exc)
-                await anyio.sleep(_RETRY_FETCH_S)
-                continue
-            await handle(messages)
+            await handle(await self.fetch(subscription, size(), self._spec.fetch_timeout_s))
+
+
+async def close_quietly(nc: Client) -> None:
+    """Close ``nc`` in a shielded scope of 2 s: cancellation cannot skip it and a server gone away
+    cannot hold shutdown up."""
+    if not nc.is_closed:
+        with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+            await nc.close()

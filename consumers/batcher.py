@@ -33,13 +33,14 @@ untouched (``other_adapter`` in :meth:`Batcher.statistics`), on its own consumer
 looking up any batch binding. They may share ``state_bucket``: their batches' members are
 disjoint.
 
-Images: a vision-language trajectory's images are rebuilt before it is admitted
-(:class:`consumers.images.ImageStore`: bytes and processor fetched from ``sg_images``, processed
-again, the pixel digest compared with the one recorded while sampling). One that cannot be rebuilt
-exactly (an object missing, or pixels that differ: another transformers or Pillow) is dropped with
-its reason logged and counted (``dropped_images``), never batched; its group is released like any
-group with a dropped member. The trainer rebuilds them again from the same bucket
-(:mod:`consumers.verl_adapter`): the parquet carries references, not pixels.
+Images: a vision-language trajectory's images are checked before it is admitted, without being
+processed (:meth:`consumers.images.ImageStore.check`: every object in ``sg_images``, the stored
+digest the image's name, the processor rebuilt here, the row's runs its placeholder). One that
+fails (an object missing, another image under the name) is dropped with its reason logged and
+counted (``dropped_images``), never batched; its group is released like any group with a dropped
+member. The trainer processes each image once, from the same bucket, and compares the pixels with
+the digest recorded while sampling (:mod:`consumers.verl_adapter`): the parquet carries
+references, not pixels.
 """
 
 from __future__ import annotations
@@ -107,7 +108,6 @@ class BatcherConfig:
     ack_wait_s: float = 30.0
     max_pending: int = 4096  # trajectories held unacknowledged (the consumer's max_ack_pending)
     state_bucket: str = "sg_batcher"  # the KV bucket of batch assignments
-    image_cache_bytes: int = 256 << 20  # processed images kept for the image check (consumers.images)
     fetch_batch: int = 256
     policy_poll_s: float = 2.0
     progress_interval_s: float = 10.0
@@ -156,7 +156,7 @@ class BatcherStatistics:
     duplicates_skipped: int  # already in a published batch, or a second copy of a held one
     policy_version: int | None  # of the adapter taken (only_adapter/only_base), else of the base model
     other_adapter: int = 0  # trajectories of an adapter this batcher does not take, acknowledged untouched
-    dropped_images: int = 0  # images missing from sg_images, or processed to other pixels than the policy saw
+    dropped_images: int = 0  # images missing from sg_images, another image under the name, or placeholders that differ
     dropped_erased: int = 0  # of a session or tenant forgotten (stream-gateway forget), with their groups
     dropped_unfinished: int = 0  # an unfinished last turn, under --unfinished drop
     masked_unfinished: int = 0  # an unfinished last turn taken out of the loss, under --unfinished mask
@@ -251,7 +251,7 @@ class Batcher:
             kv = await open_state_bucket(js, config.state_bucket, config.names.replicas)
             subscription = await self._runner.bind(js)
             self._js = js
-            self._images = ImageStore(js, config.names.image_bucket, cache_bytes=config.image_cache_bytes)
+            self._images = ImageStore(js, config.names.image_bucket)  # checks only: nothing processed, nothing cached
             self._writer = BatchWriter(nc, js, kv, names=config.names, output_dir=config.output_dir, log=log)
             await self._tombstones.load(js)
             flushes = await nc.subscribe(config.names.flush_subject, cb=self._on_flush_request)
@@ -371,12 +371,12 @@ class Batcher:
         self._admit(msg, sequence, trajectory, await self._check_images(trajectory))
 
     async def _check_images(self, trajectory: Trajectory) -> Drop | None:
-        """``"images"`` if the trajectory's images cannot be rebuilt exactly (logged); ``None``: fine, or none."""
+        """``"images"`` if the trajectory's images cannot be trained on (logged); ``None``: fine, or none."""
         if not trajectory.images:
             return None
         assert self._images is not None
         try:
-            await self._images.resolve(trajectory)
+            await self._images.check(trajectory)
         except ImagesRefused as exc:
             log.error("batcher: %s dropped, its images cannot be trained on: %s", exc.trajectory_id, exc.reason)
             return "images"

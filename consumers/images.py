@@ -1,5 +1,11 @@
 """A trajectory's images, fetched from the image bucket and processed again, exactly as the policy saw them.
 
+Each image is processed once between sampling and training: by the trainer, which needs the pixels
+(:meth:`ImageStore.resolve`). The batcher only checks what needs no processing
+(:meth:`ImageStore.check`: the objects exist, the stored digest is the image's name, the processor
+rebuilds, the row's runs are its placeholder), so a missing object is dropped there, row by row;
+the pixel check runs where the pixels are made, on the trainer's own libraries.
+
 The gateway stores every image's bytes as ``images/<sha256>`` and its model's image processor as
 ``processors/<fingerprint>`` (:meth:`pipeline.vision.VisionProcessor.record`) in the ``sg_images``
 object store, before the turn events that name them. :class:`ImageStore` fetches both for each
@@ -33,6 +39,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import base64
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,6 +99,7 @@ class ImageStoreStatistics:
     fetched: int  # image objects read from the bucket
     processed: int  # images run through a processor (cache misses)
     cache_hits: int
+    checked: int  # images checked without processing (ImageStore.check: the batcher's)
     cached: int  # processed images held now
     cached_bytes: int
     refused_missing: int  # trajectories refused for a missing object
@@ -113,7 +121,9 @@ class ImageStore:
         self._cache_budget = cache_bytes
         self._cached_bytes = 0
         self._threads = anyio.CapacityLimiter(PROCESSING_THREADS)
-        self._counts = {"fetched": 0, "processed": 0, "cache_hits": 0, "refused_missing": 0, "refused_mismatch": 0}
+        self._counts = dict.fromkeys(
+            ("fetched", "processed", "cache_hits", "checked", "refused_missing", "refused_mismatch"), 0
+        )
 
     def statistics(self) -> ImageStoreStatistics:
         """A snapshot of the counters."""
@@ -133,6 +143,23 @@ class ImageStore:
                 raise ImagesRefused(trajectory.trajectory_id, f"images[{i}]: {exc}", missing=False) from exc
         return resolved
 
+    async def check(self, trajectory: Trajectory) -> None:
+        """What can be checked without processing, which is the trainer's (:meth:`resolve`) to do
+        once: every object exists, the image's stored digest is its name, the processor rebuilds
+        here, and the row's runs are its placeholder. :class:`ImagesRefused` says why not."""
+        for i, image in enumerate(trajectory.images):
+            try:
+                processor = await self._processor(image.processor)
+                _check_placeholder(trajectory, image, processor)
+                await self._check_stored(image.sha256)
+            except _Missing as exc:
+                self._counts["refused_missing"] += 1
+                raise ImagesRefused(trajectory.trajectory_id, f"images[{i}]: {exc}", missing=True) from exc
+            except _Mismatch as exc:
+                self._counts["refused_mismatch"] += 1
+                raise ImagesRefused(trajectory.trajectory_id, f"images[{i}]: {exc}", missing=False) from exc
+            self._counts["checked"] += 1
+
     async def resolve_all(self, trajectories: Sequence[Trajectory]) -> list[list[ResolvedImage]]:
         """Every trajectory's images (row by row); the first refusal is raised."""
         return [await self.resolve(trajectory) for trajectory in trajectories]
@@ -141,12 +168,7 @@ class ImageStore:
 
     async def _resolve(self, trajectory: Trajectory, image: TrajectoryImage) -> ResolvedImage:
         processor = await self._processor(image.processor)
-        run = trajectory.token_ids[image.start : image.end]
-        if run != [processor.token_id] * image.tokens:
-            raise _Mismatch(
-                f"token ids {image.start}..{image.end} are not {image.tokens} copies of the processor's "
-                f"placeholder {processor.token_id}"
-            )
+        _check_placeholder(trajectory, image, processor)
         key = (image.sha256, image.processor)
         processed = self._cache.get(key)  # the caches live on the event loop: no lock
         if processed is not None:
@@ -183,6 +205,23 @@ class ImageStore:
             self._processors.popitem(last=False)
         return processor
 
+    async def _check_stored(self, sha256: str) -> None:
+        """``images/<sha256>`` exists and its stored digest (the object store's own SHA-256 of the
+        bytes) is its name: read from the object's info, the bytes not fetched."""
+        from nats.js.errors import NotFoundError
+
+        name = f"images/{sha256}"
+        try:
+            with anyio.fail_after(self._timeout_s):
+                if self._store is None:
+                    self._store = await self._js.object_store(self._bucket)
+                info = await self._store.get_info(name)
+        except NotFoundError as exc:
+            raise _Missing(f"the image object {name} is not in bucket {self._bucket}") from exc
+        digest = (info.digest or "").partition("=")[2]
+        if digest and base64.urlsafe_b64decode(digest).hex() != sha256:
+            raise _Mismatch(f"the stored bytes of {name} have another SHA-256")
+
     async def _get(self, name: str, what: str) -> bytes:
         from nats.js.errors import DigestMismatchError, NotFoundError
 
@@ -216,6 +255,15 @@ class _Missing(LookupError):
 
 class _Mismatch(ValueError):
     pass
+
+
+def _check_placeholder(trajectory: Trajectory, image: TrajectoryImage, processor: VisionProcessor) -> None:
+    run = trajectory.token_ids[image.start : image.end]
+    if run != [processor.token_id] * image.tokens:
+        raise _Mismatch(
+            f"token ids {image.start}..{image.end} are not {image.tokens} copies of the processor's "
+            f"placeholder {processor.token_id}"
+        )
 
 
 def _check(image: TrajectoryImage, processed: ProcessedImage) -> None:

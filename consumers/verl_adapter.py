@@ -91,13 +91,14 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import anyio
 import numpy as np
-from pipeline.connection import NatsAuth, NatsRefused, connect, split_servers
+from pipeline.connection import NatsAuth, NatsRefused, split_servers
 from pipeline.subscriber import message_payload
 
+from ._runner import DurableRunner, PullSpec, close_quietly
 from .grouping import AdapterFilter, adapter_filter
 from .images import ImagesRefused, ImageStore
 from .parquet import BatchManifest, decode_batch
-from .streams import ConsumerStreams, ensure_consumer_streams
+from .streams import ConsumerStreams
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -116,8 +117,8 @@ T = TypeVar("T")
 
 _POLL_S = 1.0
 _OBJECT_TIMEOUT_S = 120.0
-_CLOSE_TIMEOUT_S = 5.0
 _ACK_ATTEMPTS = 3
+_THREAD_JOIN_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,9 +315,9 @@ class StreamAgentLoopManager:
             try:
                 if self._subscription is None:
                     await self._connect()
-                messages = await self._subscription.fetch(1, timeout=max(0.01, min(remaining, _POLL_S)))
-            except TimeoutError:  # nats-py raises its own subclass or a plain one, depending on the path
-                continue
+                messages = await self._runner.fetch(self._subscription, 1, max(0.01, min(remaining, _POLL_S)))
+                if not messages:
+                    continue
             except NatsRefused:  # wrong credentials or TLS: waiting would not help
                 raise
             except (OSError, nats.errors.Error) as exc:  # down, restarting, or gone: reconnect and wait on
@@ -372,51 +373,47 @@ class StreamAgentLoopManager:
             return None
         return manifest, bytes(result.data or b"")
 
-    async def _connect(self) -> None:
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
+    @property
+    def _runner(self) -> DurableRunner:
+        """The shared pull consumer (:mod:`consumers._runner`): one manifest at a time, this
+        trainer its consumer's sole reader, a connection away ends the fetch (this loop reconnects)."""
         settings, names = self.settings, self.settings.names
+        spec = PullSpec(
+            stream=names.batches,
+            subjects=names.batch_subject,
+            durable=settings.consumer_name,
+            ack_wait_s=settings.ack_wait_s,
+            max_ack_pending=1,
+            fetch_timeout_s=_POLL_S,
+            sole_reader=True,
+            ride_out_disconnects=False,
+        )
+        servers = split_servers(settings.nats_url)
+        return DurableRunner(spec, servers=servers, auth=settings.nats_auth, names=names, role="verl", log=log)
 
+    async def _connect(self) -> None:
         async def quiet(exc: Exception) -> None:  # reported by the wait loop instead
             log.debug("nats: %r", exc)
 
-        nc = await connect(
-            split_servers(settings.nats_url),
-            settings.nats_auth,
-            name=f"verl-{settings.consumer_name}",
-            connect_timeout=settings.connect_timeout_s,
+        runner = self._runner
+        nc, js = await runner.open(
+            connect_timeout=self.settings.connect_timeout_s,
             max_reconnect_attempts=2,
             reconnect_time_wait=0.2,
             error_cb=quiet,
         )
         try:
-            js = nc.jetstream()
-            await ensure_consumer_streams(js, names)
-            await js.add_consumer(
-                names.batches,
-                ConsumerConfig(
-                    durable_name=settings.consumer_name,
-                    filter_subject=names.batch_subject,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    deliver_policy=DeliverPolicy.ALL,
-                    ack_wait=settings.ack_wait_s,
-                    max_ack_pending=1,
-                    max_deliver=-1,
-                ),
-            )
-            self._subscription = await js.pull_subscribe_bind(settings.consumer_name, stream=names.batches)
+            self._subscription = await runner.bind(js)
         except BaseException:
-            with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-                await nc.close()
+            await close_quietly(nc)
             raise
         self._nc, self._js = nc, js
 
     async def _disconnect(self) -> None:
         nc, self._nc, self._js, self._subscription = self._nc, None, None, None
         self._images = None  # bound to the connection's JetStream context
-        if nc is not None and not nc.is_closed:
-            with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-                await nc.close()
+        if nc is not None:
+            await close_quietly(nc)
 
 
 async def _acknowledge(msg: Msg) -> None:
@@ -525,6 +522,6 @@ class _LoopThread:
 
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=_CLOSE_TIMEOUT_S)
+        self._thread.join(timeout=_THREAD_JOIN_S)
         if not self._thread.is_alive():
             self._loop.close()

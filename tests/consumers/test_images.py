@@ -295,6 +295,40 @@ async def test_images_that_differ_from_what_the_policy_saw_are_refused(
 
 
 @pytest.mark.anyio
+async def test_the_batchers_check_processes_nothing_and_refuses_what_needs_no_processing(
+    nats_server: EmbeddedNatsServer, processor: VisionProcessor, tokenizer: Any
+) -> None:
+    """Each image is processed once, by the trainer: the batcher's check reads object infos and the
+    processor's record only, and still refuses a missing object, another image under the name and
+    a placeholder that differs (the pixel check is the trainer's, where the pixels are made)."""
+    red, blue = process(processor, RED), process(processor, BLUE)
+    trajectory = vl_trajectory(tokenizer, processor, [red, "Colour?"], "red", follow_up=["And this?", blue])
+    record = processor.record()
+    names = unique_names()
+    with anyio.fail_after(60):
+        async with jetstream(nats_server.url, names) as (_, js):
+            bucket, store = await _store(js, processor)
+            images = ImageStore(js, bucket)
+            await images.check(trajectory)
+            s = images.statistics()
+            assert (s.checked, s.fetched, s.processed, s.cached) == (2, 0, 0, 0)
+
+            async def refusal(bucket: str, trajectory: Trajectory) -> ImagesRefused:
+                with pytest.raises(ImagesRefused) as refused:
+                    await ImageStore(js, bucket).check(trajectory)
+                return refused.value
+
+            await store.put(f"images/{red.sha256}", BLUE)
+            refused = await refusal(bucket, trajectory)
+            assert not refused.missing and "have another SHA-256" in refused.reason
+            green = vl_trajectory(tokenizer, processor, [process(processor, GREEN)], "green")
+            refused = await refusal(bucket, green)
+            assert refused.missing and f"images/{image_digest(GREEN)} is not in bucket" in refused.reason
+            bucket, _ = await _store(js, processor, record=record | {"token_id": PAD + 1})
+            assert "copies of the processor's placeholder" in (await refusal(bucket, trajectory)).reason
+
+
+@pytest.mark.anyio
 async def test_the_batcher_drops_a_trajectory_whose_images_cannot_be_rebuilt(
     nats_server: EmbeddedNatsServer, processor: VisionProcessor, tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
