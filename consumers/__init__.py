@@ -25,6 +25,7 @@ import typing
 from .assembler import Assembler, AssemblerConfig, AssemblerStatistics, run_assembler
 from .batch_record import BatchRecord
 from .batcher import Batcher, BatcherConfig, BatcherStatistics, run_batcher
+from .errors import ConsumerError, ImagesRefused
 from .grouping import GroupingPolicy, GroupPlanner
 from .streams import ConsumerStreams
 from .trajectories import SessionEvents, build_trajectories
@@ -41,9 +42,11 @@ __all__ = [
     "Batcher",
     "BatcherConfig",
     "BatcherStatistics",
+    "ConsumerError",
     "ConsumerStreams",
     "GroupPlanner",
     "GroupingPolicy",
+    "ImagesRefused",
     "SessionEvents",
     "StreamCheckpointManager",
     "Trajectory",

@@ -61,6 +61,8 @@ from pipeline.policies import adapter_subject, policy_subject
 from pipeline.subscriber import message_payload
 from pipeline.tombstones import Tombstones
 
+from consumers.errors import ImagesRefused
+
 from ._batch_writer import BatchWriter, open_state_bucket
 from ._runner import DurableRunner, PullSpec
 from .batch_record import BatchRecord
@@ -73,7 +75,7 @@ from .grouping import (
     adapter_filter,
     prepare_trajectory,
 )
-from .images import ImagesRefused, ImageStore
+from .images import ImageStore
 from .parquet import require_pyarrow
 from .streams import ConsumerStreams
 from .trajectory import UNFINISHED, Trajectory, erased

@@ -1,4 +1,5 @@
-"""The consumers' commands: ``assemble`` (events → trajectories) and ``batch`` (→ verl batches).
+"""The consumers' commands: ``assemble`` (events → trajectories), ``batch`` (→ verl batches),
+``flush`` (the running batcher emits what it holds) and ``pending`` (what each session waits for).
 
 :func:`add_commands` registers them on the ``stream-gateway`` command (:mod:`stream_stack.cli`);
 ``python -m consumers.cli`` runs them alone. Both take the shared NATS options of
@@ -16,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.cli import add_stream_replicas_flag, nats_from_args, progress, standalone
-from pipeline.connection import NatsAuth, NatsRefused, add_nats_arguments
+from pipeline.connection import NatsAuth, add_nats_arguments
+from pipeline.errors import NatsRefused
 
 from .streams import ConsumerStreams
 

@@ -48,7 +48,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 import orjson
-from pipeline.vision import ImageLimits, ImageRefused, ProcessedImage, VisionProcessor, image_digest
+from pipeline.errors import ImageRefused
+from pipeline.vision import ImageLimits, ProcessedImage, VisionProcessor, image_digest
+
+from .errors import ImagesRefused
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -61,20 +64,6 @@ __all__ = ["ImageStore", "ImageStoreStatistics", "ImagesRefused", "ResolvedImage
 
 PROCESSORS_KEPT = 16
 PROCESSING_THREADS = 2
-
-
-class ImagesRefused(ValueError):
-    """A trajectory whose images cannot be rebuilt exactly: never to be trained on.
-
-    ``missing``: an object is not in the bucket (deleted, expired); otherwise what was rebuilt
-    differs from what was recorded (the reason says how).
-    """
-
-    def __init__(self, trajectory_id: str, reason: str, *, missing: bool) -> None:
-        super().__init__(f"trajectory {trajectory_id}: {reason}")
-        self.trajectory_id = trajectory_id
-        self.reason = reason
-        self.missing = missing
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from pipeline.chains import chain_tokens
 from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnAborted, TurnCompleted, TurnRecord
 from pipeline.routes import chain_routes_rows
 
+from .errors import ImagesRefused
 from .trajectory import (
     EndReason,
     ExpertRoutes,
@@ -157,15 +158,15 @@ def build_trajectories(
                 on_unrouted,
                 forked=any(in_chains[t] > 1 for t in path),
             )
-        except _ImagesRefused as exc:
+        except ImagesRefused as exc:
             log.warning(
                 "session %s: chain ending in turn %s left out, its images do not line up: %s",
                 chain[-1].session_id,
                 path[-1],
-                exc,
+                exc.reason,
             )
             if on_refused_images is not None:
-                on_refused_images(str(exc))
+                on_refused_images(exc.reason)
             continue
         trajectories.append(trajectory)
     trajectories.sort(key=lambda t: (t.started_at, t.trajectory_id))
@@ -226,7 +227,7 @@ def _trajectory(
     try:
         images = chain_images(chain, tokens)
     except ValueError as exc:
-        raise _ImagesRefused(str(exc)) from exc
+        raise ImagesRefused(chain[-1].turn_id, str(exc), missing=False) from exc
     summaries = [
         TurnSummary(
             turn_id=turn.turn_id,
@@ -313,10 +314,6 @@ def _end_reason(turn: TurnRecord) -> EndReason:
     if turn.finish_reason == "length" and turn.length_cause == "context":
         return "context_exhausted"
     return turn.finish_reason
-
-
-class _ImagesRefused(ValueError):
-    """A chain whose images do not line up: it is left out."""
 
 
 def chain_images(chain: list[TurnRecord], token_ids: list[int]) -> list[TrajectoryImage]:

@@ -137,19 +137,15 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast, runti
 
 import anyio
 import torch
-from pipeline.connection import NatsAuth, NatsRefused, connect
+from pipeline.connection import NatsAuth, connect
+from pipeline.errors import NatsRefused, StalePolicyVersion
 from pipeline.events import PolicyUpdated, decode_event
-from pipeline.policies import (
-    POLICY_BUCKET,
-    StalePolicyVersion,
-    newest_adapter_version,
-    policy_subject,
-    publish_policy,
-    publish_tensors,
-)
+from pipeline.policies import POLICY_BUCKET, newest_adapter_version, policy_subject, publish_policy, publish_tensors
 from pipeline.streams import StreamSpec, ensure_stream
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.utils.ray_utils import auto_await
+
+from .errors import WeightPublishError
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -214,10 +210,6 @@ class TrainingEngine(Protocol):
     def get_per_tensor_param(self, **kwargs: Any) -> tuple[Any, dict[str, Any] | None]:
         """The weights (an iterable of ``(name, tensor)``) and, for a LoRA actor, its PEFT config dict."""
         ...
-
-
-class WeightPublishError(RuntimeError):
-    """The weights could not be published on NATS (connection, upload or event); the cause is chained."""
 
 
 @dataclass(frozen=True, slots=True)

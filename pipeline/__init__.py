@@ -12,8 +12,10 @@ The contract the gateway and the consumers share (see ``docs/events.md``):
 ``pipeline`` never imports ``stream_gateway`` or ``consumers``.
 """
 
+from pipeline.errors import NatsRefused, NatsServerNotInstalled, PipelineError
+
 from .chains import ChainTurn, TokenChain, chain_tokens
-from .embedded import EmbeddedNatsServer, NatsServerConfig, NatsServerNotInstalled
+from .embedded import EmbeddedNatsServer, NatsServerConfig
 from .events import (
     AnyEvent,
     Event,
@@ -39,8 +41,10 @@ __all__ = [
     "Event",
     "EventPublisher",
     "FeedbackRecorded",
+    "NatsRefused",
     "NatsServerConfig",
     "NatsServerNotInstalled",
+    "PipelineError",
     "PolicyUpdated",
     "PublisherConfig",
     "PublisherStatistics",

@@ -73,8 +73,10 @@ def add_stream_replicas_flag(command: argparse.ArgumentParser, what: str) -> Non
 def _tail(args: argparse.Namespace) -> int:
     import anyio
 
+    from pipeline.errors import TailError
+
     from .streams import StreamSpec
-    from .tail import TailError, TailFilter, tail_events
+    from .tail import TailFilter, tail_events
 
     try:
         flt = TailFilter(
@@ -111,8 +113,10 @@ def _tail(args: argparse.Namespace) -> int:
 def _publish_weights(args: argparse.Namespace) -> int:
     import anyio
 
-    from .connection import NatsRefused, connect
-    from .policies import StalePolicyVersion, publish_policy
+    from pipeline.errors import NatsRefused, StalePolicyVersion
+
+    from .connection import connect
+    from .policies import publish_policy
     from .streams import StreamSpec
 
     if (nats := nats_from_args(args, "publish-weights")) is None:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import NatsRefused
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
@@ -53,10 +55,6 @@ __all__ = [
 PASSWORD_ENV = "STREAM_GATEWAY_NATS_PASSWORD"
 _FLAG_FIELDS = ("user", "password", "token", "creds", "nkey", "tls_ca", "tls_cert", "tls_key", "tls_hostname")
 TOKEN_ENV = "STREAM_GATEWAY_NATS_TOKEN"
-
-
-class NatsRefused(ConnectionError):
-    """The NATS server refused this client: wrong credentials or a failed TLS handshake."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,6 +67,8 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.to_thread
 
+from .errors import NatsServerError, NatsServerNotInstalled, NatsServerStartError
+
 __all__ = [
     "EmbeddedNatsCluster",
     "EmbeddedNatsServer",
@@ -113,18 +115,6 @@ class NatsServerConfig:
 
 
 _DEFAULT_CONFIG = NatsServerConfig()
-
-
-class NatsServerError(RuntimeError):
-    """The embedded server was used wrongly (e.g. started twice, paused while not running)."""
-
-
-class NatsServerNotInstalled(NatsServerError):
-    """No ``nats-server`` binary was found."""
-
-
-class NatsServerStartError(NatsServerError):
-    """The server exited or did not become ready in time; the message ends with its log tail."""
 
 
 def find_nats_server() -> Path:

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .durable import PAYLOAD_HEADROOM
+from .errors import PolicyDownloadError, StalePolicyVersion
 from .events import PolicyObject, PolicyUpdated, decode_event, encode_event, new_event_id
 from .streams import StreamSpec, ensure_bucket, ensure_stream
 
@@ -93,22 +94,6 @@ log = logging.getLogger(__name__)
 # checkpoint the engine's checks reject): the reason, the replica that refused it first, and what
 # was wrong. Values are lists, as NATS headers are in every client's object-store metadata.
 REFUSED_HEADERS = ("Sg-Refused", "Sg-Refused-By", "Sg-Refused-Detail")
-
-
-class PolicyDownloadError(Exception):
-    """A published policy could not be fetched whole; ``reason`` is ``download_failed`` or ``digest_mismatch``."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class StalePolicyVersion(ValueError):
-    """An adapter version not above the newest one published for that adapter (nothing was uploaded)."""
-
-    def __init__(self, message: str, newest: int) -> None:
-        super().__init__(message)
-        self.newest = newest
 
 
 def policy_subject(prefix: str = "sg") -> str:

@@ -57,8 +57,10 @@ from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 
+from pipeline.errors import NatsRefused
+
 from ._outbox import Outbox, OutboxRecord
-from .connection import NatsAuth, NatsRefused, connect
+from .connection import NatsAuth, connect
 from .durable import PAYLOAD_HEADROOM, put_oversized
 from .events import Event, encode_event
 from .streams import (

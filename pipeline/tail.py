@@ -38,7 +38,10 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .connection import NatsAuth, NatsRefused, connect
+from pipeline.errors import NatsRefused
+
+from .connection import NatsAuth, connect
+from .errors import TailError
 from .events import (
     DURABLE_KINDS,
     Event,
@@ -95,10 +98,6 @@ _KIND_COLORS = {
     "policy.applied": "\x1b[35m",
     "policy.rejected": "\x1b[31m",  # red
 }
-
-
-class TailError(RuntimeError):
-    """NATS cannot be reached, the events stream does not exist, or the connection was closed."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,8 @@ import numpy as np
 import orjson
 from PIL import Image, UnidentifiedImageError
 
+from .errors import ImageRefused
+
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
@@ -54,10 +56,6 @@ warnings.filterwarnings("error", category=Image.DecompressionBombWarning)
 
 # Pillow's format names -> the media types clients send.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
-
-
-class ImageRefused(ValueError):
-    """An image the gateway will not process: too large, corrupt or of an unsupported format."""
 
 
 @dataclass(frozen=True, slots=True)

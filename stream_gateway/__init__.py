@@ -22,9 +22,11 @@ from stream_gateway._errors import (
     NotFound,
     PermissionDenied,
     RateLimited,
+    Refused,
     RequestTooLarge,
     SequenceFailed,
     ShuttingDown,
+    StreamGatewayError,
     UnsupportedParameter,
 )
 
@@ -44,10 +46,12 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "RateLimited",
+    "Refused",
     "RequestTooLarge",
     "SequenceFailed",
     "Settings",
     "ShuttingDown",
+    "StreamGatewayError",
     "UnsupportedParameter",
     "create_app",
 ]

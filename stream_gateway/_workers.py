@@ -40,6 +40,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import Process
 
+from stream_gateway._errors import WorkersRefused
 from stream_gateway._settings import Settings
 
 __all__ = ["check_workers", "listening_socket", "run_workers", "shared_signing_key"]
@@ -47,10 +48,6 @@ __all__ = ["check_workers", "listening_socket", "run_workers", "shared_signing_k
 log = logging.getLogger(__name__)
 
 SHAREABLE_ENGINES = ("synthetic", "vllm-http", "sglang-http")
-
-
-class WorkersRefused(ValueError):
-    """The settings do not allow several worker processes (the message says why and what to do)."""
 
 
 def check_workers(settings: Settings) -> None:

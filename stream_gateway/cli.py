@@ -31,8 +31,9 @@ from pipeline.cli import progress
 from pipeline.connection import NatsAuth, add_nats_arguments
 from pydantic.fields import FieldInfo
 
+from stream_gateway._errors import WorkersRefused
 from stream_gateway._settings import WITHOUT_FLAG, Flag, Settings
-from stream_gateway._workers import WorkersRefused, check_workers, listening_socket, run_workers
+from stream_gateway._workers import check_workers, listening_socket, run_workers
 from stream_gateway.engines import build_engine
 
 __all__ = [

@@ -59,7 +59,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +67,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.utils.hooks import RemovableHandle
 
+from stream_gateway._errors import AdapterRefused
+
 __all__ = ["AdapterRefused", "LoraBank", "LoraWeights", "adapter_from_tensors", "read_adapter"]
 
-RefusalReason = Literal["unreadable", "unsupported", "target_mismatch", "shape_mismatch", "too_many"]
 
 CONFIG_NAME: Final = "adapter_config.json"
 WEIGHTS_NAME: Final = "adapter_model.safetensors"
@@ -97,17 +98,6 @@ _UNSUPPORTED_FLAGS: Final = {
 }
 # Initialisations that leave the base weights as they were (the others rewrite them, or are a variant).
 _PLAIN_INITS: Final = (True, False, "gaussian", "eva", "orthogonal")
-
-
-class AdapterRefused(ValueError):
-    """An adapter the base cannot take; ``reason`` in {"unreadable", "unsupported", "target_mismatch",
-    "shape_mismatch", "too_many"}, the message says what and where."""
-
-    reason: RefusalReason
-
-    def __init__(self, reason: RefusalReason, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True, eq=False)

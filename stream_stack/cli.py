@@ -5,7 +5,9 @@
   ``<data dir>/batches``.
 * ``serve``, ``prepare-model``: the gateway's (:mod:`stream_gateway.cli`).
 * ``tail``, ``publish-weights``: the pipeline's (:mod:`pipeline.cli`).
-* ``assemble``, ``batch``: the consumers' (:mod:`consumers.cli`).
+* ``assemble``, ``batch``, ``flush``, ``pending``: the consumers' (:mod:`consumers.cli`).
+* ``forget`` (erasure), ``console`` (the trajectory console), ``verify`` (recorded logprobs
+  against a forward pass): this package's own.
 """
 
 from __future__ import annotations

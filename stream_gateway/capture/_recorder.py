@@ -25,7 +25,7 @@ Deliberate choices:
   session records which numbers each turn took, so ``session.closed`` can list the numbers that
   exist (``expected_seqs``) wherever they were written.
 * ``policy.applied`` / ``policy.rejected`` are this replica's answers to new weights, from a
-  ``policy.updated`` event (:mod:`._policy_sync`) or ``POST /policy/weights``; ``policy.updated``
+  ``policy.updated`` event (:mod:`stream_gateway.control._policy_sync`) or ``POST /policy/weights``; ``policy.updated``
   itself is the trainer's (``pipeline.policies.publish_policy``).
 """
 

@@ -1,14 +1,16 @@
-"""The per-token path from a choice's producers to the response's writer: the update channel.
+"""The update channel: from the producers of a response with several choices to its writer.
 
-A response's producers (one task per choice) put :class:`ChoiceUpdate` objects into an
-:class:`UpdateChannel`; the response's writer takes *everything* waiting at once, merges what
-belongs to one choice (:func:`coalesce`) and writes it as one frame per choice, all in one write.
-When the client keeps up, the writer is waiting before the next engine step arrives, so every
-token is its own chunk; when the client falls behind (the socket's send buffer is full and the
-write waits) or the event loop is saturated, the tokens that gathered meanwhile go out together as
-one chunk: never dropped, never reordered, ``token_ids`` and logprobs exactly those of the tokens
-in the chunk. It is vLLM's ``--stream-interval`` made adaptive: the interval is however long the
-last write took.
+A one-choice stream (every agent's request) does not use it: it is produced in the response's own
+task (:meth:`~stream_gateway.completion.CompletionService.stream`). With several choices (``n >
+1``, or several prompts), and for a whole response, the producers (one task per choice) put
+:class:`ChoiceUpdate` objects into an :class:`UpdateChannel`; the response's writer takes
+*everything* waiting at once, merges what belongs to one choice (:func:`coalesce`) and writes it as
+one frame per choice, all in one write. When the client keeps up, the writer is waiting before the
+next engine step arrives, so every token is its own chunk; when the client falls behind (the
+socket's send buffer is full and the write waits) or the event loop is saturated, the tokens that
+gathered meanwhile go out together as one chunk: never dropped, never reordered, ``token_ids`` and
+logprobs exactly those of the tokens in the chunk. It is vLLM's ``--stream-interval`` made
+adaptive: the interval is however long the last write took.
 
 Deliberate choice: :class:`UpdateChannel` is not an anyio memory object stream. ``put`` never blocks and never
    checkpoints: the pending list is bounded by the turn's ``max_tokens`` (the producer keeps every

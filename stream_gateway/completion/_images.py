@@ -34,7 +34,8 @@ from urllib.parse import urlsplit
 
 import anyio
 import numpy as np
-from pipeline.vision import ImageLimits, ImageRefused, ProcessedImage, VisionProcessor, image_digest
+from pipeline.errors import ImageRefused
+from pipeline.vision import ImageLimits, ProcessedImage, VisionProcessor, image_digest
 
 from stream_gateway._errors import InvalidRequest
 from stream_gateway._metrics import GatewayMetrics

@@ -34,21 +34,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
-from pipeline.connection import NatsAuth, NatsRefused, connect
+from pipeline.connection import NatsAuth, connect
+from pipeline.errors import NatsRefused, PolicyDownloadError
 from pipeline.events import PolicyUpdated, decode_event
-from pipeline.policies import (
-    PolicyDownloadError,
-    download_policy,
-    mark_refused,
-    policy_history,
-    policy_subjects,
-    refusal_mark,
-)
+from pipeline.policies import download_policy, mark_refused, policy_history, policy_subjects, refusal_mark
 from pipeline.streams import StreamSpec
 
+from stream_gateway._errors import PolicyNotNewer, WeightsRejected
 from stream_gateway._metrics import GatewayMetrics
 from stream_gateway.capture import EventRecorder
-from stream_gateway.engines import Engine, WeightsRejected, WeightUpdateReport
+from stream_gateway.engines import Engine, WeightUpdateReport
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -83,10 +78,6 @@ async def _marked_refused(js: JetStreamContext, event: PolicyUpdated) -> tuple[s
     except Exception as exc:  # an unreadable mark is no mark: the version is tried
         log.debug("policy follower: cannot read the refusal mark of version %d: %s", event.policy_version, exc)
         return None
-
-
-class PolicyNotNewer(ValueError):
-    """The version offered is not above the one the engine serves."""
 
 
 class PolicyApplier:
@@ -180,7 +171,7 @@ class PolicyApplier:
         adapter the base cannot take or an engine without LoRA (after reporting them, as
         ``policy.rejected`` with ``adapter``); the adapters in service are then unchanged.
         """
-        from stream_gateway.lora import AdapterRefused
+        from stream_gateway._errors import AdapterRefused
 
         async with self._lock:
             current = self._engine.adapters.get(name)
@@ -422,7 +413,7 @@ class PolicyFollower:
     async def _apply_adapter(self, js: JetStreamContext, event: PolicyUpdated, *, quiet_if_old: bool = False) -> str:
         """Download and apply one adapter version: ``"applied"``, ``"rejected"``, ``"skipped"``
         (old, seen before) or ``"unsupported"`` (an engine without LoRA)."""
-        from stream_gateway.lora import AdapterRefused
+        from stream_gateway._errors import AdapterRefused
 
         applier = self._applier
         name = event.adapter

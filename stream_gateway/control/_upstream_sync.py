@@ -21,7 +21,8 @@ import logging
 from typing import TYPE_CHECKING
 
 import anyio
-from pipeline.connection import NatsAuth, NatsRefused, connect
+from pipeline.connection import NatsAuth, connect
+from pipeline.errors import NatsRefused
 
 from stream_gateway._errors import InvalidRequest
 

@@ -5,6 +5,7 @@
 (:mod:`.remote`) sample on a pool of servers over HTTP.
 """
 
+from stream_gateway._errors import WeightsRejected
 from stream_gateway.engines._base import (
     Engine,
     EngineStatistics,
@@ -14,7 +15,6 @@ from stream_gateway.engines._base import (
     SamplingParams,
     Upstream,
     UpstreamControl,
-    WeightsRejected,
     WeightUpdateReport,
 )
 from stream_gateway.engines._build import ENGINE_NAMES, build_engine, create_engine, default_name

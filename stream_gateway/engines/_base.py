@@ -144,18 +144,6 @@ class WeightUpdateReport:
     in_flight: int
 
 
-class WeightsRejected(ValueError):
-    """A checkpoint the engine refuses; the weights in service are untouched.
-
-    ``reason`` is one of ``unreadable`` (not safetensors, truncated, no files), ``unknown_tensors``
-    (names the model does not have) and ``shape_mismatch``.
-    """
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
     """An immutable snapshot of an engine's load."""

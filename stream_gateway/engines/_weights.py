@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stream_gateway.engines._base import WeightsRejected
+from stream_gateway._errors import WeightsRejected
 
 __all__ = ["check_tensors", "read_checkpoint"]
 

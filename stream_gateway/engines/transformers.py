@@ -64,7 +64,7 @@ from pipeline.vision import ProcessedImage, VisionProcessor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from stream_gateway._errors import Conflict, EngineError, EngineUnavailable, SequenceFailed
+from stream_gateway._errors import AdapterRefused, Conflict, EngineError, EngineUnavailable, SequenceFailed
 from stream_gateway.constraints import TokenMask, grammar_tokenizer
 from stream_gateway.engines._base import (
     EngineStatistics,
@@ -77,7 +77,7 @@ from stream_gateway.engines._base import (
 )
 from stream_gateway.engines._sampling import sample_batch
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
-from stream_gateway.lora import AdapterRefused, LoraBank, LoraWeights, read_adapter
+from stream_gateway.lora import LoraBank, LoraWeights, read_adapter
 from stream_gateway.moe import RouterCapture
 
 __all__ = ["TransformersEngine"]

@@ -3,13 +3,14 @@
 Request bodies and their limits (:mod:`._body`), keys and tenants (:mod:`._auth`), the SSE
 response (:mod:`._sse`), error rendering (:mod:`._render`), and the routers: generation (one
 handler over every :class:`~stream_gateway.protocols.Edge`), sessions, and admin (weights,
-inference servers, models, health, metrics). Routers take their services from
+LoRA adapters, inference servers, models, erasure, health, metrics). Routers take their services from
 ``app.state.gateway`` (:class:`GatewayState`).
 """
 
+from stream_gateway._errors import HTTPError
 from stream_gateway.http._auth import Authorizer, bearer
 from stream_gateway.http._body import LengthLimit, check_session_id, parse_body, validation_error
-from stream_gateway.http._render import ErrorShapes, HeldResponse, HTTPError, ORJSONResponse, install_error_handlers
+from stream_gateway.http._render import ErrorShapes, HeldResponse, ORJSONResponse, install_error_handlers
 from stream_gateway.http._sse import RawSendApp, TokenStreamResponse
 from stream_gateway.http._state import GatewayState, gateway_state
 from stream_gateway.http.admin import UpstreamsBody, WeightsBody, admin_bodies, admin_router, running_loop

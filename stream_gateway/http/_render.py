@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from stream_gateway._errors import GatewayError, InvalidRequest
+from stream_gateway._errors import GatewayError, HTTPError, InvalidRequest
 from stream_gateway._metrics import GatewayMetrics
 
 __all__ = ["ErrorShapes", "HTTPError", "HeldResponse", "ORJSONResponse", "install_error_handlers"]
@@ -51,15 +51,6 @@ class HeldResponse(Response):
             await self.inner(scope, receive, send)
         finally:
             self.release()
-
-
-class HTTPError(GatewayError):
-    """A routing error (unknown path, wrong method) as a gateway error, to be rendered like one."""
-
-    def __init__(self, status_code: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status_code = status_code  # type: ignore[misc]
-        self.error_type = "not_found_error" if status_code == 404 else "invalid_request_error"  # type: ignore[misc]
 
 
 class ErrorShapes:

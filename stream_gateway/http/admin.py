@@ -1,4 +1,5 @@
-"""The operator's routes: weights, inference servers, models, health and metrics."""
+"""The operator's routes: weights, LoRA adapters (load, unload), inference servers, models,
+erasure (``/admin/forget``), health and metrics."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from pipeline.connection import NatsAuth
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from stream_gateway._errors import Conflict, GatewayError, InvalidRequest, NotFound
-from stream_gateway.control import PolicyNotNewer
-from stream_gateway.engines import UpstreamControl, WeightsRejected, normalize_url
+from stream_gateway._errors import Conflict, ForgetFailed, InvalidRequest, NotFound, PolicyNotNewer, WeightsRejected
+from stream_gateway.engines import UpstreamControl, normalize_url
 from stream_gateway.http._body import parse_body
 from stream_gateway.http._render import ORJSONResponse
 from stream_gateway.http._state import GatewayState, gateway_state
@@ -127,7 +127,7 @@ async def load_weights(request: Request) -> Response:
 
 
 async def _load_adapter(state: GatewayState, body: WeightsBody, name: str) -> Response:
-    from stream_gateway.lora import AdapterRefused
+    from stream_gateway._errors import AdapterRefused
 
     try:
         report = await state.applier.apply_adapter(name, body.path, body.policy_version)
@@ -154,7 +154,8 @@ def _vllm_error(message: str, kind: str, status: int) -> Response:
 
 @admin_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> Response:
-    from stream_gateway.lora import CONFIG_NAME, AdapterRefused
+    from stream_gateway._errors import AdapterRefused
+    from stream_gateway.lora import CONFIG_NAME
 
     state = gateway_state(request)
     state.auth.admin(request, "loading LoRA adapters")
@@ -301,14 +302,6 @@ async def _run_forget(nats_url: str, auth: NatsAuth, body: ForgetBody) -> Respon
         receipts.append(receipt)
         text = text[end:].strip()
     return ORJSONResponse({"object": "list", "data": receipts})
-
-
-class ForgetFailed(GatewayError):
-    """``forget`` was refused (NATS unreachable) or stopped part way: run it again to finish."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-    default_code = "erasure_incomplete"
 
 
 @admin_router.get("/v1/models")

@@ -1,4 +1,5 @@
-"""Where the gateway's models come from: a tiny deterministic test model and the SmolLM2 default.
+"""Where the gateway's models come from: the built-in test models (tiny and its agent, reasoning,
+MoE and vision variants), built here without downloads, and the SmolLM2 default.
 
 Nothing here downloads anything. The local models are built on first use and cached:
 
@@ -54,6 +55,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+from stream_gateway._errors import SmolLM2NotInstalled
 from stream_gateway.models._cache import MARKER_FILE, default_cache_dir, recorded_weights_digest, weights_digest
 from stream_gateway.models._registry import (
     AGENT_VARIANTS,
@@ -68,7 +70,6 @@ from stream_gateway.models._registry import (
     resolve_model,
     smollm2_path,
 )
-from stream_gateway.models._smollm2 import SmolLM2NotInstalled
 from stream_gateway.models._tiny_agent import (
     AGENT_AFTER_TOOL,
     AGENT_READERS,

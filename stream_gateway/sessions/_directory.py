@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 from pipeline.connection import NatsAuth
 
-from stream_gateway._errors import Conflict, NotFound
-from stream_gateway.sessions._shared import SharedSessions, SharedUnavailable, expected_seqs
+from stream_gateway._errors import Conflict, NotFound, SharedUnavailable
+from stream_gateway.sessions._shared import SharedSessions, expected_seqs
 from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn, scope_of
 
 __all__ = ["SessionDirectory", "SharingConfig"]

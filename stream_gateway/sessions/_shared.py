@@ -58,9 +58,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import orjson
-from pipeline.connection import NatsAuth, NatsRefused, connect
+from pipeline.connection import NatsAuth, connect
+from pipeline.errors import NatsRefused
 from pipeline.events import subject_token, tenant_id
 
+from stream_gateway._errors import SharedUnavailable
 from stream_gateway.sessions._record import SeqBlock, SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._replay import ReplayCursor, TurnReplay
 from stream_gateway.sessions._store import Session, SessionStore, Turn, foreign_session
@@ -80,10 +82,6 @@ _BACKOFF = (0.2, 5.0)  # first and largest wait between retries of a write
 _BACKOFF_CONNECTED_S = 1.0  # the largest while connected (an election ends any moment)
 _RECONNECT_GRACE_S = 3.0  # a lost connection is being re-made to another server this long
 _RETRY_READ_S = (0.05, 1.0)  # first and largest wait between retries of a read, within the handoff bound
-
-
-class SharedUnavailable(Exception):
-    """The shared state cannot be reached now (NATS away or too slow)."""
 
 
 @dataclass(slots=True)

@@ -21,8 +21,9 @@ import pydantic
 import pytest
 
 from consumers.batcher import Batcher
+from consumers.errors import ImagesRefused
 from consumers.grouping import prepare_trajectory
-from consumers.images import ImagesRefused, ImageStore
+from consumers.images import ImageStore
 from consumers.parquet import decode_batch, encode_batch
 from consumers.trajectories import SessionEvents, build_trajectories
 from consumers.trajectory import Trajectory, TrajectoryImage, images_problem

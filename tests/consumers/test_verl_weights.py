@@ -75,12 +75,8 @@ with warnings.catch_warnings():  # verl imports ray's deprecated ray.experimenta
     from verl.workers.engine.fsdp import transformer_impl as fsdp_engine
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    from consumers.verl_weights import (
-        NatsCheckpointEngine,
-        NatsWeightSettings,
-        StreamCheckpointManager,
-        WeightPublishError,
-    )
+    from consumers.errors import WeightPublishError
+    from consumers.verl_weights import NatsCheckpointEngine, NatsWeightSettings, StreamCheckpointManager
 
 BASE_YAML = """\
 hydra:

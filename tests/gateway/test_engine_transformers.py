@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stream_gateway.engines import EngineStep, SamplingParams, WeightsRejected
+from stream_gateway._errors import WeightsRejected
+from stream_gateway.engines import EngineStep, SamplingParams
 from stream_gateway.engines.transformers import TransformersEngine
 
 pytestmark = pytest.mark.anyio

@@ -26,8 +26,9 @@ import pytest
 from openai import OpenAI
 
 from pipeline.embedded import EmbeddedNatsServer
+from pipeline.errors import StalePolicyVersion
 from pipeline.events import PolicyApplied, PolicyRejected, PolicyUpdated
-from pipeline.policies import POLICY_BUCKET, StalePolicyVersion, publish_policy
+from pipeline.policies import POLICY_BUCKET, publish_policy
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 

@@ -20,14 +20,8 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 from pipeline import embedded
-from pipeline.embedded import (
-    EmbeddedNatsCluster,
-    EmbeddedNatsServer,
-    NatsServerConfig,
-    NatsServerError,
-    NatsServerNotInstalled,
-    NatsServerStartError,
-)
+from pipeline.embedded import EmbeddedNatsCluster, EmbeddedNatsServer, NatsServerConfig
+from pipeline.errors import NatsServerError, NatsServerNotInstalled, NatsServerStartError
 
 
 async def _ignore_error(exc: Exception) -> None:

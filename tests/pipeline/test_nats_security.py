@@ -25,8 +25,9 @@ import pytest
 import trustme
 
 from consumers.verl_adapter import StreamSettings
-from pipeline.connection import NatsAuth, NatsRefused, connect
+from pipeline.connection import NatsAuth, connect
 from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
+from pipeline.errors import NatsRefused
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 

@@ -17,6 +17,7 @@ import pytest
 
 from pipeline import tail
 from pipeline.embedded import EmbeddedNatsServer
+from pipeline.errors import TailError
 from pipeline.events import (
     Event,
     FeedbackRecorded,
@@ -37,7 +38,7 @@ from pipeline.events import (
 )
 from pipeline.publisher import EventPublisher, PublisherConfig
 from pipeline.streams import StreamSpec, ensure_stream, event_subject
-from pipeline.tail import TailError, TailFilter, format_event, tail_events
+from pipeline.tail import TailFilter, format_event, tail_events
 
 from ..support.waiting import wait_until
 

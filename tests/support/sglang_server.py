@@ -55,10 +55,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from stream_gateway._errors import Conflict
+from stream_gateway._errors import AdapterRefused, Conflict
 from stream_gateway.engines import SamplingParams
 from stream_gateway.engines.transformers import TransformersEngine
-from stream_gateway.lora import AdapterRefused
 
 
 def create_sglang_app(

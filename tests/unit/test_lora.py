@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from stream_gateway.lora import AdapterRefused, LoraBank, LoraWeights, adapter_from_tensors, read_adapter
+from stream_gateway._errors import AdapterRefused
+from stream_gateway.lora import LoraBank, LoraWeights, adapter_from_tensors, read_adapter
 
 VOCAB = 200
 ATOL = 1e-5

@@ -160,3 +160,50 @@ def test_stream_gateway_has_no_import_circle() -> None:
     finally:
         sys.path.pop(0)
     assert import_graph.circles(import_graph.import_graph("stream_gateway")) == []
+
+
+ERRORS_MODULES = {
+    "stream_gateway": ("stream_gateway/_errors.py", "StreamGatewayError"),
+    "pipeline": ("pipeline/errors.py", "PipelineError"),
+    "consumers": ("consumers/errors.py", "ConsumerError"),
+}
+
+
+def _exception_classes(package: str) -> dict[str, tuple[str, list[str]]]:
+    """``name -> (file, base names)`` of every class of ``package`` that derives from an exception,
+    found from the source (a builtin exception, or another such class of the package)."""
+    import builtins
+
+    classes: dict[str, tuple[str, list[str]]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases]
+                classes[node.name] = (str(path.relative_to(ROOT)), bases)
+    known = {
+        n
+        for n in dir(builtins)
+        if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), BaseException)
+    }
+    found: dict[str, tuple[str, list[str]]] = {}
+    while True:
+        more = {n: c for n, c in classes.items() if n not in found and any(b in known or b in found for b in c[1])}
+        if not more:
+            return found
+        found.update(more)
+
+
+def test_each_package_declares_its_errors_in_one_module_under_one_root() -> None:
+    """Issue 39: one exceptions module per package, a small hierarchy. Private classes that only
+    carry control flow inside a module (``_Retry``) are the exception to the rule."""
+    for package, (module, root) in ERRORS_MODULES.items():
+        errors = {n: c for n, c in _exception_classes(package).items() if not n.startswith("_")}
+        elsewhere = sorted(f"{file}: {name}" for name, (file, _) in errors.items() if file != module)
+        assert not elsewhere, f"{package}'s errors belong in {module}:\n  " + "\n  ".join(elsewhere)
+
+        unrooted = [name for name in errors if not _derives(name, root, errors)]
+        assert not unrooted, f"{package}'s errors that do not derive from {root}: {unrooted}"
+
+
+def _derives(name: str, root: str, classes: dict[str, tuple[str, list[str]]]) -> bool:
+    return name == root or any(b in classes and _derives(b, root, classes) for b in classes[name][1])

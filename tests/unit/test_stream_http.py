@@ -13,13 +13,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from stream_gateway.engines.remote._stream_http import (
-    ConnectFailed,
-    ConnectionLost,
-    PoolTimeout,
-    ReadTimeout,
-    StreamClient,
-)
+from stream_gateway._errors import ConnectFailed, ConnectionLost, PoolTimeout, ReadTimeout
+from stream_gateway.engines.remote._stream_http import StreamClient
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[bool]]
 """Answers one request (its head and body read); ``False`` ends the connection."""

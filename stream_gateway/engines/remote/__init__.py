@@ -7,11 +7,11 @@ body, frames -> steps); the LoRA adapter fleet (:mod:`._adapters`), route checks
 (:mod:`._stream_http`) beside them. See ``docs/engines.md``.
 """
 
+from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines.remote._adapters import adapter_model
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._engine import DIALECTS, PROTOCOLS, RemoteEngine
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted
-from stream_gateway.engines.remote._wire import UpstreamFailed
 
 __all__ = [
     "DIALECTS",

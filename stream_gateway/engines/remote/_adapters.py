@@ -108,7 +108,7 @@ class AdapterFleet:
         Raises :class:`~stream_gateway.lora.AdapterRefused` when no server loaded it (the current
         version stays), :class:`EngineUnavailable` with no healthy server.
         """
-        from stream_gateway.lora import AdapterRefused
+        from stream_gateway._errors import AdapterRefused
 
         if self._client is None:
             raise EngineUnavailable("The engine is not running.")

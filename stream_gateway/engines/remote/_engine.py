@@ -53,7 +53,7 @@ import orjson
 from pipeline.vision import ProcessedImage, VisionProcessor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from stream_gateway._errors import EngineError, EngineUnavailable, InvalidRequest
+from stream_gateway._errors import EngineError, EngineUnavailable, HttpFailure, InvalidRequest, UpstreamFailed
 from stream_gateway.engines._base import (
     EngineStatistics,
     EngineStep,
@@ -66,15 +66,9 @@ from stream_gateway.engines.remote._adapters import AdapterFleet
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_config
 from stream_gateway.engines.remote._sglang import SglangDialect
-from stream_gateway.engines.remote._stream_http import HttpFailure, StreamClient, StreamResponse
+from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse
 from stream_gateway.engines.remote._vllm import VllmDialect
-from stream_gateway.engines.remote._wire import (
-    UpstreamFailed,
-    describe,
-    error_message,
-    error_param,
-    sse_batches,
-)
+from stream_gateway.engines.remote._wire import describe, error_message, error_param, sse_batches
 
 if TYPE_CHECKING:
     import torch

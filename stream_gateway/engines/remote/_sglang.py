@@ -24,15 +24,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines._base import EngineStep, FinishReason, SamplingParams
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
-from stream_gateway.engines.remote._wire import (
-    UpstreamFailed,
-    by_version,
-    finish_reason,
-    numeric_version,
-    top_from_pairs,
-)
+from stream_gateway.engines.remote._wire import by_version, finish_reason, numeric_version, top_from_pairs
 
 if TYPE_CHECKING:
     import httpx

@@ -45,31 +45,13 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from stream_gateway._errors import ConnectFailed, ConnectionLost, HttpFailure, PoolTimeout, ReadTimeout
+
 __all__ = ["ConnectFailed", "HttpFailure", "StreamClient", "StreamResponse"]
 
 
 _HIGH_WATER = 256 * 1024  # unread body bytes at which a connection stops reading
 _DRAIN_S = 5.0  # how long a finished request's answer may take to end before its connection is closed
-
-
-class HttpFailure(Exception):
-    """The server could not be reached, or the exchange with it failed."""
-
-
-class ConnectFailed(HttpFailure):
-    """No connection could be opened (refused, unreachable, timed out, TLS failed)."""
-
-
-class PoolTimeout(HttpFailure):
-    """No request slot came free in time (``max_connections`` requests in flight)."""
-
-
-class ReadTimeout(HttpFailure):
-    """The server sent nothing for ``read_timeout`` seconds."""
-
-
-class ConnectionLost(HttpFailure):
-    """The connection closed (or the server broke HTTP) before the answer's end."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,15 +26,10 @@ from typing import Any
 import anyio
 import numpy as np
 
+from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines._base import EngineStep, SamplingParams, merge_steps
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
-from stream_gateway.engines.remote._wire import (
-    UpstreamFailed,
-    finish_reason,
-    numeric_version,
-    token_id,
-    top_from_dict,
-)
+from stream_gateway.engines.remote._wire import finish_reason, numeric_version, token_id, top_from_dict
 
 __all__ = ["VllmDialect"]
 

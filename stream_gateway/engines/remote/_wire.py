@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from stream_gateway._errors import EngineError, GatewayError
+from stream_gateway._errors import GatewayError, UpstreamFailed
 from stream_gateway.engines._base import EngineStep, FinishReason, merge_steps
 
 if TYPE_CHECKING:
@@ -33,10 +33,6 @@ __all__ = [
 ]
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "eos_token": "stop"}
-
-
-class UpstreamFailed(EngineError):
-    """A server failed while serving a request (connection lost, error frame, bad answer)."""
 
 
 async def sse_batches(response: StreamResponse) -> AsyncIterator[list[dict[str, Any]]]:
