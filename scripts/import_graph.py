@@ -3,8 +3,10 @@
     python scripts/import_graph.py [PACKAGE] [ROOT]   # default: stream_gateway in this checkout
 
 An arrow is an import of one of the package's modules by another, wherever it stands (top level or
-inside a function: a lazy import is still a dependency), except under ``if TYPE_CHECKING:``. The
-tests use :func:`import_graph` and :func:`circles` to keep the package free of circles.
+inside a function: a lazy import is still a dependency). Imports under ``if TYPE_CHECKING:`` are
+arrows only for the annotations (``type_checking=True``); the report gives the circles both ways.
+The tests use :func:`import_graph` and :func:`circles` to keep the packages free of circles, the
+annotations' included.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _runtime_imports(tree: ast.Module, here: str, is_package: bool) -> list[str]:
-    """The absolute names of the modules a module imports when it runs."""
+def _runtime_imports(tree: ast.Module, here: str, is_package: bool, type_checking: bool = False) -> list[str]:
+    """The absolute names of the modules a module imports when it runs (and, with
+    ``type_checking``, for its annotations)."""
     skipped: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
     found = []
     for node in ast.walk(tree):
@@ -48,13 +51,13 @@ def _runtime_imports(tree: ast.Module, here: str, is_package: bool) -> list[str]
     return found
 
 
-def import_graph(package: str = "stream_gateway") -> dict[str, set[str]]:
-    """Module -> the package's modules it imports."""
+def import_graph(package: str = "stream_gateway", *, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``type_checking``: the annotations' imports too)."""
     paths = {module_name(p): p for p in (ROOT / package).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in paths.items():
         tree = ast.parse(path.read_text())
-        targets = _runtime_imports(tree, name, path.name == "__init__.py")
+        targets = _runtime_imports(tree, name, path.name == "__init__.py", type_checking)
         graph[name] = {t for t in targets if t in paths and t != name}
     return graph
 
@@ -101,9 +104,15 @@ def main() -> None:
         ROOT = Path(sys.argv[2]).resolve()
     graph = import_graph(package)
     arrows = sum(len(targets) for targets in graph.values())
-    print(f"{package}: {len(graph)} modules, {arrows} import arrows, {len(circles(graph))} circles")
+    annotated = circles(import_graph(package, type_checking=True))
+    print(
+        f"{package}: {len(graph)} modules, {arrows} import arrows, {len(circles(graph))} circles "
+        f"({len(annotated)} with TYPE_CHECKING imports)"
+    )
     for circle in circles(graph):
         print("  circle:", " <-> ".join(circle))
+    for circle in annotated:
+        print("  circle with TYPE_CHECKING imports:", " <-> ".join(circle))
     # The floors: each sub-package (or top-level module) and the others it imports.
     def room(module: str) -> str:
         return ".".join(module.split(".")[:2])

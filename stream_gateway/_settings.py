@@ -36,10 +36,8 @@ class Flag:
     """The accepted values, asked for when a parser is built (their registry imports late)."""
 
 
-def _engine_names() -> Sequence[str]:
-    from stream_gateway.engines import ENGINE_NAMES
-
-    return ENGINE_NAMES
+ENGINE_NAMES = ("transformers", "synthetic", "vllm", "vllm-http", "sglang-http")
+"""The ``--engine`` flag's values: one builder each in :mod:`stream_gateway.engines._build`."""
 
 
 def _tool_parser_names() -> Sequence[str]:
@@ -67,7 +65,7 @@ class Settings(BaseSettings):
         description="'smollm2', 'tiny', 'tiny-agent', 'tiny-reasoning', 'tiny-moe', 'tiny-vl', a local HF model "
         "directory or a hub id",
     )
-    engine: Annotated[str, Flag(choices=_engine_names)] = Field(
+    engine: Annotated[str, Flag(choices=lambda: ENGINE_NAMES)] = Field(
         "transformers", description="what samples the tokens (see docs/engines.md)"
     )
     served_model_name: str | None = Field(

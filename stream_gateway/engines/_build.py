@@ -6,14 +6,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stream_gateway._errors import EngineUnavailable
+from stream_gateway._settings import ENGINE_NAMES
 from stream_gateway.engines._base import Engine
 
 if TYPE_CHECKING:
     from stream_gateway._settings import Settings
 
 __all__ = ["ENGINE_NAMES", "build_engine", "create_engine", "default_name"]
-
-ENGINE_NAMES = ("transformers", "synthetic", "vllm", "vllm-http", "sglang-http")
 
 
 def build_engine(settings: Settings) -> Engine:

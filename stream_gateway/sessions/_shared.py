@@ -471,7 +471,7 @@ class SharedSessions:
     def unread(self, session: Session) -> set[str]:
         """The turns the shared record names whose events could not be read back yet (still on
         their way from another replica's publisher, or the events stream between leaders)."""
-        state = session.shared
+        state = _state_of(session)
         if state is None:
             return set()
         return {turn_id for turn_id in state.known_turns if turn_id not in session.turns}
@@ -596,7 +596,7 @@ class SharedSessions:
         for session in list(self._dirty.values()):
             with contextlib.suppress(SharedUnavailable):
                 await self._write(session)
-        left = sum(len(s.shared.pending) for s in self._dirty.values() if s.shared is not None)
+        left = sum(len(state.pending) for s in self._dirty.values() if (state := _state_of(s)) is not None)
         if left:
             log.warning("shared sessions: %d turns not written to NATS at shutdown (their events are)", left)
 
@@ -693,7 +693,14 @@ class SharedSessions:
 
     @staticmethod
     def _state(session: Session) -> SharedState:
-        if session.shared is None:
-            session.shared = SharedState()
-        state: SharedState = session.shared
+        state = _state_of(session)
+        if state is None:
+            state = session.shared = SharedState()
         return state
+
+
+def _state_of(session: Session) -> SharedState | None:
+    """``session``'s shared bookkeeping, if it has any (the store carries it untyped)."""
+    state = session.shared
+    assert state is None or isinstance(state, SharedState)
+    return state

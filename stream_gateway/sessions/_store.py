@@ -32,7 +32,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from pipeline import TokenChain, chain_tokens
@@ -40,9 +40,6 @@ from pipeline.routes import chain_routes_rows
 
 from stream_gateway._errors import NotFound, PermissionDenied
 from stream_gateway.tool_parsers import ToolCall
-
-if TYPE_CHECKING:
-    from stream_gateway.sessions._shared import SharedState
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +154,9 @@ class Session:
     seq_blocks: list[tuple[int, int]] = field(default_factory=list)
     turn_seqs: dict[str, list[int]] = field(default_factory=dict)
     opened_seq: int | None = None
-    shared: SharedState | None = None  # the shared sessions' bookkeeping (revision, loaded events), when on
+    # The shared sessions' bookkeeping (revision, loaded events) when they are on: theirs to type
+    # and read (sessions._shared.SharedState); the store below them only carries it.
+    shared: object | None = None
     captured: bool = True  # False: its user did not consent; nothing of it leaves the process (docs/data-rights.md)
     # Token ids its turns hold in memory (each turn's prompt and output), and how many of them the
     # store holding it has counted towards its bound (SessionStore's max_tokens).
