@@ -6,7 +6,9 @@ the sampled ids, and the ability to join or leave the batch at any step. ``gener
 batch up front; the continuous-batching manager shares one generation config and needs paged
 attention kernels. The loop here is small:
 
-* One worker thread owns the model, so forward passes never run on the event loop.
+* One worker thread owns the model, so forward passes never run on the event loop. The model
+  and every forward pass over the batch are :class:`~._hf_model.HfModel`'s; this module decides
+  which rows run, what they sample, and when weights change.
 * New requests are prefilled one at a time, then merged into the running batch. The batch's
   KV cache is left-padded to a common length; each row has its own attention mask and
   position ids, exactly as batched ``generate`` does with left padding.
@@ -45,7 +47,6 @@ systems that keep the cache across updates accept). Requests admitted after the 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import queue
 import secrets
@@ -53,16 +54,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import numpy as np
 import torch
 from pipeline.vision import ProcessedImage, VisionProcessor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedTokenizerBase
 
 from stream_gateway._errors import AdapterRefused, Conflict, EngineError, EngineUnavailable, SequenceFailed
 from stream_gateway.constraints import TokenMask, grammar_tokenizer
@@ -75,38 +75,16 @@ from stream_gateway.engines._base import (
     WeightUpdateReport,
     merge_steps,
 )
+from stream_gateway.engines._hf_model import Batch, HfModel, Row, end_of_turn_ids
 from stream_gateway.engines._sampling import sample_batch
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
-from stream_gateway.lora import LoraBank, LoraWeights, read_adapter
-from stream_gateway.moe import RouterCapture
+from stream_gateway.lora import LoraWeights, read_adapter
 
-__all__ = ["TransformersEngine"]
+__all__ = ["TransformersEngine", "end_of_turn_ids"]
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    outbox: asyncio.Queue[EngineStep | BaseException]
-    generator: torch.Generator
-    stop_ids: frozenset[int]
-    aborted: bool = False
-    generated: int = 0
-    # Set by the worker: the token that the next decode step feeds for this row.
-    pending_token: int = -1
-    length: int = 0  # real (unpadded) tokens in this row's cache
-    output_ids: list[int] = field(default_factory=list)  # to rebuild the cache after a weight update
-    mask: TokenMask | None = None  # the grammar of a constrained request (built by the worker)
-    # Vision-language models: the prompt's images, in order, and their multimodal rotary positions.
-    images: tuple[ProcessedImage, ...] = ()
-    mrope: torch.Tensor | None = None  # [3, prompt] positions of the prompt (None: text positions)
-    rope_delta: int = 0  # a position after the prompt is its index plus this (images take fewer positions)
 
 
 @dataclass(slots=True)
@@ -131,15 +109,6 @@ class _AdapterUnload:
     name: str
     done: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop
-
-
-@dataclass(slots=True)
-class _Batch:
-    """The running batch: rows, a left-padded KV cache and its attention mask."""
-
-    rows: list[_Request] = field(default_factory=list)
-    cache: DynamicCache | None = None
-    mask: torch.Tensor | None = None  # [rows, cache_len], 1 for real tokens
 
 
 class TransformersEngine:
@@ -176,29 +145,23 @@ class TransformersEngine:
         self._record_routes = routed_experts
         self._lora_dirs = dict(loras or {})
         self._max_loras = max_loras
-        self._bank: LoraBank | None = None  # LoRA adapters beside the base, applied per row
         self.policy_version = 0
         self.max_model_len = max_model_len or 0
         self.tokenizer: PreTrainedTokenizerBase
-        self._model: Any = None
-        self._eos_ids: frozenset[int] = frozenset()
-        self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | _AdapterUpdate | _AdapterUnload | object] = (
+        self._m: HfModel  # the model and its forward passes, once loaded (engines/_hf_model.py)
+        self._inbox: queue.SimpleQueue[Row | _WeightUpdate | _AdapterUpdate | _AdapterUnload | object] = (
             queue.SimpleQueue()
         )
-        self._backlog: deque[_Request] = deque()  # taken from the inbox, waiting for a free row
-        self._targets: dict[str, torch.Tensor] = {}  # every state-dict name (tied ones too) -> tensor
-        self._last_logits: dict[str, int] = {}
-        self._routes: RouterCapture | None = None  # hooks on the routers of a mixture of experts
+        self._backlog: deque[Row] = deque()  # taken from the inbox, waiting for a free row
         self.experts: ExpertShape | None = None
         self.vision: VisionProcessor | None = None  # a vision-language model's image processor
-        self._rope_index: Any = None  # its multimodal rotary positions (Qwen2-VL's get_rope_index)
         self._adapter_versions: dict[str, int] = {}  # LoRA adapters (stream_gateway.lora): name -> version
         self.adapters: Mapping[str, int] = self._adapter_versions
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._recoveries = 0
         self._last_fault: str | None = None
-        self._prefilling: _Request | None = None
+        self._prefilling: Row | None = None
         self._active = 0
         self._waiting = 0
         self._total_requests = 0
@@ -221,55 +184,19 @@ class TransformersEngine:
             self._thread = None
 
     def _load(self) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(self._model_path)
-        model: Any = self._load_model()
-        threads = self._num_threads
-        if threads is None and self._device.type == "cpu" and getattr(model.config, "hidden_size", 0) < 256:
-            # Matrices this small finish faster than intra-op threads wake up: with two threads a
-            # 64-wide model decodes ~10x slower than with one (measured on the 2-core CI machine).
-            threads = 1
-        if threads:
-            torch.set_num_threads(threads)
-        self._model = model.to(self._device).eval()
-        self._targets = dict(self._model.state_dict(keep_vars=True))
-        # A prefill needs the logits of its last position only: computing the vocabulary projection
-        # for every position cost more than the layers on the tiny model (most HF causal LMs take it).
-        if "logits_to_keep" in inspect.signature(self._model.forward).parameters:
-            self._last_logits = {"logits_to_keep": 1}
-        config = model.config.get_text_config()
-        limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
-        self.max_model_len = min(self._requested_max_len or limit, limit)
-        self._eos_ids = end_of_turn_ids(model, self.tokenizer)
-        if self._lora_dirs:
-            self._bank = LoraBank(self._model, max_adapters=self._max_loras)
-            for name, directory in self._lora_dirs.items():
-                try:
-                    self._bank.load(name, read_adapter(directory))
-                except AdapterRefused as exc:
-                    raise EngineUnavailable(f"--lora {name}={directory}: {exc}") from exc
-                self._adapter_versions[name] = 0
-            log.info("LoRA adapters loaded beside the base: %s", ", ".join(self._lora_dirs))
-        # A mixture of experts: every forward pass records the experts it chose (no extra pass).
-        try:
-            self._routes = RouterCapture.attach(self._model) if self._record_routes else None
-        except NotImplementedError as exc:  # experts whose choice stream_gateway.moe cannot read
-            log.warning("serving without routed experts: %s", exc)
-        if self._routes is not None:
-            self.experts = ExpertShape(self._routes.layers, self._routes.top_k, self._routes.num_experts)
-
-    def _load_model(self) -> Any:
-        """The causal LM, or a vision-language model with its image processor (docs/images.md)."""
-        config = AutoConfig.from_pretrained(self._model_path)
-        if getattr(config, "vision_config", None) is None:
-            return AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self._dtype)
-        from transformers import AutoModelForImageTextToText
-
-        model = AutoModelForImageTextToText.from_pretrained(self._model_path, dtype=self._dtype)
-        self._rope_index = getattr(model.model, "get_rope_index", None)
-        if self._rope_index is None:
-            raise EngineUnavailable(f"{self._model_path}: a vision-language model without multimodal positions")
-        self.vision = VisionProcessor.from_model(self._model_path, int(config.image_token_id))
-        return model
+        m = self._m = HfModel.load(
+            self._model_path,
+            device=self._device,
+            dtype=self._dtype,
+            num_threads=self._num_threads,
+            max_model_len=self._requested_max_len,
+            loras=self._lora_dirs,
+            max_loras=self._max_loras,
+            routed_experts=self._record_routes,
+        )
+        self.tokenizer, self.max_model_len = m.tokenizer, m.max_model_len
+        self.experts, self.vision = m.experts, m.vision
+        self._adapter_versions.update(dict.fromkeys(self._lora_dirs, 0))
 
     # -- public API ------------------------------------------------------------------------
 
@@ -288,8 +215,8 @@ class TransformersEngine:
             raise EngineUnavailable("the transformers engine is not running") from self._failure
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        stop_ids = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | self._eos_ids
-        request = _Request(
+        stop_ids = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | self._m.eos_ids
+        request = Row(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
             params=params,
@@ -336,7 +263,7 @@ class TransformersEngine:
         """
         if self._thread is None or not self._thread.is_alive():
             raise EngineUnavailable("the transformers engine is not running") from self._failure
-        check_tensors(self._targets, tensors)
+        check_tensors(self._m.targets, tensors)
         staged = await anyio.to_thread.run_sync(self._stage, tensors)
         loop = asyncio.get_running_loop()
         update = _WeightUpdate(staged, policy_version, loop.create_future(), loop)
@@ -353,7 +280,7 @@ class TransformersEngine:
         """
         if self._thread is None or not self._thread.is_alive():
             raise EngineUnavailable("the transformers engine is not running") from self._failure
-        if self._bank is None:
+        if self._m.bank is None:
             raise AdapterRefused("unsupported", "this engine was started without LoRA adapters (--lora NAME=DIR)")
         loop = asyncio.get_running_loop()
         update = _AdapterUpdate(name, weights, policy_version, loop.create_future(), loop)
@@ -370,7 +297,7 @@ class TransformersEngine:
         """
         if self._thread is None or not self._thread.is_alive():
             raise EngineUnavailable("the transformers engine is not running") from self._failure
-        if self._bank is None or name not in self._adapter_versions:
+        if self._m.bank is None or name not in self._adapter_versions:
             raise KeyError(name)
         loop = asyncio.get_running_loop()
         unload = _AdapterUnload(name, loop.create_future(), loop)
@@ -391,7 +318,7 @@ class TransformersEngine:
         # Conversion and device transfer happen here, off the worker: its pause is a plain copy.
         staged = {}
         for name, tensor in tensors.items():
-            target = self._targets[name]
+            target = self._m.targets[name]
             staged[name] = tensor.to(device=target.device, dtype=target.dtype).contiguous()
         return staged
 
@@ -410,7 +337,7 @@ class TransformersEngine:
     # -- worker thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        batch = _Batch()
+        batch = Batch()
         try:
             with torch.inference_mode():
                 while True:
@@ -432,7 +359,7 @@ class TransformersEngine:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(item, _Request):
+                if isinstance(item, Row):
                     waiting.append(item)
                 elif isinstance(item, _WeightUpdate | _AdapterUpdate | _AdapterUnload):
                     item.loop.call_soon_threadsafe(_resolve, item.done, exc)
@@ -440,7 +367,7 @@ class TransformersEngine:
                 row.loop.call_soon_threadsafe(row.outbox.put_nowait, exc)
             raise
 
-    def _recover(self, batch: _Batch, exc: Exception) -> _Batch:
+    def _recover(self, batch: Batch, exc: Exception) -> Batch:
         """Fail the requests of a batch whose step raised; the next batch starts empty."""
         self._recoveries += 1
         self._last_fault = f"{type(exc).__name__}: {exc}"[:300]
@@ -454,11 +381,10 @@ class TransformersEngine:
             self._active -= 1
             failed = SequenceFailed(f"The engine failed while serving this request: {self._last_fault}")
             row.loop.call_soon_threadsafe(row.outbox.put_nowait, failed)
-        if self._routes is not None:
-            self._routes.discard()
-        return _Batch()
+        self._m.discard_routes()
+        return Batch()
 
-    def _admit(self, batch: _Batch) -> bool:
+    def _admit(self, batch: Batch) -> bool:
         """Take new work from the inbox; block only when there is nothing to do. False means stop.
 
         Weight updates are applied as soon as they arrive, also when the batch is full; requests
@@ -478,7 +404,7 @@ class TransformersEngine:
                 self._apply_adapter(batch, item)
             elif isinstance(item, _AdapterUnload):
                 self._unload_adapter(batch, item)
-            elif isinstance(item, _Request):
+            elif isinstance(item, Row):
                 self._backlog.append(item)
             else:
                 raise TypeError(f"the engine's inbox holds {item!r}")
@@ -497,83 +423,32 @@ class TransformersEngine:
             self._prefilling = None
         return True
 
-    def _prefill(self, batch: _Batch, request: _Request) -> None:
+    def _prefill(self, batch: Batch, request: Row) -> None:
+        m = self._m
         constraint = request.params.constraint
         if constraint is not None:  # in the worker: building a large grammar's first mask takes a while
-            vocab = int(self._model.config.get_text_config().vocab_size)
-            request.mask = TokenMask(constraint, grammar_tokenizer(self.tokenizer, vocab, self._eos_ids), vocab)
-        if self._routes is not None:
-            self._routes.discard()  # a forward pass that failed part-way left some behind
-        if self._bank is not None:
-            self._bank.set_rows((request.params.adapter,))
-        cache = DynamicCache()
-        ids = torch.tensor([request.prompt_ids], device=self._device)
-        vision: dict[str, Any] = {}
-        if self.vision is not None:
-            vision = self._vision_inputs([request], ids)
-            request.mrope = vision["position_ids"][:, 0, :] if request.images else None
-        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, **vision, **self._last_logits)
-        request.length = len(request.prompt_ids)
-        routes = [self._routes.take()[0]] if self._routes is not None else None  # [prompt, layers, top_k]
-        finished = self._emit([request], out.logits[:, -1, :], [request.params], [request.generator], routes)
+            vocab = m.vocab_size
+            request.mask = TokenMask(constraint, grammar_tokenizer(self.tokenizer, vocab, m.eos_ids), vocab)
+        logits, cache, routes = m.prefill(request)
+        finished = self._emit([request], logits, [request.params], [request.generator], routes)
         if finished[0]:
             return
-        self._merge(batch, request, cache)
+        m.merge(batch, request, cache)
 
-    def _merge(self, batch: _Batch, request: _Request, cache: DynamicCache) -> None:
-        new_mask = torch.ones((1, request.length), dtype=torch.long, device=self._device)
-        if batch.cache is None or batch.mask is None:
-            batch.rows, batch.cache, batch.mask = [request], cache, new_mask
-            return
-        width = max(batch.mask.shape[1], request.length)
-        for old, new in zip(_layers(batch.cache), _layers(cache), strict=True):
-            (old_keys, old_values), (new_keys, new_values) = _kv(old), _kv(new)
-            old.keys = torch.cat([_left_pad(old_keys, width), _left_pad(new_keys, width)], dim=0)
-            old.values = torch.cat([_left_pad(old_values, width), _left_pad(new_values, width)], dim=0)
-        batch.mask = torch.cat([_left_pad(batch.mask, width), _left_pad(new_mask, width)], dim=0)
-        batch.rows.append(request)
-
-    def _decode(self, batch: _Batch) -> None:
-        assert batch.cache is not None and batch.mask is not None
+    def _decode(self, batch: Batch) -> None:
         rows = batch.rows
-        ids = torch.tensor([[r.pending_token] for r in rows], device=self._device)
-        positions = torch.tensor([[r.length + r.rope_delta] for r in rows], device=self._device)
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(rows), 1))], dim=1)
-        if self._bank is not None:
-            self._bank.set_rows([r.params.adapter for r in rows])
-        out = self._model(
-            input_ids=ids,
-            attention_mask=batch.mask,
-            position_ids=positions,
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        for r in rows:
-            r.length += 1
-        routes = list(self._routes.take()) if self._routes is not None else None  # rows x [1, layers, top_k]
-        logits = out.logits[:, -1, :]
+        logits, routes = self._m.decode(batch)
         finished = self._emit(rows, logits, [r.params for r in rows], [r.generator for r in rows], routes)
         keep = [i for i, (r, done) in enumerate(zip(rows, finished, strict=True)) if not (done or r.aborted)]
         if len(keep) == len(rows):
             return
         # Finished rows were already counted out by _emit; aborted ones leave here.
         self._active -= sum(1 for r, done in zip(rows, finished, strict=True) if r.aborted and not done)
-        if not keep:
-            batch.rows, batch.cache, batch.mask = [], None, None
-            return
-        index = torch.tensor(keep, device=self._device)
-        batch.rows = [rows[i] for i in keep]
-        batch.mask = batch.mask[index]
-        # Columns that are padding in every remaining row are dead weight for attention.
-        trim = int((batch.mask.cumsum(dim=1) == 0).all(dim=0).sum())
-        batch.mask = batch.mask[:, trim:]
-        for layer in _layers(batch.cache):
-            keys, values = _kv(layer)
-            layer.keys, layer.values = keys[index, :, trim:, :], values[index, :, trim:, :]
+        self._m.keep_rows(batch, keep)
 
     def _emit(
         self,
-        rows: list[_Request],
+        rows: list[Row],
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator],
@@ -605,7 +480,7 @@ class TransformersEngine:
             logits[list(faults)] = 0.0
         sampled = sample_batch(logits, params, generators)
         finished: list[bool] = []
-        deliveries: list[tuple[_Request, EngineStep]] = []
+        deliveries: list[tuple[Row, EngineStep]] = []
         for i, row in enumerate(rows):
             token = sampled.token_ids[i]
             if row.mask is not None and i not in faults:
@@ -647,26 +522,23 @@ class TransformersEngine:
             rows[0].loop.call_soon_threadsafe(_deliver, deliveries)
         return finished
 
-    def _fail_row(self, row: _Request, why: str) -> None:
+    def _fail_row(self, row: Row, why: str) -> None:
         """End one request with :class:`SequenceFailed`; the batch drops its row at this step."""
         self._active -= 1
         log.warning("request %s fails alone: %s", row.request_id, why)
         failed = SequenceFailed(f"The engine could not go on with this request: {why}")
         row.loop.call_soon_threadsafe(row.outbox.put_nowait, failed)
 
-    def _apply_weights(self, batch: _Batch, update: _WeightUpdate) -> None:
+    def _apply_weights(self, batch: Batch, update: _WeightUpdate) -> None:
         started = time.perf_counter()
         try:
-            with torch.no_grad():
-                for name, tensor in update.tensors.items():
-                    self._targets[name].data.copy_(tensor)
-            self._synchronize()  # on a GPU the copy is queued, not done: time what it costs
+            self._m.copy_weights(update.tensors)  # synchronized: on a GPU a copy is queued, not done
             copied = time.perf_counter()
             previous, self.policy_version = self.policy_version, update.policy_version
             in_flight = len(batch.rows)
             if self._recompute_on_update:
-                self._recompute_cache(batch)
-            self._synchronize()
+                self._m.recompute_cache(batch)
+            self._m.synchronize()
         except Exception as exc:  # surfaced to the caller of update_weights
             update.loop.call_soon_threadsafe(_resolve, update.done, exc)
             return
@@ -685,19 +557,20 @@ class TransformersEngine:
         )  # fmt: skip
         update.loop.call_soon_threadsafe(_resolve, update.done, report)
 
-    def _apply_adapter(self, batch: _Batch, update: _AdapterUpdate) -> None:
+    def _apply_adapter(self, batch: Batch, update: _AdapterUpdate) -> None:
         started = time.perf_counter()
-        assert self._bank is not None
+        bank = self._m.bank
+        assert bank is not None
         try:
-            self._bank.load(update.name, update.weights)
+            bank.load(update.name, update.weights)
             copied = time.perf_counter()
             previous = self._adapter_versions.get(update.name, 0)
             self._adapter_versions[update.name] = update.policy_version
             rows = [i for i, row in enumerate(batch.rows) if row.params.adapter == update.name]
             serving = len(rows)
             if rows and self._recompute_on_update:
-                self._recompute_rows(batch, rows)  # only this adapter's rows: the others do not pause for them
-            self._synchronize()
+                self._m.recompute_rows(batch, rows)  # only this adapter's rows: the others do not pause for them
+            self._m.synchronize()
         except Exception as exc:  # AdapterRefused, surfaced to the caller
             update.loop.call_soon_threadsafe(_resolve, update.done, exc)
             return
@@ -711,7 +584,7 @@ class TransformersEngine:
         )  # fmt: skip
         update.loop.call_soon_threadsafe(_resolve, update.done, report)
 
-    def _unload_adapter(self, batch: _Batch, unload: _AdapterUnload) -> None:
+    def _unload_adapter(self, batch: Batch, unload: _AdapterUnload) -> None:
         # Rows still in the batch count even when aborted: the next decode step names their adapter.
         users = sum(1 for row in batch.rows if row.params.adapter == unload.name)
         users += sum(1 for row in self._backlog if row.params.adapter == unload.name and not row.aborted)
@@ -723,116 +596,16 @@ class TransformersEngine:
             )
         else:
             try:
-                assert self._bank is not None
-                self._bank.unload(unload.name)
+                assert self._m.bank is not None
+                self._m.bank.unload(unload.name)
                 self._adapter_versions.pop(unload.name, None)
                 log.info("adapter %s unloaded", unload.name)
             except Exception as exc:  # KeyError: unloaded already
                 outcome = exc
         unload.loop.call_soon_threadsafe(_resolve, unload.done, outcome)
 
-    def _synchronize(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
 
-    def _recompute_cache(self, batch: _Batch) -> None:
-        """Rebuild every running row's KV cache with the current weights (prompt + output so far).
-
-        One left-padded forward pass over all rows: the cache it leaves is laid out exactly as
-        :meth:`_merge` lays out a batch. The last sampled token of a row is not in its cache yet:
-        it is the next step's input.
-        """
-        if not batch.rows:
-            return
-        width = max(row.length for row in batch.rows)
-        batch.cache, batch.mask = self._prefill_rows(batch.rows, width)
-
-    def _recompute_rows(self, batch: _Batch, indices: list[int]) -> None:
-        """Rebuild the KV cache of the rows ``indices`` alone (an adapter's, after its update).
-
-        One forward pass over just those rows, left-padded to the batch's width so that each
-        row's cache lands in the columns it already occupies; the other rows' cache is untouched.
-        """
-        assert batch.cache is not None and batch.mask is not None
-        cache, _ = self._prefill_rows([batch.rows[i] for i in indices], batch.mask.shape[1])
-        index = torch.tensor(indices, device=self._device)
-        for old, new in zip(_layers(batch.cache), _layers(cache), strict=True):
-            (old_keys, old_values), (new_keys, new_values) = _kv(old), _kv(new)
-            old_keys[index] = new_keys
-            old_values[index] = new_values
-
-    def _prefill_rows(self, rows: list[_Request], width: int) -> tuple[DynamicCache, torch.Tensor]:
-        """A fresh KV cache of ``rows`` (each its prompt and all but its last sampled token),
-        left-padded to ``width`` columns, with its attention mask."""
-        ids = torch.zeros((len(rows), width), dtype=torch.long, device=self._device)
-        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self._device)
-        for i, row in enumerate(rows):
-            sequence = row.prompt_ids + row.output_ids[:-1]
-            assert len(sequence) == row.length <= width, "a row's cache holds its prompt and all but its last token"
-            ids[i, width - len(sequence) :] = torch.tensor(sequence, device=self._device)
-            mask[i, width - len(sequence) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        vision: dict[str, Any] = {"position_ids": positions}
-        if any(row.images for row in rows):
-            vision = self._vision_inputs(rows, ids, positions)
-        if self._bank is not None:
-            self._bank.set_rows([row.params.adapter for row in rows])
-        cache = DynamicCache()
-        self._model(
-            input_ids=ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            **vision,
-            **self._last_logits,
-        )
-        if self._routes is not None:
-            # A position keeps the experts that routed it when it was first run (and sampled the
-            # next token): the recomputed cache's routes are not recorded (docs/moe.md).
-            self._routes.discard()
-        return cache, mask
-
-    def _vision_inputs(
-        self, rows: list[_Request], ids: torch.Tensor, text_positions: torch.Tensor | None = None
-    ) -> dict[str, Any]:
-        """Pixel values, grids and multimodal positions for a forward pass over ``ids``.
-
-        One row (a prefill, ``text_positions`` None): its prompt, positioned by the model's own
-        ``get_rope_index``, whose delta the row keeps for every later position. Several (a cache
-        recomputed after a weight update; ``ids`` left-padded, ``text_positions`` their 1-D
-        positions): each row's prompt positions as its prefill computed them, its outputs after.
-        """
-        images = [image for row in rows for image in row.images]
-        inputs: dict[str, Any] = {}
-        if images:
-            pixels = np.concatenate([image.pixel_values for image in images])
-            inputs["pixel_values"] = torch.from_numpy(pixels).to(device=self._device, dtype=self._dtype)
-            inputs["image_grid_thw"] = torch.tensor([image.grid_thw for image in images], device=self._device)
-        if text_positions is None:
-            (row,) = rows
-            if not row.images:
-                inputs["position_ids"] = torch.arange(ids.shape[1], device=self._device).view(1, -1)
-                return inputs
-            assert self.vision is not None
-            kinds = (ids == self.vision.token_id).int()
-            positions, deltas = self._rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=inputs["image_grid_thw"])
-            row.rope_delta = int(deltas.view(-1)[0])
-            inputs["position_ids"] = positions
-            return inputs
-        width = ids.shape[1]
-        positions = text_positions.unsqueeze(0).repeat(3, 1, 1)
-        for i, row in enumerate(rows):
-            if row.mrope is None:
-                continue
-            prompt = row.mrope.shape[1]
-            start = width - row.length
-            positions[:, i, start : start + prompt] = row.mrope
-            positions[:, i, start + prompt :] += row.rope_delta
-        inputs["position_ids"] = positions
-        return inputs
-
-
-def _deliver(deliveries: list[tuple[_Request, EngineStep]]) -> None:
+def _deliver(deliveries: list[tuple[Row, EngineStep]]) -> None:
     for request, step in deliveries:
         request.outbox.put_nowait(step)
 
@@ -844,37 +617,3 @@ def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
-
-
-def _layers(cache: DynamicCache) -> list[DynamicLayer]:
-    """The cache's per-layer KV tensors (full attention only: this engine serves such models)."""
-    return cast(list[DynamicLayer], cache.layers)
-
-
-def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    assert layer.keys is not None and layer.values is not None, "prefill fills every layer"
-    return layer.keys, layer.values
-
-
-def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Left-pad the sequence axis (-2 for KV [B,H,L,D], -1 for masks [B,L]) with zeros."""
-    axis = -1 if tensor.dim() == 2 else -2
-    missing = width - tensor.shape[axis]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[axis] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
-
-
-def end_of_turn_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """The tokens that end a turn: the generation config's, the model config's and the tokenizer's
-    end-of-sequence ids (what a grammar of :mod:`stream_gateway.constraints` allows at its end)."""
-    eos: set[int] = set()
-    config = model.config.get_text_config()  # a vision-language model's end ids are its language model's
-    for source in (model.generation_config.eos_token_id, config.eos_token_id, tokenizer.eos_token_id):
-        if isinstance(source, int):
-            eos.add(source)
-        elif source:
-            eos.update(int(s) for s in source)
-    return frozenset(eos)
