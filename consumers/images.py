@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import base64
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -122,14 +123,8 @@ class ImageStore:
         """The trajectory's images, in order, checked (``[]``: it has none); :class:`ImagesRefused` says why not."""
         resolved = []
         for i, image in enumerate(trajectory.images):
-            try:
+            with self._refusing(trajectory, i):
                 resolved.append(await self._resolve(trajectory, image))
-            except _Missing as exc:
-                self._counts["refused_missing"] += 1
-                raise ImagesRefused(trajectory.trajectory_id, f"images[{i}]: {exc}", missing=True) from exc
-            except _Mismatch as exc:
-                self._counts["refused_mismatch"] += 1
-                raise ImagesRefused(trajectory.trajectory_id, f"images[{i}]: {exc}", missing=False) from exc
         return resolved
 
     async def check(self, trajectory: Trajectory) -> None:
@@ -137,17 +132,23 @@ class ImageStore:
         once: every object exists, the image's stored digest is its name, the processor rebuilds
         here, and the row's runs are its placeholder. :class:`ImagesRefused` says why not."""
         for i, image in enumerate(trajectory.images):
-            try:
+            with self._refusing(trajectory, i):
                 processor = await self._processor(image.processor)
                 _check_placeholder(trajectory, image, processor)
                 await self._check_stored(image.sha256)
-            except _Missing as exc:
-                self._counts["refused_missing"] += 1
-                raise ImagesRefused(trajectory.trajectory_id, f"images[{i}]: {exc}", missing=True) from exc
-            except _Mismatch as exc:
-                self._counts["refused_mismatch"] += 1
-                raise ImagesRefused(trajectory.trajectory_id, f"images[{i}]: {exc}", missing=False) from exc
             self._counts["checked"] += 1
+
+    @contextmanager
+    def _refusing(self, trajectory: Trajectory, index: int) -> Iterator[None]:
+        """A missing object or a mismatch of image ``index`` as the trajectory's refusal, counted."""
+        try:
+            yield
+        except _Missing as exc:
+            self._counts["refused_missing"] += 1
+            raise ImagesRefused(trajectory.trajectory_id, f"images[{index}]: {exc}", missing=True) from exc
+        except _Mismatch as exc:
+            self._counts["refused_mismatch"] += 1
+            raise ImagesRefused(trajectory.trajectory_id, f"images[{index}]: {exc}", missing=False) from exc
 
     async def resolve_all(self, trajectories: Sequence[Trajectory]) -> list[list[ResolvedImage]]:
         """Every trajectory's images (row by row); the first refusal is raised."""
