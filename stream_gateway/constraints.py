@@ -81,19 +81,22 @@ class Constraint:
     """A request's constraint: its kind and llguidance grammar (serialized, as recorded).
 
     ``answer`` is the grammar as lark rules whose start symbol is ``answer`` (what
-    :meth:`after_thinking` builds on).
+    :meth:`after_thinking` builds on); ``lark`` the whole grammar in llguidance's lark, as a
+    remote server's structured outputs take it (vLLM's ``structured_outputs.grammar``).
     """
 
     kind: ConstraintKind
     grammar: str
     answer: str
+    lark: str = ""
 
     @classmethod
     def of(cls, kind: ConstraintKind, answer: str) -> Constraint:
         """The constraint whose output is exactly ``answer``'s rules."""
         from llguidance import LLMatcher
 
-        return cls(kind, LLMatcher.grammar_from_lark("start: answer\n" + answer), answer)
+        lark = "start: answer\n" + answer
+        return cls(kind, LLMatcher.grammar_from_lark(lark), answer, lark)
 
     def after_thinking(self, start_id: int, end_id: int, *, opened: bool) -> Constraint:
         """This constraint behind a thinking block: the block's text is free, its closing tag
@@ -104,7 +107,8 @@ class Constraint:
 
         close = f"/(.|\\n)*/ <[{end_id}]> /\\n{{0,2}}/"
         think = close if opened else f"(<[{start_id}]> {close})?"
-        return replace(self, grammar=LLMatcher.grammar_from_lark(f"start: {think} answer\n" + self.answer))
+        lark = f"start: {think} answer\n" + self.answer
+        return replace(self, grammar=LLMatcher.grammar_from_lark(lark), lark=lark)
 
 
 def response_format_constraint(response_format: dict[str, Any] | None) -> Constraint | None:

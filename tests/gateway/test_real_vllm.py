@@ -10,30 +10,74 @@ reproduces the recorded logprobs (fp32).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import torch
 from openai import OpenAI
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway import Settings
+from stream_gateway.constraints import response_format_constraint
 from stream_gateway.engines import build_engine
 
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.fidelity import assert_chain_logprobs
-from ..support.servers import RunningGateway, run_gateway
+from ..support.lora import make_adapter
+from ..support.servers import RunningGateway, free_port, run_gateway, wait_healthy
 from ..support.vllm_server import VllmServer, run_vllm
+from ..support.waiting import wait_until
+
+# LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING, set by run_vllm): two at once, for
+# an adapter's old version still serving while the new one loads. Structured outputs by llguidance
+# (guidance), which follows the gateway's grammars as given (docs/http-api.md).
+SERVER_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+               "--structured-outputs-config", '{"backend": "guidance"}')  # fmt: skip
+ADMIN = "sk-admin"
 
 
 @pytest.fixture(scope="module")
 def vllm(agent_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with run_vllm(agent_model_path, "tiny-agent", tmp_path_factory.mktemp("vllm")) as server:
+    with run_vllm(agent_model_path, "tiny-agent", tmp_path_factory.mktemp("vllm"), extra_args=SERVER_ARGS) as server:
         yield server
+
+
+class SecondServer:
+    """A second vLLM server for the tests that need two, started on first use and again after a
+    test killed it (the failover test does)."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self._model, self._log_dir = model, log_dir
+        self._stack = ExitStack()
+        self._server: VllmServer | None = None
+
+    def alive(self) -> VllmServer:
+        if self._server is None or self._server.process.poll() is not None:
+            self._server = self._stack.enter_context(run_vllm(self._model, "tiny-agent", self._log_dir, name="second"))
+        return self._server
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+@pytest.fixture(scope="module")
+def second(agent_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondServer]:
+    servers = SecondServer(agent_model_path, tmp_path_factory.mktemp("vllm-second"))
+    try:
+        yield servers
+    finally:
+        servers.close()
 
 
 @pytest.fixture(scope="module")
@@ -147,44 +191,119 @@ def test_a_tool_loop_through_vllm_is_one_token_exact_chain(
     assert_chain_logprobs(model, chain["token_ids"], chain["mask"], chain["logprobs"], atol=1e-4)
 
 
+def test_workers_send_each_session_to_its_home_server(
+    vllm: VllmServer, second: SecondServer, agent_model_path: Path, tmp_path: Path
+) -> None:
+    """``serve --workers 2`` in front of two vLLM servers: each request of a session reaches
+    whichever worker the kernel gives its connection, and every worker sends it to the session's
+    home, the server ranked first for its id by rendezvous hashing (read from vLLM's access
+    logs): both servers are some sessions' home, and a session's later turns hit vLLM's prefix
+    cache there."""
+    from stream_gateway.engines._pool import _rank  # the rule every worker applies
+
+    other = second.alive()
+    servers = (vllm, other)
+    upstreams = (vllm.url, other.url)
+    homes: dict[str, str] = {}  # three sessions whose home is each server
+    for sid in (f"home-{i}" for i in range(200)):
+        home = max(upstreams, key=lambda url: _rank(sid, url))
+        if sum(h == home for h in homes.values()) < 3:
+            homes[sid] = home
+    sessions = list(homes)
+    assert len(sessions) == 6, homes
+    port = free_port()
+    log = tmp_path / "workers.log"
+    command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--model", str(agent_model_path),
+               "--served-model-name", "tiny-agent", "--port", str(port), "--engine", "vllm-http",
+               "--upstream", vllm.url, "--upstream", other.url, "--workers", "2", "--log-level", "warning"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
+    with EmbeddedNatsServer() as nats_server, log.open("w") as out:
+        command += ["--nats-url", nats_server.url, "--outbox-dir", str(tmp_path / "outbox")]
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+        try:
+            wait_healthy(process, port, log=log)
+            base = f"http://127.0.0.1:{port}"
+            workers = set()
+            for sid in sessions:
+                seen = {server.url: len(server.completion_connections()) for server in servers}
+                task = "Read the file notes.md and summarise it, please. " * 30  # prefix cache blocks to hit
+                messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+                for turn in range(3):
+                    # A new connection per request: the kernel spreads them over the workers.
+                    reply = httpx.post(f"{base}/sessions/{sid}/v1/chat/completions", timeout=120,
+                                       json={"model": "tiny-agent", "messages": messages, "max_tokens": 6})  # fmt: skip
+                    assert reply.status_code == 200, reply.text
+                    workers.add(httpx.get(f"{base}/health", timeout=10).json()["replica"])
+                    messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": f"More {turn}."}]
+                got = {server.url: len(server.completion_connections()) - seen[server.url] for server in servers}
+                assert got == {url: 3 if url == homes[sid] else 0 for url in upstreams}, (sid, homes[sid], got)
+                turns = httpx.get(f"{base}/sessions/{sid}", timeout=30).json()["turns"]
+                assert len(turns) == 3 and all(t["cached_prompt_tokens"] > 0 for t in turns[1:]), turns
+            assert len(workers) == 2, workers
+        finally:
+            process.terminate()
+            assert process.wait(timeout=60) == 0, log.read_text()
+
+
+def test_a_server_that_does_not_follow_the_grammar_fails_that_request(
+    second: SecondServer, agent_model_path: Path
+) -> None:
+    """vLLM's default structured-outputs backend (xgrammar) reads the gateway's ``%json`` rules but
+    not their whitespace: what it samples breaks the grammar the turn would record, and the gateway,
+    which walks every sampled token through that grammar, fails the request saying what to change
+    (``--structured-outputs-config``), instead of recording a turn whose grammar does not replay."""
+    server = second.alive()  # started without --structured-outputs-config
+    settings = Settings(model=str(agent_model_path), engine="vllm-http", upstreams=(server.url,),
+                        served_model_name="tiny-agent")  # fmt: skip
+    with run_gateway(build_engine(settings), settings) as running:
+        say = [{"role": "user", "content": "Describe the weather as JSON."}]
+        with (
+            OpenAI(base_url=f"{running.base_url}/v1", api_key="x", max_retries=0, timeout=120) as c,
+            pytest.raises(openai.APIError, match="grammar refuses") as failed,
+        ):
+            _answer(c, False, messages=say, response_format={"type": "json_object"})
+    assert "--structured-outputs-config" in str(failed.value)
+
+
 def test_failover_when_one_of_two_real_servers_is_killed(
-    vllm: VllmServer, agent_model_path: Path, tmp_path: Path
+    vllm: VllmServer, second: SecondServer, agent_model_path: Path
 ) -> None:
     """Two vLLM servers; the one serving a stream is SIGKILLed mid-answer: that stream ends with an
     error frame (a half-sent answer cannot move), the pool marks the server down, and the next
     requests all go to the survivor."""
-    with run_vllm(agent_model_path, "tiny-agent", tmp_path, name="victim") as victim:
-        settings = Settings(model=str(agent_model_path), engine="vllm-http", upstreams=(victim.url, vllm.url),
-                            served_model_name="tiny-agent", upstream_health_interval_seconds=0.5)  # fmt: skip
-        with run_gateway(build_engine(settings), settings) as running:
-            body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "go on"}], "stream": True,
-                    "max_tokens": 3000, "ignore_eos": True}  # fmt: skip
-            frames: list[str] = []
-            on_victim: bool | None = None
-            with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        frames.append(line[6:])
-                    if len(frames) == 3 and on_victim is None:
-                        on_victim = victim.metric("vllm:num_requests_running") > 0
-                        victim.kill()
-                        if not on_victim:
-                            break  # the pool put it on the survivor: the kill only tests the pool below
-            if on_victim:
-                assert '"error"' in frames[-2] and frames[-1] == "[DONE]", frames[-3:]
-            health: dict[str, Any] = {}
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                health = running.health()
-                if [u["healthy"] for u in health["upstreams"]] == [False, True]:
-                    break
-                time.sleep(0.2)
-            assert [u["healthy"] for u in health["upstreams"]] == [False, True], health
-            with OpenAI(base_url=f"{running.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
-                for turn in range(4):
-                    ask = [{"role": "user", "content": f"hi {turn}"}]
-                    reply = client.chat.completions.create(model="tiny-agent", max_tokens=6, messages=ask)  # type: ignore[arg-type]
-                    assert reply.choices[0].finish_reason in ("stop", "length")
+    victim = second.alive()
+    settings = Settings(model=str(agent_model_path), engine="vllm-http", upstreams=(victim.url, vllm.url),
+                        served_model_name="tiny-agent", upstream_health_interval_seconds=0.5)  # fmt: skip
+    with run_gateway(build_engine(settings), settings) as running:
+        body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "go on"}], "stream": True,
+                "max_tokens": 3000, "ignore_eos": True}  # fmt: skip
+        frames: list[str] = []
+        on_victim: bool | None = None
+        with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line[6:])
+                if len(frames) == 3 and on_victim is None:
+                    on_victim = victim.metric("vllm:num_requests_running") > 0
+                    victim.kill()
+                    if not on_victim:
+                        break  # the pool put it on the survivor: the kill only tests the pool below
+        if on_victim:
+            assert '"error"' in frames[-2] and frames[-1] == "[DONE]", frames[-3:]
+        health: dict[str, Any] = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            # (503 while no server is healthy: the survivor may miss a check while the machine is busy)
+            health = httpx.get(running.base_url + "/health", timeout=10).json()
+            if [u["healthy"] for u in health["upstreams"]] == [False, True]:
+                break
+            time.sleep(0.2)
+        assert [u["healthy"] for u in health["upstreams"]] == [False, True], health
+        with OpenAI(base_url=f"{running.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            for turn in range(4):
+                ask = [{"role": "user", "content": f"hi {turn}"}]
+                reply = client.chat.completions.create(model="tiny-agent", max_tokens=6, messages=ask)  # type: ignore[arg-type]
+                assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_prefix_cache_hits_are_recorded_per_turn(front: RunningGateway) -> None:
@@ -207,3 +326,146 @@ def test_prefix_cache_hits_are_recorded_per_turn(front: RunningGateway) -> None:
     cached = next(float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("gateway_prompt_tokens_cached_total"))  # fmt: skip
     assert cached >= second["cached_prompt_tokens"]
+
+
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a command",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    },
+}
+FORCE_BASH = {"type": "function", "function": {"name": "bash"}}
+# A bounded answer: a tiny model left a free string running ("README.mdddd...") to max_tokens.
+CITY = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}  # fmt: skip
+
+
+def _answer(client: OpenAI, stream: bool, **request: Any) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """The text, finish reason and ``(name, arguments)`` of each tool call of one answer, streamed or not."""
+    request |= {"model": "tiny-agent", "max_tokens": 48, "seed": 5, "temperature": 1.0}
+    if not stream:
+        choice = client.chat.completions.create(**request).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+        return choice.message.content or "", choice.finish_reason, calls
+    text, finish, names, arguments = "", None, [], []
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for delta_choice in chunk.choices:
+            text += delta_choice.delta.content or ""
+            finish = delta_choice.finish_reason or finish
+            for delta in delta_choice.delta.tool_calls or []:
+                if delta.function is not None and delta.function.name:
+                    names.append(delta.function.name)
+                    arguments.append("")
+                if delta.function is not None and delta.function.arguments:
+                    arguments[-1] += delta.function.arguments
+    return text, finish, list(zip(names, arguments, strict=True))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_constrained_decoding_is_vllms_structured_outputs(
+    front: RunningGateway, vllm: VllmServer, stream: bool
+) -> None:
+    """``response_format`` json_schema and a forced tool call go to vLLM as its structured outputs
+    (the gateway's grammar in ``structured_outputs.grammar``): tiny-agent, which left to itself
+    writes neither, answers the object asked for and calls the tool it was forced to; the JSON
+    answer's ids and logprobs are those vLLM gives for the same prompt ids, seed and grammar."""
+    session = f"real-vllm-constrained-{stream}"
+    with OpenAI(base_url=f"{front.base_url}/sessions/{session}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        say = [{"role": "user", "content": "Describe the weather as JSON."}]
+        text, finish, _ = _answer(c, stream, messages=say, response_format=CITY)
+        assert finish == "stop" and set(json.loads(text)) == {"city"}, text
+        run = [{"role": "user", "content": "List the files."}]
+        _, finish, calls = _answer(c, stream, messages=run, tools=[READ_TOOL, BASH_TOOL], tool_choice=FORCE_BASH)
+        assert finish == "tool_calls" and [name for name, _ in calls] == ["bash"], calls
+        assert set(json.loads(calls[0][1])) == {"command"}, calls
+    first, second = _session(front, session)["turns"]
+    assert (first["finish_reason"], second["finish_reason"]) == ("stop", "tool_calls")
+    constraint = response_format_constraint(CITY)
+    assert constraint is not None
+    direct = httpx.post(f"{vllm.url}/v1/completions", timeout=120, json={
+        "model": "tiny-agent", "prompt": first["prompt_ids"], "max_tokens": 48, "temperature": 1.0, "top_p": 1.0,
+        "top_k": -1, "seed": 5, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+        "structured_outputs": {"grammar": constraint.lark},
+    }).json()["choices"][0]  # fmt: skip
+    assert first["output_ids"] == direct["token_ids"]
+    torch.testing.assert_close(first["logprobs"], direct["logprobs"]["token_logprobs"], atol=1e-5, rtol=0)
+
+
+def test_a_stop_string_ends_the_answer_and_the_request_on_vllm(
+    front: RunningGateway, vllm: VllmServer, agent_model_path: Path
+) -> None:
+    """The gateway finds the stop string in the text (across token boundaries) and ends the answer
+    before it; the request it closed stops on vLLM too (its own counters), far short of its
+    3,000-token budget; the turn records the ids sampled, the stop's among them."""
+    generated = vllm.metric("vllm:generation_tokens_total")
+    session = "real-vllm-stop"
+    with OpenAI(base_url=f"{front.base_url}/sessions/{session}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        text, finish, _ = _answer(c, True, messages=[{"role": "user", "content": "go on"}], stop=["e"],
+                                  max_tokens=3000, extra_body={"ignore_eos": True})  # fmt: skip
+    assert finish == "stop" and "e" not in text
+    deadline = time.monotonic() + 20
+    while vllm.metric("vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "vLLM still runs the request the stop string ended"
+        time.sleep(0.1)
+    stopped = vllm.metric("vllm:generation_tokens_total")
+    time.sleep(1.0)
+    assert vllm.metric("vllm:generation_tokens_total") == stopped and stopped - generated < 3000
+    (turn,) = _session(front, session)["turns"]
+    assert turn["finish_reason"] == "stop" and 0 < len(turn["output_ids"]) < 3000
+    tokenizer = AutoTokenizer.from_pretrained(agent_model_path)
+    assert tokenizer.decode(turn["output_ids"]).startswith(text + "e")
+
+
+def test_adapters_load_and_unload_on_vllm_at_run_time(vllm: VllmServer, agent_model_path: Path, tmp_path: Path) -> None:
+    """``POST /policy/weights`` with an adapter loads it on vLLM as ``alpha@v1`` (vLLM's own model
+    list); a request for ``alpha`` runs on it, its logprobs are PEFT's forward pass of base +
+    adapter, not the base's; version 2 replaces it (v1 unloaded from vLLM once idle), and the
+    gateway's unload takes it off vLLM."""
+    import peft
+
+    config = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    v1, v2 = (make_adapter(agent_model_path, config, seed, tmp_path / f"v{seed}") for seed in (1, 2))
+    settings = Settings(model=str(agent_model_path), engine="vllm-http", upstreams=(vllm.url,),
+                        served_model_name="tiny-agent", admin_api_keys=(ADMIN,))  # fmt: skip
+    headers = {"authorization": f"Bearer {ADMIN}"}
+
+    def served_by_vllm() -> set[str]:
+        return {m["id"] for m in httpx.get(f"{vllm.url}/v1/models", timeout=30).json()["data"]}
+
+    def load(path: Path, version: int) -> None:
+        body = {"adapter": "alpha", "path": str(path), "policy_version": version}
+        response = httpx.post(f"{running.base_url}/policy/weights", json=body, headers=headers, timeout=120)
+        assert response.status_code == 200, response.text
+
+    def chat(session: str) -> dict[str, Any]:
+        with OpenAI(base_url=f"{running.base_url}/sessions/{session}/v1", api_key=ADMIN, max_retries=0) as c:
+            hello = [{"role": "user", "content": "hello"}]
+            c.chat.completions.create(model="alpha", messages=hello, max_tokens=16, temperature=1.0, seed=3)  # type: ignore[arg-type]
+        response = httpx.get(f"{running.base_url}/sessions/{session}", headers=headers, timeout=30)
+        (turn,) = response.json()["turns"]
+        return dict(turn)
+
+    with run_gateway(build_engine(settings), settings) as running:
+        load(v1, 1)
+        assert "alpha@v1" in served_by_vllm()
+        turn = chat("real-vllm-lora-1")
+        assert turn["adapter"] == "alpha" and [tuple(s) for s in turn["policy_versions"]] == [(1, 0)]
+        base = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
+        with_adapter = peft.PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32), v1
+        ).eval()
+        mask = [0] * len(turn["prompt_ids"]) + [1] * len(turn["output_ids"])
+        logprobs = [0.0] * len(turn["prompt_ids"]) + turn["logprobs"]
+        assert_chain_logprobs(with_adapter, turn["prompt_ids"] + turn["output_ids"], mask, logprobs, atol=2e-4)
+        with pytest.raises(AssertionError):  # the adapter made a difference
+            assert_chain_logprobs(base, turn["prompt_ids"] + turn["output_ids"], mask, logprobs, atol=2e-4)
+        load(v2, 2)
+        wait_until(lambda: "alpha@v1" not in served_by_vllm(), "alpha@v1 unloaded from vLLM")
+        assert "alpha@v2" in served_by_vllm()
+        assert [tuple(s) for s in chat("real-vllm-lora-2")["policy_versions"]] == [(2, 0)]
+        unloaded = httpx.post(f"{running.base_url}/v1/unload_lora_adapter", json={"lora_name": "alpha"},
+                              headers=headers, timeout=60)  # fmt: skip
+        assert unloaded.status_code == 200, unloaded.text
+        wait_until(lambda: not {"alpha@v1", "alpha@v2"} & served_by_vllm(), "alpha unloaded from vLLM")

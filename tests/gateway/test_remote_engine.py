@@ -696,3 +696,26 @@ def test_an_unexpected_error_in_a_health_check_marks_the_server_down_and_the_che
                 assert upstream.model == "tiny-agent"
 
         anyio.run(scenario)
+
+
+def test_the_usage_frame_is_read_in_the_same_read_as_the_finishing_frame() -> None:
+    """vLLM writes the usage frame (``cached_tokens``) right after the finishing frame: one read
+    often holds both, and the finishing step still carries the prefix-cache count (seen against
+    vLLM 0.32: a turn read its finish and let the usage frame go, recording ``None``)."""
+    choice = {"finish_reason": "length", "token_ids": [11, 12], "logprobs": {"token_logprobs": [-0.5, -0.25]}}
+    usage = {"choices": [], "usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}}
+
+    async def read(together: bool) -> list[EngineStep]:
+        async def events() -> AsyncIterator[list[dict[str, Any]]]:
+            if together:
+                yield [{"choices": [choice]}, usage]
+            else:
+                yield [{"choices": [choice]}]
+                yield [usage]
+
+        exchange = Exchange("http://x", 0, None, RouteCheck(None), None, lambda: 0)
+        return [s async for s in DIALECTS["vllm"]().steps(events(), exchange)]
+
+    for together in (True, False):
+        (step,) = anyio.run(read, together)
+        assert (step.token_ids, step.finish_reason, step.cached_prompt_tokens) == ((11, 12), "length", 8), together

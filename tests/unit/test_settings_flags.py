@@ -40,6 +40,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--return-logprob": "sglang",
     "--session-dir": "pi-coding-agent",
     "--stream-interval": "vllm serve",
+    "--structured-outputs-config": "vllm serve (its structured outputs backend)",
 }
 """Flags of other programs that the docs name on their own in backticks (not ours: nothing to check)."""
 

@@ -44,6 +44,7 @@ class Dialect(ABC):
     load_adapter_path: ClassVar[str]
     unload_adapter_path: ClassVar[str]
     routes_start_field: ClassVar[str]  # where a request says from which position it wants routes
+    constrained: ClassVar[bool] = False  # the server follows a request's grammar (structured outputs)
 
     @abstractmethod
     def body(

