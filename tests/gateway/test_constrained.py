@@ -26,18 +26,10 @@ from stream_gateway.completion._request import ChatCompletionRequest
 from stream_gateway.constraints import replay_masks, response_format_constraint, tool_choice_constraint
 from stream_gateway.engines.transformers import end_of_turn_ids
 
-from ..support.agent_loop import READ_TOOL
+from ..support.agent_loop import BASH_TOOL, READ_TOOL
 from ..support.servers import RunningGateway
 from .test_conformance import check, streamed_chunks
 
-BASH_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "bash",
-        "description": "Run a command",
-        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
-    },
-}
 TOOLS = [READ_TOOL, BASH_TOOL]
 
 

@@ -32,7 +32,7 @@ from stream_gateway import Settings
 from stream_gateway.constraints import response_format_constraint
 from stream_gateway.engines import build_engine
 
-from ..support.agent_loop import READ_TOOL, drive_session
+from ..support.agent_loop import BASH_TOOL, READ_TOOL, drive_session
 from ..support.fidelity import assert_chain_logprobs
 from ..support.lora import make_adapter
 from ..support.servers import RunningGateway, free_port, run_gateway, wait_healthy
@@ -328,14 +328,6 @@ def test_prefix_cache_hits_are_recorded_per_turn(front: RunningGateway) -> None:
     assert cached >= second["cached_prompt_tokens"]
 
 
-BASH_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "bash",
-        "description": "Run a command",
-        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
-    },
-}
 FORCE_BASH = {"type": "function", "function": {"name": "bash"}}
 # A bounded answer: a tiny model left a free string running ("README.mdddd...") to max_tokens.
 CITY = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
