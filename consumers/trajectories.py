@@ -26,7 +26,7 @@ others' versions are another sequence's numbers).
 A vision-language chain's images (:attr:`Trajectory.images`) are its leaf turn's ``images``: the
 leaf's prompt is a prefix of the chain's ids, so their positions carry over. Each earlier turn's
 ``images`` must be the leaf's that lie in that turn's prompt, and the runs must be placeholder runs
-(:func:`~consumers.trajectory.images_problem`). A chain where they are not cannot be trained on (the
+(:func:`pipeline.chains.images_problem`). A chain where they are not cannot be trained on (the
 vision tower's features would not fill the prompt's image slots): it is left out, logged and
 reported through ``on_refused_images``, like a turn that cannot be rebuilt; never emitted without
 its images. ``max_tokens`` never cuts an image in two: the cut moves before it.
@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from pipeline.chains import chain_images as pipeline_chain_images
 from pipeline.chains import chain_tokens
 from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnAborted, TurnCompleted, TurnRecord
 from pipeline.routes import chain_routes_rows
@@ -52,7 +53,6 @@ from .trajectory import (
     TurnSummary,
     health_flags,
     image_cut,
-    images_problem,
     token_policy_versions,
     trajectory_id,
 )
@@ -317,24 +317,9 @@ def _end_reason(turn: TurnRecord) -> EndReason:
 
 
 def chain_images(chain: list[TurnRecord], token_ids: list[int]) -> list[TrajectoryImage]:
-    """The images of a chain whose ids are ``token_ids``: its leaf turn's, checked.
-
-    A :class:`ValueError` says why they cannot be the chain's: an earlier turn whose ``images``
-    are not the leaf's that lie in its prompt, or runs that are not placeholder runs
-    (:func:`~consumers.trajectory.images_problem`).
-    """
-    leaf = chain[-1]
-    images = [TrajectoryImage(**record.model_dump()) for record in leaf.images]
-    for turn in chain[:-1]:
-        prompt = turn.reused_prompt_tokens + len(turn.prompt_ids)
-        own = [TrajectoryImage(**record.model_dump()) for record in turn.images]
-        if own != [image for image in images if image.start < prompt]:
-            raise ValueError(
-                f"turn {turn.turn_id} lists {len(own)} images, not those of turn {leaf.turn_id} that lie in its prompt"
-            )
-    if (problem := images_problem(token_ids, images)) is not None:
-        raise ValueError(problem)
-    return images
+    """The images of a chain whose ids are ``token_ids``, placed in them
+    (:func:`pipeline.chains.chain_images` checks them; a :class:`ValueError` says why not)."""
+    return [TrajectoryImage(**record.model_dump()) for record in pipeline_chain_images(chain, token_ids)]
 
 
 def _chain_adapter(chain: list[TurnRecord]) -> str | None:

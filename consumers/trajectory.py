@@ -42,7 +42,7 @@ A trajectory is one chain of turns of a session (root to leaf of its turn tree),
   values the policy consumed (``pixels_sha256``) and the processor's fingerprint
   (``processors/<fingerprint>`` in the same bucket). It is the leaf turn's ``images``
   (:class:`pipeline.events.ImageRecord`): that turn's prompt is a prefix of ``token_ids``, so its
-  positions are the trajectory's. Validated on construction (:func:`images_problem`): in order,
+  positions are the trajectory's. Validated on construction (:func:`pipeline.chains.images_problem`): in order,
   within ``token_ids``, each run ``tokens`` copies of one placeholder id that appears nowhere else
   (a sampled placeholder would leave the vision tower's features and the prompt's slots unequal).
   Empty: a text-only chain, or a trajectory written before schema 5.
@@ -60,6 +60,7 @@ import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
+from pipeline.chains import images_problem
 from pipeline.events import ImageRecord
 from pipeline.routes import decode_routes, encode_routes, routes_problem
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -174,35 +175,6 @@ class TrajectoryImage(ImageRecord):
     def end(self) -> int:
         """The index in ``token_ids`` just after its placeholder run."""
         return self.start + self.tokens
-
-
-def images_problem(token_ids: list[int], images: list[TrajectoryImage]) -> str | None:
-    """What is wrong with ``images`` as the images of ``token_ids``; ``None``: nothing.
-
-    In order, apart (a template puts text between images, and the model's ``get_rope_index`` takes
-    one run of placeholders for one image) and within the ids; each run ``tokens`` copies of one
-    placeholder id, the same for every image, which appears nowhere else in ``token_ids`` (so the
-    runs are whole, and no sampled or tool id is taken for an image's slot). Which id that is the processor's record
-    says (``token_id``); the batcher checks it there.
-    """
-    if not images:
-        return None
-    placeholder = token_ids[images[0].start] if images[0].start < len(token_ids) else None
-    end = 0
-    for i, image in enumerate(images):
-        if image.start < end or (i and image.start == end) or image.end > len(token_ids):
-            return (
-                f"images[{i}] at {image.start}..{image.end} overlaps or touches the one before, or is outside "
-                f"the {len(token_ids)} token ids"
-            )
-        if any(token != placeholder for token in token_ids[image.start : image.end]):
-            return f"images[{i}]: token ids {image.start}..{image.end} are not {image.tokens} placeholder ids"
-        end = image.end
-    found = sum(token == placeholder for token in token_ids)
-    expected = sum(image.tokens for image in images)
-    if found != expected:
-        return f"the placeholder id {placeholder} appears {found} times in token_ids for images of {expected} tokens"
-    return None
 
 
 def image_cut(images: list[TrajectoryImage], cut: int) -> int:

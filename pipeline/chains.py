@@ -24,6 +24,11 @@ Deliberate choices:
   mismatch shows as misaligned lengths, which the batcher refuses as malformed.
 * Turns are read through :class:`ChainTurn`, a protocol, so the gateway's frozen ``Turn`` and the
   events' ``TurnRecord`` both fit without either knowing this module; the result is immutable.
+
+A vision-language chain's images (:func:`chain_images`) are its leaf turn's, each earlier turn
+listing exactly those that lie in its prompt, and they must sit in the chain's ids as runs of one
+placeholder (:func:`images_problem`): the assembler builds trajectories with them, and a
+trajectory checks its own with the same rule.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-__all__ = ["ChainTurn", "TokenChain", "chain_tokens"]
+from pipeline.events import ImageRecord
+
+__all__ = ["ChainTurn", "ImagedTurn", "TokenChain", "chain_images", "chain_tokens", "images_problem"]
 
 
 class ChainTurn(Protocol):
@@ -107,3 +114,70 @@ def chain_tokens(turns: Iterable[ChainTurn], *, prompts: Literal["whole", "appen
         prompt_length=prompt_length,
         output_starts=tuple(starts),
     )
+
+
+class ImagedTurn(Protocol):
+    """What :func:`chain_images` reads of a turn (an event's ``TurnRecord``)."""
+
+    @property
+    def turn_id(self) -> str: ...
+
+    @property
+    def reused_prompt_tokens(self) -> int: ...
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+
+    @property
+    def images(self) -> Sequence[ImageRecord]: ...
+
+
+def chain_images(chain: Sequence[ImagedTurn], token_ids: Sequence[int]) -> list[ImageRecord]:
+    """The images of a chain whose ids are ``token_ids`` (appended prompts): its leaf turn's, checked.
+
+    A :class:`ValueError` says why they cannot be the chain's: an earlier turn whose ``images``
+    are not the leaf's that lie in its prompt, or runs that are not placeholder runs
+    (:func:`images_problem`).
+    """
+    leaf = chain[-1]
+    images = list(leaf.images)
+    for turn in chain[:-1]:
+        prompt = turn.reused_prompt_tokens + len(turn.prompt_ids)
+        if list(turn.images) != [image for image in images if image.start < prompt]:
+            raise ValueError(
+                f"turn {turn.turn_id} lists {len(turn.images)} images, not those of turn {leaf.turn_id} that lie "
+                "in its prompt"
+            )
+    if (problem := images_problem(token_ids, images)) is not None:
+        raise ValueError(problem)
+    return images
+
+
+def images_problem(token_ids: Sequence[int], images: Sequence[ImageRecord]) -> str | None:
+    """What is wrong with ``images`` as the images of ``token_ids``; ``None``: nothing.
+
+    In order, apart (a template puts text between images, and the model's ``get_rope_index`` takes
+    one run of placeholders for one image) and within the ids; each run ``tokens`` copies of one
+    placeholder id, the same for every image, which appears nowhere else in ``token_ids`` (so the
+    runs are whole, and no sampled or tool id is taken for an image's slot). Which id that is the
+    processor's record says (``token_id``); the batcher checks it there.
+    """
+    if not images:
+        return None
+    placeholder = token_ids[images[0].start] if images[0].start < len(token_ids) else None
+    end = 0
+    for i, image in enumerate(images):
+        image_end = image.start + image.tokens
+        if image.start < end or (i and image.start == end) or image_end > len(token_ids):
+            return (
+                f"images[{i}] at {image.start}..{image_end} overlaps or touches the one before, or is outside "
+                f"the {len(token_ids)} token ids"
+            )
+        if any(token != placeholder for token in token_ids[image.start : image_end]):
+            return f"images[{i}]: token ids {image.start}..{image_end} are not {image.tokens} placeholder ids"
+        end = image_end
+    found = sum(token == placeholder for token in token_ids)
+    expected = sum(image.tokens for image in images)
+    if found != expected:
+        return f"the placeholder id {placeholder} appears {found} times in token_ids for images of {expected} tokens"
+    return None
