@@ -24,8 +24,8 @@ Deliberate choices, each a field of :class:`PullSpec` because the two consumers 
   lets the error end its run. A fetch refused because the stream or the consumer has no leader
   (a NATS cluster electing one: 503 or no responders, for seconds) is retried by both.
 * A fetch that times out is an empty fetch, whichever ``TimeoutError`` nats-py raises.
-* The connection is closed in a shielded scope of 2 s, so cancellation cannot skip it and a
-  server gone away cannot hold shutdown up.
+* The connection is closed in a shielded scope of 2 s (``pipeline.connection.close_quietly``),
+  so cancellation cannot skip it and a server gone away cannot hold shutdown up.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
-from pipeline.connection import NatsAuth, connect
+from pipeline.connection import NatsAuth, close_quietly, connect
 
 from .streams import ConsumerStreams, ensure_consumer_streams
 
@@ -46,9 +46,8 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.js import JetStreamContext
 
-__all__ = ["DurableRunner", "PullSpec", "close_quietly"]
+__all__ = ["DurableRunner", "PullSpec"]
 
-_CLOSE_TIMEOUT_S = 2.0
 _RETRY_FETCH_S = 1.0
 
 
@@ -170,11 +169,3 @@ class DurableRunner:
         """Fetch up to ``size()`` messages at a time and hand every fetch to ``handle``, forever."""
         while True:
             await handle(await self.fetch(subscription, size(), self._spec.fetch_timeout_s))
-
-
-async def close_quietly(nc: Client) -> None:
-    """Close ``nc`` in a shielded scope of 2 s: cancellation cannot skip it and a server gone away
-    cannot hold shutdown up."""
-    if not nc.is_closed:
-        with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-            await nc.close()

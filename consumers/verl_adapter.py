@@ -91,13 +91,13 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import anyio
 import numpy as np
-from pipeline.connection import NatsAuth, split_servers
+from pipeline.connection import NatsAuth, close_quietly, split_servers
 from pipeline.errors import NatsRefused
 from pipeline.subscriber import message_payload
 
 from consumers.errors import ImagesRefused
 
-from ._runner import DurableRunner, PullSpec, close_quietly
+from ._runner import DurableRunner, PullSpec
 from .grouping import AdapterFilter, adapter_filter
 from .images import ImageStore
 from .parquet import BatchManifest, decode_batch

@@ -137,7 +137,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast, runti
 
 import anyio
 import torch
-from pipeline.connection import NatsAuth, connect
+from pipeline.connection import NatsAuth, close_quietly, connect
 from pipeline.errors import NatsRefused, StalePolicyVersion
 from pipeline.events import PolicyUpdated, decode_event
 from pipeline.policies import POLICY_BUCKET, newest_adapter_version, policy_subject, publish_policy, publish_tensors
@@ -674,8 +674,7 @@ async def _connected(settings: NatsWeightSettings) -> AsyncIterator[Client]:
     try:
         yield nc
     finally:
-        with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-            await nc.close()
+        await close_quietly(nc, _CLOSE_TIMEOUT_S)
 
 
 async def _newest_version(js: JetStreamContext, spec: StreamSpec) -> int:

@@ -46,6 +46,7 @@ __all__ = [
     "NatsAuth",
     "NatsRefused",
     "add_nats_arguments",
+    "close_quietly",
     "connect",
     "nats_auth_from_args",
     "refusal",
@@ -236,16 +237,23 @@ def _once_connected(callback: Callable[[], Awaitable[None]], connected: Callable
     return call
 
 
+async def close_quietly(client: Client, timeout_s: float = 2.0) -> None:
+    """Close ``client`` in a shielded scope of ``timeout_s``: cancellation cannot skip it, and a
+    server gone away (or a TLS transport that never reports closed) cannot hold shutdown up."""
+    import anyio
+
+    if not client.is_closed:
+        with anyio.move_on_after(timeout_s, shield=True):
+            await client.close()
+
+
 async def _discard(client: Client) -> None:
     """Close a client whose first connect was refused.
 
     After a failed certificate check nats-py 2.16's ``close`` closes the socket, then waits
     forever for the TLS transport to report it closed: that wait is cut short.
     """
-    import anyio
-
-    with anyio.move_on_after(1, shield=True):
-        await client.close()
+    await close_quietly(client, 1.0)
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser, *, url_default: str | None = "nats://127.0.0.1:4222") -> None:

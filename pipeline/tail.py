@@ -40,7 +40,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from pipeline.errors import NatsRefused
 
-from .connection import NatsAuth, connect
+from .connection import NatsAuth, close_quietly, connect
 from .errors import TailError
 from .events import (
     DURABLE_KINDS,
@@ -381,8 +381,7 @@ async def _connected(servers: list[str], write: Callable[[str], None], auth: Nat
         yield nc
     finally:
         closing = True
-        with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-            await nc.close()
+        await close_quietly(nc, _CLOSE_TIMEOUT_S)
 
 
 def _reason(exc: BaseException) -> str:

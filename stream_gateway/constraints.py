@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Constraint",
     "TokenMask",
+    "eos_ids",
     "grammar_tokenizer",
     "replay_masks",
     "response_format_constraint",
@@ -257,6 +258,18 @@ def _tag(tokenizer: PreTrainedTokenizerBase, tag: str) -> str:
 
 _tokenizers: dict[tuple[int, int, tuple[int, ...]], tuple[Any, LLTokenizer]] = {}
 _tokenizers_lock = threading.Lock()
+
+
+def eos_ids(*sources: int | Sequence[int] | None) -> frozenset[int]:
+    """The end-of-turn ids named by ``sources`` (configs give one id, a list, or none): what a
+    grammar of this module allows at its end."""
+    ids: set[int] = set()
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
 
 
 def grammar_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Iterable[int]) -> LLTokenizer:

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.cache_utils import DynamicLayer
 
 from stream_gateway._errors import AdapterRefused, EngineUnavailable
-from stream_gateway.constraints import TokenMask
+from stream_gateway.constraints import TokenMask, eos_ids
 from stream_gateway.engines._base import EngineStep, ExpertShape, SamplingParams
 from stream_gateway.lora import LoraBank, read_adapter
 from stream_gateway.moe import RouterCapture
@@ -378,11 +378,5 @@ def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
 def end_of_turn_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """The tokens that end a turn: the generation config's, the model config's and the tokenizer's
     end-of-sequence ids (what a grammar of :mod:`stream_gateway.constraints` allows at its end)."""
-    eos: set[int] = set()
     config = model.config.get_text_config()  # a vision-language model's end ids are its language model's
-    for source in (model.generation_config.eos_token_id, config.eos_token_id, tokenizer.eos_token_id):
-        if isinstance(source, int):
-            eos.add(source)
-        elif source:
-            eos.update(int(s) for s in source)
-    return frozenset(eos)
+    return eos_ids(model.generation_config.eos_token_id, config.eos_token_id, tokenizer.eos_token_id)

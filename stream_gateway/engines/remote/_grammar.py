@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from stream_gateway._errors import SequenceFailed
-from stream_gateway.constraints import Constraint, TokenMask, grammar_tokenizer
+from stream_gateway.constraints import Constraint, TokenMask, eos_ids, grammar_tokenizer
 
 __all__ = ["GrammarCheck", "end_ids"]
 
@@ -29,18 +29,11 @@ log = logging.getLogger(__name__)
 def end_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path) -> frozenset[int]:
     """The tokens a server ends a turn with: the tokenizer's end-of-sequence and the generation
     config's (what vLLM stops on), read from the model directory (the config may be absent)."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
     try:
         configured = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
+    except OSError:  # no generation_config.json
         configured = None
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(int(i) for i in configured)
-    return frozenset(ids)
+    return eos_ids(tokenizer.eos_token_id, configured)
 
 
 class GrammarCheck:
