@@ -119,6 +119,17 @@ class Settings(BaseSettings):
         (), description="vllm-http/sglang-http: the inference servers' URLs"
     )
     upstream_api_key: str | None = Field(None, description="bearer key the gateway sends to its inference servers")
+    vllm_api: Literal["completions", "generate"] = Field(
+        "completions",
+        description="vllm-http: /v1/completions (any vLLM), or /inference/v1/generate (vLLM started with "
+        "--enable-scale-out), whose per-token weight versions say where a weight update split a turn",
+    )
+    upstream_weights: Literal["announce", "reload"] = Field(
+        "announce",
+        description="vllm-http: a new policy version is only recorded (whoever trains updates the servers), or "
+        "the gateway loads the checkpoint into every server itself, keeping requests in flight (servers started "
+        "with VLLM_SERVER_DEV_MODE=1, reading the same paths)",
+    )
     upstreams_bucket: str | None = Field(
         None, description="with --nats-url: a NATS KV bucket of server URLs (key: a name, value: the URL) to follow"
     )

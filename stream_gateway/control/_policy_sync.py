@@ -102,6 +102,12 @@ class PolicyApplier:
         return self._engine.remote
 
     @property
+    def reloads_servers(self) -> bool:
+        """The engine loads each version into remote servers itself (``--upstream-weights reload``),
+        from a directory they can read, which stays until the next version replaces it."""
+        return bool(getattr(self._engine, "reloads_weights", False))
+
+    @property
     def engine_name(self) -> str:
         """The engine's name (``transformers``, ``vllm-http``...)."""
         return self._engine.name
@@ -243,6 +249,7 @@ class PolicyFollower:
         self._auth = auth
         self._spec = spec
         self._download_dir = download_dir
+        self._kept: Path | None = None  # the version the servers reload from (--upstream-weights reload)
         self.caught_up = anyio.Event()  # set once the history was replayed (or there was none)
         self._handled: set[str] = set()  # event ids applied or rejected: replays of them stay quiet
 
@@ -346,14 +353,19 @@ class PolicyFollower:
         if quiet_if_old and event.policy_version <= applier.policy_version:
             return "skipped"
         self._handled.add(event.event_id)
-        if applier.remote:
+        if applier.remote and not applier.reloads_servers:
             # The servers' weights are the trainer's to change: follow the version, download nothing.
             try:
                 await applier.apply_directory(event.weights or "", event.policy_version, source="nats")
             except (PolicyNotNewer, WeightsRejected):  # both reported by the applier
                 return "rejected"
             return "applied"
+        if applier.reloads_servers and not event.full:
+            detail = "a server reloads whole checkpoints: publish full versions for --upstream-weights reload"
+            applier.reject(event.policy_version, "unsupported", detail)
+            return "rejected"
         directory = Path(tempfile.mkdtemp(prefix="sg-policy-", dir=self._download_dir))
+        kept = False
         try:
             started = time.perf_counter()
             try:
@@ -375,9 +387,14 @@ class PolicyFollower:
             except Exception as exc:  # the engine failed: keep following, say so
                 applier.reject(event.policy_version, "engine", f"{type(exc).__name__}: {exc}")
                 return "rejected"
+            if applier.reloads_servers:  # a server that restarts loads it again: kept until the next one
+                kept, previous, self._kept = True, self._kept, directory
+                if previous is not None:
+                    await anyio.to_thread.run_sync(shutil.rmtree, previous, True)
             return "applied"
         finally:
-            await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
+            if not kept:
+                await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
 
     async def _mark(self, js: JetStreamContext, event: PolicyUpdated, reason: str, detail: str) -> None:
         try:

@@ -62,6 +62,11 @@ def build_engine(settings: Settings) -> Engine:
             "max_connections": settings.upstream_max_connections,
             "routed_experts": settings.routed_experts,
         }
+        if settings.engine == "vllm-http":
+            options["protocol"] = "vllm-generate" if settings.vllm_api == "generate" else "vllm"
+            options["upstream_weights"] = settings.upstream_weights
+        elif settings.vllm_api != "completions" or settings.upstream_weights != "announce":
+            raise SystemExit("stream-gateway: --vllm-api and --upstream-weights are for --engine vllm-http")
     return create_engine(settings.engine, model, **options)
 
 
@@ -87,5 +92,6 @@ def create_engine(name: str, model: str | Path, **options: Any) -> Engine:
     if name in ("vllm-http", "sglang-http"):
         from stream_gateway.engines.remote import PROTOCOLS, RemoteEngine
 
-        return RemoteEngine(model, protocol=PROTOCOLS[name], **options)
+        options.setdefault("protocol", PROTOCOLS[name])
+        return RemoteEngine(model, **options)
     raise EngineUnavailable(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -42,8 +44,9 @@ from ..support.waiting import wait_until
 # LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING, set by run_vllm): two at once, for
 # an adapter's old version still serving while the new one loads. Structured outputs by llguidance
 # (guidance), which follows the gateway's grammars as given (docs/http-api.md).
+# The token-in generate API (--enable-scale-out) beside /v1/completions, for its weight versions.
 SERVER_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-               "--structured-outputs-config", '{"backend": "guidance"}')  # fmt: skip
+               "--structured-outputs-config", '{"backend": "guidance"}', "--enable-scale-out")  # fmt: skip
 ADMIN = "sk-admin"
 
 
@@ -457,3 +460,96 @@ def test_adapters_load_and_unload_on_vllm_at_run_time(vllm: VllmServer, agent_mo
                               headers=headers, timeout=60)  # fmt: skip
         assert unloaded.status_code == 200, unloaded.text
         wait_until(lambda: not {"alpha@v1", "alpha@v2"} & served_by_vllm(), "alpha unloaded from vLLM")
+
+
+def _softened_checkpoint(model: Path, into: Path) -> Path:
+    """``model``'s weights with the final norm's scaled by 0.05: the same answers' order, each next
+    token 20 times less sure (tiny-agent is sure of every token of this test's answer, so a split
+    one token off would otherwise be invisible in the logprobs)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.05
+    into.mkdir(parents=True)
+    save_file(tensors, into / "model.safetensors")
+    shutil.copy(model / "config.json", into)  # a checkpoint directory transformers reads too
+    return into
+
+
+def test_a_weight_update_mid_turn_splits_where_vllm_says(
+    vllm: VllmServer, agent_model_path: Path, tmp_path: Path
+) -> None:
+    """``--vllm-api generate --upstream-weights reload``: the gateway labels the server's weights
+    version 0 when it starts; ``POST /policy/weights`` while vLLM holds a long streamed answer
+    (the test pauses vLLM once tokens flow, so the update lands mid-answer on any machine's speed)
+    pauses vLLM (keeping the request), loads the new checkpoint, labels it 1 and resumes. The
+    stream finishes, and the turn's recorded versions are vLLM's own split: every token before it
+    is a forward pass of the old weights, every token from it on a pass of the new weights, to
+    1e-4. Afterwards the original weights are loaded again for the module's other tests."""
+    new_weights = _softened_checkpoint(agent_model_path, tmp_path / "v1")
+    settings = Settings(model=str(agent_model_path), engine="vllm-http", upstreams=(vllm.url,),
+                        served_model_name="tiny-agent", admin_api_keys=(ADMIN,), vllm_api="generate",
+                        upstream_weights="reload")  # fmt: skip
+    headers = {"authorization": f"Bearer {ADMIN}"}
+
+    def label() -> str:
+        return str(httpx.get(f"{vllm.url}/weight_info", timeout=30).json()["weight_version"])
+
+    def publish(path: Path, version: int) -> None:
+        body = {"path": str(path), "policy_version": version}
+        response = httpx.post(f"{running.base_url}/policy/weights", json=body, headers=headers, timeout=300)
+        assert response.status_code == 200, response.text
+
+    with run_gateway(build_engine(settings), settings) as running:
+        assert label() == "0"  # the weights it started with are version 0, labelled by the gateway
+        session = "real-vllm-weights"
+        body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "Tell me everything."}],
+                "stream": True, "max_tokens": 2000, "ignore_eos": True, "temperature": 1.0, "seed": 3}  # fmt: skip
+        generated = vllm.metric("vllm:generation_tokens_total")
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(_finish_reasons, f"{running.base_url}/sessions/{session}/v1", body, headers)
+                # vLLM's own count says its tokens are flowing: hold the request there (on any
+                # machine's speed the update lands mid-answer), and update the weights
+                wait_until(lambda: vllm.metric("vllm:generation_tokens_total") >= generated + 8, "tokens", timeout=60)
+                httpx.post(f"{vllm.url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+                publish(new_weights, 1)  # the gateway's pause, reload, label and resume
+                assert answer.result() == ["length"]
+            assert label() == "1"
+            turn = httpx.get(f"{running.base_url}/sessions/{session}", headers=headers, timeout=30).json()["turns"][0]
+        finally:
+            publish(agent_model_path, 2)  # the module's other tests sample the original weights
+        assert label() == "2"
+    spans = [tuple(span) for span in turn["policy_versions"]]
+    assert len(turn["output_ids"]) == 2000 and len(spans) == 2, spans
+    (first, zero), (second, split) = spans
+    assert (first, zero, second) == (0, 0, 1) and 0 < split < 2000, spans
+
+    old = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(new_weights, dtype=torch.float32).eval()
+    recorded = torch.tensor(turn["logprobs"])
+    by_old, by_new = (_output_logprobs(m, turn["prompt_ids"], turn["output_ids"]) for m in (old, new))
+    torch.testing.assert_close(recorded[:split], by_old[:split], atol=1e-4, rtol=0)
+    # From the split on, a pass of the new weights over the whole sequence: vLLM recomputed the
+    # kept request's cache under them (as the transformers engine does on an update).
+    torch.testing.assert_close(recorded[split:], by_new[split:], atol=1e-4, rtol=0)
+    # ... and the two weights disagree on both tokens beside the split, so one token off is caught.
+    assert (by_old - by_new).abs()[split - 1 : split + 1].min() > 1e-2
+
+
+def _finish_reasons(base_url: str, body: dict[str, Any], headers: dict[str, str]) -> list[str]:
+    """Stream a chat completion to its end; the finish reasons it sent."""
+    reasons = []
+    with httpx.stream("POST", f"{base_url}/chat/completions", json=body, headers=headers, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                reasons += [c["finish_reason"] for c in json.loads(line[6:])["choices"] if c.get("finish_reason")]
+    return reasons
+
+
+def _output_logprobs(model: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The logprob a forward pass of ``model`` gives each output token."""
+    ids = torch.tensor([prompt + output])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)[len(prompt) - 1 :]

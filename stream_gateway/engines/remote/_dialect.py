@@ -45,6 +45,7 @@ class Dialect(ABC):
     unload_adapter_path: ClassVar[str]
     routes_start_field: ClassVar[str]  # where a request says from which position it wants routes
     constrained: ClassVar[bool] = False  # the server follows a request's grammar (structured outputs)
+    drives_weights: ClassVar[bool] = False  # the gateway can load a checkpoint into its servers (reload_weights)
 
     @abstractmethod
     def body(
@@ -58,6 +59,25 @@ class Dialect(ABC):
         self, batches: AsyncIterator[list[dict[str, Any]]], exchange: Exchange
     ) -> AsyncGenerator[EngineStep, None]:
         """The steps of a response, from the frames that arrived together (:func:`._wire.sse_batches`)."""
+
+    def want_routes(self, body: dict[str, Any], start: int) -> None:
+        """Ask for the routed experts of every position from ``start`` on (``body`` is :meth:`body`'s)."""
+        body["return_routed_experts"] = True
+        if start:
+            body[self.routes_start_field] = start
+
+    async def reload_weights(self, client: httpx.AsyncClient, url: str, path: str, version: int) -> None:
+        """Load the checkpoint directory ``path`` into the server at ``url``, labelled ``version``,
+        keeping its requests in flight (only where :attr:`drives_weights`)."""
+        raise NotImplementedError(f"the {self.engine} engine does not load weights into its servers")
+
+    async def label_weights(self, client: httpx.AsyncClient, url: str, version: int) -> None:
+        """Label the weights the server at ``url`` serves ``version`` (only where :attr:`drives_weights`)."""
+        raise NotImplementedError(f"the {self.engine} engine does not load weights into its servers")
+
+    async def served_version(self, client: httpx.AsyncClient, url: str) -> str | None:
+        """The label of the weights the server at ``url`` serves (only where :attr:`drives_weights`)."""
+        raise NotImplementedError(f"the {self.engine} engine does not load weights into its servers")
 
     async def model_path(self, client: httpx.AsyncClient, url: str) -> str | None:
         """The served model's name when ``/v1/models`` does not answer (``None``: no other way)."""

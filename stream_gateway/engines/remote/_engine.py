@@ -53,7 +53,14 @@ import orjson
 from pipeline.vision import ProcessedImage, VisionProcessor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from stream_gateway._errors import EngineError, EngineUnavailable, HttpFailure, InvalidRequest, UpstreamFailed
+from stream_gateway._errors import (
+    EngineError,
+    EngineUnavailable,
+    HttpFailure,
+    InvalidRequest,
+    UpstreamFailed,
+    WeightsRejected,
+)
 from stream_gateway.engines._base import (
     EngineStatistics,
     EngineStep,
@@ -69,20 +76,28 @@ from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_con
 from stream_gateway.engines.remote._sglang import SglangDialect
 from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse
 from stream_gateway.engines.remote._vllm import VllmDialect
+from stream_gateway.engines.remote._vllm_generate import VllmGenerateDialect
 from stream_gateway.engines.remote._wire import describe, error_message, error_param, sse_batches
 
 if TYPE_CHECKING:
     import torch
     from anyio.abc import TaskGroup
 
-__all__ = ["DIALECTS", "PROTOCOLS", "RemoteEngine"]
+__all__ = ["DIALECTS", "PROTOCOLS", "UPSTREAM_WEIGHTS", "RemoteEngine"]
 
 log = logging.getLogger(__name__)
 
-DIALECTS: dict[str, type[Dialect]] = {"vllm": VllmDialect, "sglang": SglangDialect}
+DIALECTS: dict[str, type[Dialect]] = {
+    "vllm": VllmDialect,
+    "vllm-generate": VllmGenerateDialect,
+    "sglang": SglangDialect,
+}
 """The wire dialects by name (``RemoteEngine(protocol=...)``)."""
-PROTOCOLS: dict[str, str] = {dialect.engine: name for name, dialect in DIALECTS.items()}
-"""Engine name (``--engine``) -> dialect name."""
+PROTOCOLS: dict[str, str] = {"vllm-http": "vllm", "sglang-http": "sglang"}
+"""Engine name (``--engine``) -> its default dialect (``--vllm-api generate``: ``vllm-generate``)."""
+UPSTREAM_WEIGHTS = ("announce", "reload")
+"""Who loads new weights into the servers: whoever trains (``announce``: the gateway records the
+version) or the gateway itself (``reload``: :meth:`RemoteEngine.load_weights`)."""
 
 
 class _Retry(Exception):
@@ -130,8 +145,16 @@ class RemoteEngine:
         read_timeout_s: float = 300.0,
         max_connections: int = 512,
         routed_experts: bool = False,
+        upstream_weights: str = "announce",
     ) -> None:
         self.dialect: Dialect = DIALECTS[protocol]()
+        if upstream_weights not in UPSTREAM_WEIGHTS:
+            raise ValueError(f"upstream_weights must be one of {UPSTREAM_WEIGHTS}, not {upstream_weights!r}")
+        if upstream_weights == "reload" and not self.dialect.drives_weights:
+            raise ValueError(f"the {self.dialect.engine} engine cannot load weights into its servers")
+        self.reloads_weights = upstream_weights == "reload"
+        self._reloaded: tuple[str, int] | None = None  # the checkpoint and version every server must serve
+        self._weights_lock = anyio.Lock()
         self.name = self.dialect.engine
         self.constrained_decoding = self.dialect.constrained
         self.model_id = served_model_name
@@ -262,6 +285,8 @@ class RemoteEngine:
                 if upstream.model is None:
                     await self._learn_model(upstream)
                     self._update_max_model_len()
+            if self.reloads_weights and not await self._catch_up(upstream):
+                return
         except (httpx.HTTPError, UpstreamFailed, TimeoutError, ValueError, KeyError, TypeError) as exc:
             self.pool.mark_failed(upstream, describe(exc))
             return
@@ -274,6 +299,38 @@ class RemoteEngine:
             self.pool.mark_failed(upstream, describe(exc))
             return
         self.pool.mark_healthy(upstream)
+
+    async def _catch_up(self, upstream: Upstream) -> bool:
+        """With ``upstream_weights="reload"``: a server that does not serve the pool's weights (it
+        restarted, or missed the update) loads them before it takes requests again; before the
+        first reload, the weights the servers started with are labelled the pool's version (0, or
+        the version announced), so every token they sample carries the gateway's version.
+        ``False``: it could not (marked failed)."""
+        client = self._client
+        assert client is not None
+
+        async def served() -> str | None:
+            with anyio.fail_after(self._health_timeout):
+                return await self.dialect.served_version(client, upstream.url)
+
+        version = self.policy_version if self._reloaded is None else self._reloaded[1]
+        try:
+            if await served() == str(version):
+                return True
+            async with self._weights_lock:  # an update under way finishes first
+                if self._reloaded is None:  # nothing loaded yet: the weights it started with
+                    if await served() != str(self.policy_version):
+                        await self.dialect.label_weights(client, upstream.url, self.policy_version)
+                    return True
+                path, version = self._reloaded
+                if await served() == str(version):
+                    return True
+                log.info("%s does not serve weights %d: loading %s into it", upstream.url, version, path)
+                await self.dialect.reload_weights(client, upstream.url, path, version)
+        except (httpx.HTTPError, UpstreamFailed, TimeoutError) as exc:
+            self.pool.mark_failed(upstream, f"weights {version} not loaded: {describe(exc)}")
+            return False
+        return True
 
     async def _learn_model(self, upstream: Upstream) -> None:
         assert self._client is not None
@@ -440,9 +497,7 @@ class RemoteEngine:
         served = upstream.model or self.model_id
         body = dialect.body(request_id, prompt_ids, params, model=served, adapter=model)
         if wanted is not None:
-            body["return_routed_experts"] = True
-            if wanted.start:
-                body[dialect.routes_start_field] = wanted.start
+            dialect.want_routes(body, wanted.start)
         return await self._streams.post(upstream.url + dialect.generate_path, orjson.dumps(body))
 
     # -- LoRA adapters --------------------------------------------------------------------------
@@ -459,16 +514,63 @@ class RemoteEngine:
     # -- weights and statistics ---------------------------------------------------------------
 
     async def update_weights(self, tensors: Mapping[str, torch.Tensor], policy_version: int) -> WeightUpdateReport:
-        """The servers' weights are not the gateway's to change: record the announced version."""
+        """The servers read checkpoints from their disks, not tensors from the gateway's memory:
+        announced only (with ``upstream_weights="reload"``, refused: nothing would load them)."""
+        if self.reloads_weights:
+            raise WeightsRejected(
+                "unsupported", "the servers load checkpoints from a directory they can read: POST /policy/weights"
+            )
         return self._announce(policy_version, len(tensors))
 
     async def load_weights(self, path: str, policy_version: int) -> WeightUpdateReport:
-        """Record ``policy_version`` as the version the servers now serve (``path`` is not read).
+        """Record ``policy_version`` as the version the servers now serve; with
+        ``upstream_weights="reload"``, first load ``path`` into every healthy server.
 
-        Whoever trains updates the servers (verl's rollout servers, SGLang's
-        ``/update_weights_from_disk``) and then announces the version to the gateway.
+        Announced (the default): whoever trains updates the servers (verl's rollout servers,
+        SGLang's ``/update_weights_from_disk``) and then announces the version to the gateway;
+        ``path`` is not read.
+
+        Reloaded: every server of the pool loads the checkpoint directory ``path`` (a path the
+        servers can read) at once, keeping its requests in flight
+        (:meth:`~._dialect.Dialect.reload_weights`); a server that cannot takes no requests until a
+        health check finds it up and loads the weights into it, and if none could the version is
+        refused (:class:`WeightsRejected` ``unreadable``), the pool's version unchanged. Servers
+        that label their tokens (``--vllm-api generate``) make the recorded split exact; otherwise
+        the tokens in flight across the update keep the old label.
         """
-        return self._announce(policy_version, 0)
+        if not self.reloads_weights:
+            return self._announce(policy_version, 0)
+        client = self._client
+        if client is None:
+            raise EngineUnavailable("The engine is not running.")
+        started = time.perf_counter()
+        # Every server, not only those passing their checks: a server that is slow to answer one
+        # under load still samples, and needs the weights as much as the others.
+        servers = list(self.pool)
+        failures: dict[str, str] = {}
+
+        async def reload(upstream: Upstream) -> None:
+            try:
+                await self.dialect.reload_weights(client, upstream.url, path, policy_version)
+            except (httpx.HTTPError, UpstreamFailed) as exc:
+                failures[upstream.url] = describe(exc)
+                self.pool.mark_failed(upstream, f"weights {policy_version} not loaded: {describe(exc)}")
+
+        in_flight = self._active
+        async with self._weights_lock, anyio.create_task_group() as group:
+            for upstream in servers:
+                group.start_soon(reload, upstream)
+        if failures:
+            log.warning("%s: weights %d from %s not loaded by %s", self.name, policy_version, path, failures)
+        if len(failures) == len(servers):
+            raise WeightsRejected("unreadable", f"no server loaded {path}: {failures or 'the pool is empty'}")
+        took = time.perf_counter() - started
+        self._reloaded = (path, policy_version)
+        previous, self.policy_version = self.policy_version, policy_version
+        loaded = len(servers) - len(failures)
+        log.info("%s: %d of %d servers reloaded %s as version %d in %.2f s (%d requests in flight kept)",
+                 self.name, loaded, len(servers), path, policy_version, took, in_flight)  # fmt: skip
+        return WeightUpdateReport(policy_version, previous, 0, took, took, in_flight)
 
     def _announce(self, policy_version: int, tensors: int) -> WeightUpdateReport:
         started = time.perf_counter()

