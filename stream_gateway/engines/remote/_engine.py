@@ -23,12 +23,14 @@ the server sees the disconnect and aborts the request (vLLM and SGLang both do);
 request finished, the connection is kept for the next one while the server writes the rest of
 its answer (vLLM writes ``data: [DONE]`` as its own chunk after the finishing frame).
 
-Policy versions: these servers are updated by whoever trains (verl's rollout servers, an RL
-framework's weight sync), not by the gateway. The gateway labels tokens with the version the
-server reports when it does (vLLM 0.33+'s and a stream-gateway's numeric ``weight_versions``
-spans, SGLang's numeric ``meta_info.weight_version``), and otherwise with the version announced
-for the pool (``policy.updated`` on NATS, or ``POST /policy/weights``):
-:meth:`RemoteEngine.load_weights` records the announced version and never reads weights.
+Policy versions: by default these servers are updated by whoever trains (verl's rollout
+servers, an RL framework's weight sync), not by the gateway (``upstream_weights="announce"``).
+The gateway labels tokens with the version the server reports when it does (vLLM's numeric
+``weight_versions`` spans: its generate API's in 0.32, ``/v1/completions``' from 0.33, a
+stream-gateway's; SGLang's numeric ``meta_info.weight_version``), and otherwise with the version
+announced for the pool (``policy.updated`` on NATS, or ``POST /policy/weights``). With
+``upstream_weights="reload"`` the gateway loads each version into every vLLM server itself
+(:meth:`RemoteEngine.load_weights`, :meth:`~._vllm.VllmDialect.reload_weights`) and labels it.
 
 Routed experts (Rollout Routing Replay, ``docs/moe.md``): built with ``routed_experts=True`` and a
 model whose config (``--model``, read for the tokenizer anyway) declares experts, the engine asks

