@@ -167,9 +167,14 @@ class GrpoTrainer:
             swapped_turns=sum(len(turn.policy_versions) > 1 for t in trajectories for turn in t.turns),
         )
 
-    def save(self, directory: Path) -> None:
-        """The weights as ``model.safetensors`` (Hugging Face names; tied tensors stored once)."""
-        from safetensors.torch import save_model
+    def save(self, directory: Path, *, untied: bool = False) -> None:
+        """The weights as ``model.safetensors`` (Hugging Face names; tied tensors stored once, or,
+        ``untied``, the output layer written out too, for servers that serve an untied copy)."""
+        from safetensors.torch import save_file, save_model
 
         directory.mkdir(parents=True, exist_ok=True)
-        save_model(self._model, str(directory / "model.safetensors"))
+        if not untied:
+            save_model(self._model, str(directory / "model.safetensors"))
+            return
+        state = {name: tensor.detach().clone().contiguous() for name, tensor in self._model.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"))

