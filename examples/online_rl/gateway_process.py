@@ -30,7 +30,7 @@ import anyio
 import httpx
 from anyio.abc import Process
 
-__all__ = ["GatewayProcess", "gateway_command", "prepare_model", "running_gateway"]
+__all__ = ["GatewayProcess", "free_port", "gateway_command", "prepare_model", "running_gateway"]
 
 _NATS_LINE = re.compile(r"^stream-gateway:\s+NATS\s+(nats://\S+)")
 
@@ -67,7 +67,8 @@ async def prepare_model(model: str) -> Path:
     return Path(result.stdout.decode().strip().splitlines()[-1])
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free now (bound to 0 and closed: another process could take it in between)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -85,7 +86,7 @@ async def running_gateway(
     stop_timeout_s: float = 30.0,
 ) -> AsyncIterator[GatewayProcess]:
     """Run ``stream-gateway up --model <model>`` with ``up_flags`` until the block exits."""
-    port = _free_port()
+    port = free_port()
     command = [
         *gateway_command(),
         "up",

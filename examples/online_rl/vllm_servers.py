@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -29,6 +28,8 @@ from pathlib import Path
 import anyio
 import httpx
 from anyio.abc import Process
+
+from gateway_process import free_port
 
 __all__ = ["running_vllm_servers", "untied_copy"]
 
@@ -67,13 +68,6 @@ async def _vllm_python() -> str:
     return result.stdout.decode().strip().splitlines()[-1]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @asynccontextmanager
 async def running_vllm_servers(
     count: int, model_dir: Path, served_name: str, log_dir: Path, *, start_timeout_s: float = 300.0
@@ -88,7 +82,7 @@ async def running_vllm_servers(
         urls = []
         processes: list[tuple[Process, Path, str]] = []
         for index in range(count):
-            port = _free_port()
+            port = free_port()
             log_path = log_dir / f"vllm-{index}.log"
             command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                        "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),

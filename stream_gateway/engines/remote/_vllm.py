@@ -32,7 +32,7 @@ from stream_gateway.engines._base import EngineStep, SamplingParams, merge_steps
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._wire import error_message, finish_reason, numeric_version, token_id, top_from_dict
 
-__all__ = ["VllmDialect"]
+__all__ = ["VllmDialect", "optional_sampling"]
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,7 @@ class VllmDialect(Dialect):
             "ignore_eos": params.ignore_eos,
             "request_id": request_id,
         }
-        if params.seed is not None:
-            body["seed"] = params.seed
-        if params.stop_token_ids:
-            body["stop_token_ids"] = sorted(params.stop_token_ids)
-        if params.constraint is not None:
-            body["structured_outputs"] = {"grammar": params.constraint.lark}
+        body.update(optional_sampling(params))
         return body
 
     async def steps(
@@ -229,6 +224,19 @@ async def _post(client: httpx.AsyncClient, url: str, **request: Any) -> dict[str
     except ValueError:
         return {}
     return answer if isinstance(answer, dict) else {}
+
+
+def optional_sampling(params: SamplingParams) -> dict[str, Any]:
+    """The sampling fields vLLM is sent only when the request sets them: the seed, the stop ids,
+    the grammar (as ``structured_outputs.grammar``, llguidance's lark)."""
+    fields: dict[str, Any] = {}
+    if params.seed is not None:
+        fields["seed"] = params.seed
+    if params.stop_token_ids:
+        fields["stop_token_ids"] = sorted(params.stop_token_ids)
+    if params.constraint is not None:
+        fields["structured_outputs"] = {"grammar": params.constraint.lark}
+    return fields
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:

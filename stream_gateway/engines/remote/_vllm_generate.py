@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stream_gateway.engines._base import SamplingParams
-from stream_gateway.engines.remote._vllm import Sampled, VllmDialect
+from stream_gateway.engines.remote._vllm import Sampled, VllmDialect, optional_sampling
 
 __all__ = ["VllmGenerateDialect"]
 
@@ -45,13 +45,8 @@ class VllmGenerateDialect(VllmDialect):
             "ignore_eos": params.ignore_eos,
             "skip_special_tokens": False,
             "detokenize": False,
+            **optional_sampling(params),
         }
-        if params.seed is not None:
-            sampling["seed"] = params.seed
-        if params.stop_token_ids:
-            sampling["stop_token_ids"] = sorted(params.stop_token_ids)
-        if params.constraint is not None:
-            sampling["structured_outputs"] = {"grammar": params.constraint.lark}
         return {
             "request_id": request_id,
             "model": adapter or model,  # a LoRA adapter is served as a model
