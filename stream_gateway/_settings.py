@@ -107,6 +107,11 @@ class Settings(BaseSettings):
         None, ge=16, description="cap on prompt + completion tokens (default: the model's own limit)"
     )
     device: str = Field("cpu", description="torch device of the transformers engine")
+    dtype: Literal["model", "auto", "float32", "bfloat16", "float16"] = Field(
+        "model",
+        description="vllm engine: the weights' dtype; model: the one the model's config.json declares "
+        "(vLLM's auto picks bfloat16 on CPU)",
+    )
     lora: Annotated[tuple[str, ...], Flag(name="--lora")] = Field(
         (),
         description="transformers engine: a LoRA adapter beside the base, NAME=DIR (a PEFT adapter directory; "

@@ -43,6 +43,7 @@ def build_engine(settings: Settings) -> Engine:
         options = {
             "served_model_name": settings.served_model_name or default_name(settings.model),
             "max_model_len": settings.max_model_len,
+            "dtype": settings.dtype,
         }
     elif settings.engine in ("vllm-http", "sglang-http"):
         if not settings.upstreams and not (settings.upstreams_bucket and settings.nats_url):

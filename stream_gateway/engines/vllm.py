@@ -28,6 +28,7 @@ Where this module deliberately differs from how vLLM's OpenAI server drives the 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -57,7 +58,7 @@ from stream_gateway.engines._base import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "model_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +73,29 @@ _RESET_RUNNING = (0, 13)
 _ENGINE_INPUT = (0, 27)
 
 
+def model_dtype(model: str) -> str:
+    """The dtype a local model's ``config.json`` declares (``torch_dtype``, or transformers 5's
+    ``dtype``), as vLLM names it; ``auto`` when there is none to read."""
+    config = Path(model) / "config.json"
+    try:
+        declared = json.loads(config.read_text()) if config.is_file() else {}
+    except (OSError, ValueError):
+        return "auto"
+    value = declared.get("dtype") or declared.get("torch_dtype") if isinstance(declared, dict) else None
+    return value if value in ("float32", "bfloat16", "float16") else "auto"
+
+
 class VLLMEngine:
     """An :class:`~stream_gateway.engines._base.Engine` backed by vLLM's in-process ``AsyncLLM``.
 
     ``engine_kwargs`` go to ``AsyncEngineArgs`` unchanged (``dtype``, ``enforce_eager``, ``seed``,
     ``tensor_parallel_size``...); the keyword arguments named here win over them, and
     ``logprobs_mode`` is always ``"processed_logprobs"`` because capture depends on it.
+
+    ``dtype`` is vLLM's (``auto``, ``float32``, ``bfloat16``, ``float16``), or ``model`` (the
+    default): the dtype the model's ``config.json`` declares, so an fp32 model is sampled in fp32
+    and its recorded logprobs are its forward pass's (vLLM's ``auto`` picks bfloat16 on CPU, 0.02
+    away from it); ``auto`` where the config says nothing or is not a local directory.
     """
 
     name = "vllm"
@@ -96,6 +114,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.85,
         max_logprobs: int = 20,
+        dtype: str = "model",
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         # Fail at construction (e.g. ``--engine vllm`` on a CPU box), not on the first request.
@@ -108,6 +127,7 @@ class VLLMEngine:
         self.tokenizer: PreTrainedTokenizerBase
         self._max_logprobs = max_logprobs
         self._engine_args: dict[str, Any] = {
+            "dtype": model_dtype(self.model) if dtype == "model" else dtype,
             **(engine_kwargs or {}),
             "model": self.model,
             "gpu_memory_utilization": gpu_memory_utilization,

@@ -261,6 +261,17 @@ async def test_the_engine_is_built_and_stopped_with_what_vllm_takes(surface: Sur
     assert surface.kwargs["AsyncEngineArgs"]["logprobs_mode"] == "processed_logprobs"
 
 
+async def test_the_models_own_dtype_unless_told(surface: Surface, tmp_path: Path) -> None:
+    """An fp32 model is run in fp32 (vLLM's ``auto`` is bfloat16 on CPU); ``dtype`` overrides it,
+    and a model without a readable config gets vLLM's ``auto``."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "torch_dtype": "float32"}')
+    for dtype, expected in (("model", "float32"), ("bfloat16", "bfloat16")):
+        async with VLLMEngine(tmp_path, dtype=dtype):
+            assert surface.kwargs["AsyncEngineArgs"]["dtype"] == expected
+    async with VLLMEngine("/models/nowhere"):
+        assert surface.kwargs["AsyncEngineArgs"]["dtype"] == "auto"
+
+
 async def test_generate_sends_token_ids_and_sampling_params_vllm_knows(surface: Surface, engine: VLLMEngine) -> None:
     surface.outputs = [
         _delta(surface, [(5, {5: -0.5, 9: -0.1}), (6, {6: -0.2})], None),
