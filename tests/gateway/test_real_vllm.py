@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -481,7 +482,7 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
 ) -> None:
     """``--vllm-api generate --upstream-weights reload``: the gateway labels the server's weights
     version 0 when it starts; ``POST /policy/weights`` while vLLM holds a long streamed answer
-    (the test pauses vLLM once tokens flow, so the update lands mid-answer on any machine's speed)
+    (the test pauses vLLM at the answer's first words, so the update lands mid-answer at any speed)
     pauses vLLM (keeping the request), loads the new checkpoint, labels it 1 and resumes. The
     stream finishes, and the turn's recorded versions are vLLM's own split: every token before it
     is a forward pass of the old weights, every token from it on a pass of the new weights, to
@@ -504,14 +505,15 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
         assert label() == "0"  # the weights it started with are version 0, labelled by the gateway
         session = "real-vllm-weights"
         body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "Tell me everything."}],
-                "stream": True, "max_tokens": 2000, "ignore_eos": True, "temperature": 1.0, "seed": 3}  # fmt: skip
-        generated = vllm.metric("vllm:generation_tokens_total")
+                "stream": True, "max_tokens": 2500, "ignore_eos": True, "temperature": 1.0, "seed": 3}  # fmt: skip
+        flowing = threading.Event()
         try:
             with ThreadPoolExecutor(1) as pool:
-                answer = pool.submit(_finish_reasons, f"{running.base_url}/sessions/{session}/v1", body, headers)
-                # vLLM's own count says its tokens are flowing: hold the request there (on any
-                # machine's speed the update lands mid-answer), and update the weights
-                wait_until(lambda: vllm.metric("vllm:generation_tokens_total") >= generated + 8, "tokens", timeout=60)
+                base = f"{running.base_url}/sessions/{session}/v1"
+                answer = pool.submit(_finish_reasons, base, body, headers, flowing)
+                # The answer's first words arrived: hold the request on vLLM there (at any
+                # machine's speed the update then lands mid-answer), and update the weights
+                assert flowing.wait(60), "no tokens came"
                 httpx.post(f"{vllm.url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
                 publish(new_weights, 1)  # the gateway's pause, reload, label and resume
                 assert answer.result() == ["length"]
@@ -521,9 +523,9 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
             publish(agent_model_path, 2)  # the module's other tests sample the original weights
         assert label() == "2"
     spans = [tuple(span) for span in turn["policy_versions"]]
-    assert len(turn["output_ids"]) == 2000 and len(spans) == 2, spans
+    assert len(turn["output_ids"]) == 2500 and len(spans) == 2, spans
     (first, zero), (second, split) = spans
-    assert (first, zero, second) == (0, 0, 1) and 0 < split < 2000, spans
+    assert (first, zero, second) == (0, 0, 1) and 0 < split < 2500, spans
 
     old = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
     new = AutoModelForCausalLM.from_pretrained(new_weights, dtype=torch.float32).eval()
@@ -537,13 +539,19 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
     assert (by_old - by_new).abs()[split - 1 : split + 1].min() > 1e-2
 
 
-def _finish_reasons(base_url: str, body: dict[str, Any], headers: dict[str, str]) -> list[str]:
-    """Stream a chat completion to its end; the finish reasons it sent."""
+def _finish_reasons(
+    base_url: str, body: dict[str, Any], headers: dict[str, str], flowing: threading.Event
+) -> list[str]:
+    """Stream a chat completion to its end, setting ``flowing`` at its first text; the finish
+    reasons it sent."""
     reasons = []
     with httpx.stream("POST", f"{base_url}/chat/completions", json=body, headers=headers, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                reasons += [c["finish_reason"] for c in json.loads(line[6:])["choices"] if c.get("finish_reason")]
+                choices = json.loads(line[6:])["choices"]
+                if any(c["delta"].get("content") for c in choices):
+                    flowing.set()
+                reasons += [c["finish_reason"] for c in choices if c.get("finish_reason")]
     return reasons
 
 
