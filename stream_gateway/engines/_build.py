@@ -19,6 +19,10 @@ def build_engine(settings: Settings) -> Engine:
     """The engine ``settings`` ask for, built (not started) on the resolved local model."""
     from stream_gateway.models import resolve_model
 
+    if settings.engine != "vllm-http" and (
+        settings.vllm_api != "completions" or settings.upstream_weights != "announce"
+    ):
+        raise SystemExit("stream-gateway: --vllm-api and --upstream-weights are for --engine vllm-http")
     model = resolve_model(settings.model, settings.model_cache_dir)
     options: dict[str, Any] = {}
     if settings.engine == "transformers":
@@ -66,8 +70,6 @@ def build_engine(settings: Settings) -> Engine:
         if settings.engine == "vllm-http":
             options["protocol"] = "vllm-generate" if settings.vllm_api == "generate" else "vllm"
             options["upstream_weights"] = settings.upstream_weights
-        elif settings.vllm_api != "completions" or settings.upstream_weights != "announce":
-            raise SystemExit("stream-gateway: --vllm-api and --upstream-weights are for --engine vllm-http")
     return create_engine(settings.engine, model, **options)
 
 

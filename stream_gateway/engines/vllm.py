@@ -94,8 +94,9 @@ class VLLMEngine:
 
     ``dtype`` is vLLM's (``auto``, ``float32``, ``bfloat16``, ``float16``), or ``model`` (the
     default): the dtype the model's ``config.json`` declares, so an fp32 model is sampled in fp32
-    and its recorded logprobs are its forward pass's (vLLM's ``auto`` picks bfloat16 on CPU, 0.02
-    away from it); ``auto`` where the config says nothing or is not a local directory.
+    and its recorded logprobs are its forward pass's (vLLM's ``auto`` picks bfloat16 on CPU: 4e-3
+    away on the tiny model, tests/gateway/test_engine_vllm_cpu.py); ``auto`` where the config says
+    nothing or is not a local directory.
     """
 
     name = "vllm"

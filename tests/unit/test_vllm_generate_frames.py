@@ -65,3 +65,12 @@ def test_the_request_asks_for_one_alternative_more_and_nothing_detokenized() -> 
     assert (
         VllmGenerateDialect().body("r", [1], SamplingParams(max_tokens=1), model="m", adapter="a@v2")["model"] == "a@v2"
     )
+
+
+def test_the_vllm_options_are_refused_on_other_engines() -> None:
+    from stream_gateway import Settings
+    from stream_gateway.engines import build_engine
+
+    for engine in ("transformers", "sglang-http"):
+        with pytest.raises(SystemExit, match="are for --engine vllm-http"):
+            build_engine(Settings(engine=engine, upstreams=("http://x",), upstream_weights="reload"))

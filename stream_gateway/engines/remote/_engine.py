@@ -553,6 +553,9 @@ class RemoteEngine:
 
         async def reload(upstream: Upstream) -> None:
             try:
+                # Already serving it (another gateway, or another --workers process, loaded it): done.
+                if await self.dialect.served_version(client, upstream.url) == str(policy_version):
+                    return
                 await self.dialect.reload_weights(client, upstream.url, path, policy_version)
             except (httpx.HTTPError, UpstreamFailed) as exc:
                 failures[upstream.url] = describe(exc)
