@@ -27,7 +27,15 @@ from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._fingerprint import assistant_fingerprint, extend_key
 from stream_gateway.completion._updates import ChoiceResult
 from stream_gateway.engines import SamplingParams
-from stream_gateway.sessions import SessionDirectory, Turn, TurnImage, turn_routes
+from stream_gateway.sessions import (
+    Logprobs,
+    SessionDirectory,
+    TokenIds,
+    Turn,
+    TurnImage,
+    prompt_after,
+    turn_routes,
+)
 
 if TYPE_CHECKING:
     from stream_gateway.completion._images import PromptImage
@@ -193,16 +201,17 @@ class TurnLifecycle:
             key = extend_key(prepared.conversation_key, fingerprint)
         context = prepared.context
         duration = time.perf_counter() - prepared.arrived
+        reused = context.reused_prompt_tokens if context.parent is not None else 0
         turn = Turn(
             turn_id=self.turn_id,
             session_id=prepared.session.session_id,
             parent_id=context.parent.turn_id if context.parent is not None else None,
             key=key,
             context_length=prepared.context_length,
-            prompt_ids=tuple(prepared.prompt_ids),
+            prompt_ids=prompt_after(context.parent, reused, prepared.prompt_ids[reused:]),
             reused_prompt_tokens=context.reused_prompt_tokens,
-            output_ids=tuple(result.token_ids),
-            logprobs=tuple(result.logprobs),
+            output_ids=TokenIds(result.token_ids),
+            logprobs=Logprobs(result.logprobs),
             finish_reason=result.finish_reason,
             content=content,
             tool_calls=calls,
@@ -220,7 +229,7 @@ class TurnLifecycle:
             length_cause=self._length_cause(result),
             reasoning_tokens=result.reasoning_tokens,
             answer_start=result.answer_start,
-            **_own_routes(result, context.reused_prompt_tokens if context.parent is not None else 0),
+            **_own_routes(result, reused),
             adapter=self.params.adapter,
             images=tuple(_turn_image(placed) for placed in prepared.images),
             render_anchor=context.anchor,

@@ -18,6 +18,7 @@ are stated in ``docs/sessions.md``.
 from stream_gateway._errors import SharedUnavailable
 from stream_gateway.sessions._directory import SessionDirectory, SharingConfig
 from stream_gateway.sessions._events import TurnEvent, turn_from_event, turn_to_event
+from stream_gateway.sessions._ids import Logprobs, TokenIds
 from stream_gateway.sessions._record import SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._shared import SharedSessions, expected_seqs
 from stream_gateway.sessions._store import (
@@ -28,6 +29,7 @@ from stream_gateway.sessions._store import (
     SessionStore,
     Turn,
     TurnImage,
+    prompt_after,
     scope_of,
     session_body,
     turn_routes,
@@ -35,6 +37,7 @@ from stream_gateway.sessions._store import (
 
 __all__ = [
     "Chain",
+    "Logprobs",
     "RenderAnchor",
     "SEQ_BLOCK",
     "Session",
@@ -44,12 +47,14 @@ __all__ = [
     "SharedSessions",
     "SharedUnavailable",
     "SharingConfig",
+    "TokenIds",
     "Turn",
     "TurnEntry",
     "TurnEvent",
     "TurnImage",
     "expected_seqs",
     "merge_record",
+    "prompt_after",
     "scope_of",
     "session_body",
     "turn_from_event",

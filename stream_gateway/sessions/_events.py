@@ -31,7 +31,8 @@ from pipeline.events import (
 )
 
 from stream_gateway.moe import decode_routes, encode_routes
-from stream_gateway.sessions._store import Turn, TurnImage
+from stream_gateway.sessions._ids import Logprobs, TokenIds
+from stream_gateway.sessions._store import Turn, TurnImage, prompt_after
 from stream_gateway.tool_parsers import ToolCall
 
 __all__ = ["TurnEvent", "turn_from_event", "turn_to_event"]
@@ -58,9 +59,9 @@ def turn_to_event(
         "request_id": request_id,
         "choice_index": choice_index,
         "reused_prompt_tokens": turn.reused_prompt_tokens,
-        "prompt_ids": list(turn.prompt_ids[turn.reused_prompt_tokens :]),
-        "output_ids": list(turn.output_ids),
-        "logprobs": list(turn.logprobs),
+        "prompt_ids": turn.prompt_ids[turn.reused_prompt_tokens :],
+        "output_ids": turn.output_ids.tolist(),
+        "logprobs": turn.logprobs.tolist(),
         "policy_versions": list(turn.policy_versions),
         "content": turn.content,
         "tool_calls": [
@@ -99,21 +100,18 @@ def turn_from_event(
 ) -> Turn:
     """The :class:`Turn` ``event`` recorded; ``parent`` (the turn it continues) is needed when the
     event reused prompt ids, ``key`` and ``context_length`` come from the session record."""
-    prefix: tuple[int, ...] = ()
-    if event.reused_prompt_tokens:
-        if parent is None:
-            raise ValueError(f"turn {event.turn_id} reuses its parent's ids: the parent is needed to rebuild it")
-        prefix = (*parent.prompt_ids, *parent.output_ids)[: event.reused_prompt_tokens]
+    if event.reused_prompt_tokens and parent is None:
+        raise ValueError(f"turn {event.turn_id} reuses its parent's ids: the parent is needed to rebuild it")
     return Turn(
         turn_id=event.turn_id,
         session_id=session_id,
         parent_id=event.parent_turn_id,
         key=key,
         context_length=context_length,
-        prompt_ids=(*prefix, *event.prompt_ids),
+        prompt_ids=prompt_after(parent, event.reused_prompt_tokens, event.prompt_ids),
         reused_prompt_tokens=event.reused_prompt_tokens,
-        output_ids=tuple(event.output_ids),
-        logprobs=tuple(event.logprobs),
+        output_ids=TokenIds(event.output_ids),
+        logprobs=Logprobs(event.logprobs),
         finish_reason=event.finish_reason if isinstance(event, TurnCompleted) else None,
         content=event.content,
         tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in event.tool_calls),

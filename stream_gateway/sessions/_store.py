@@ -30,7 +30,7 @@ import secrets
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from pipeline import TokenChain, chain_tokens
 from pipeline.routes import chain_routes_rows
 
 from stream_gateway._errors import NotFound, PermissionDenied
+from stream_gateway.sessions._ids import Logprobs, TokenIds
 from stream_gateway.tool_parsers import ToolCall
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,12 @@ class Turn:
     parent_id: str | None
     key: bytes | None  # prefix key of context + assistant message; None: cannot be continued
     context_length: int  # number of request messages that formed the prompt
-    prompt_ids: tuple[int, ...]
+    # The ids and logprobs are compact (sessions._ids; a tuple or list given is packed): a
+    # continuation's prompt shares its parent's storage (prompt_after).
+    prompt_ids: TokenIds
     reused_prompt_tokens: int  # leading prompt ids taken verbatim from the parent turn
-    output_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    output_ids: TokenIds
+    logprobs: Logprobs
     finish_reason: str | None  # None: aborted (client gone, engine error)
     content: str
     tool_calls: tuple[ToolCall, ...]  # as sent to the client
@@ -122,6 +125,28 @@ class Turn:
     # Where its render and prompt line up, for continuations to tokenize only what they add
     # (completion._context); in memory only: a turn loaded from the shared store has none.
     render_anchor: RenderAnchor | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, kind in (("prompt_ids", TokenIds), ("output_ids", TokenIds), ("logprobs", Logprobs)):
+            if not isinstance(getattr(self, name), kind):
+                object.__setattr__(self, name, kind(getattr(self, name)))
+
+    @property
+    def held(self) -> int:
+        """Token ids this turn stores itself: its output and the prompt ids it added (the reused
+        prefix is its ancestors' storage)."""
+        return self.prompt_ids.held + len(self.output_ids)
+
+
+def prompt_after(parent: Turn | None, reused: int, added: Iterable[int]) -> TokenIds:
+    """A turn's prompt ids: the first ``reused`` ids of ``parent``'s prompt and output, then
+    ``added``, sharing the parent's storage (what makes a session's memory its tokens, not its
+    turns times its context)."""
+    if parent is None or not reused:
+        return TokenIds(added)
+    if reused > len(parent.prompt_ids) + len(parent.output_ids):
+        raise ValueError(f"{reused} reused ids, but turn {parent.turn_id} holds fewer")
+    return TokenIds(added, parent.prompt_ids.then(parent.output_ids).head(reused))
 
 
 Chain = TokenChain
@@ -203,14 +228,14 @@ class Session:
     def add(self, turn: Turn) -> bytes | None:
         """Record a finished (or aborted) turn; returns its token digest if it can be continued by ids."""
         if turn.turn_id not in self.turns:
-            self.held_tokens += len(turn.prompt_ids) + len(turn.output_ids)
+            self.held_tokens += turn.held
         self.turns[turn.turn_id] = turn
         if turn.key is not None:
             self.by_key.setdefault(turn.key, []).append(turn.turn_id)
         if turn.finish_reason is None:
             return None
         hasher = self._token_hasher(turn)
-        hasher.update(array("q", turn.output_ids).tobytes())
+        hasher.update(turn.output_ids.tobytes())
         digest: bytes = hasher.digest()
         self.token_hashers[turn.turn_id] = hasher
         length = len(turn.prompt_ids) + len(turn.output_ids)
@@ -229,7 +254,7 @@ class Session:
         reused = parent is not None and turn.reused_prompt_tokens == len(parent.prompt_ids) + len(parent.output_ids)
         if reused and turn.parent_id in self.token_hashers:
             hasher, start = self.token_hashers[turn.parent_id].copy(), turn.reused_prompt_tokens
-        hasher.update(array("q", turn.prompt_ids[start:]).tobytes())
+        hasher.update(turn.prompt_ids.suffix(start).tobytes())
         return hasher
 
     def match_tokens(self, prompt_ids: list[int]) -> Turn | None:
@@ -275,13 +300,18 @@ class Session:
 
 
 def prefix_digests(ids: list[int], lengths: dict[int, int] | Any) -> list[bytes]:
-    """Digests of the prefixes of ``ids`` at the given ``lengths``, longest first (one pass over ``ids``)."""
-    raw = array("q", ids).tobytes()
+    """Digests of the prefixes of ``ids`` at the given ``lengths``, longest first (one pass over
+    ``ids``; the bytes of :class:`TokenIds`, so that a turn's digest is taken over its storage)."""
+    try:
+        raw = array(TokenIds.typecode, ids).tobytes()
+    except OverflowError:  # not token ids of any vocabulary: no turn holds them
+        return []
+    width = array(TokenIds.typecode).itemsize
     hasher = hashlib.blake2b(digest_size=16)
     done = 0
     out = []
     for length in sorted(n for n in lengths if 0 < n <= len(ids)):
-        hasher.update(raw[done * 8 : length * 8])
+        hasher.update(raw[done * width : length * width])
         done = length
         out.append(hasher.copy().digest())
     out.reverse()
@@ -297,7 +327,7 @@ def _extends(prompt_ids: list[int], turn: Turn) -> bool:
     """Whether ``prompt_ids`` starts with the turn's prompt and output ids (digests could collide)."""
     size = len(turn.prompt_ids)
     end = size + len(turn.output_ids)
-    return tuple(prompt_ids[:size]) == turn.prompt_ids and tuple(prompt_ids[size:end]) == turn.output_ids
+    return turn.prompt_ids == prompt_ids[:size] and turn.output_ids == prompt_ids[size:end]
 
 
 class SessionStore:
@@ -580,10 +610,10 @@ def _session_body(session: Session) -> dict[str, Any]:
             {
                 "turn_id": t.turn_id,
                 "parent_id": t.parent_id,
-                "prompt_ids": t.prompt_ids,
+                "prompt_ids": t.prompt_ids.tolist(),
                 "reused_prompt_tokens": t.reused_prompt_tokens,
-                "output_ids": t.output_ids,
-                "logprobs": t.logprobs,
+                "output_ids": t.output_ids.tolist(),
+                "logprobs": t.logprobs.tolist(),
                 "finish_reason": t.finish_reason,
                 "message": {
                     "role": "assistant",

@@ -73,12 +73,19 @@ def _context_builds(gateway: RunningGateway, metric: str = "gateway_context_buil
     return builds
 
 
+def _held_tokens(gateway: RunningGateway) -> float:
+    text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("gateway_session_tokens_held "))
+
+
 def test_a_continuing_turn_tokenizes_what_it_adds_however_long_the_history(
-    session_client: OpenAI, gateway: RunningGateway
+    session_client: OpenAI, gateway: RunningGateway, session_id: str
 ) -> None:
     """Issue 41, through the gateway's own counters: each continuation of a growing tool loop
-    tokenizes about the text it appends, while the conversation it carries grows past ten times that."""
+    tokenizes about the text it appends, while the conversation it carries grows past ten times
+    that; and the session holds each of its token ids once, not once per turn that carries it."""
     chars = "gateway_context_tokenized_chars_total"
+    held = _held_tokens(gateway)
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Read the files."}]
     seen = []
     for n in range(14):
@@ -95,6 +102,11 @@ def test_a_continuing_turn_tokenizes_what_it_adds_however_long_the_history(
     for _, warm in seen[2:]:  # each later one: its new message, the echoed answer, the template around them
         assert 0 < warm <= added + 300
     assert history > 10 * (added + 300)
+    turns = _session(gateway, session_id)["turns"]
+    carried = sum(len(t["prompt_ids"]) + len(t["output_ids"]) for t in turns)  # what 14 tuples held
+    tokens = len(turns[-1]["prompt_ids"]) + len(turns[-1]["output_ids"])
+    sampled = sum(len(t["output_ids"]) for t in turns)  # an answer's end may be re-rendered, not reused
+    assert tokens <= _held_tokens(gateway) - held <= tokens + sampled < carried / 4
 
 
 def _chain_turns(body: dict[str, Any]) -> list[list[str]]:
