@@ -62,7 +62,7 @@ from stream_gateway.completion._images import RequestImages, expand_placeholders
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import Message, Tool
 from stream_gateway.reasoning import ReasoningFormat
-from stream_gateway.sessions import RenderAnchor, Turn
+from stream_gateway.sessions import RenderAnchor, Turn, prompt_after
 
 _PROBE = "\u2063probe\u2063"
 
@@ -71,7 +71,7 @@ _PROBE = "\u2063probe\u2063"
 class Context:
     """The prompt for one request and where it came from."""
 
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]  # a continuation's: TokenIds sharing its parent's (no Python int made per id)
     parent: Turn | None
     reused_prompt_tokens: int
     matches_full_render: bool
@@ -194,8 +194,8 @@ class ContextBuilder:
         sampled = parent.output_ids
         bridge = self._bridge(sampled)
         reused = len(parent.prompt_ids) + len(sampled)
-        prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + tail)]
-        if images is not None and not _expand_new_images(prompt, reused, images, k):
+        prompt = _continuation(parent, reused, self._encode(bridge + tail), images, k)
+        if prompt is None:
             return new_root("the conversation's images do not line up with the template's placeholders")
         if full_ids is None:
             tail_at = None
@@ -233,7 +233,7 @@ class ContextBuilder:
         sampled = parent.output_ids
         bridge = self._bridge(sampled)
         reused = len(parent.prompt_ids) + len(sampled)
-        prompt = [*parent.prompt_ids, *sampled, *self._encode(bridge + tail)]
+        prompt = prompt_after(parent, reused, self._encode(bridge + tail))
         warm = self._warm_anchor(full, prompt, anchor, (known, reused + len(self._encode(bridge))), hasher)
         if warm is None:
             return None
@@ -259,7 +259,7 @@ class ContextBuilder:
                 f"{exc}: a message's text spells the model's image placeholder", param="messages"
             ) from exc
 
-    def _cold(self, full: str, full_ids: list[int] | None, prompt: list[int] | None) -> Context:
+    def _cold(self, full: str, full_ids: list[int] | None, prompt: Sequence[int] | None) -> Context:
         """A context from the whole render tokenized: ``prompt`` (a continuation's) compared with
         it, or ``None`` for a new root, whose prompt it is."""
         if full_ids is None:
@@ -278,7 +278,7 @@ class ContextBuilder:
     def _warm_anchor(
         self,
         full: str,
-        prompt: list[int],
+        prompt: Sequence[int],
         parent: RenderAnchor | None,
         tail_at: tuple[int, int] | None,
         checked: Any = None,
@@ -381,6 +381,18 @@ class ContextBuilder:
         conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
         text = self._render(conversation, None, generation=False)
         return text[text.rindex(_PROBE) + len(_PROBE) :]
+
+
+def _continuation(
+    parent: Turn, reused: int, added: list[int], images: RequestImages | None, k: int
+) -> Sequence[int] | None:
+    """A continuation's prompt: ``added`` packed on ``parent``'s storage (no Python int made per
+    id of the history), or with images a list whose new placeholders are expanded (``None``: they
+    do not line up with the images)."""
+    if images is None:
+        return prompt_after(parent, reused, added)
+    prompt = [*parent.prompt_ids, *parent.output_ids, *added]
+    return prompt if _expand_new_images(prompt, reused, images, k) else None
 
 
 def _expand_new_images(prompt: list[int], reused: int, images: RequestImages, position: int) -> bool:

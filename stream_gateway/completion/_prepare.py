@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -60,7 +61,7 @@ class PreparedCompletion:
     context: Context
     conversation_key: bytes  # prefix key of the request's messages (turn keys extend it)
     context_length: int
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]  # a continuation's packed on its parent's (sessions.TokenIds)
     params: SamplingParams
     n: int
     stops: tuple[str, ...]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -208,7 +208,7 @@ class TurnLifecycle:
             parent_id=context.parent.turn_id if context.parent is not None else None,
             key=key,
             context_length=prepared.context_length,
-            prompt_ids=prompt_after(context.parent, reused, prepared.prompt_ids[reused:]),
+            prompt_ids=_prompt(prepared.prompt_ids, context.parent, reused),
             reused_prompt_tokens=context.reused_prompt_tokens,
             output_ids=TokenIds(result.token_ids),
             logprobs=Logprobs(result.logprobs),
@@ -252,3 +252,11 @@ class TurnLifecycle:
         metrics.route_rows_compared.inc(differ.size)
         if disagreeing := int(differ.sum()):
             metrics.route_rows_disagreeing.inc(disagreeing)
+
+
+def _prompt(ids: Sequence[int], parent: Turn | None, reused: int) -> TokenIds:
+    """The turn's prompt ids, packed: a continuation's context already built them on its parent's
+    storage (``completion._context``); anything else is packed here, sharing the reused part."""
+    if isinstance(ids, TokenIds):
+        return ids
+    return prompt_after(parent, reused, ids[reused:])

@@ -196,7 +196,7 @@ class TextChunkEncoder:
         token_ids: bool,
         tokens_as_ids: bool,
         weight_versions: bool,
-        prompts: dict[int, list[int]],
+        prompts: dict[int, Sequence[int]],
         routed_experts: bool = False,
     ) -> None:
         self._head = frame_head(completion_id, "text_completion", created, model)
@@ -225,7 +225,8 @@ class TextChunkEncoder:
                 self._token_text, update.token_ids, update.logprobs, update.top_logprobs, offset, self._as_ids
             )
         # As vLLM 0.33 writes chunks (exclude_unset): these keys always, null when not asked for.
-        choice["prompt_token_ids"] = self._prompts.pop(update.index, None) if self._token_ids else None
+        prompt = self._prompts.pop(update.index, None) if self._token_ids else None
+        choice["prompt_token_ids"] = list(prompt) if prompt is not None else None
         choice["token_ids"] = update.token_ids if self._token_ids else None
         choice["weight_versions"] = None
         if self._versions:
@@ -308,7 +309,7 @@ def text_completion_body(
             choice["logprobs"], _ = completion_logprobs(
                 token_text, result.token_ids, result.logprobs, top, 0, tokens_as_ids
             )
-        choice["prompt_token_ids"] = prompt_of[result.index] if first.return_token_ids else None
+        choice["prompt_token_ids"] = list(prompt_of[result.index]) if first.return_token_ids else None
         choice["token_ids"] = result.token_ids if first.return_token_ids else None
         choice["routed_experts"] = npy_base64(result.routes) if result.routes is not None else None
         spans = result.version_spans if weight_versions else None

@@ -18,7 +18,7 @@ are stated in ``docs/sessions.md``.
 from stream_gateway._errors import SharedUnavailable
 from stream_gateway.sessions._directory import SessionDirectory, SharingConfig
 from stream_gateway.sessions._events import TurnEvent, turn_from_event, turn_to_event
-from stream_gateway.sessions._ids import Logprobs, TokenIds
+from stream_gateway.sessions._ids import Logprobs, TokenIds, wire_ids
 from stream_gateway.sessions._record import SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._shared import SharedSessions, expected_seqs
 from stream_gateway.sessions._store import (
@@ -60,4 +60,5 @@ __all__ = [
     "turn_from_event",
     "turn_routes",
     "turn_to_event",
+    "wire_ids",
 ]

@@ -500,7 +500,9 @@ class RemoteEngine:
         body = dialect.body(request_id, prompt_ids, params, model=served, adapter=model)
         if wanted is not None:
             dialect.want_routes(body, wanted.start)
-        return await self._streams.post(upstream.url + dialect.generate_path, orjson.dumps(body))
+        return await self._streams.post(
+            upstream.url + dialect.generate_path, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        )  # the prompt ids: sessions.wire_ids
 
     # -- LoRA adapters --------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines._base import EngineStep, FinishReason, SamplingParams
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._wire import by_version, finish_reason, numeric_version, top_from_pairs
+from stream_gateway.sessions import wire_ids
 
 if TYPE_CHECKING:
     import httpx
@@ -62,7 +63,7 @@ class SglangDialect(Dialect):
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
         body: dict[str, Any] = {
-            "input_ids": list(prompt_ids),
+            "input_ids": wire_ids(prompt_ids),
             "sampling_params": sampling,
             "return_logprob": True,
             "top_logprobs_num": params.top_logprobs,

@@ -31,6 +31,7 @@ from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines._base import EngineStep, SamplingParams, merge_steps
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._wire import error_message, finish_reason, numeric_version, token_id, top_from_dict
+from stream_gateway.sessions import wire_ids
 
 __all__ = ["VllmDialect", "optional_sampling"]
 
@@ -64,7 +65,7 @@ class VllmDialect(Dialect):
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": adapter or model,  # a LoRA adapter is served as a model
-            "prompt": list(prompt_ids),
+            "prompt": wire_ids(prompt_ids),
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,

@@ -21,6 +21,7 @@ from typing import Any
 
 from stream_gateway.engines._base import SamplingParams
 from stream_gateway.engines.remote._vllm import Sampled, VllmDialect, optional_sampling
+from stream_gateway.sessions import wire_ids
 
 __all__ = ["VllmGenerateDialect"]
 
@@ -50,7 +51,7 @@ class VllmGenerateDialect(VllmDialect):
         return {
             "request_id": request_id,
             "model": adapter or model,  # a LoRA adapter is served as a model
-            "token_ids": list(prompt_ids),
+            "token_ids": wire_ids(prompt_ids),
             "sampling_params": sampling,
             "output_mode": "tokens",
             "stream": True,
