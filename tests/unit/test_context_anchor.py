@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from stream_gateway.completion._context import Context, ContextBuilder
 from stream_gateway.completion._request import Message, Tool
 from stream_gateway.models import smollm2_path
-from stream_gateway.sessions import Turn
+from stream_gateway.sessions import TokenIds, Turn
 
 _TOOLS = [Tool.model_validate({"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}})]
 
@@ -26,7 +26,7 @@ _TOOLS = [Tool.model_validate({"type": "function", "function": {"name": "read", 
 def _turn(turn_id: str, parent: Turn | None, context: Context, output: list[int], context_length: int) -> Turn:
     return Turn(
         turn_id=turn_id, session_id="s", parent_id=parent.turn_id if parent else None, key=None,
-        context_length=context_length, prompt_ids=tuple(context.prompt_ids),
+        context_length=context_length, prompt_ids=context.prompt_ids,  # type: ignore[arg-type]
         reused_prompt_tokens=context.reused_prompt_tokens, output_ids=tuple(output),
         logprobs=tuple([0.0] * len(output)), finish_reason="stop", content="", tool_calls=(), policy_version=0,
         policy_versions=((0, 0),), created_at=0.0, time_to_first_token_s=None, duration_s=0.0,
@@ -99,6 +99,9 @@ def test_continuations_tokenize_what_they_add_and_agree_with_a_full_tokenization
         assert warm.prompt_ids == cold.prompt_ids
         assert warm.matches_full_render and cold.matches_full_render
         assert warm.anchor == cold.anchor
+        # ... and holds only the ids it added: the history is its parent's storage, not a copy.
+        assert isinstance(warm.prompt_ids, TokenIds)
+        assert warm.prompt_ids.held == len(warm.prompt_ids) - warm.reused_prompt_tokens < len(_result(1))
     # A warm build tokenizes what the turn adds (the new messages, and the assistant message with
     # them to compare with what was sampled), whatever the conversation holds; a cold one all of it.
     for n, (_, _, warm_chars, cold_chars) in enumerate(seen, start=1):

@@ -66,7 +66,8 @@ def test_a_long_session_holds_each_token_once_in_a_few_bytes() -> None:
     # replaced held 8 bytes per id per turn: about 25 MB here.
     assert held < 4 * tokens + 8 * 20_000 + 50 * 4_000, held
     # The chain still reads back whole, and a continuation is found by its ids.
-    assert parent.prompt_ids[:2_400] == session.turns["t0"].prompt_ids.tolist() + session.turns["t0"].output_ids.tolist()
+    root = session.turns["t0"]
+    assert parent.prompt_ids[:2_400] == root.prompt_ids.tolist() + root.output_ids.tolist()
     assert session.match_tokens([*parent.prompt_ids, *parent.output_ids, 5]) is parent
     assert session.match_tokens([*parent.prompt_ids, 5]) is session.turns["t48"]
 
