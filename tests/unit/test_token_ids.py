@@ -82,3 +82,23 @@ def test_a_continuation_that_reuses_part_of_its_parent_shares_what_it_reuses() -
     assert child.prompt_ids == (1, 2, 3, 4, 5, 9, 9) and child.held == 3
     with pytest.raises(ValueError, match="holds fewer"):
         prompt_after(root, 7, [1])
+
+
+def test_a_packed_prompt_is_written_to_a_server_as_the_same_json() -> None:
+    """The remote engines write a continuation's prompt from a numpy view of its array, no Python
+    int made per id: the bytes a server receives are the list's."""
+    import orjson
+
+    from stream_gateway.engines import SamplingParams
+    from stream_gateway.engines.remote._sglang import SglangDialect
+    from stream_gateway.engines.remote._vllm import VllmDialect
+    from stream_gateway.engines.remote._vllm_generate import VllmGenerateDialect
+    from stream_gateway.sessions import wire_ids
+
+    ids = TokenIds([5, 70_000, 2**31 - 1]).extend([0, 9]).extend([])
+    assert wire_ids([1, 2]) == [1, 2]
+    params = SamplingParams(max_tokens=4)
+    for dialect in (VllmDialect(), VllmGenerateDialect(), SglangDialect()):
+        packed = dialect.body("r", ids, params, model="m", adapter=None)
+        listed = dialect.body("r", ids.tolist(), params, model="m", adapter=None)
+        assert orjson.dumps(packed, option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(listed), type(dialect)
