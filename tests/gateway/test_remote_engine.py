@@ -13,6 +13,7 @@ the SGLang stand-in (raw int32 in ``meta_info``).
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import itertools
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ from ..support.fidelity import assert_chain_logprobs
 from ..support.moe import free_routes
 from ..support.servers import RunningGateway, free_port, run_gateway, serve_app, wait_healthy
 from ..support.sglang_server import create_sglang_app
+from ..support.waiting import wait_until
 
 ADMIN = "admin-key"
 MANY_TOKENS = 30_000  # an answer that outlasts any test's reading of it: cut short by a kill or an abort
@@ -428,6 +431,47 @@ def test_sglang_http_reports_an_aborted_request_as_an_error(agent_model_path: Pa
             )  # fmt: skip
             with pytest.raises(openai.APIError, match="aborted the request"):
                 list(stream)
+
+
+def test_a_server_too_busy_to_answer_its_check_stays_in_rotation_while_it_streams(agent_model_path: Path) -> None:
+    """A server whose ``/health`` waits past the check's timeout while its streams flow (a real vLLM
+    saturated on two cores did, and the pool's only server went out of rotation: 503 for every
+    client while it served) is busy, not gone: it keeps taking requests. Once nothing streams from
+    it, the same slow check takes it out."""
+    delay = {"s": 0.0}
+    upstream_engine = TransformersEngine(agent_model_path, served_model_name="tiny-agent")
+    with serve_app(create_sglang_app(upstream_engine, health_delay=lambda: delay["s"])) as url:
+        settings = Settings(model=str(agent_model_path), engine="sglang-http", served_model_name="tiny-agent",
+                            upstreams=(url,), admin_api_keys=(ADMIN,), upstream_health_interval_seconds=0.2,
+                            upstream_health_timeout_seconds=0.3)  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as running:
+            _wait_healthy_in_pool(running, url)
+            delay["s"] = 2.0  # from now on every check times out
+            chunks = []
+            stream = _client(running).chat.completions.create(
+                model="tiny-agent", messages=[{"role": "user", "content": "hi"}], stream=True,
+                max_tokens=MANY_TOKENS, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            with ThreadPoolExecutor(1) as pool:
+                reading = pool.submit(lambda: chunks.extend(stream))
+                try:
+                    wait_until(lambda: _entry(running, url)["slow_checks"] >= 3, "3 checks timed out while streaming")
+                    assert _entry(running, url)["healthy"], _admin(running)
+                    reply = _client(running).chat.completions.create(
+                        model="tiny-agent", messages=[{"role": "user", "content": "and you?"}], max_tokens=4
+                    )
+                    assert reply.choices[0].finish_reason in ("stop", "length")
+                finally:
+                    stream.close()  # the client goes: the server's stream ends, and nothing flows
+                    with contextlib.suppress(Exception):
+                        reading.result(30)
+            assert chunks
+            _wait_healthy_in_pool(running, url, healthy=False)
+            assert "no answer in time" in str(_entry(running, url)["last_error"])
+
+
+def _entry(front: RunningGateway, url: str) -> dict[str, Any]:
+    return next(u for u in _admin(front)["data"] if u["url"] == url)
 
 
 def test_a_remote_pool_follows_announced_versions_and_reported_ones(

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -60,11 +60,27 @@ from stream_gateway.engines import SamplingParams
 from stream_gateway.engines.transformers import TransformersEngine
 
 
+def _health(delay: Callable[[], float] | None) -> Callable[[Request], Awaitable[Response]]:
+    """``GET /health``: 200, after ``delay()`` seconds when given."""
+
+    async def health(_: Request) -> Response:
+        if delay is not None:
+            await asyncio.sleep(delay())
+        return Response(status_code=200)
+
+    return health
+
+
 def create_sglang_app(
-    engine: TransformersEngine, *, incremental: bool = False, abort_after: int | None = None
+    engine: TransformersEngine,
+    *,
+    incremental: bool = False,
+    abort_after: int | None = None,
+    health_delay: Callable[[], float] | None = None,
 ) -> Starlette:
     """The app; ``abort_after`` makes every request end with ``finish_reason.type == "abort"``
-    after that many tokens (as SGLang reports a request it aborted)."""
+    after that many tokens (as SGLang reports a request it aborted); ``health_delay``: seconds
+    ``GET /health`` waits before it answers, asked at each check (a server busy with its streams)."""
     state = {"weight_version": "default"}
     adapters = _Adapters(engine)
 
@@ -73,8 +89,7 @@ def create_sglang_app(
         async with engine:
             yield
 
-    async def health(_: Request) -> Response:
-        return Response(status_code=200)
+    health = _health(health_delay)
 
     async def model_info(_: Request) -> Response:
         body = {"model_path": engine.model_id, "tokenizer_path": engine.model_id, "is_generation": True,

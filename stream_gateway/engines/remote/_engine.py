@@ -289,7 +289,11 @@ class RemoteEngine:
                     self._update_max_model_len()
             if self.reloads_weights and not await self._catch_up(upstream):
                 return
-        except (httpx.HTTPError, UpstreamFailed, TimeoutError, ValueError, KeyError, TypeError) as exc:
+        except TimeoutError as exc:
+            if not self._busy(upstream):
+                self.pool.mark_failed(upstream, describe(exc))
+            return
+        except (httpx.HTTPError, UpstreamFailed, ValueError, KeyError, TypeError) as exc:
             self.pool.mark_failed(upstream, describe(exc))
             return
         except Exception as exc:  # a check must never end the checks (and the engine with them)
@@ -301,6 +305,22 @@ class RemoteEngine:
             self.pool.mark_failed(upstream, describe(exc))
             return
         self.pool.mark_healthy(upstream)
+
+    def _busy(self, upstream: Upstream) -> bool:
+        """Whether a server that did not answer its check in time is busy rather than gone: it is in
+        rotation and one of its streams read a step since the last check was due. Seen on a real
+        vLLM saturated on two cores: ``/health`` waited seconds behind the streams it was sending
+        us, and taking the pool's only server out of rotation turned that into 503s for every
+        client while it served. A server that stops streaming too fails its next slow check."""
+        recent = time.monotonic() - upstream.streamed_at < self._health_interval + self._health_timeout
+        if not (upstream.healthy and upstream.outstanding and recent):
+            return False
+        upstream.slow_checks += 1
+        if upstream.slow_checks == 1 or upstream.slow_checks % 100 == 0:
+            log.info("upstream %s did not answer its health check in %.1f s while streaming %d requests: kept "
+                     "(%d such checks)", upstream.url, self._health_timeout, upstream.outstanding,
+                     upstream.slow_checks)  # fmt: skip
+        return True
 
     async def _catch_up(self, upstream: Upstream) -> bool:
         """With ``upstream_weights="reload"``: a server that does not serve the pool's weights (it
@@ -397,6 +417,7 @@ class RemoteEngine:
                     async with aclosing(stream) as steps:
                         async for step in steps:
                             started = True
+                            upstream.streamed_at = time.monotonic()
                             self._total_tokens += len(step.token_ids)
                             if grammar is not None:
                                 grammar.take(step.token_ids, upstream.url)
