@@ -89,6 +89,8 @@ __all__ = ["DIALECTS", "PROTOCOLS", "UPSTREAM_WEIGHTS", "RemoteEngine"]
 
 log = logging.getLogger(__name__)
 
+BUSY_WINDOW_S = 30.0  # a slow health check is forgiven a server that streamed a step this recently
+
 DIALECTS: dict[str, type[Dialect]] = {
     "vllm": VllmDialect,
     "vllm-generate": VllmGenerateDialect,
@@ -290,7 +292,9 @@ class RemoteEngine:
             if self.reloads_weights and not await self._catch_up(upstream):
                 return
         except TimeoutError as exc:
-            if not self._busy(upstream):
+            if self._busy(upstream):
+                self.pool.mark_healthy(upstream)
+            else:
                 self.pool.mark_failed(upstream, describe(exc))
             return
         except (httpx.HTTPError, UpstreamFailed, ValueError, KeyError, TypeError) as exc:
@@ -307,13 +311,15 @@ class RemoteEngine:
         self.pool.mark_healthy(upstream)
 
     def _busy(self, upstream: Upstream) -> bool:
-        """Whether a server that did not answer its check in time is busy rather than gone: it is in
-        rotation and one of its streams read a step since the last check was due. Seen on a real
-        vLLM saturated on two cores: ``/health`` waited seconds behind the streams it was sending
-        us, and taking the pool's only server out of rotation turned that into 503s for every
-        client while it served. A server that stops streaming too fails its next slow check."""
-        recent = time.monotonic() - upstream.streamed_at < self._health_interval + self._health_timeout
-        if not (upstream.healthy and upstream.outstanding and recent):
+        """Whether a server that did not answer its check in time is busy rather than gone: requests
+        are in flight there and one of its streams read a step within ``BUSY_WINDOW_S``. Seen on a
+        real vLLM saturated on two cores: ``/health`` waited seconds behind the streams it was
+        sending us, its streams stalled for seconds at a time, and taking the pool's only server out
+        of rotation turned that into 503s for every client while it served. A server with nothing
+        in flight, or silent that long, fails its next slow check (and its streams' own read
+        timeout ends those in flight on a server that hung)."""
+        recent = time.monotonic() - upstream.streamed_at < BUSY_WINDOW_S
+        if not (upstream.outstanding and recent):
             return False
         upstream.slow_checks += 1
         if upstream.slow_checks == 1 or upstream.slow_checks % 100 == 0:
