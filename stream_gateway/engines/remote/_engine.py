@@ -292,7 +292,7 @@ class RemoteEngine:
             if self.reloads_weights and not await self._catch_up(upstream):
                 return
         except TimeoutError as exc:
-            if self._busy(upstream):
+            if _busy(upstream, self._health_timeout):
                 self.pool.mark_healthy(upstream)
             else:
                 self.pool.mark_failed(upstream, describe(exc))
@@ -309,24 +309,6 @@ class RemoteEngine:
             self.pool.mark_failed(upstream, describe(exc))
             return
         self.pool.mark_healthy(upstream)
-
-    def _busy(self, upstream: Upstream) -> bool:
-        """Whether a server that did not answer its check in time is busy rather than gone: requests
-        are in flight there and one of its streams read a step within ``BUSY_WINDOW_S``. Seen on a
-        real vLLM saturated on two cores: ``/health`` waited seconds behind the streams it was
-        sending us, its streams stalled for seconds at a time, and taking the pool's only server out
-        of rotation turned that into 503s for every client while it served. A server with nothing
-        in flight, or silent that long, fails its next slow check (and its streams' own read
-        timeout ends those in flight on a server that hung)."""
-        recent = time.monotonic() - upstream.streamed_at < BUSY_WINDOW_S
-        if not (upstream.outstanding and recent):
-            return False
-        upstream.slow_checks += 1
-        if upstream.slow_checks == 1 or upstream.slow_checks % 100 == 0:
-            log.info("upstream %s did not answer its health check in %.1f s while streaming %d requests: kept "
-                     "(%d such checks)", upstream.url, self._health_timeout, upstream.outstanding,
-                     upstream.slow_checks)  # fmt: skip
-        return True
 
     async def _catch_up(self, upstream: Upstream) -> bool:
         """With ``upstream_weights="reload"``: a server that does not serve the pool's weights (it
@@ -616,3 +598,22 @@ class RemoteEngine:
         """A snapshot of the requests in flight; ``running`` while any server is healthy."""
         running = self._client is not None and any(u.healthy for u in self.pool)
         return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens, running)
+
+
+def _busy(upstream: Upstream, timeout: float) -> bool:
+    """Whether a server that did not answer its check in time is busy rather than gone: requests
+    are in flight there and one of its streams read a step within ``BUSY_WINDOW_S``. Seen on a
+    real vLLM saturated on two cores: ``/health`` waited seconds behind the streams it was
+    sending us, its streams stalled for seconds at a time, and taking the pool's only server out
+    of rotation turned that into 503s for every client while it served. A server with nothing
+    in flight, or silent that long, fails its next slow check (and its streams' own read
+    timeout ends those in flight on a server that hung)."""
+    recent = time.monotonic() - upstream.streamed_at < BUSY_WINDOW_S
+    if not (upstream.outstanding and recent):
+        return False
+    upstream.slow_checks += 1
+    if upstream.slow_checks == 1 or upstream.slow_checks % 100 == 0:
+        log.info("upstream %s did not answer its health check in %.1f s while streaming %d requests: kept "
+                 "(%d such checks)", upstream.url, timeout, upstream.outstanding,
+                 upstream.slow_checks)  # fmt: skip
+    return True
