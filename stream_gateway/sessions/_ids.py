@@ -37,10 +37,6 @@ class Packed(Sequence[T]):
         self._own = own
         self._len = len(own) + (len(base) if base is not None else 0)
 
-    def extend(self, values: Iterable[T]) -> Packed[T]:
-        """This sequence followed by ``values`` (shares this one's storage)."""
-        return type(self)(values, self)
-
     def then(self, other: Packed[T]) -> Packed[T]:
         """This sequence followed by ``other``'s values, sharing both storages when ``other`` is a
         single node (a turn's output ids); otherwise ``other``'s values are copied."""

@@ -21,7 +21,7 @@ def test_packed_ids_behave_as_the_tuple_they_replace() -> None:
             reference, ids = reference[:n], ids.head(n)
         else:
             added = [rng.randrange(50_000) for _ in range(rng.randrange(5))]
-            reference, ids = reference + added, ids.extend(added)
+            reference, ids = reference + added, TokenIds(added, ids)
         assert len(ids) == len(reference) and list(ids) == reference and ids.tolist() == reference
         assert ids == tuple(reference) and tuple(reference) == ids and ids == reference
         assert ids == TokenIds(reference) and hash(ids) == hash(TokenIds(reference))
@@ -95,7 +95,7 @@ def test_a_packed_prompt_is_written_to_a_server_as_the_same_json() -> None:
     from stream_gateway.engines.remote._vllm_generate import VllmGenerateDialect
     from stream_gateway.sessions import wire_ids
 
-    ids = TokenIds([5, 70_000, 2**31 - 1]).extend([0, 9]).extend([])
+    ids = TokenIds([], TokenIds([0, 9], TokenIds([5, 70_000, 2**31 - 1])))
     assert wire_ids([1, 2]) == [1, 2]
     params = SamplingParams(max_tokens=4)
     for dialect in (VllmDialect(), VllmGenerateDialect(), SglangDialect()):

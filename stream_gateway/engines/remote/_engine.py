@@ -292,7 +292,7 @@ class RemoteEngine:
             if self.reloads_weights and not await self._catch_up(upstream):
                 return
         except TimeoutError as exc:
-            if _busy(upstream, self._health_timeout):
+            if _forgive_slow_check(upstream, self._health_timeout):
                 self.pool.mark_healthy(upstream)
             else:
                 self.pool.mark_failed(upstream, describe(exc))
@@ -600,8 +600,9 @@ class RemoteEngine:
         return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens, running)
 
 
-def _busy(upstream: Upstream, timeout: float) -> bool:
-    """Whether a server that did not answer its check in time is busy rather than gone: requests
+def _forgive_slow_check(upstream: Upstream, timeout: float) -> bool:
+    """Whether a server that did not answer its check in time is busy rather than gone (counted in
+    its ``slow_checks``, logged now and then): requests
     are in flight there and one of its streams read a step within ``BUSY_WINDOW_S``. Seen on a
     real vLLM saturated on two cores: ``/health`` waited seconds behind the streams it was
     sending us, its streams stalled for seconds at a time, and taking the pool's only server out
