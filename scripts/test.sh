@@ -23,4 +23,11 @@ for model in tiny-agent tiny-agent-claude tiny-agent-codex \
     tiny-reasoning tiny-reasoning-claude tiny-reasoning-codex tiny-moe tiny-vl; do
     echo "test set-up: $model model at $(.venv/bin/stream-gateway prepare-model --model $model)"
 done
-exec .venv/bin/python -m pytest "$@"
+# The agent tests' real agents from npm (pi, OpenClaw, Claude Code, Codex), once per machine, here
+# rather than in a test process: two of those install at once would share one directory.
+echo "test set-up: agents at $(bash scripts/install_agents.sh >&2 && echo "${STREAM_GATEWAY_AGENTS_DIR:-$HOME/.cache/stream-gateway/agents}")"
+# Two test processes (pytest-xdist), a test module to each at a time: its module-scoped servers (the
+# real vLLM servers, NATS clusters) stay in one process. About half the serial run waits on servers,
+# subprocesses and sockets rather than a core, so two processes on two cores take ~40% less time.
+# Extra arguments go to pytest after these: `-n 0` runs in one process (see tests/README.md).
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

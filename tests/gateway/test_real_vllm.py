@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -506,15 +506,19 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
         weights as ``version``; its recorded turn."""
         session = f"real-vllm-weights-{n}"
         body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "Tell me everything."}],
-                "stream": True, "max_tokens": 2500, "ignore_eos": True, "temperature": 1.0, "seed": 3}  # fmt: skip
+                "stream": True, "max_tokens": 3500, "ignore_eos": True, "temperature": 1.0, "seed": 3}  # fmt: skip
         flowing = threading.Event()
+
+        def hold() -> None:  # on the reader's own thread, at the answer's first words: no hop to another
+            httpx.post(f"{vllm.url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+            flowing.set()
+
         with ThreadPoolExecutor(1) as pool:
             base = f"{running.base_url}/sessions/{session}/v1"
-            answer = pool.submit(_finish_reasons, base, body, headers, flowing)
-            # The answer's first words arrived: hold the request on vLLM there (at any
-            # machine's speed the update then lands mid-answer), and update the weights
-            assert flowing.wait(60), "no tokens came"
-            httpx.post(f"{vllm.url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+            answer = pool.submit(_finish_reasons, base, body, headers, hold)
+            # The answer's first words arrived and the reader held the request on vLLM there (at
+            # any machine's speed the update then lands mid-answer): update the weights
+            assert flowing.wait(60), f"no tokens came: {answer.result() if answer.done() else 'still waiting'}"
             publish(new_weights, version)  # the gateway's pause, reload, label and resume
             assert answer.result() == ["length"]
         assert label() == str(version)
@@ -526,9 +530,9 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
         assert label() == "0"  # the weights it started with are version 0, labelled by the gateway
         old_version = 0
         try:
-            # vLLM can sample all 2,500 tokens (about a second here) before the test's pause reaches
-            # it when the client's thread is held off the cores: the update then lands after the
-            # answer, which is wholly the old version's, and says nothing of a split. Up to 3 tries.
+            # vLLM can sample all 3,500 tokens (under two seconds here) before the reader's pause
+            # reaches it when the test's threads are held off the cores: the update then lands after
+            # the answer, which is wholly the old version's, and says nothing of a split. Up to 3 tries.
             for n in range(3):
                 turn = attempt(running, n, 2 * n + 1)
                 spans = [tuple(span) for span in turn["policy_versions"]]
@@ -538,9 +542,9 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
         finally:
             publish(agent_model_path, 99)  # the module's other tests sample the original weights
         assert label() == "99"
-    assert len(turn["output_ids"]) == 2500 and len(spans) == 2, spans
+    assert len(turn["output_ids"]) == 3500 and len(spans) == 2, spans
     (first, zero), (second, split) = spans
-    assert (first, zero, second) == (old_version, 0, old_version + 1) and 0 < split < 2500, spans
+    assert (first, zero, second) == (old_version, 0, old_version + 1) and 0 < split < 3500, spans
 
     old = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
     new = AutoModelForCausalLM.from_pretrained(new_weights, dtype=torch.float32).eval()
@@ -555,17 +559,19 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
 
 
 def _finish_reasons(
-    base_url: str, body: dict[str, Any], headers: dict[str, str], flowing: threading.Event
+    base_url: str, body: dict[str, Any], headers: dict[str, str], at_first_text: Callable[[], None]
 ) -> list[str]:
-    """Stream a chat completion to its end, setting ``flowing`` at its first text; the finish
-    reasons it sent."""
+    """Stream a chat completion to its end, calling ``at_first_text`` (on this thread) at its first
+    text; the finish reasons it sent."""
     reasons = []
+    first = True
     with httpx.stream("POST", f"{base_url}/chat/completions", json=body, headers=headers, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 choices = json.loads(line[6:])["choices"]
-                if any(c["delta"].get("content") for c in choices):
-                    flowing.set()
+                if first and any(c["delta"].get("content") for c in choices):
+                    first = False
+                    at_first_text()
                 reasons += [c["finish_reason"] for c in choices if c.get("finish_reason")]
     return reasons
 

@@ -279,8 +279,16 @@ class RemoteEngine:
                 tg.start_soon(self.check, upstream)
 
     async def check(self, upstream: Upstream) -> None:
-        """One health check: ``GET /health`` must answer 200; learn the served model once."""
+        """One health check: ``GET /health`` must answer 200; learn the served model once.
+
+        Skipped while this gateway loads weights into the pool (``upstream_weights="reload"``):
+        a server busy loading them answers late, and the update itself marks each server that
+        could not load them. Seen on a real vLLM under load: ``/weight_info`` waited behind the
+        reload, the check marked the pool's only server failed, and the requests right after the
+        update were refused."""
         assert self._client is not None
+        if self._weights_lock.locked():
+            return
         try:
             with anyio.fail_after(self._health_timeout):
                 response = await self._client.get(f"{upstream.url}/health")
