@@ -3,7 +3,8 @@
 One agent-shaped session: every turn echoes the previous answer and appends a tool result of
 ``--delta-tokens`` tokens, then asks for ``--output-tokens``. The gateway runs alone in its own
 process (``serve --engine synthetic``, capture off, sessions in memory), so the CPU it spends on a
-turn is read from ``/proc/<pid>/stat`` around the request, and the client's own CPU is not counted.
+turn is read from its threads' ``/proc/<pid>/task/*/schedstat`` around the request (nanoseconds;
+``/proc/<pid>/stat``'s 10 ms ticks are the size of what is measured), and the client's own CPU is not counted.
 The table: context tokens at each turn, the gateway's CPU milliseconds for it, and that per 1k
 tokens held. ``--profile FILE`` records the gateway with py-spy (speedscope JSON) for the whole run.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_s, free_port, rss_mb, wait_http
+from _procs import free_port, precise_cpu_s, rss_mb, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 _WORDS = ("alpha", "build", "cargo", "delta", "error", "found", "green", "index", "json", "kernel", "lines", "merge")
@@ -72,9 +73,9 @@ def main(argv: list[str] | None = None) -> None:
                 spent, answers = [], []
                 for (process, _), port in zip(gateways, ports, strict=True):
                     url = f"http://127.0.0.1:{port}/sessions/agent-{os.getpid()}/v1/chat/completions"
-                    before = cpu_s(process.pid)
+                    before = precise_cpu_s(process.pid)
                     answers.append(client.post(url, json=body).json())
-                    spent.append(cpu_s(process.pid) - before)
+                    spent.append(precise_cpu_s(process.pid) - before)
                 answer = answers[0]
                 context = int(answer["usage"]["prompt_tokens"])
                 rows.append((context, spent))
@@ -107,7 +108,21 @@ def _start_gateway(tree: Path, model: str, max_context: int) -> tuple[subprocess
     return subprocess.Popen(command, env=env, cwd=tree), port
 
 
+_POINTS = (8_000, 16_000, 50_000, 100_000, 200_000, 300_000, 400_000)
+
+
+def _at_points(rows: list[tuple[int, list[float]]]) -> None:
+    """The median per-turn CPU of the turns within 5% of each context size (the closing-note table)."""
+    print("\n| context | turns | per turn, ms (median; each column a gateway) |\n|---:|---:|---|")
+    for point in _POINTS:
+        near = [spent for context, spent in rows[1:] if abs(context - point) <= 0.05 * point]
+        if near:
+            medians = " / ".join(f"{statistics.median(s[i] for s in near) * 1000:.1f}" for i in range(len(near[0])))
+            print(f"| {point // 1000}k | {len(near)} | {medians} |")
+
+
 def _report(rows: list[tuple[int, list[float]]], baseline: bool) -> None:
+    _at_points(rows)
     if not baseline:
         print("\n| context tokens | gateway CPU per turn (ms) | ms per 1k tokens held |\n|---:|---:|---:|")
         for context, (spent,) in rows[1:]:

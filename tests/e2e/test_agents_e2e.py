@@ -93,18 +93,28 @@ def test_openclaw_tool_loop_is_recorded_token_exactly(
     and calls ``read`` again: the run goes on until OpenClaw's own time limit (kept short here).
     That is the tiny model's limit, not the gateway's: every follow-up turn carries the tool
     output OpenClaw produced, and every turn is recorded token-exactly.
-    """
-    session = f"claw{secrets.token_hex(4)}"
-    base = f"{agent_gateway.base_url}/sessions/{session}"
-    workspace = openclaw_workspace(tmp_path)
-    workspace.mkdir(parents=True, exist_ok=True)
-    (workspace / "README.md").write_text("The secret word is lighthouse.\n")
-    run = run_openclaw(base, "tiny-agent", "What does the README say?", tmp_path, agent_timeout=30, timeout=180)
-    assert "read" in run.tools_used, run.describe()  # OpenClaw really executed the model's call
-    assert run.returncode == 0 or "timed out" in run.stdout, run.describe()
 
-    body = _session(agent_gateway, session)
-    turns = body["turns"]
+    OpenClaw's first request carries the run's date, session id and workspace path, so its text
+    differs on every run, and tiny-agent (sampled) has answered one with the "Done" it learned for
+    after a tool result instead of calling ``read`` (seen with pytest-xdist's longer paths): a run
+    that never called the tool says nothing of the loop, so up to three runs, each a new session,
+    and the first that called it is checked.
+    """
+    for attempt in range(3):
+        session = f"claw{secrets.token_hex(4)}"
+        workdir = tmp_path / str(attempt)
+        workspace = openclaw_workspace(workdir)
+        workspace.mkdir(parents=True, exist_ok=True)
+        (workspace / "README.md").write_text("The secret word is lighthouse.\n")
+        base = f"{agent_gateway.base_url}/sessions/{session}"
+        run = run_openclaw(base, "tiny-agent", "What does the README say?", workdir, agent_timeout=30, timeout=180)
+        assert run.returncode == 0 or "timed out" in run.stdout, run.describe()
+        body = _session(agent_gateway, session)
+        turns = body["turns"]
+        if turns and turns[0]["finish_reason"] == "tool_calls":
+            break
+    # That OpenClaw really executed the model's call is read from what the gateway received next
+    # (the README's text in the following request's tool result, below), not from OpenClaw's receipt.
     assert len(turns) >= 2, run.describe()
     assert turns[0]["finish_reason"] == "tool_calls"
     assert turns[0]["message"]["tool_calls"][0]["function"]["name"] == "read"

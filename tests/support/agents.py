@@ -409,6 +409,12 @@ def _system_node() -> str:
 def _base_env(*, home: Path) -> dict[str, str]:
     env = {name: os.environ[name] for name in _PASSTHROUGH_ENV if name in os.environ}
     env["HOME"] = str(home)
+    # A temp dir of the run's own: OpenClaw keeps lock databases and logs under the system temp dir
+    # (/tmp/openclaw-state-locks-<uid>, /tmp/openclaw), shared by every run of the machine, and two
+    # runs at once (the suite's two processes) must not meet there.
+    tmp = home / ".tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     return env
 
 
@@ -448,7 +454,10 @@ def _text(data: str | bytes | None) -> str:
 
 def _json_lines(text: str) -> list[dict[str, Any]]:
     events = []
-    for line in text.splitlines():
+    # Lines end at "\n" only: str.splitlines also splits at U+0085, U+2028 and U+2029, which JSON
+    # leaves unescaped inside strings (an untrained tiny model's answer sampled one, and its event
+    # was lost in two).
+    for line in text.split("\n"):
         line = line.strip()
         if line.startswith("{"):
             try:
