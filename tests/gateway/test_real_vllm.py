@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -556,6 +557,71 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
     torch.testing.assert_close(recorded[split:], by_new[split:], atol=1e-4, rtol=0)
     # ... and the two weights disagree on both tokens beside the split, so one token off is caught.
     assert (by_old - by_new).abs()[split - 1 : split + 1].min() > 1e-2
+
+
+def test_weights_published_on_nats_are_loaded_into_vllm(
+    vllm: VllmServer, agent_model_path: Path, tmp_path: Path
+) -> None:
+    """``--upstream-weights reload``, the NATS path: ``publish_policy`` (what ``publish-weights``
+    calls) puts a version in the policy bucket; the gateway's follower downloads it, keeps the
+    directory and loads it into vLLM (pause, reload, reset the prefix cache, label, resume). vLLM
+    then labels its weights with that version, and an answer sampled after it is recorded as that
+    version with logprobs a forward pass of the new weights gives (1e-4), not of the old.
+    Afterwards the original weights are loaded again (as 99) for the module's other tests."""
+    import nats
+
+    from pipeline.policies import publish_policy
+
+    new_weights = _softened_checkpoint(agent_model_path, tmp_path / "v1")
+    headers = {"authorization": f"Bearer {ADMIN}"}
+
+    def label() -> str:
+        return str(httpx.get(f"{vllm.url}/weight_info", timeout=30).json()["weight_version"])
+
+    def served(base_url: str) -> int:
+        return int(httpx.get(f"{base_url}/health", timeout=10).json()["policy_version"])
+
+    def publish(url: str, directory: Path, version: int) -> None:
+        async def run() -> None:
+            nc = await nats.connect(url)
+            try:
+                await publish_policy(nc, directory, version)
+            finally:
+                await nc.close()
+
+        anyio.run(run)
+
+    with EmbeddedNatsServer() as nats_server:
+        settings = Settings(model=str(agent_model_path), engine="vllm-http", upstreams=(vllm.url,),
+                            served_model_name="tiny-agent", admin_api_keys=(ADMIN,), vllm_api="generate",
+                            upstream_weights="reload", nats_url=nats_server.url, outbox_dir=tmp_path / "outbox",
+                            replica_id="vllm-nats")  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as running:
+            try:
+                wait_until(lambda: label() == "0", "the gateway labelled vLLM's weights version 0")
+                publish(nats_server.url, new_weights, 1)
+                wait_until(lambda: served(running.base_url) == 1 and label() == "1", "version 1 loaded into vLLM")
+                session = "real-vllm-nats-weights"
+                body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "Tell me everything."}],
+                        "max_tokens": 64, "ignore_eos": True, "temperature": 1.0, "seed": 5}  # fmt: skip
+                url = f"{running.base_url}/sessions/{session}/v1/chat/completions"
+                response = httpx.post(url, json=body, headers=headers, timeout=120)
+                assert response.status_code == 200, response.text
+                turn = httpx.get(f"{running.base_url}/sessions/{session}", headers=headers,
+                                 timeout=30).json()["turns"][0]  # fmt: skip
+                assert label() == "1" and served(running.base_url) == 1
+            finally:
+                response = httpx.post(f"{running.base_url}/policy/weights", headers=headers, timeout=300,
+                                      json={"path": str(agent_model_path), "policy_version": 99})  # fmt: skip
+                assert response.status_code == 200, response.text
+        assert label() == "99"
+    assert [tuple(span) for span in turn["policy_versions"]] == [(1, 0)]
+    old = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(new_weights, dtype=torch.float32).eval()
+    recorded = torch.tensor(turn["logprobs"])
+    by_old, by_new = (_output_logprobs(m, turn["prompt_ids"], turn["output_ids"]) for m in (old, new))
+    torch.testing.assert_close(recorded, by_new, atol=1e-4, rtol=0)
+    assert (by_old - by_new).abs().max() > 1e-2  # the two weights tell apart
 
 
 def _finish_reasons(
