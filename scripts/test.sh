@@ -25,7 +25,8 @@ for model in tiny-agent tiny-agent-claude tiny-agent-codex \
 done
 # The agent tests' real agents from npm (pi, OpenClaw, Claude Code, Codex), once per machine, here
 # rather than in a test process: two of those install at once would share one directory.
-echo "test set-up: agents at $(bash scripts/install_agents.sh >&2 && echo "${STREAM_GATEWAY_AGENTS_DIR:-$HOME/.cache/stream-gateway/agents}")"
+bash scripts/install_agents.sh
+echo "test set-up: agents at ${STREAM_GATEWAY_AGENTS_DIR:-$HOME/.cache/stream-gateway/agents}"
 # Two test processes (pytest-xdist), a test module to each at a time: its module-scoped servers (the
 # real vLLM servers, NATS clusters) stay in one process. About half the serial run waits on servers,
 # subprocesses and sockets rather than a core, so two processes on two cores take ~40% less time.
