@@ -281,13 +281,11 @@ class RemoteEngine:
     async def check(self, upstream: Upstream) -> None:
         """One health check: ``GET /health`` must answer 200; learn the served model once.
 
-        Skipped while this gateway loads weights into the pool (``upstream_weights="reload"``):
-        a server busy loading them answers late, and the update itself marks each server that
-        could not load them. Seen on a real vLLM under load: ``/weight_info`` waited behind the
-        reload, the check marked the pool's only server failed, and the requests right after the
-        update were refused."""
+        No verdict while weights load into the pool: no check then, nor a timeout it caused (the
+        update marks whoever failed). Seen on a real vLLM under load: a check timed out behind the
+        reload, took out the pool's only server, and the requests after the update were refused."""
         assert self._client is not None
-        if self._weights_lock.locked():
+        if self._loading():
             return
         try:
             with anyio.fail_after(self._health_timeout):
@@ -300,6 +298,8 @@ class RemoteEngine:
             if self.reloads_weights and not await self._catch_up(upstream):
                 return
         except TimeoutError as exc:
+            if self._loading():
+                return
             if _forgive_slow_check(upstream, self._health_timeout):
                 self.pool.mark_healthy(upstream)
             else:
@@ -323,7 +323,7 @@ class RemoteEngine:
         restarted, or missed the update) loads them before it takes requests again; before the
         first reload, the weights the servers started with are labelled the pool's version (0, or
         the version announced), so every token they sample carries the gateway's version.
-        ``False``: it could not (marked failed)."""
+        ``False``: it could not (marked failed, unless an update under way delayed its answer)."""
         client = self._client
         assert client is not None
 
@@ -346,9 +346,15 @@ class RemoteEngine:
                 log.info("%s does not serve weights %d: loading %s into it", upstream.url, version, path)
                 await self.dialect.reload_weights(client, upstream.url, path, version)
         except (httpx.HTTPError, UpstreamFailed, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError) and self._loading():
+                return False  # an update under way delayed the answer: no verdict (see check)
             self.pool.mark_failed(upstream, f"weights {version} not loaded: {describe(exc)}")
             return False
         return True
+
+    def _loading(self) -> bool:
+        """Weights are being loaded into the pool: an update, or a server catching up."""
+        return self._weights_lock.locked()
 
     async def _learn_model(self, upstream: Upstream) -> None:
         assert self._client is not None
