@@ -61,6 +61,7 @@ from stream_gateway._errors import InvalidRequest
 from stream_gateway.completion._images import RequestImages, expand_placeholders, placeholder_spans
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import Message, Tool
+from stream_gateway.completion._template import ChatTemplate
 from stream_gateway.reasoning import ReasoningFormat
 from stream_gateway.sessions import RenderAnchor, Turn, prompt_after
 
@@ -110,6 +111,7 @@ class ContextBuilder:
         if tokenizer.chat_template is None:
             raise InvalidRequest("the served model has no chat template; chat completions need one")
         self._tokenizer = tokenizer
+        self._template = ChatTemplate(tokenizer)
         self._reasoning = reasoning
         self._history = history
         # A turn's thinking as text, by turn id: every continuation renders its whole chain with it.
@@ -353,14 +355,10 @@ class ContextBuilder:
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, *, generation: bool, **kwargs: Any) -> str:
         try:
-            text = self._tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=generation, tokenize=False, **kwargs
-            )
+            return self._template.render(messages, tools, generation, **kwargs)
         except TemplateError as exc:
             # Templates raise for conversations they cannot render (e.g. roles out of order).
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
-        assert isinstance(text, str)
-        return text
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,95 @@
+"""A model's chat template rendered exactly as ``tokenizer.apply_chat_template`` renders it, with
+the sandbox's two most frequent checks answered without an exception.
+
+Where this differs from calling ``apply_chat_template`` (transformers 5.10.4, jinja2 3.1.6 read):
+
+* **The same environment.** The template is compiled by transformers' own (cached) compiler, so
+  its filters (``tojson``), globals (``raise_exception``, ``strftime_now``), extensions and
+  whitespace options are transformers'. The render gets the same variables: the tokenizer's
+  special tokens, then the caller's, ``messages``, ``tools``, ``documents`` (none) and
+  ``add_generation_prompt``.
+* **Two attribute reads short-cut.** Every ``message.role``, ``message.content``, ``call.function``
+  goes through ``SandboxedEnvironment.getattr``, which first tries a Python attribute: on a plain
+  ``dict`` that raises ``AttributeError`` (built and caught, per read) before the key is looked up.
+  Every ``loop.first`` / ``loop.index0`` is checked against the sandbox's rules for internal
+  attributes. On a 400-message agent conversation those checks were about 60% of the render
+  (docs/performance.md). Here a plain ``dict`` whose key is not the name of a ``dict`` attribute
+  is read as the key (what the sandbox ends up doing), and a loop's public attributes are read
+  directly (the sandbox allows all of them: it refuses names starting with ``_`` and the internals
+  of functions, methods, types, frames and generators, none of which a ``LoopContext`` is).
+  Everything else, dict subclasses and ``dict`` method names included, goes to the sandbox as
+  before; the sandbox's refusals are unchanged. ``tests/unit/test_chat_template.py`` renders every
+  built-in model's template both ways.
+* Transformers without its template compiler (a private function) renders through
+  ``apply_chat_template`` itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+from jinja2 import Template
+from jinja2.runtime import LoopContext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from transformers import PreTrainedTokenizerBase
+
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+_MISSING = object()
+
+
+class _ChatTemplateSandbox(ImmutableSandboxedEnvironment):
+    """Transformers' template sandbox with the short-cuts of the module docstring."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
+            value = obj.get(attribute, _MISSING)
+            return self.undefined(obj=obj, name=attribute) if value is _MISSING else value
+        if kind is LoopContext and not attribute.startswith("_"):
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                pass  # the sandbox's own answer (undefined)
+        return super().getattr(obj, attribute)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str) -> Template | None:
+    """``source`` compiled in transformers' environment with this module's sandbox (``None``:
+    this transformers has no template compiler to share)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    environment = _compile_jinja_template(source).environment.overlay()
+    environment.__class__ = _ChatTemplateSandbox  # same configuration, the subclass's getattr
+    template: Template = environment.from_string(source)
+    return template
+
+
+class ChatTemplate:
+    """One tokenizer's chat template, rendered to text."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._special = dict(tokenizer.special_tokens_map)
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None, generation: bool, **kwargs: Any
+    ) -> str:
+        """The conversation as text (raises jinja2's ``TemplateError`` where the template refuses it)."""
+        source = self._tokenizer.get_chat_template(None, tools)
+        template = _compiled(source)
+        if template is None:
+            text = self._tokenizer.apply_chat_template(
+                cast(Any, list(messages)), tools=cast(Any, tools), add_generation_prompt=generation, tokenize=False,
+                **kwargs,
+            )  # fmt: skip
+            assert isinstance(text, str)
+            return text
+        variables = {**self._special, **kwargs}
+        return template.render(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=generation, **variables
+        )
