@@ -82,7 +82,7 @@ def run_vllm(
     log = log_dir / f"{name}-{port}.log"
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", served_model_name, "--host", "127.0.0.1", "--port", str(port),
-               "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "16",
+               "--enforce-eager", "--dtype", "float32", "--max-model-len", "32768", "--max-num-seqs", "16",
                "--enable-prompt-tokens-details", *extra_args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "STREAM_GATEWAY_"))}
     env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
