@@ -20,8 +20,8 @@ Where this differs from calling ``apply_chat_template`` (transformers 5.10.4, ji
   Everything else, dict subclasses and ``dict`` method names included, goes to the sandbox as
   before; the sandbox's refusals are unchanged. ``tests/unit/test_chat_template.py`` renders every
   built-in model's template both ways.
-* Transformers without its template compiler (a private function) renders through
-  ``apply_chat_template`` itself.
+* Transformers without its template compiler (a private function), or with a sandbox other than
+  jinja2's ``ImmutableSandboxedEnvironment``, renders through ``apply_chat_template`` itself.
 """
 
 from __future__ import annotations
@@ -63,7 +63,10 @@ def _compiled(source: str) -> Template | None:
         from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:
         return None
-    environment = _compile_jinja_template(source).environment.overlay()
+    shared = _compile_jinja_template(source).environment
+    if type(shared) is not ImmutableSandboxedEnvironment:
+        return None  # a sandbox of transformers' own making: its rules, through apply_chat_template
+    environment = shared.overlay()
     environment.__class__ = _ChatTemplateSandbox  # same configuration, the subclass's getattr
     template: Template = environment.from_string(source)
     return template

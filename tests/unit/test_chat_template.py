@@ -11,7 +11,7 @@ import pytest
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from stream_gateway.completion._template import ChatTemplate
+from stream_gateway.completion._template import ChatTemplate, _ChatTemplateSandbox, _compiled
 from stream_gateway.models._smollm2 import SMOLLM2_CHAT_TEMPLATE
 from stream_gateway.models._tiny import TINY_CHAT_TEMPLATE
 from stream_gateway.models._tiny_reasoning import TINY_REASONING_CHAT_TEMPLATE
@@ -144,3 +144,17 @@ def test_sandbox_refusals_are_unchanged(tokenizer: PreTrainedTokenizerBase, sour
     messages = [{"role": "user", "content": "hi"}]
     plain, ours, *_ = _both(tokenizer, source, messages, None, {})
     assert ours == plain
+
+
+def test_the_templates_render_in_the_gateways_sandbox() -> None:
+    """The short-cuts are in use (not the fallback through apply_chat_template), in an environment
+    configured as transformers configures its own."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    for source in (TINY_CHAT_TEMPLATE, SMOLLM2_CHAT_TEMPLATE):
+        compiled = _compiled(source)
+        assert compiled is not None and type(compiled.environment) is _ChatTemplateSandbox
+        theirs = _compile_jinja_template(source).environment
+        assert compiled.environment.filters["tojson"] is theirs.filters["tojson"]
+        assert compiled.environment.globals["raise_exception"] is theirs.globals["raise_exception"]
+        assert (compiled.environment.trim_blocks, compiled.environment.lstrip_blocks) == (True, True)
