@@ -151,6 +151,14 @@ def test_the_quickstarts_tiny_model_prints_its_real_output() -> None:
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(60)
-    ids = re.compile(r'"(?:prompt_)?token_ids":(\[[\d,]*\])')
-    assert ids.findall(streamed) == ids.findall(printed) and len(ids.findall(printed)) == 3, streamed
-    assert [r for _, r in _contents(streamed)] == [r for _, r in _contents(printed)]
+    # The same prompt ids and sampled ids; how the sampled ids are split into chunks is the
+    # writer's (docs/performance.md, "Adaptive coalescing": a busy machine sends them in fewer).
+    assert _ids(streamed, "prompt_token_ids") == _ids(printed, "prompt_token_ids") != [], streamed
+    assert _ids(streamed, "token_ids") == _ids(printed, "token_ids") and len(_ids(printed, "token_ids")) == 3, streamed
+    assert [r for _, r in _contents(streamed)][-1] == [r for _, r in _contents(printed)][-1] == "length"
+    assert "".join(c or "" for c, _ in _contents(streamed)) == "".join(c or "" for c, _ in _contents(printed))
+
+
+def _ids(sse: str, field: str) -> list[int]:
+    """Every ``field`` list of an SSE stream's chunks, joined in order."""
+    return [int(i) for ids in re.findall(rf'"{field}":\[([\d,]*)\]', sse) for i in ids.split(",") if i]
