@@ -25,10 +25,14 @@ from typing import Any
 import orjson
 from transformers import AutoTokenizer
 
-from stream_gateway.completion._fingerprint import message_fingerprint, prefix_keys, tools_fingerprint
-from stream_gateway.completion._prompt import template_message
-from stream_gateway.completion._request import ChatCompletionRequest
-from stream_gateway.completion._template import ChatTemplate
+from stream_gateway.completion import (
+    ChatCompletionRequest,
+    ChatTemplate,
+    message_fingerprint,
+    prefix_keys,
+    template_message,
+    tools_fingerprint,
+)
 from stream_gateway.models import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

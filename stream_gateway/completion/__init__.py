@@ -22,6 +22,7 @@ from stream_gateway.completion._fingerprint import (
     tools_fingerprint,
 )
 from stream_gateway.completion._prepare import PreparedCompletion, Preparer, TokenInRequest
+from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
@@ -31,6 +32,7 @@ from stream_gateway.completion._request import (
     null_is_absent,
 )
 from stream_gateway.completion._service import CompletionService, FrameEncoder, StreamOutput, TokenText
+from stream_gateway.completion._template import ChatTemplate
 from stream_gateway.completion._text import TextAssembler
 from stream_gateway.completion._turn import Spend, TurnLifecycle, Turns
 from stream_gateway.completion._updates import ChoiceResult, ChoiceUpdate
@@ -38,6 +40,7 @@ from stream_gateway.completion._updates import ChoiceResult, ChoiceUpdate
 __all__ = [
     "Admission",
     "ChatCompletionRequest",
+    "ChatTemplate",
     "ChoiceResult",
     "ChoiceUpdate",
     "CompletionService",
@@ -66,5 +69,6 @@ __all__ = [
     "message_fingerprint",
     "null_is_absent",
     "prefix_keys",
+    "template_message",
     "tools_fingerprint",
 ]
