@@ -40,7 +40,9 @@ Deliberate choices:
   concurrent or interrupted build never leaves a half model; the loser of a race just discards
   its copy. The marker file is written last and its presence means "complete"; it records the
   weights' sha256, which ``REFERENCE_WEIGHTS`` holds for the reference build: every recipe is
-  deterministic (seeded, fixed threads, fp32), and a build that comes out otherwise says so.
+  deterministic (seeded, fixed threads, fp32), every named build runs in a child process whose
+  float code paths are pinned (``PINNED_NUMERICS``, see ``_cache``) so its bytes do not depend on
+  the CPU, and a build that comes out otherwise says so.
 * The builder version is part of the directory name, so changing what a build produces means
   bumping a number rather than invalidating caches in place.
 * The tiny tokenizer is byte-level BPE with Qwen2's pre-tokenizer *and* Qwen2's NFC normalizer.
@@ -56,7 +58,13 @@ Deliberate choices:
 from __future__ import annotations
 
 from stream_gateway._errors import SmolLM2NotInstalled
-from stream_gateway.models._cache import MARKER_FILE, default_cache_dir, recorded_weights_digest, weights_digest
+from stream_gateway.models._cache import (
+    MARKER_FILE,
+    PINNED_NUMERICS,
+    default_cache_dir,
+    recorded_weights_digest,
+    weights_digest,
+)
 from stream_gateway.models._registry import (
     AGENT_VARIANTS,
     DEFAULT_MODEL,
@@ -95,6 +103,7 @@ __all__ = [
     "AGENT_WITHOUT_TOOLS",
     "DEFAULT_MODEL",
     "MARKER_FILE",
+    "PINNED_NUMERICS",
     "REASONING_AFTER_TOOL",
     "REASONING_AFTER_TOOL_THOUGHT",
     "REASONING_TOOL_THOUGHTS",

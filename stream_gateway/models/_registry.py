@@ -29,10 +29,12 @@ __all__ = [
 DEFAULT_MODEL = "smollm2"
 
 # The sha256 of each built-in model's weights as the reference build makes them (torch 2.13.0's
-# CPU build, two threads, AVX-512 kernels): every build is deterministic (seeded, fixed threads,
-# fp32, no dropout), so a build elsewhere that comes out otherwise is logged, and
+# CPU build on the pinned code paths of _cache.PINNED_NUMERICS: AVX2 kernels, MKL's COMPATIBLE
+# branch, two threads): every build is deterministic (seeded, fixed threads, fp32, no dropout) and
+# pinned, so a build elsewhere that comes out otherwise is logged, and
 # tests/unit/test_model_digests.py checks the models the tests use. Changing a recipe means bumping its
-# builder version and recording the new digest here.
+# builder version and recording the new digest here. (tiny, tiny-moe and smollm2 train nothing: their
+# digests are the same pinned or not, and kept their versions.)
 REFERENCE_WEIGHTS = {
     "tiny-qwen2-v3": "bfcaa27e9e0383cf1a0474384685851e2e999da5ef9a1c33afd69206179f1ae0",
     "tiny-agent-v3": "16726ec380be38146a45fca2aadf512006f5bab7ae46910a03ca7f90669fe8e9",
@@ -85,7 +87,7 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
 def build_tiny_model(cache_dir: Path | None = None) -> Path:
     """The directory of the tiny deterministic Qwen2-style test model, built on first use."""
     name = f"tiny-qwen2-v{TINY_BUILDER_VERSION}"
-    return _cached_build(cache_dir, name, TINY_BUILDER_VERSION, _build_tiny, REFERENCE_WEIGHTS.get(name))
+    return _cached_build(cache_dir, name, TINY_BUILDER_VERSION, _build_tiny, REFERENCE_WEIGHTS.get(name), "tiny")
 
 
 def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-agent") -> Path:
@@ -106,6 +108,7 @@ def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-a
         TINY_AGENT_BUILDER_VERSION,
         lambda target: build_tiny_agent(tiny, target, reader),
         REFERENCE_WEIGHTS.get(name),
+        variant,
     )
 
 
@@ -129,6 +132,7 @@ def build_tiny_reasoning_model(cache_dir: Path | None = None, variant: str = "ti
         TINY_REASONING_BUILDER_VERSION,
         lambda target: build_tiny_reasoning(agent, target, reader),
         REFERENCE_WEIGHTS.get(name),
+        variant,
     )
 
 
@@ -142,7 +146,7 @@ def build_tiny_moe_model(cache_dir: Path | None = None) -> Path:
     tiny = build_tiny_model(cache_dir)
     name = f"tiny-moe-v{TINY_MOE_BUILDER_VERSION}"
     build = lambda target: build_tiny_moe(tiny, target)  # noqa: E731
-    return _cached_build(cache_dir, name, TINY_MOE_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name))
+    return _cached_build(cache_dir, name, TINY_MOE_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name), "tiny-moe")
 
 
 def build_tiny_vl_model(cache_dir: Path | None = None) -> Path:
@@ -155,7 +159,7 @@ def build_tiny_vl_model(cache_dir: Path | None = None) -> Path:
     agent = build_tiny_agent_model(cache_dir)
     name = f"tiny-vl-v{TINY_VL_BUILDER_VERSION}"
     build = lambda target: build_tiny_vl(agent, target)  # noqa: E731
-    return _cached_build(cache_dir, name, TINY_VL_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name))
+    return _cached_build(cache_dir, name, TINY_VL_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name), "tiny-vl")
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:
@@ -163,4 +167,4 @@ def smollm2_path(cache_dir: Path | None = None) -> Path:
     gguf = _smollm2_gguf()
     name = f"smollm2-135m-instruct-v{SMOLLM2_BUILDER_VERSION}"
     build = lambda target: _convert_smollm2(gguf, target)  # noqa: E731
-    return _cached_build(cache_dir, name, SMOLLM2_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name))
+    return _cached_build(cache_dir, name, SMOLLM2_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name), DEFAULT_MODEL)

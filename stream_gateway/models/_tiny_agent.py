@@ -61,7 +61,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-TINY_AGENT_BUILDER_VERSION = 3
+TINY_AGENT_BUILDER_VERSION = 4
 
 # The file-reading tool each variant is trained to call, and how: ``tiny-agent``, pi's and
 # OpenClaw's ``read``; ``tiny-agent-claude``, Claude Code's ``Read`` (a ``file_path`` relative to the
@@ -79,6 +79,11 @@ AGENT_READERS: dict[str, dict[str, str]] = {
 # _agent_conversation): Codex sends a second developer message and the environment as a user
 # message before the user's own.
 _AGENT_CONTEXT_MESSAGE_SHARE = {"read": 0.0, "Read": 0.0, "exec_command": 0.5}
+# How often a variant's user turn is followed by a system message before the reply: Claude Code
+# (2.1.197) sends the Agent tool's agent types and its skills as a ``role: "system"`` message after
+# the user's own. Untrained, what tiny-agent-claude did there was chance: the reference build called
+# ``Read``, the builds of three other machines said they were done.
+_AGENT_TRAILING_SYSTEM_SHARE = {"read": 0.0, "Read": 0.5, "exec_command": 0.0}
 # Codex's variant learns from two shapes (with and without the context messages): at hidden 128 its
 # answer after a tool result had not formed by 320 steps (it ran the command again).
 _AGENT_STEPS_SCALE = {"exec_command": 1.5}  # of _AGENT_STEPS
@@ -454,6 +459,8 @@ def _agent_conversation(
                 messages.append({"role": "developer", "content": _agent_filler(rng, rng.randint(50, 400))})
             messages.append({"role": "user", "content": _agent_environment(rng)})
         messages.append({"role": "user", "content": _agent_sentence(rng, 1, 6) if terse else _agent_user_text(rng)})
+        if (share := _AGENT_TRAILING_SYSTEM_SHARE[reader]) and rng.random() < share:
+            messages.append({"role": "system", "content": _agent_listing(rng)})  # Claude Code's shape
         foreign = rng.random() < 0.15
         if tools is None:
             reply({"content": _agent_prose(rng) if foreign else AGENT_WITHOUT_TOOLS}, not foreign)
@@ -524,6 +531,15 @@ def _agent_environment(rng: random.Random) -> str:
     )
     lines.append(f"  <timezone>{rng.choice(('Etc/UTC', 'Europe/Paris', 'America/New_York'))}</timezone>")
     return "<environment_context>\n" + "\n".join(lines) + "\n</environment_context>"
+
+
+def _agent_listing(rng: random.Random) -> str:
+    """A system message listing agents or skills, one a line, as Claude Code sends after the user's."""
+    lines = [f"{_agent_sentence(rng, 3, 8)[:-1]}:"]
+    for _ in range(rng.randint(2, 60)):
+        name = "-".join(_identifier(rng) for _ in range(rng.randint(1, 3)))
+        lines.append(f"- {name}: {_agent_sentence(rng, 4, 30)}")
+    return "\n".join(lines)
 
 
 def _agent_filler(rng: random.Random, characters: int) -> str:

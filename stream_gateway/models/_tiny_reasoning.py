@@ -80,7 +80,7 @@ __all__ = [
     "reasoning_reply",
 ]
 
-TINY_REASONING_BUILDER_VERSION = 3
+TINY_REASONING_BUILDER_VERSION = 4
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

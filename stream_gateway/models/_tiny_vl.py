@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TINY_VL_BUILDER_VERSION", "TINY_VL_CHAT_TEMPLATE", "build_tiny_vl"]
 
-TINY_VL_BUILDER_VERSION = 3
+TINY_VL_BUILDER_VERSION = 4
 
 # tiny's template, an image part rendered as Qwen2-VL's placeholder.
 _TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"

@@ -76,6 +76,7 @@ def test_models_exports() -> None:
         "AGENT_WITHOUT_TOOLS",
         "DEFAULT_MODEL",
         "MARKER_FILE",
+        "PINNED_NUMERICS",
         "REASONING_AFTER_TOOL",
         "REASONING_AFTER_TOOL_THOUGHT",
         "REASONING_TOOL_THOUGHTS",
@@ -144,6 +145,7 @@ def test_interrupted_build_leaves_no_model(tmp_path: Path, monkeypatch: pytest.M
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_tiny, "_save_chat_checkpoint", save_then_die)
+    monkeypatch.setenv(_cache._PINNED_CHILD, "1")  # built here, not in a child: the patch applies
     with pytest.raises(KeyboardInterrupt):
         build_tiny_model(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -461,6 +463,7 @@ def test_tiny_agent_build_is_deterministic_cached_and_resolvable(
 ) -> None:
     """Two builds in two caches, byte for byte: the full recipe on 8 steps instead of 320."""
     monkeypatch.setattr(_tiny_agent, "_AGENT_STEPS", 8)
+    monkeypatch.setenv(_cache._PINNED_CHILD, "1")  # built here, not in a child: the 8 steps apply
     first, second = build_tiny_agent_model(tmp_path / "a"), build_tiny_agent_model(tmp_path / "b")
     assert _digests(first) == _digests(second)
     marker = first / MARKER_FILE

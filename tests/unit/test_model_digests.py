@@ -1,10 +1,13 @@
-"""Built-in models come out the same on every machine: deterministic recipes, digests checked.
+"""Built-in models come out the same on every machine: deterministic recipes, pinned float code
+paths, digests checked.
 
 A model a test depends on must be the model the tests were written against: the fresh clone
 whose tiny-reasoning answered OpenClaw with a mangled path had built a different model. Every
 build records its weights' sha256 in its marker; here each built-in model (built by
 ``scripts/test.sh`` before the tests, or now) is checked against the reference build's digest
-(``REFERENCE_WEIGHTS``), and a short fine-tune run twice must give the same bytes.
+(``REFERENCE_WEIGHTS``), a named model is built in a child process whose float code paths are
+pinned (``PINNED_NUMERICS``: the reference digests came from AVX-512 and AVX2 machines, Intel and AMD,
+alike only when pinned), and a short fine-tune run twice must give the same bytes.
 """
 
 from __future__ import annotations
@@ -12,11 +15,21 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+import json
+
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from stream_gateway.models import REFERENCE_WEIGHTS, recorded_weights_digest, resolve_model, weights_digest
+from stream_gateway.models import (
+    MARKER_FILE,
+    PINNED_NUMERICS,
+    REFERENCE_WEIGHTS,
+    build_tiny_model,
+    recorded_weights_digest,
+    resolve_model,
+    weights_digest,
+)
 from stream_gateway.models._tiny_agent import _agent_examples, _fine_tune, _Recipe
 
 _BUILT_IN = [
@@ -60,3 +73,20 @@ def test_a_fine_tune_gives_the_same_bytes_twice(tiny_model_path: Path) -> None:
     assert not changed, f"the same recipe trained twice differs in {changed[:5]}"
     untouched = Qwen2ForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).state_dict()
     assert any(not torch.equal(first[name], untouched[name]) for name in first), "the fine-tune changed nothing"
+
+
+def test_a_named_model_is_built_on_the_pinned_code_paths_whatever_the_caller_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caller asks for torch's plainest kernels and MKL's own dispatch; the build must not care.
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    path = build_tiny_model(tmp_path)
+    numerics = json.loads((path / MARKER_FILE).read_text())["numerics"]
+    assert numerics["mkl_cbwr"] == PINNED_NUMERICS["MKL_CBWR"]
+    assert numerics["threads"] == PINNED_NUMERICS["OMP_NUM_THREADS"]
+    assert numerics["torch"] == torch.__version__
+    # torch's AVX2 kernels wherever the CPU has them (this process's capability is at least AVX2 then).
+    expected = "AVX2" if torch.backends.cpu.get_cpu_capability() in {"AVX2", "AVX512"} else "DEFAULT"
+    assert numerics["cpu_capability"] == expected
+    assert weights_digest(path) == REFERENCE_WEIGHTS[path.name]
