@@ -447,6 +447,7 @@ def _agent_conversation(
         trained.append(own)
 
     ends: list[int] = []  # lengths of `messages` at which a conversation may end
+    listed = False  # Claude Code sends its listing once, after the first user message
     for _ in range(rng.randint(1, _AGENT_MAX_ROUNDS)):
         # Mostly one-liners even in full conversations: replies stay dense, so are the lessons.
         terse = rng.random() > (_AGENT_BRIEF_LONG_MESSAGE_SHARE if brief else _AGENT_LONG_MESSAGE_SHARE)
@@ -459,8 +460,9 @@ def _agent_conversation(
                 messages.append({"role": "developer", "content": _agent_filler(rng, rng.randint(50, 400))})
             messages.append({"role": "user", "content": _agent_environment(rng)})
         messages.append({"role": "user", "content": _agent_sentence(rng, 1, 6) if terse else _agent_user_text(rng)})
-        if (share := _AGENT_TRAILING_SYSTEM_SHARE[reader]) and rng.random() < share:
+        if not listed and (share := _AGENT_TRAILING_SYSTEM_SHARE[reader]) and rng.random() < share:
             messages.append({"role": "system", "content": _agent_listing(rng)})  # Claude Code's shape
+            listed = True
         foreign = rng.random() < 0.15
         if tools is None:
             reply({"content": _agent_prose(rng) if foreign else AGENT_WITHOUT_TOOLS}, not foreign)
@@ -536,9 +538,9 @@ def _agent_environment(rng: random.Random) -> str:
 def _agent_listing(rng: random.Random) -> str:
     """A system message listing agents or skills, one a line, as Claude Code sends after the user's."""
     lines = [f"{_agent_sentence(rng, 3, 8)[:-1]}:"]
-    for _ in range(rng.randint(2, 60)):
+    for _ in range(rng.randint(2, 12)):  # Claude Code's is longer: the sparse context covers length
         name = "-".join(_identifier(rng) for _ in range(rng.randint(1, 3)))
-        lines.append(f"- {name}: {_agent_sentence(rng, 4, 30)}")
+        lines.append(f"- {name}: {_agent_sentence(rng, 4, 14)}")
     return "\n".join(lines)
 
 

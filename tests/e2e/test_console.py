@@ -71,7 +71,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
                                 api_key_file=keys, admin_api_keys=(ADMIN,),
                                 tokenizers={"tiny": str(tiny_model_path)})  # fmt: skip
         assembler = AssemblerConfig(servers=(nats.url,), idle_timeout_s=3, close_grace_s=1, aborted="keep")
-        batcher = BatcherConfig.of(servers=(nats.url,), batch_size=2, group_size=1, prompt_length=1024,
+        # One trajectory a batch: with two, whichever trajectory the assembler closed last waited for a
+        # partner that never came (five are admitted), and on a busy machine that was a tool chain.
+        batcher = BatcherConfig.of(servers=(nats.url,), batch_size=1, group_size=1, prompt_length=1024,
                                    response_length=1024, no_reward="zero")  # fmt: skip
         tasks = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_console, console),
                  portal.start_task_soon(run_batcher, batcher)]  # fmt: skip
