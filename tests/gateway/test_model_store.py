@@ -437,7 +437,15 @@ def _replies(agent: tuple[Any, Any], messages: list[dict[str, Any]], tools: Any,
             **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=40, num_return_sequences=samples
         )
     prompt = enc["input_ids"].shape[1]
-    return [tokenizer.decode(row[prompt:], skip_special_tokens=False).removesuffix("<|endoftext|>") for row in out]
+    # Rows that stopped early are padded to the longest with <|endoftext|>: all of it goes.
+    pad = "<|endoftext|>"
+    return [_strip_all(tokenizer.decode(row[prompt:], skip_special_tokens=False), pad) for row in out]
+
+
+def _strip_all(text: str, suffix: str) -> str:
+    while text.endswith(suffix):
+        text = text.removesuffix(suffix)
+    return text
 
 
 def _hits(replies: list[str], expected: str) -> int:
