@@ -4,8 +4,8 @@ A directory counts as complete only when its marker file, written last, names th
 current version (see the package docstring for why).
 
 A named model is built in a child process whose float code paths are pinned (``PINNED_NUMERICS``),
-so that its bytes do not depend on the machine's CPU. Unpinned, the same seeded recipe gave four
-different tiny-agents on four x86 machines (AVX2 and AVX-512, Intel and AMD): torch picks its
+so that its bytes do not depend on the machine's CPU. Unpinned, the same seeded recipe gave a
+different tiny-agent on each x86 machine it met (AVX2 and AVX-512 ones): torch picks its
 kernels by the CPU's widest vector unit, and MKL picks its matrix products by the CPU's vendor and
 model, and training amplifies the last-bit differences into different weights (and, at the
 recipes' margins, different answers). Pinned, torch runs its AVX2 kernels (the same instructions

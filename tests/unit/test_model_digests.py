@@ -6,8 +6,7 @@ whose tiny-reasoning answered OpenClaw with a mangled path had built a different
 build records its weights' sha256 in its marker; here each built-in model (built by
 ``scripts/test.sh`` before the tests, or now) is checked against the reference build's digest
 (``REFERENCE_WEIGHTS``), a named model is built in a child process whose float code paths are
-pinned (``PINNED_NUMERICS``: the reference digests came from AVX-512 and AVX2 machines, Intel and AMD,
-alike only when pinned), and a short fine-tune run twice must give the same bytes.
+pinned (``PINNED_NUMERICS``: unpinned, AVX-512 and AVX2 machines built different bytes), and a short fine-tune run twice must give the same bytes.
 """
 
 from __future__ import annotations
