@@ -91,6 +91,14 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.template_rendered_messages = Counter(
+            "gateway_template_rendered_messages",
+            "Messages the chat template was run for in recorded renders, by build kind: a continuation "
+            "whose history repeats an earlier request's bytes replays that render and runs only what it adds",
+            ["kind"],
+            registry=self.registry,
+        )
+
         self.images = Counter(
             "gateway_images",
             "Images in admitted requests (a conversation's images count once per request that sends them)",
@@ -143,6 +151,10 @@ class GatewayMetrics:
         """Export the sessions held in memory (read at scrape time): how many, the token ids they
         hold in all, and per session as a histogram (``gateway_session_tokens``)."""
         self.registry.register(_SessionsCollector(store))
+
+    def watch_histories(self, histories: Any) -> None:
+        """Export the request histories kept in memory (``completion/_history.py``; read at scrape time)."""
+        self.registry.register(_HistoriesCollector(histories))
 
     def publisher_statistics(self) -> Any:
         """The event publisher's statistics now, ``None`` with capture off."""
@@ -214,6 +226,34 @@ class _SessionsCollector(Collector):
             cumulative.append((bound, running))
         yield HistogramMetricFamily(
             "gateway_session_tokens", "Token ids held per session in memory", buckets=cumulative, sum_value=held
+        )
+
+
+class _HistoriesCollector(Collector):
+    """The request histories kept for continuing conversations, at scrape time."""
+
+    def __init__(self, histories: Any) -> None:
+        self._histories = histories
+
+    def collect(self) -> Iterator[Metric]:
+        histories = self._histories
+        yield GaugeMetricFamily(
+            "gateway_history_cache_bytes",
+            "Bytes of request histories kept so a continuing turn reads only what it adds (--history-cache-bytes)",
+            histories.held_bytes,
+        )
+        yield GaugeMetricFamily(
+            "gateway_history_cache_entries", "Request histories kept (one per conversation)", len(histories)
+        )
+        yield CounterMetricFamily(
+            "gateway_history_cache_hits",
+            "Chat bodies that continued a kept history: only the new messages read",
+            histories.hits,
+        )
+        yield CounterMetricFamily(
+            "gateway_history_cache_misses",
+            "Chat bodies over 4 KiB that continued no kept history (read whole)",
+            histories.misses,
         )
 
 

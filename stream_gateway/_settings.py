@@ -298,6 +298,13 @@ class Settings(BaseSettings):
         description="processed images kept in memory, by hash (a conversation's images "
         "are processed once, not once per turn)",
     )
+    history_cache_bytes: int = Field(
+        512 * 1024 * 1024,
+        ge=0,
+        description="chat request histories kept in memory, one per conversation (its body's bytes, parsed "
+        "messages and recorded render): a next turn whose body repeats them byte for byte reads and renders "
+        "only what it adds; 0: every body is read whole",
+    )
     sse_ping_seconds: float = Field(15.0, gt=0, description="idle seconds before an SSE keep-alive comment")
     sse_send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing this long is dropped")
     log_level: str = Field("info", description="log level of the gateway and uvicorn")

@@ -40,7 +40,7 @@ from starlette.types import ASGIApp
 from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
-from stream_gateway.completion import CompletionService
+from stream_gateway.completion import CompletionService, Histories
 from stream_gateway.control import KeyRing, Limits, PolicyApplier, PolicyFollower, RateLimiter, UpstreamFollower
 from stream_gateway.engines import Engine, UpstreamControl
 from stream_gateway.http import (
@@ -51,6 +51,7 @@ from stream_gateway.http import (
     RawSendApp,
     admin_bodies,
     admin_router,
+    decode_body,
     generation_bodies,
     generation_router,
     install_error_handlers,
@@ -116,8 +117,17 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     )
     metrics.watch_sessions(sessions.store)
     keyring = KeyRing(settings.api_keys, settings.api_key_file, defaults)
+    histories = Histories(settings.history_cache_bytes, decode_body)
+    metrics.watch_histories(histories)
     service = CompletionService(
-        engine, settings, metrics, sessions, recorder, spend=limiter.spend, adapter_owner=keyring.adapter_owner
+        engine,
+        settings,
+        metrics,
+        sessions,
+        recorder,
+        spend=limiter.spend,
+        adapter_owner=keyring.adapter_owner,
+        histories=histories,
     )
     edges = protocol_edges(service)
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -134,6 +144,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         applier=PolicyApplier(engine, recorder, metrics, replica),
         replica=replica,
         started=int(time.time()),
+        histories=histories,
     )
     shapes = ErrorShapes()
     for edge in edges:

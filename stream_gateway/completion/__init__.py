@@ -2,7 +2,9 @@
 
 The request's path through it: :class:`Admission` (model, ``n``, sizes, context length, sampling
 defaults) → :class:`Preparer` (the session it continues, the prompt the chat template renders
-around the reused ids: :mod:`._context`, :mod:`._prompt`, :mod:`._fingerprint`) →
+around the reused ids: :mod:`._context`, :mod:`._prompt`, :mod:`._fingerprint`; what an earlier
+request of the conversation left, so a continuation reads and renders only what it adds:
+:mod:`._history`, :mod:`._replay`) →
 :class:`CompletionService` (one engine request per choice; the token loop assembles text
 (:mod:`._text`) and tool calls into :class:`ChoiceUpdate` objects; the service decides how a
 response is produced: a one-choice stream in the writer's own task, several choices through an
@@ -21,6 +23,7 @@ from stream_gateway.completion._fingerprint import (
     prefix_keys,
     tools_fingerprint,
 )
+from stream_gateway.completion._history import Histories, History, HistoryLink
 from stream_gateway.completion._prepare import PreparedCompletion, Preparer, TokenInRequest
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import (
@@ -47,6 +50,9 @@ __all__ = [
     "Context",
     "ContextBuilder",
     "FrameEncoder",
+    "Histories",
+    "History",
+    "HistoryLink",
     "MAX_STOP_SEQUENCES",
     "Message",
     "PreparedCompletion",

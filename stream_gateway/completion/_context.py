@@ -58,6 +58,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from stream_gateway._errors import InvalidRequest
+from stream_gateway.completion._history import HistoryLink
 from stream_gateway.completion._images import RequestImages, expand_placeholders, placeholder_spans
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import Message, Tool
@@ -80,8 +81,10 @@ class Context:
     predecessor: Turn | None = None  # that parent (the new root is linked to it)
     continues: Turn | None = None  # a root after the client compacted its history: the turn it carries on
     anchor: RenderAnchor | None = None  # for this turn's continuations (None: they build cold)
+    anchor_state: Any = None  # the anchor's hash state at its ``chars`` (kept in memory: see _history.py)
     cold: bool = True  # the whole render was tokenized (False: only what the turn adds)
     tokenized_chars: int = 0  # characters the build tokenized (gateway_context_tokenized_chars_total)
+    rendered_messages: int = -1  # messages a recorded render ran the template for (-1: not recorded)
 
 
 _P = ParamSpec("_P")
@@ -96,8 +99,9 @@ def _counting_tokenized(
     @functools.wraps(build)
     def counted(self: ContextBuilder, /, *args: _P.args, **kwargs: _P.kwargs) -> Context:
         self._counted.chars = 0
+        self._counted.rendered = -1
         context = build(self, *args, **kwargs)
-        return replace(context, tokenized_chars=self._counted.chars)
+        return replace(context, tokenized_chars=self._counted.chars, rendered_messages=self._counted.rendered)
 
     return counted
 
@@ -140,6 +144,7 @@ class ContextBuilder:
         lineage: Mapping[int, Turn] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         images: RequestImages | None = None,
+        history: HistoryLink | None = None,
     ) -> Context:
         """The prompt for ``messages``, continuing ``parent`` (a turn they extend) when possible.
 
@@ -147,9 +152,13 @@ class ContextBuilder:
         (the parent and its ancestors), whose thinking the history is rendered with. ``images``:
         the messages' processed images; each placeholder the template renders is expanded to its
         image's tokens (the parent's, already expanded in its ids, are not expanded again).
+        ``history``: what reading an earlier request of this conversation left (``_history.py``):
+        its messages as the template takes them and its recorded render are reused, and this
+        request's are kept for the next.
         """
         specs = _tool_specs(tools)
-        rendered = [template_message(m) for m in messages]
+        kept = history if history is not None and self._reasoning is None and images is None else None
+        rendered = self._template_messages(messages, kept)
         if self._reasoning is not None and lineage:
             for position, turn in lineage.items():
                 message = rendered[position] if position < len(rendered) else None
@@ -160,14 +169,14 @@ class ContextBuilder:
                         # thinking echoed inline: the recorded thinking replaces it, not joins it
                         message["content"] = content.rpartition(self._reasoning.end_tag)[2].lstrip("\n")
         kwargs = dict(template_kwargs or {})
-        full = self._render(rendered, specs, generation=True, **kwargs)
+        full, reuse = self._full_render(rendered, specs, kwargs, kept)
         # With images the placeholders expand by the processor's counts: always a full tokenization.
         full_ids = self._full_ids(full, images) if images is not None else None
         if parent is None:
             return self._cold(full, full_ids, None)
         k = parent.context_length
         if full_ids is None and self._reasoning is None and k < len(rendered):
-            quick = self._continue_from_anchor(full, parent, rendered[k])
+            quick = self._continue_from_anchor(full, parent, rendered[k], reuse)
             if quick is not None:
                 return quick
 
@@ -206,10 +215,63 @@ class ContextBuilder:
                 tail_at = (known, reused + len(self._encode(bridge)))
             warm = self._warm_anchor(full, prompt, parent.render_anchor, tail_at)
             if warm is not None:
-                return Context(prompt, parent, reused, warm.exact, anchor=warm, cold=False)
+                return Context(prompt, parent, reused, warm[0].exact, anchor=warm[0], anchor_state=warm[1], cold=False)
         return replace(self._cold(full, full_ids, prompt), parent=parent, reused_prompt_tokens=reused)
 
-    def _continue_from_anchor(self, full: str, parent: Turn, assistant: Mapping[str, Any]) -> Context | None:
+    def _template_messages(self, messages: Sequence[Message], history: HistoryLink | None) -> list[dict[str, Any]]:
+        """The messages as the template takes them: those an earlier request's reading left are
+        reused, the very objects (a recorded render replays only for those)."""
+        previous = history.previous if history is not None else None
+        if previous is not None and previous.template is not None:
+            reused = history.reused if history is not None else 0
+            rendered = previous.template[:reused]
+            rendered += [template_message(m) for m in messages[reused:]]
+        else:
+            rendered = [template_message(m) for m in messages]
+        if history is not None and history.current is not None:
+            history.current.template = rendered
+        return rendered
+
+    def _full_render(
+        self, rendered: list[dict[str, Any]], specs: Any, kwargs: dict[str, Any], history: HistoryLink | None
+    ) -> tuple[str, tuple[Any, Any, str, int] | None]:
+        """The whole conversation rendered with the generation prompt; with ``history``, recorded
+        (replaying the earlier request's render where the template allows, ``_replay.py``), and
+        what :meth:`_anchored` needs to check the parent's anchor without hashing the history."""
+        current = history.current if history is not None else None
+        if current is None:
+            return self._render(rendered, specs, generation=True, **kwargs), None
+        previous = history.previous if history is not None else None
+        try:
+            record = self._template.render_recorded(
+                rendered, specs, True, previous.record if previous is not None else None, **kwargs
+            )
+        except TemplateError as exc:
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        if record is None:
+            return self._render(rendered, specs, generation=True, **kwargs), None
+        self._counted.rendered = record.rendered
+        current.record = record
+        reuse = None
+        if previous is not None and previous.anchor is not None and record.same_prefix:
+            reuse = (*previous.anchor, previous.record.text, record.same_prefix)
+        return record.text, reuse
+
+    def _anchored(self, full: str, anchor: RenderAnchor, reuse: tuple[Any, Any, str, int] | None) -> Any:
+        """A hasher fed ``full[:anchor.chars]`` when that text is the one ``anchor`` covers (None: it
+        is not). With ``reuse`` (the earlier request's anchor, its hash state, its render, and how
+        far this render is known to equal it) only the text after the known part is compared."""
+        if reuse is not None:
+            earlier, state, text, same = reuse
+            chars = anchor.chars
+            if earlier is anchor and same <= chars <= len(text) and full[same:chars] == text[same:chars]:
+                return state.copy()
+        hasher = _text_hasher(full[: anchor.chars])
+        return hasher if hasher.digest() == anchor.digest else None
+
+    def _continue_from_anchor(
+        self, full: str, parent: Turn, assistant: Mapping[str, Any], reuse: tuple[Any, Any, str, int] | None = None
+    ) -> Context | None:
         """The continuation from one render, when ``parent``'s anchor allows (``None``: it does not,
         and the caller takes the general path, which renders the shorter conversations too).
 
@@ -229,8 +291,8 @@ class ContextBuilder:
         tail = full[known:]
         if not tail.startswith(self._markers) or known > self._last_marker(full):
             return None
-        hasher = _text_hasher(full[: anchor.chars])
-        if hasher.digest() != anchor.digest:
+        hasher = self._anchored(full, anchor, reuse)
+        if hasher is None:
             return None
         sampled = parent.output_ids
         bridge = self._bridge(sampled)
@@ -239,7 +301,7 @@ class ContextBuilder:
         warm = self._warm_anchor(full, prompt, anchor, (known, reused + len(self._encode(bridge))), hasher)
         if warm is None:
             return None
-        return Context(prompt, parent, reused, warm.exact, anchor=warm, cold=False)
+        return Context(prompt, parent, reused, warm[0].exact, anchor=warm[0], anchor_state=warm[1], cold=False)
 
     def _bridge(self, sampled: Sequence[int]) -> str:
         """The end-of-turn text the model did not sample itself (all of it after a turn cut short)."""
@@ -267,15 +329,16 @@ class ContextBuilder:
         if full_ids is None:
             full_ids = self._encode(full)
         own = prompt if prompt is not None else full_ids
-        anchor = None
+        anchor = state = None
         cut = self._last_marker(full)
         if cut > 0 and len(own) == len(full_ids):
             after = self._encode(full[cut:])
             tokens = len(full_ids) - len(after)
             if tokens >= 0 and full_ids[tokens:] == after and own[tokens:] == after:
                 exact = own is full_ids or own[:tokens] == full_ids[:tokens]
-                anchor = RenderAnchor(cut, tokens, _text_hasher(full[:cut]).digest(), exact)
-        return Context(own, None, 0, own == full_ids, anchor=anchor, cold=True)
+                state = _text_hasher(full[:cut])
+                anchor = RenderAnchor(cut, tokens, state.digest(), exact)
+        return Context(own, None, 0, own == full_ids, anchor=anchor, anchor_state=state, cold=True)
 
     def _warm_anchor(
         self,
@@ -284,10 +347,11 @@ class ContextBuilder:
         parent: RenderAnchor | None,
         tail_at: tuple[int, int] | None,
         checked: Any = None,
-    ) -> RenderAnchor | None:
+    ) -> tuple[RenderAnchor, Any] | None:
         """This turn's anchor from its parent's, tokenizing only the text after the parent's anchor
         (``None``: the render no longer starts with the parent's anchored text, or the ids do not
-        line up; the caller then tokenizes the whole render). ``tail_at``: ``(chars, index)`` when
+        line up; the caller then tokenizes the whole render), with the hash state at its end.
+        ``tail_at``: ``(chars, index)`` when
         ``full[chars:]`` is known to tokenize as ``prompt[index:]`` (the new messages): only the
         text between the parent's anchor and them (its generation prompt, the assistant message,
         the end of turn) is tokenized to compare, not the new messages a second time. ``checked``:
@@ -310,7 +374,7 @@ class ContextBuilder:
         else:
             exact = parent.exact and prompt[parent.tokens : tokens] == self._encode(full[parent.chars : cut])
         hasher.update(full[parent.chars : cut].encode("utf-8", "surrogatepass"))
-        return RenderAnchor(cut, tokens, hasher.digest(), exact)
+        return RenderAnchor(cut, tokens, hasher.digest(), exact), hasher
 
     def _last_marker(self, text: str) -> int:
         """Where the last special token of the template's in ``text`` starts (-1: none, or the

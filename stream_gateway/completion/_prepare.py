@@ -27,7 +27,7 @@ from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._admission import Admission, SamplingRequest
 from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build, template_variables
-from stream_gateway.completion._fingerprint import message_fingerprint, prefix_keys, tools_fingerprint
+from stream_gateway.completion._history import Histories, conversation_keys
 from stream_gateway.completion._images import ImageResolver, PromptImage, RequestImages, prompt_images
 from stream_gateway.completion._request import ChatCompletionRequest
 from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
@@ -111,8 +111,10 @@ class Preparer:
         metrics: GatewayMetrics,
         sessions: SessionDirectory,
         recorder: EventRecorder,
+        histories: Histories | None = None,
     ) -> None:
         self._engine = engine
+        self._histories = histories
         self._settings = settings
         self._metrics = metrics
         self._sessions = sessions
@@ -165,7 +167,7 @@ class Preparer:
         constraint = None
         if body.response_format is not None or isinstance(body.tool_choice, dict) or body.tool_choice == "required":
             constraint = await anyio.to_thread.run_sync(self._constraint, body)
-        keys = prefix_keys(tools_fingerprint(body.tools), [message_fingerprint(m) for m in body.messages])
+        keys = conversation_keys(body)
         session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id, captured)
         adapter = _session_adapter(session, adapter)
         context = await self._build_context(body, session, parent, unavailable, session_id, images)
@@ -249,15 +251,24 @@ class Preparer:
         builder = self._context_builder
         kwargs = self._template_kwargs(body)
         lineage = _lineage(session, parent) if self.reasoning is not None else None
+        history = body._history
+        kept = history.current if history is not None else None
+        before = kept.size if kept is not None else 0
         if images is None and cheap_to_build(body.messages, body.tools, parent):
-            context = builder.build(body.messages, body.tools, parent, lineage, kwargs)
+            context = builder.build(body.messages, body.tools, parent, lineage, kwargs, None, history)
         else:
             context = await anyio.to_thread.run_sync(
-                builder.build, body.messages, body.tools, parent, lineage, kwargs, images
+                builder.build, body.messages, body.tools, parent, lineage, kwargs, images, history
             )
+        if kept is not None and self._histories is not None:
+            if kept.record is not None and context.anchor is not None and context.anchor_state is not None:
+                kept.anchor = (context.anchor, context.anchor_state)
+            self._histories.account(kept, before)
         kind = "cold" if context.cold else "warm"
         self._metrics.context_builds.labels(kind).inc()
         self._metrics.context_tokenized_chars.labels(kind).inc(context.tokenized_chars)
+        if context.rendered_messages >= 0:
+            self._metrics.template_rendered_messages.labels(kind).inc(context.rendered_messages)
         if unavailable is not None and context.fallback_reason is None:
             context = replace(context, fallback_reason=unavailable)
         if context.fallback_reason is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from stream_gateway._errors import InvalidRequest, UnsupportedParameter
 
@@ -215,6 +215,8 @@ class ChatCompletionRequest(_Wire):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # What reading an earlier body of this conversation left (completion/_history.py HistoryLink).
+    _history: Any = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod

@@ -35,6 +35,15 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
 
+from stream_gateway.completion._replay import (
+    RenderRecord,
+    TrackedLoop,
+    call_macro,
+    install_recording,
+    recorded_render,
+    tracking_read,
+)
+
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 _MISSING = object()
 
@@ -47,16 +56,35 @@ class _ChatTemplateSandbox(ImmutableSandboxedEnvironment):
         if kind is dict and attribute not in _DICT_ATTRIBUTES:
             value = obj.get(attribute, _MISSING)
             return self.undefined(obj=obj, name=attribute) if value is _MISSING else value
-        if kind is LoopContext and not attribute.startswith("_"):
+        if (kind is TrackedLoop or kind is LoopContext) and not attribute.startswith("_"):
             try:
                 return getattr(obj, attribute)
             except AttributeError:
                 pass  # the sandbox's own answer (undefined)
+        tracking_read(obj)
         return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        tracking_read(obj)
+        return super().getitem(obj, argument)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # jinja2's names
+        parent = super().call
+        return call_macro(lambda: parent(__context, __obj, *args, **kwargs), __obj, kwargs)
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(source: str) -> Template | None:
+def _recordable(source: str) -> Template | None:
+    """``source`` compiled as :func:`_compiled` does, with the recording hooks of :mod:`._replay`
+    (``None``: it cannot be recorded)."""
+    template = _compiled(source, fresh=True)
+    if template is None or not install_recording(template, source):
+        return None
+    return template
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str, fresh: bool = False) -> Template | None:
     """``source`` compiled in transformers' environment with this module's sandbox (``None``:
     this transformers has no template compiler to share)."""
     try:
@@ -96,3 +124,24 @@ class ChatTemplate:
         return template.render(
             messages=messages, tools=tools, documents=None, add_generation_prompt=generation, **variables
         )
+
+    def render_recorded(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        generation: bool,
+        previous: RenderRecord | None,
+        **kwargs: Any,
+    ) -> RenderRecord | None:
+        """The render of :meth:`render`, recorded (:mod:`._replay`) and replaying what ``previous``
+        (the record of a conversation this one extends, message objects and all) allows; ``None``
+        where this template cannot be recorded (the caller renders plainly)."""
+        template = _recordable(self._tokenizer.get_chat_template(None, tools))
+        if template is None:
+            return None
+        variables = {**self._special, **kwargs, "tools": tools, "documents": None, "add_generation_prompt": generation}
+        try:
+            return recorded_render(template, variables, messages, tools, previous)
+        except Exception:  # the plain render is the authority on text and refusals
+            text = self.render(messages, tools, generation, **kwargs)
+            return RenderRecord(text, messages, tools, {}, (), False, len(messages))

@@ -9,7 +9,7 @@ LoRA adapters, inference servers, models, erasure, health, metrics). Routers tak
 
 from stream_gateway._errors import HTTPError
 from stream_gateway.http._auth import Authorizer, bearer
-from stream_gateway.http._body import LengthLimit, check_session_id, parse_body, validation_error
+from stream_gateway.http._body import LengthLimit, check_session_id, decode_body, parse_body, validation_error
 from stream_gateway.http._render import ErrorShapes, HeldResponse, ORJSONResponse, install_error_handlers
 from stream_gateway.http._sse import RawSendApp, TokenStreamResponse
 from stream_gateway.http._state import GatewayState, gateway_state
@@ -35,6 +35,7 @@ __all__ = [
     "admin_router",
     "bearer",
     "check_session_id",
+    "decode_body",
     "gateway_state",
     "generation_bodies",
     "generation_router",

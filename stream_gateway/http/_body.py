@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stream_gateway._errors import GatewayError, InvalidRequest, RequestTooLarge
 
-__all__ = ["LengthLimit", "check_session_id", "parse_body", "validation_error"]
+__all__ = ["LengthLimit", "check_session_id", "decode_body", "parse_body", "read_body", "validation_error"]
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -47,6 +47,11 @@ class LengthLimit:
 
 async def parse_body(request: Request, model: type[BodyT], limit: int | None) -> BodyT:
     """Parse and validate a JSON body, translating every failure into a 400 InvalidRequest."""
+    return decode_body(await read_body(request, limit), model)
+
+
+async def read_body(request: Request, limit: int | None) -> bytes:
+    """The body's bytes (over ``limit``: 413 as soon as a chunked one passes it)."""
     if limit is None:
         raw = await request.body()
     else:  # a chunked body has no Content-Length for LengthLimit to check: count it as it comes
@@ -57,6 +62,11 @@ async def parse_body(request: Request, model: type[BodyT], limit: int | None) ->
                 raise RequestTooLarge(limit)
             parts.append(part)
         raw = b"".join(parts)
+    return raw
+
+
+def decode_body(raw: bytes, model: type[BodyT]) -> BodyT:
+    """``raw`` parsed and validated as ``model``; every failure a 400 InvalidRequest."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -11,7 +11,7 @@ from fastapi import Request
 from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
-from stream_gateway.completion import CompletionService
+from stream_gateway.completion import CompletionService, Histories
 from stream_gateway.control import PolicyApplier, RateLimiter
 from stream_gateway.engines import Engine
 from stream_gateway.http._auth import Authorizer
@@ -37,6 +37,7 @@ class GatewayState:
     applier: PolicyApplier
     replica: str  # this process's name in policy events and /health
     started: int  # unix time: ``created`` of /v1/models
+    histories: Histories | None = None  # chat bodies read in proportion to what they add (completion/_history.py)
 
 
 def gateway_state(request: Request) -> GatewayState:

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from stream_gateway.http._auth import CAPTURE_HEADER, WARNING_HEADER, captured
-from stream_gateway.http._body import check_session_id, parse_body
+from stream_gateway.http._body import check_session_id, parse_body, read_body
 from stream_gateway.http._render import HeldResponse, ORJSONResponse
 from stream_gateway.http._sse import TokenStreamResponse
 from stream_gateway.http._state import GatewayState, gateway_state
@@ -99,7 +99,11 @@ async def _limited(request: Request, edge: Edge[Any], session_id: str | None) ->
 
 
 async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call: Call) -> Response:
-    body = await parse_body(request, edge.request, state.settings.max_request_bytes)
+    limit = state.settings.max_request_bytes
+    if edge.keeps_history and state.histories is not None:
+        body: Any = state.histories.parse(await read_body(request, limit), edge.request)
+    else:
+        body = await parse_body(request, edge.request, limit)
     session_id = call.session_id or request.headers.get("x-session-id") or edge.session_id(body) or None
     if session_id is not None:
         check_session_id(session_id)

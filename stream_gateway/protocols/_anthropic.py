@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from stream_gateway._errors import GatewayError, InvalidRequest
 from stream_gateway.completion import (
@@ -72,6 +72,7 @@ from stream_gateway.completion import (
     ChoiceResult,
     ChoiceUpdate,
     CompletionService,
+    HistoryLink,
     PreparedCompletion,
 )
 from stream_gateway.protocols._edge import Call, EdgeBase, SideRoute, StreamStart
@@ -199,6 +200,8 @@ class CountTokensRequest(_In):
     system: str | list[SystemBlock] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
+    # What reading an earlier body of this conversation left (completion/_history.py HistoryLink).
+    _history: Any = PrivateAttr(default=None)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -304,12 +307,18 @@ def _thought(block: ThinkingBlock | OtherBlock, where: str, signer: ThinkingSign
     return block.thinking
 
 
-def _messages(body: CountTokensRequest, signer: ThinkingSigner | None = None) -> list[dict[str, Any]]:
+def _messages(
+    body: CountTokensRequest, signer: ThinkingSigner | None = None, start: int = 0, offsets: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """The chat messages ``body.messages[start:]`` mean (with ``start`` 0, the system prompt's
+    first); ``offsets`` gets how many chat messages the output holds before each and after the last."""
     out: list[dict[str, Any]] = []
-    if body.system:
+    if body.system and not start:
         system = body.system if isinstance(body.system, str) else _system_text(body.system, "system")
         out.append({"role": "system", "content": system})
-    for i, message in enumerate(body.messages):
+    for i, message in enumerate(body.messages[start:], start):
+        if offsets is not None:
+            offsets.append(len(out))
         where = f"messages.{i}.content"
         blocks: list[Any] = (
             [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
@@ -320,6 +329,8 @@ def _messages(body: CountTokensRequest, signer: ThinkingSigner | None = None) ->
             out.append(_assistant_message(blocks, where, signer))
         else:
             out.extend(_user_messages(blocks, where))
+    if offsets is not None:
+        offsets.append(len(out))
     return out
 
 
@@ -410,8 +421,52 @@ def to_chat_request(
     body: CountTokensRequest, signer: ThinkingSigner | None = None, thinking_switch: bool = False
 ) -> ChatCompletionRequest:
     """The chat completion request that ``body`` means (``thinking_switch``: the served model's
-    template reads ``enable_thinking``, so ``thinking: {"type": "disabled"}`` turns thinking off)."""
-    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body, signer), **_tools(body)}
+    template reads ``enable_thinking``, so ``thinking: {"type": "disabled"}`` turns thinking off).
+
+    A body read through a kept history (``completion/_history.py``) translates only the messages it
+    adds: the chat messages the repeated ones became are the kept history's, the very objects, and
+    the chat request links to that history (its fingerprints, template messages and render are
+    reused the same way). Anything the kept translation cannot serve is translated whole."""
+    link = body._history
+    if link is not None and link.previous is not None and link.current is not None:
+        chat = _continued_chat(body, signer, thinking_switch, link)
+        if chat is not None:
+            return chat
+    offsets: list[int] = []
+    chat = _chat_request(body, _messages(body, signer, 0, offsets), thinking_switch)
+    if link is not None and link.current is not None:  # kept: the chat messages each message became
+        current = link.current
+        current.chat, current.chat_from, current.system = chat.messages, offsets, body.system
+        chat._history = HistoryLink(None, 0, current)
+    return chat
+
+
+def _continued_chat(
+    body: CountTokensRequest, signer: ThinkingSigner | None, thinking_switch: bool, link: HistoryLink
+) -> ChatCompletionRequest | None:
+    previous, current = link.previous, link.current
+    assert previous is not None and current is not None
+    if previous.chat is None or previous.chat_from is None or previous.system != body.system:
+        return None
+    offsets = previous.chat_from[: link.reused + 1]
+    kept = offsets[-1]  # the chat messages the repeated messages became
+    counts: list[int] = []  # where each added message's chat messages start, and their end
+    try:
+        chat = _chat_request(body, _messages(body, signer, link.reused, counts), thinking_switch)
+    except (InvalidRequest, ValueError):
+        return None  # translated whole, its error names the message's place in the whole array
+    offsets += [kept + n for n in counts[1:]]
+    messages = [*previous.chat[:kept], *chat.messages]
+    chat = chat.model_copy(update={"messages": messages})
+    current.chat, current.chat_from, current.system = messages, offsets, body.system
+    chat._history = HistoryLink(previous, kept, current)
+    return chat
+
+
+def _chat_request(
+    body: CountTokensRequest, messages: list[dict[str, Any]], thinking_switch: bool
+) -> ChatCompletionRequest:
+    fields: dict[str, Any] = {"model": body.model, "messages": messages, **_tools(body)}
     if isinstance(body, MessagesRequest):
         kind = body.thinking.get("type") if body.thinking else None
         if thinking_switch and kind in ("enabled", "disabled", "adaptive"):
@@ -615,6 +670,7 @@ class MessagesEdge(EdgeBase):
     path: str = "/v1/messages"
     name: str = "anthropic_messages"
     request: type[BaseModel] = MessagesRequest
+    keeps_history: bool = True
 
     def __init__(self, service: CompletionService) -> None:
         super().__init__(service)

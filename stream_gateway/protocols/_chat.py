@@ -304,6 +304,7 @@ class ChatEdge(EdgeBase):
     path: str = "/v1/chat/completions"
     name: str = "chat_completion"
     request: type[BaseModel] = ChatCompletionRequest
+    keeps_history: bool = True
 
     async def open(self, body: ChatCompletionRequest, call: Call) -> ChatExchange:
         prepared = await self._service.prepare(body, **call.placement())

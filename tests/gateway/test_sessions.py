@@ -73,26 +73,38 @@ def _context_builds(gateway: RunningGateway, metric: str = "gateway_context_buil
     return builds
 
 
+def _metric(gateway: RunningGateway, name: str) -> float:
+    text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def _held_tokens(gateway: RunningGateway) -> float:
     text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
-    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("gateway_session_tokens_held "))
+    return next(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("gateway_session_tokens_held ")
+    )
 
 
 def test_a_continuing_turn_tokenizes_what_it_adds_however_long_the_history(
     session_client: OpenAI, gateway: RunningGateway, session_id: str
 ) -> None:
     """Issue 41, through the gateway's own counters: each continuation of a growing tool loop
-    tokenizes about the text it appends, while the conversation it carries grows past ten times
-    that; and the session holds each of its token ids once, not once per turn that carries it."""
+    tokenizes about the text it appends and runs the chat template for the messages it appends
+    (the body repeats the last one's bytes: the kept history's render is replayed), while the
+    conversation it carries grows past ten times that; and the session holds each of its token
+    ids once, not once per turn that carries it."""
     chars = "gateway_context_tokenized_chars_total"
+    rendered = "gateway_template_rendered_messages_total"
     held = _held_tokens(gateway)
+    hits = _metric(gateway, "gateway_history_cache_hits_total")
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Read the files."}]
-    seen = []
+    seen, ran = [], []
     for n in range(14):
-        before = _context_builds(gateway, chars)
+        before, before_ran = _context_builds(gateway, chars), _context_builds(gateway, rendered)
         messages.append(_reply(session_client, messages))
-        after = _context_builds(gateway, chars)
+        after, after_ran = _context_builds(gateway, chars), _context_builds(gateway, rendered)
         seen.append((after["cold"] - before["cold"], after["warm"] - before["warm"]))
+        ran.append(after_ran["warm"] - before_ran["warm"])
         result = "".join(f"file {n} line {i}: {'text ' * 6}\n" for i in range(50))
         messages.append({"role": "user", "content": result})
     history = sum(len(str(m["content"])) for m in messages)
@@ -102,6 +114,10 @@ def test_a_continuing_turn_tokenizes_what_it_adds_however_long_the_history(
     for _, warm in seen[2:]:  # each later one: its new message, the echoed answer, the template around them
         assert 0 < warm <= added + 300
     assert history > 10 * (added + 300)
+    # From the turn whose body is big enough to keep (4 KiB), each later one replays the render
+    # and runs the template for its two new messages alone.
+    assert ran[-10:] == [2] * 10, ran
+    assert _metric(gateway, "gateway_history_cache_hits_total") - hits >= 10
     turns = _session(gateway, session_id)["turns"]
     carried = sum(len(t["prompt_ids"]) + len(t["output_ids"]) for t in turns)  # what 14 tuples held
     tokens = len(turns[-1]["prompt_ids"]) + len(turns[-1]["output_ids"])

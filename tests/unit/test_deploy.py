@@ -34,6 +34,8 @@ import yaml
 from pipeline import PublisherStatistics
 from stream_gateway import Settings
 from stream_gateway._metrics import GatewayMetrics
+from stream_gateway.completion import Histories
+from stream_gateway.http import decode_body
 from stream_stack.cli import parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -457,6 +459,7 @@ def _exported_names() -> set[str]:
     zeros = {f.name: 0 for f in fields(PublisherStatistics)}
     metrics.watch_publisher(lambda: PublisherStatistics(**{**zeros, "connected": False}))
     metrics.watch_sessions([])
+    metrics.watch_histories(Histories(0, decode_body))
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
     return {f"{family.name}{suffix}" for family in metrics.registry.collect() for suffix in suffixes[family.type]}
 

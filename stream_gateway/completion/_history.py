@@ -1,0 +1,290 @@
+"""Reading a continuing chat request in proportion to what it adds, not to the history it repeats.
+
+An agent's next request is its last one with a message or two appended: the same JSON bytes up to
+the end of the last message, then ``,`` and the new messages. :class:`Histories` keeps, per
+conversation, the last body's bytes through its last message and what reading them cost (the
+validated :class:`Message` objects, their fingerprints and conversation keys, the messages as the
+template takes them, the recorded render, the render anchor's hash state). A body whose bytes start
+with a kept one's and go on with ``,`` parses only what follows: the kept prefix is cut out of the
+``messages`` array (``{..."messages":[`` + the new messages + the rest of the body), that is parsed
+and validated, and the kept messages are put back in front. Byte-equal JSON means equal messages, so
+nothing is re-read; anything else (another key order, a re-serialised history, an edit) is a miss
+and the body is read whole, as without this.
+
+Guards, each falling back to the whole read: the body's ``messages`` key must be unique (a later
+duplicate would be what a JSON parser keeps); the legacy ``functions`` shape, whose translation
+looks across messages, is never spliced; a spliced body that fails validation is read whole, so an
+error names the message's position in the whole array. The bytes are compared with ``memcmp``
+(``bytes.startswith``); only the new messages' bytes are scanned for the array's end (strings
+skipped by one regular expression each).
+
+Entries are kept by the first kilobyte of the body plus the conversation's latest bytes, bounded
+by ``--history-cache-bytes`` (least recently used first out); a continued entry is replaced by its
+continuation, so a conversation holds one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+import orjson
+from pydantic import BaseModel
+
+from stream_gateway.completion._fingerprint import extend_key, message_fingerprint, prefix_keys, tools_fingerprint
+from stream_gateway.completion._request import ChatCompletionRequest, Message
+
+__all__ = ["Histories", "History", "HistoryLink", "conversation_keys"]
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+# Bodies below this size are read whole and not kept: reading them costs less than keeping them.
+MIN_KEPT_BYTES = 4 * 1024
+_HEAD = 256  # bytes of the body that pick the bucket of candidate histories
+_TAIL = 64  # the bytes before a candidate boundary, compared before the whole prefix
+_BACK = 4  # message boundaries tried per candidate, from its last message back
+
+_TOKENS = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|[\[\]{},:]')
+_MESSAGES_KEY = b'"messages"'
+_WHITESPACE = b" \t\r\n"
+
+
+@dataclass(slots=True, eq=False)
+class History:
+    """One body's messages as read, and what reading them cost, for the body that continues it."""
+
+    body: bytes
+    ends: list[int]  # body[:ends[i]]: through message i's closing brace
+    opened: int  # body[opened:] starts just inside the messages array
+    messages: list[Any]  # the validated messages (the edge's own model: chat's or Anthropic's)
+    # Filled as the request is prepared (completion/_prepare.py, completion/_context.py), for the
+    # chat messages the request became (the same as ``messages`` on the chat edge):
+    seed: bytes | None = None  # the tools' fingerprint the keys below were computed under
+    fingerprints: list[bytes] | None = None
+    keys: list[bytes] | None = None
+    template: list[dict[str, Any]] | None = None  # the messages as the template takes them
+    record: Any = None  # the recorded render (completion/_replay.py RenderRecord)
+    anchor: Any = None  # (RenderAnchor, hash state at its chars) of the turn built from ``record``
+    chat: list[Message] | None = None  # a translating edge's chat messages, and what they came from:
+    chat_from: list[int] | None = None  # chat_from[i]: how many chat messages messages[:i] became
+    system: Any = None  # the translating edge's system prompt, as given
+    bucket: bytes = b""
+
+    @property
+    def size(self) -> int:
+        """Bytes this history holds, about: the body, its strings once parsed, and the render."""
+        record = self.record
+        return 2 * len(self.body) + (len(record.text) if record is not None else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryLink:
+    """A request's place among kept histories: ``previous`` (or None), whose first ``reused``
+    messages it repeats, and ``current``, its own (None: not kept)."""
+
+    previous: History | None
+    reused: int
+    current: History | None = field(default=None)
+
+
+class Histories:
+    """Kept request histories, bounded by bytes (``--history-cache-bytes``; 0: none kept)."""
+
+    def __init__(self, budget: int, read: Callable[[bytes, type[Any]], Any]) -> None:
+        self.budget = budget
+        self._read = read  # a whole body read (http/_body.py decode_body: its error wording)
+        self._entries: OrderedDict[int, History] = OrderedDict()  # by id, least recently used first
+        self._buckets: dict[bytes, list[History]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def parse(self, raw: bytes, model: type[BodyT]) -> BodyT:
+        """``raw`` as a ``model`` request (one with a top-level ``messages`` array), reading only
+        what a kept history does not hold. Raises what reading it whole raises."""
+        if not self.budget or len(raw) < MIN_KEPT_BYTES:
+            return cast(BodyT, self._read(raw, model))
+        bucket = hashlib.blake2b(model.__name__.encode() + raw[:_HEAD], digest_size=16).digest()
+        found = self._match(raw, bucket)
+        body = self._continue(raw, model, *found) if found is not None else None
+        if body is not None:
+            self.hits += 1
+            return body
+        self.misses += 1
+        whole: Any = self._read(raw, model)
+        span = _messages_span(raw, 0, 0)
+        messages = list(whole.messages)
+        if span is None or len(span[1]) != len(messages) or getattr(whole, "legacy_functions", False):
+            return cast(BodyT, whole)
+        current = History(raw, span[1], span[0], messages, bucket=bucket)
+        whole._history = HistoryLink(None, 0, self._keep(current, None))
+        return cast(BodyT, whole)
+
+    def _match(self, raw: bytes, bucket: bytes) -> tuple[History, int] | None:
+        """The kept history ``raw`` continues and how many of its messages it repeats byte for
+        byte (the last few may differ: clients move cache marks and edit the latest message)."""
+        with self._lock:
+            for entry in reversed(self._buckets.get(bucket, ())):  # the latest first
+                ends = entry.ends
+                for count in range(len(ends), max(0, len(ends) - _BACK), -1):
+                    end = ends[count - 1]
+                    if len(raw) <= end or raw[end] != 0x2C:  # ","
+                        continue
+                    if raw[end - _TAIL : end] != entry.body[end - _TAIL : end]:
+                        continue
+                    if raw.startswith(memoryview(entry.body)[:end]):
+                        self._entries.move_to_end(id(entry))
+                        return entry, count
+        return None
+
+    def _continue(self, raw: bytes, model: type[BodyT], previous: History, count: int) -> BodyT | None:
+        """The request, its kept messages not parsed again (None: this body cannot be spliced)."""
+        cut = previous.ends[count - 1]
+        span = _messages_span(raw, cut + 1, 2)
+        if span is None:
+            return None
+        spliced = raw[: previous.opened] + raw[cut + 1 :]
+        try:
+            data = orjson.loads(spliced)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(data, dict) or not _plain_messages(data, len(span[1])):
+            return None
+        try:
+            added: Any = model.model_validate(data)
+        except Exception:
+            return None  # read whole, for the error to name the message's place in the whole array
+        if getattr(added, "legacy_functions", False):
+            return None
+        messages = [*previous.messages[:count], *added.messages]
+        body: Any = added.model_copy(update={"messages": messages})
+        ends = [*previous.ends[:count], *span[1]]
+        current = History(raw, ends, previous.opened, messages, bucket=previous.bucket)
+        body._history = HistoryLink(previous, count, self._keep(current, previous))
+        return cast(BodyT, body)
+
+    def _keep(self, entry: History, replaces: History | None) -> History:
+        with self._lock:
+            if replaces is not None and self._entries.pop(id(replaces), None) is not None:
+                self._forget(replaces)
+            self._entries[id(entry)] = entry
+            self._buckets.setdefault(entry.bucket, []).append(entry)
+            self._held += entry.size
+            self._evict()
+        return entry
+
+    def account(self, entry: History, before: int) -> None:
+        """``entry`` grew from ``before`` bytes (its render was recorded): evict what no longer fits."""
+        with self._lock:
+            if id(entry) in self._entries:
+                self._held += entry.size - before
+                self._evict()
+
+    def _evict(self) -> None:
+        while self._held > self.budget and self._entries:
+            _, oldest = self._entries.popitem(last=False)
+            self._forget(oldest)
+
+    def _forget(self, entry: History) -> None:
+        self._held -= entry.size
+        bucket = self._buckets.get(entry.bucket)
+        if bucket is not None:
+            bucket[:] = [e for e in bucket if e is not entry]
+            if not bucket:
+                del self._buckets[entry.bucket]
+
+
+def _messages_span(raw: bytes, position: int, depth: int) -> tuple[int, list[int]] | None:
+    """Scan ``raw`` from ``position`` at JSON ``depth`` (0: the body's start; 2: just after a
+    message's comma in the top-level ``messages`` array) for that array: ``(opened, ends)``, where
+    ``raw[opened:]`` starts inside it and ``raw[:ends[i]]`` ends with the i-th item scanned (None:
+    no array, an empty one, or a second ``messages`` key after it)."""
+    opened = position if depth == 2 else -1
+    ends: list[int] = []
+    key = expect = False  # the last token was the "messages" key / its colon
+    for match in _TOKENS.finditer(raw, position):
+        first = raw[match.start()]
+        if first == 0x22:  # a string
+            key = depth == 1 and opened < 0 and match.group() == _MESSAGES_KEY
+            expect = False
+            continue
+        if first == 0x3A:  # ":"
+            expect, key = key, False
+            continue
+        if first == 0x5B or first == 0x7B:  # "[", "{"
+            depth += 1
+            if expect and first == 0x5B and depth == 2:
+                opened = match.end()
+            expect = key = False
+            continue
+        expect = key = False
+        if first == 0x2C:  # ","
+            if opened >= 0 and depth == 2:
+                ends.append(_before_space(raw, match.start()))
+            continue
+        depth -= 1  # "]", "}"
+        if opened >= 0 and depth == 1 and first == 0x5D:
+            end = _before_space(raw, match.start())
+            if end > opened:
+                ends.append(end)
+            if raw.find(_MESSAGES_KEY, match.end()) >= 0:
+                return None  # a second "messages" (or the word as a later value): read whole
+            return (opened, ends) if ends else None
+        if depth < 0:
+            return None
+    return None
+
+
+def _before_space(raw: bytes, position: int) -> int:
+    while raw[position - 1] in _WHITESPACE:
+        position -= 1
+    return position
+
+
+def _plain_messages(data: dict[str, Any], added: int) -> bool:
+    """Whether the spliced body holds ``added`` new messages in today's shape (no legacy functions)."""
+    messages = data.get("messages")
+    if not isinstance(messages, list) or len(messages) != added:
+        return False
+    if "functions" in data or "function_call" in data:
+        return False
+    return not any(isinstance(m, dict) and ("function_call" in m or m.get("role") == "function") for m in messages)
+
+
+def conversation_keys(body: ChatCompletionRequest) -> list[bytes]:
+    """``keys[i]`` identifies the conversation ``body.messages[:i + 1]`` (``_fingerprint.py``), the
+    kept history's fingerprints and keys reused for the messages it repeats."""
+    seed = tools_fingerprint(body.tools)
+    link: HistoryLink | None = body._history
+    messages = body.messages
+    previous = link.previous if link is not None else None
+    if link is not None and previous is not None and previous.seed == seed and previous.keys is not None:
+        reused = link.reused
+        fingerprints = (previous.fingerprints or [])[:reused]
+        keys = previous.keys[:reused]
+        key = keys[-1] if keys else seed
+        for message in messages[reused:]:
+            fingerprint = message_fingerprint(message)
+            fingerprints.append(fingerprint)
+            key = extend_key(key, fingerprint)
+            keys.append(key)
+    else:
+        fingerprints = [message_fingerprint(m) for m in messages]
+        keys = prefix_keys(seed, fingerprints)
+    current = link.current if link is not None else None
+    if current is not None:
+        current.seed, current.fingerprints, current.keys = seed, fingerprints, keys
+    return keys
