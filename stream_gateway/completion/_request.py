@@ -176,8 +176,8 @@ class ChatCompletionRequest(_Wire):
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, strict=True)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, strict=True)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: int | None = None

@@ -207,8 +207,8 @@ class CountTokensRequest(_In):
 class MessagesRequest(CountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
     stream: bool = False
-    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0, strict=True)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, strict=True)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stop_sequences: list[str] | None = None
     metadata: Metadata | None = None

@@ -121,8 +121,8 @@ class ResponsesRequest(_In):
     tool_choice: str | dict[str, Any] | None = None
     stream: bool = False
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, strict=True)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, strict=True)] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     store: bool | None = None
