@@ -10,6 +10,9 @@ tokens held. ``--profile FILE`` records the gateway with py-spy (speedscope JSON
 
     .venv/bin/python benchmarks/agent_turns.py --max-context 131072 --delta-tokens 5400
 
+After the run, a new session's first turn carrying the conversation's first ``--cold-at`` tokens
+is timed three times per gateway (a cold start: its whole render tokenized once).
+
 A flat per-turn cost (O(delta)) shows as a flat CPU column; one that grows with the context shows
 as a constant ms per 1k tokens. ``--baseline-tree DIR`` runs a second gateway from another checkout
 (``git worktree add /tmp/before <commit>``) beside this one: every turn goes to both, one after
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-tokens", type=int, default=64, help="tokens each turn asks for")
     parser.add_argument("--profile", help="py-spy record the gateway into this speedscope file")
     parser.add_argument("--baseline-tree", type=Path, help="also run the gateway of this checkout, side by side")
+    parser.add_argument("--cold-at", type=int, default=50_000, help="then time cold starts of this much context")
     args = parser.parse_args(argv)
 
     trees = [ROOT] if args.baseline_tree is None else [ROOT, args.baseline_tree.resolve()]
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         messages: list[dict[str, object]] = [{"role": "system", "content": "You are a coding agent."},
                                              {"role": "user", "content": "Fix the failing build."}]  # fmt: skip
         rows: list[tuple[int, list[float]]] = []
+        cold_messages = 2
         words = max(1, args.delta_tokens // 4)  # the tiny tokenizer: about 4 tokens a word of these lines
         turn = 0
         with httpx.Client(timeout=600) as client:
@@ -87,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
                 messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
                 messages.append({"role": "user", "content": _tool_result(turn, words)})
                 turn += 1
+                if context <= args.cold_at:
+                    cold_messages = len(messages)  # the first messages, up to about --cold-at tokens
+            cold = _cold_starts(client, gateways, ports, messages[:cold_messages], args)
     finally:
         if profiler is not None:
             profiler.send_signal(2)
@@ -95,6 +103,30 @@ def main(argv: list[str] | None = None) -> None:
             process.terminate()
             process.wait(30)
     _report(rows, args.baseline_tree is not None)
+    shown = " / ".join(f"{ms:.1f} ms" for ms in cold[1])
+    print(f"\ncold start (a new session's first turn) at {cold[0]:,} tokens of context: {shown} (median of 3)")
+
+
+def _cold_starts(
+    client: httpx.Client,
+    gateways: list[tuple[subprocess.Popen[bytes], int]],
+    ports: list[int],
+    messages: list[dict[str, object]],
+    args: argparse.Namespace,
+) -> tuple[int, list[float]]:
+    """The gateway CPU of a new session's first turn carrying ``messages`` (its whole render
+    tokenized once: a session's first turn, or one no replica holds), median of 3 per gateway."""
+    body = {"model": "m", "messages": messages, "max_tokens": args.output_tokens, "ignore_eos": True}
+    spent: list[list[float]] = [[] for _ in gateways]
+    context = 0
+    for attempt in range(3):
+        for i, ((process, _), port) in enumerate(zip(gateways, ports, strict=True)):
+            url = f"http://127.0.0.1:{port}/sessions/cold-{os.getpid()}-{attempt}/v1/chat/completions"
+            before = precise_cpu_s(process.pid)
+            answer = client.post(url, json=body).json()
+            spent[i].append((precise_cpu_s(process.pid) - before) * 1000)
+            context = int(answer["usage"]["prompt_tokens"])
+    return context, [statistics.median(s) for s in spent]
 
 
 def _start_gateway(tree: Path, model: str, max_context: int) -> tuple[subprocess.Popen[bytes], int]:

@@ -5,8 +5,12 @@ The conversation is ``agent_turns.py``'s (each turn an answer and a tool result 
 the whole history is timed on its own (median of ``--repeat``): the body's parse and validation,
 the message fingerprints, the messages as the template takes them, the chat template's render as
 ``apply_chat_template`` does it and as the gateway does it (``completion/_template.py``, the same
-text without the sandbox's per-read exceptions), and the render anchor's digest. The last row is
-the new tool result's tokenization, which does not grow with the context.
+text without the sandbox's per-read exceptions), and the render anchor's digest. Then the same
+reads when the previous request's are kept (``completion/_history.py``, what a continuing turn
+does): the body read through the kept history (only the new messages parsed and validated), the
+conversation keys extended from the kept ones, and the render replaying the previous request's
+recorded render (``completion/_replay.py``). The last row is the new tool result's tokenization,
+which does not grow with the context.
 
     .venv/bin/python benchmarks/turn_parts.py --contexts 10000 100000 400000
 """
@@ -28,11 +32,14 @@ from transformers import AutoTokenizer
 from stream_gateway.completion import (
     ChatCompletionRequest,
     ChatTemplate,
+    Histories,
+    conversation_keys,
     message_fingerprint,
     prefix_keys,
     template_message,
     tools_fingerprint,
 )
+from stream_gateway.http import decode_body
 from stream_gateway.models import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +57,12 @@ def _conversation(tokenizer: Any, context: int, delta_tokens: int) -> list[dict[
         tokens += len(tokenizer.encode(result, add_special_tokens=False)) + 12
         turn += 1
     return messages
+
+
+def _timed_parse(kept: Callable[[], tuple[Histories, Any]], raw: bytes, repeat: int) -> Callable[[], object]:
+    """Parse ``raw`` through a freshly kept history each time (the keeping not timed)."""
+    ready = [kept()[0] for _ in range(repeat)]
+    return lambda: ready.pop().parse(raw, ChatCompletionRequest)
 
 
 def _median_ms(work: Callable[[], object], repeat: int) -> float:
@@ -79,6 +92,29 @@ def main(argv: list[str] | None = None) -> None:
         rendered = [template_message(m) for m in request.messages]
         full = template.render(rendered, None, True)
         delta = str(messages[-1]["content"])
+        before = orjson.dumps({"model": "m", "messages": messages[:-2], "max_tokens": 64})
+
+        def kept(before: bytes = before) -> tuple[Histories, ChatCompletionRequest]:
+            """A history kept from the request before (its keys and render recorded, as served)."""
+            histories = Histories(1 << 34, decode_body)
+            earlier = histories.parse(before, ChatCompletionRequest)
+            conversation_keys(earlier)
+            link = earlier._history
+            link.current.template = [template_message(m) for m in earlier.messages]
+            link.current.record = template.render_recorded(link.current.template, None, True, None)
+            return histories, earlier
+
+        def continued(work: Callable[[ChatCompletionRequest], object], raw: bytes = raw) -> Callable[[], object]:
+            """``work`` on this turn's body read through a kept history (the setup not timed)."""
+            ready = [kept() for _ in range(args.repeat)]
+            bodies = [histories.parse(raw, ChatCompletionRequest) for histories, _ in ready]
+            return lambda: work(bodies.pop())
+
+        def replayed(body: ChatCompletionRequest) -> object:
+            link = body._history
+            previous = link.previous
+            rendered = [*previous.template[: link.reused], *(template_message(m) for m in body.messages[link.reused :])]
+            return template.render_recorded(rendered, None, True, previous.record)
 
         def fingerprints(req: ChatCompletionRequest = request) -> object:
             return prefix_keys(tools_fingerprint(None), [message_fingerprint(m) for m in req.messages])
@@ -97,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
             "render anchor digest (blake2b of the render)": lambda f=full: hashlib.blake2b(
                 f.encode("utf-8", "surrogatepass"), digest_size=16
             ).digest(),
+            "kept history: the body (only the new messages read)": _timed_parse(kept, raw, args.repeat),
+            "kept history: conversation keys (the new messages')": continued(conversation_keys),
+            "kept history: the render, replayed": continued(replayed),
             "the new tool result's tokenization": lambda d=delta: tokenizer.encode(d, add_special_tokens=False),
         }
         label = f"{len(tokenizer.encode(full, add_special_tokens=False)) // 1000}k ({len(messages)} messages)"

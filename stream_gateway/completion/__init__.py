@@ -23,7 +23,7 @@ from stream_gateway.completion._fingerprint import (
     prefix_keys,
     tools_fingerprint,
 )
-from stream_gateway.completion._history import Histories, History, HistoryLink
+from stream_gateway.completion._history import Histories, History, HistoryLink, conversation_keys
 from stream_gateway.completion._prepare import PreparedCompletion, Preparer, TokenInRequest
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import (
@@ -70,6 +70,7 @@ __all__ = [
     "UpdateChannel",
     "assistant_fingerprint",
     "coalesce",
+    "conversation_keys",
     "extend_key",
     "fold_tool_calls",
     "message_fingerprint",
