@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from stream_gateway.completion._fingerprint import extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from stream_gateway.completion._request import ChatCompletionRequest, Message
 
-__all__ = ["Histories", "History", "HistoryLink", "conversation_keys"]
+__all__ = ["Histories", "History", "HistoryLink", "conversation_keys", "imageless_prefix", "text_characters"]
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -73,6 +73,8 @@ class History:
     chat: list[Message] | None = None  # a translating edge's chat messages, and what they came from:
     chat_from: list[int] | None = None  # chat_from[i]: how many chat messages messages[:i] became
     system: Any = None  # the translating edge's system prompt, as given
+    imageless: bool = False  # the chat messages hold no image
+    chars: list[int] | None = None  # chars[i]: the text characters of chat messages[:i + 1]
     bucket: bytes = b""
 
     @property
@@ -288,3 +290,29 @@ def conversation_keys(body: ChatCompletionRequest) -> list[bytes]:
     if current is not None:
         current.seed, current.fingerprints, current.keys = seed, fingerprints, keys
     return keys
+
+
+def imageless_prefix(body: ChatCompletionRequest) -> int:
+    """How many leading messages of ``body`` a kept history says hold no image."""
+    link: HistoryLink | None = body._history
+    previous = link.previous if link is not None else None
+    return link.reused if link is not None and previous is not None and previous.imageless else 0
+
+
+def text_characters(body: ChatCompletionRequest) -> int:
+    """The characters of ``body``'s message texts, the kept history's counted already (and this
+    request's kept for the next)."""
+    link: HistoryLink | None = body._history
+    previous = link.previous if link is not None else None
+    reused = link.reused if link is not None else 0
+    if previous is not None and previous.chars is not None and reused:
+        chars = previous.chars[:reused]
+    else:
+        chars, reused = [], 0
+    total = chars[-1] if chars else 0
+    for message in body.messages[reused:]:
+        total += len(message.text())
+        chars.append(total)
+    if link is not None and link.current is not None:
+        link.current.chars = chars
+    return total

@@ -30,6 +30,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from urllib.parse import urlsplit
 
 import anyio
@@ -144,8 +145,11 @@ class ImageResolver:
         self._lock = threading.Lock()  # the cache is shared by the processing threads
         self._threads = anyio.CapacityLimiter(PROCESSING_THREADS)
 
-    async def resolve(self, messages: Sequence[Message]) -> RequestImages | None:
-        """The request's images (``None``: it has none); an :class:`InvalidRequest` names a bad part."""
+    async def resolve(self, messages: Sequence[Message], imageless: int = 0) -> RequestImages | None:
+        """The request's images (``None``: it has none); an :class:`InvalidRequest` names a bad part.
+        ``imageless``: how many leading messages are known to hold none (a kept history's)."""
+        if not any(m.content is not None and not isinstance(m.content, str) for m in islice(messages, imageless, None)):
+            return None  # text only (the common case, checked without building the parts)
         parts = [
             [(f"messages[{i}].content[{j}]", part.image_url.url) for j, part in m.images()]
             for i, m in enumerate(messages)

@@ -27,7 +27,7 @@ from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._admission import Admission, SamplingRequest
 from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build, template_variables
-from stream_gateway.completion._history import Histories, conversation_keys
+from stream_gateway.completion._history import Histories, conversation_keys, imageless_prefix, text_characters
 from stream_gateway.completion._images import ImageResolver, PromptImage, RequestImages, prompt_images
 from stream_gateway.completion._request import ChatCompletionRequest
 from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
@@ -163,7 +163,9 @@ class Preparer:
         adapter = self.admission.check_model_and_n(body.model, body.n, tenant=tenant, bound=adapter)
         body.check_supported()
         await self._check_size(body)
-        images = await self.images.resolve(body.messages)
+        images = await self.images.resolve(body.messages, imageless_prefix(body))
+        if body._history is not None and body._history.current is not None:
+            body._history.current.imageless = images is None
         constraint = None
         if body.response_format is not None or isinstance(body.tool_choice, dict) or body.tool_choice == "required":
             constraint = await anyio.to_thread.run_sync(self._constraint, body)
@@ -327,9 +329,9 @@ class Preparer:
     async def _check_size(self, body: ChatCompletionRequest) -> None:
         """Refuse at once what cannot fit, before fingerprinting, rendering or tokenizing all of it."""
         self.admission.check_message_count(len(body.messages))
-        texts = [m.text() for m in body.messages]
-        budget = self.admission.characters_need_counting(sum(len(t) for t in texts))
+        budget = self.admission.characters_need_counting(text_characters(body))
         if budget is not None:
+            texts = [m.text() for m in body.messages]
             # Suspiciously long: count the tokens of a prefix whose size the context bounds (not
             # the request), off the loop. More tokens than the context there: more in the whole.
             await anyio.to_thread.run_sync(self.admission.check_prefix_tokens, texts, budget)
