@@ -1,15 +1,18 @@
-"""Reading a continuing chat request in proportion to what it adds, not to the history it repeats.
+"""Reading a continuing request in proportion to what it adds, not to the history it repeats.
 
 An agent's next request is its last one with a message or two appended: the same JSON bytes up to
 the end of the last message, then ``,`` and the new messages. :class:`Histories` keeps, per
-conversation, the last body's bytes through its last message and what reading them cost (the
-validated :class:`Message` objects, their fingerprints and conversation keys, the messages as the
-template takes them, the recorded render, the render anchor's hash state). A body whose bytes start
-with a kept one's and go on with ``,`` parses only what follows: the kept prefix is cut out of the
-``messages`` array (``{..."messages":[`` + the new messages + the rest of the body), that is parsed
-and validated, and the kept messages are put back in front. Byte-equal JSON means equal messages, so
-nothing is re-read; anything else (another key order, a re-serialised history, an edit) is a miss
-and the body is read whole, as without this.
+conversation, the last body's bytes, where each of its messages ends, and what reading them cost
+(the validated messages, their fingerprints and conversation keys, the messages as the template
+takes them, the recorded render, the render anchor's hash state; for an edge that translates,
+the chat messages each message became). A body whose bytes start with a kept one's through one of
+its last four messages (a client may move a cache mark to its new last message, or edit it), then
+``,``, parses only what follows: the kept messages are cut out of the ``messages`` array
+(``{..."messages":[`` + the new messages + the rest of the body), that is parsed and validated, and
+the kept messages are put back in front. Byte-equal JSON means equal messages, so nothing is
+re-read; anything else (another key order, a re-serialised history, an edit further back) is a
+miss and the body is read whole, as without this. Chat and Anthropic Messages bodies go through it
+(``Edge.keeps_history``).
 
 Guards, each falling back to the whole read: the body's ``messages`` key must be unique (a later
 duplicate would be what a JSON parser keeps); the legacy ``functions`` shape, whose translation
@@ -18,9 +21,9 @@ error names the message's position in the whole array. The bytes are compared wi
 (``bytes.startswith``); only the new messages' bytes are scanned for the array's end (strings
 skipped by one regular expression each).
 
-Entries are kept by the first kilobyte of the body plus the conversation's latest bytes, bounded
-by ``--history-cache-bytes`` (least recently used first out); a continued entry is replaced by its
-continuation, so a conversation holds one.
+Entries are found by the request model and the body's first 256 bytes, then by the bytes before
+each candidate boundary; they are bounded by ``--history-cache-bytes`` (least recently used first
+out), and a continued entry is replaced by its continuation, so a conversation holds one.
 """
 
 from __future__ import annotations
