@@ -12,7 +12,7 @@ its last four messages (a client may move a cache mark to its new last message, 
 the kept messages are put back in front. Byte-equal JSON means equal messages, so nothing is
 re-read; anything else (another key order, a re-serialised history, an edit further back) is a
 miss and the body is read whole, as without this. Chat and Anthropic Messages bodies go through it
-(``Edge.keeps_history``).
+by their ``messages``, Responses bodies by their ``input`` (``Edge.history_field``).
 
 Guards, each falling back to the whole read: the body's ``messages`` key must be unique (a later
 duplicate would be what a JSON parser keeps); the legacy ``functions`` shape, whose translation
@@ -78,6 +78,7 @@ class History:
     system: Any = None  # the translating edge's system prompt, as given
     imageless: bool = False  # the chat messages hold no image
     chars: list[int] | None = None  # chars[i]: the text characters of chat messages[:i + 1]
+    dumps: list[dict[str, Any]] | None = None  # the chat messages as a response store keeps them
     bucket: bytes = b""
 
     @property
@@ -117,23 +118,26 @@ class Histories:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def parse(self, raw: bytes, model: type[BodyT]) -> BodyT:
-        """``raw`` as a ``model`` request (one with a top-level ``messages`` array), reading only
-        what a kept history does not hold. Raises what reading it whole raises."""
+    def parse(self, raw: bytes, model: type[BodyT], field: str = "messages") -> BodyT:
+        """``raw`` as a ``model`` request whose top-level ``field`` array holds the conversation,
+        reading only what a kept history does not hold. Raises what reading it whole raises."""
         if not self.budget or len(raw) < MIN_KEPT_BYTES:
             return cast(BodyT, self._read(raw, model))
         bucket = hashlib.blake2b(model.__name__.encode() + raw[:_HEAD], digest_size=16).digest()
         found = self._match(raw, bucket)
-        body = self._continue(raw, model, *found) if found is not None else None
+        body = self._continue(raw, model, field, *found) if found is not None else None
         if body is not None:
             self.hits += 1
             return body
         self.misses += 1
         whole: Any = self._read(raw, model)
-        span = _messages_span(raw, 0, 0)
-        messages = list(whole.messages)
-        if span is None or len(span[1]) != len(messages) or getattr(whole, "legacy_functions", False):
+        items = getattr(whole, field)
+        span = _messages_span(raw, 0, 0, _key(field))
+        if span is None or not isinstance(items, list) or len(span[1]) != len(items):
             return cast(BodyT, whole)
+        if getattr(whole, "legacy_functions", False):
+            return cast(BodyT, whole)
+        messages = list(items)
         current = History(raw, span[1], span[0], messages, bucket=bucket)
         whole._history = HistoryLink(None, 0, self._keep(current, None))
         return cast(BodyT, whole)
@@ -155,10 +159,10 @@ class Histories:
                         return entry, count
         return None
 
-    def _continue(self, raw: bytes, model: type[BodyT], previous: History, count: int) -> BodyT | None:
+    def _continue(self, raw: bytes, model: type[BodyT], field: str, previous: History, count: int) -> BodyT | None:
         """The request, its kept messages not parsed again (None: this body cannot be spliced)."""
         cut = previous.ends[count - 1]
-        span = _messages_span(raw, cut + 1, 2)
+        span = _messages_span(raw, cut + 1, 2, _key(field))
         if span is None:
             return None
         spliced = raw[: previous.opened] + raw[cut + 1 :]
@@ -166,7 +170,7 @@ class Histories:
             data = orjson.loads(spliced)
         except orjson.JSONDecodeError:
             return None
-        if not isinstance(data, dict) or not _plain_messages(data, len(span[1])):
+        if not isinstance(data, dict) or not _plain_messages(data, field, len(span[1])):
             return None
         try:
             added: Any = model.model_validate(data)
@@ -174,8 +178,11 @@ class Histories:
             return None  # read whole, for the error to name the message's place in the whole array
         if getattr(added, "legacy_functions", False):
             return None
-        messages = [*previous.messages[:count], *added.messages]
-        body: Any = added.model_copy(update={"messages": messages})
+        items = getattr(added, field)
+        if not isinstance(items, list):
+            return None
+        messages = [*previous.messages[:count], *items]
+        body: Any = added.model_copy(update={field: messages})
         ends = [*previous.ends[:count], *span[1]]
         current = History(raw, ends, previous.opened, messages, bucket=previous.bucket)
         body._history = HistoryLink(previous, count, self._keep(current, previous))
@@ -212,7 +219,11 @@ class Histories:
                 del self._buckets[entry.bucket]
 
 
-def _messages_span(raw: bytes, position: int, depth: int) -> tuple[int, list[int]] | None:
+def _key(field: str) -> bytes:
+    return b'"' + field.encode() + b'"'
+
+
+def _messages_span(raw: bytes, position: int, depth: int, name: bytes = _MESSAGES_KEY) -> tuple[int, list[int]] | None:
     """Scan ``raw`` from ``position`` at JSON ``depth`` (0: the body's start; 2: just after a
     message's comma in the top-level ``messages`` array) for that array: ``(opened, ends)``, where
     ``raw[opened:]`` starts inside it and ``raw[:ends[i]]`` ends with the i-th item scanned (None:
@@ -223,7 +234,7 @@ def _messages_span(raw: bytes, position: int, depth: int) -> tuple[int, list[int
     for match in _TOKENS.finditer(raw, position):
         first = raw[match.start()]
         if first == 0x22:  # a string
-            key = depth == 1 and opened < 0 and match.group() == _MESSAGES_KEY
+            key = depth == 1 and opened < 0 and match.group() == name
             expect = False
             continue
         if first == 0x3A:  # ":"
@@ -245,7 +256,7 @@ def _messages_span(raw: bytes, position: int, depth: int) -> tuple[int, list[int
             end = _before_space(raw, match.start())
             if end > opened:
                 ends.append(end)
-            if raw.find(_MESSAGES_KEY, match.end()) >= 0:
+            if raw.find(name, match.end()) >= 0:
                 return None  # a second "messages" (or the word as a later value): read whole
             return (opened, ends) if ends else None
         if depth < 0:
@@ -259,9 +270,9 @@ def _before_space(raw: bytes, position: int) -> int:
     return position
 
 
-def _plain_messages(data: dict[str, Any], added: int) -> bool:
+def _plain_messages(data: dict[str, Any], field: str, added: int) -> bool:
     """Whether the spliced body holds ``added`` new messages in today's shape (no legacy functions)."""
-    messages = data.get("messages")
+    messages = data.get(field)
     if not isinstance(messages, list) or len(messages) != added:
         return False
     if "functions" in data or "function_call" in data:

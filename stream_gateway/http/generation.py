@@ -100,8 +100,8 @@ async def _limited(request: Request, edge: Edge[Any], session_id: str | None) ->
 
 async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call: Call) -> Response:
     limit = state.settings.max_request_bytes
-    if edge.keeps_history and state.histories is not None:
-        body: Any = state.histories.parse(await read_body(request, limit), edge.request)
+    if edge.history_field is not None and state.histories is not None:
+        body: Any = state.histories.parse(await read_body(request, limit), edge.request, edge.history_field)
     else:
         body = await parse_body(request, edge.request, limit)
     session_id = call.session_id or request.headers.get("x-session-id") or edge.session_id(body) or None

@@ -670,7 +670,7 @@ class MessagesEdge(EdgeBase):
     path: str = "/v1/messages"
     name: str = "anthropic_messages"
     request: type[BaseModel] = MessagesRequest
-    keeps_history: bool = True
+    history_field: str | None = "messages"
 
     def __init__(self, service: CompletionService) -> None:
         super().__init__(service)

@@ -304,7 +304,7 @@ class ChatEdge(EdgeBase):
     path: str = "/v1/chat/completions"
     name: str = "chat_completion"
     request: type[BaseModel] = ChatCompletionRequest
-    keeps_history: bool = True
+    history_field: str | None = "messages"
 
     async def open(self, body: ChatCompletionRequest, call: Call) -> ChatExchange:
         prepared = await self._service.prepare(body, **call.placement())

@@ -94,9 +94,9 @@ class Edge(Protocol[BodyT]):
     path: str  # its generation route, e.g. ``/v1/chat/completions`` (also served under ``/sessions/{id}``)
     name: str  # the route's name
     request: type[BaseModel]  # the body it parses
-    # Its body has a top-level ``messages`` array that a continuation repeats: read through the kept
-    # histories (completion/_history.py), so a next turn parses only the messages it adds.
-    keeps_history: bool
+    # The body's top-level array that a continuation repeats (``messages``, ``input``; None: none):
+    # read through the kept histories (completion/_history.py), a next turn parses what it adds.
+    history_field: str | None
 
     @property
     def side_routes(self) -> Sequence[SideRoute]:
@@ -121,7 +121,7 @@ class EdgeBase:
     the body, OpenAI's error shape. An edge overrides what differs."""
 
     side_routes: Sequence[SideRoute] = ()
-    keeps_history: bool = False
+    history_field: str | None = None
 
     def __init__(self, service: CompletionService) -> None:
         self._service = service

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from stream_gateway._errors import GatewayError, InvalidRequest
 from stream_gateway.completion import (
@@ -69,6 +69,7 @@ from stream_gateway.completion import (
     ChoiceResult,
     ChoiceUpdate,
     CompletionService,
+    HistoryLink,
     PreparedCompletion,
 )
 from stream_gateway.protocols._edge import Call, EdgeBase, StreamStart
@@ -116,6 +117,8 @@ class TextConfig(_In):
 class ResponsesRequest(_In):
     model: str
     input: str | list[dict[str, Any]]
+    # What reading an earlier body of this conversation left (completion/_history.py HistoryLink).
+    _history: Any = PrivateAttr(default=None)
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -193,10 +196,18 @@ def _reasoning_text(item: dict[str, Any], where: str, signer: ThinkingSigner | N
 
 
 def _messages(
-    body: ResponsesRequest, history: list[dict[str, Any]], signer: ThinkingSigner | None = None
+    body: ResponsesRequest,
+    history: list[dict[str, Any]],
+    signer: ThinkingSigner | None = None,
+    start: int = 0,
+    offsets: list[int] | None = None,
 ) -> list[dict[str, Any]]:
+    """The chat messages ``history`` and the input items from ``start`` mean (with ``start`` 0, the
+    instructions' system message first); ``offsets`` gets, before each item and after the last,
+    how many chat messages came before, or -1 where an item could still join the one before (a
+    ``function_call`` after an assistant message, an assistant turn after a reasoning item)."""
     out: list[dict[str, Any]] = list(history)
-    if body.instructions:  # a continued response takes this request's instructions, as OpenAI's does
+    if body.instructions and not start:  # a continued response takes this request's instructions, as OpenAI's does
         system = {"role": "system", "content": body.instructions}
         if out and out[0]["role"] == "system":
             out[0] = system
@@ -204,7 +215,9 @@ def _messages(
             out.insert(0, system)
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     thought: str | None = None  # a reasoning item's text, for the assistant turn it precedes
-    for i, item in enumerate(items):
+    for i, item in enumerate(items[start:], start):
+        if offsets is not None:
+            offsets.append(_boundary(out, thought))
         where = f"input.{i}"
         kind = item.get("type", "message")
         if kind == "message":
@@ -222,10 +235,11 @@ def _messages(
             function = {"name": name, "arguments": str(item.get("arguments", ""))}
             call = {"id": call_id, "type": "function", "function": function}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # the same turn as the text before it
-                if not last["content"]:
-                    last["content"] = None
+            if last is not None and last["role"] == "assistant":  # the same turn as the text before it
+                # A new dict: ``last`` may be a stored response's message (previous_response_id).
+                out[-1] = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
+                if not out[-1]["content"]:
+                    out[-1]["content"] = None
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 if thought:
@@ -237,14 +251,64 @@ def _messages(
             thought = _reasoning_text(item, where, signer)
         else:
             raise InvalidRequest(f"{where}: unsupported input item type {kind!r}.", param=f"{where}.type")
+    if offsets is not None:
+        offsets.append(_boundary(out, thought))
     return out
+
+
+def _boundary(out: list[dict[str, Any]], thought: str | None) -> int:
+    """Where the next item's chat messages start, if nothing there depends on what came before."""
+    return len(out) if thought is None and (not out or out[-1]["role"] != "assistant") else -1
 
 
 def to_chat_request(
     body: ResponsesRequest, history: list[dict[str, Any]] | None = None, signer: ThinkingSigner | None = None
 ) -> ChatCompletionRequest:
-    """The chat completion request that ``body`` means (after ``history``, a previous response's)."""
-    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body, history or [], signer)}
+    """The chat completion request that ``body`` means (after ``history``, a previous response's).
+
+    A body read through a kept history (``completion/_history.py``) translates only the items it
+    adds after a boundary nothing crosses: the chat messages the repeated items became are the kept
+    history's, the very objects, and the chat request links to that history. A continued response
+    (``history``), or anything the kept translation cannot serve, is translated whole."""
+    link = body._history
+    if link is not None and link.previous is not None and link.current is not None and not history:
+        chat = _continued_chat(body, signer, link)
+        if chat is not None:
+            return chat
+    offsets: list[int] = []
+    chat = _chat_request(body, _messages(body, history or [], signer, 0, offsets))
+    if link is not None and link.current is not None and not history:
+        current = link.current
+        current.chat, current.chat_from, current.system = chat.messages, offsets, body.instructions
+        chat._history = HistoryLink(None, 0, current)
+    return chat
+
+
+def _continued_chat(
+    body: ResponsesRequest, signer: ThinkingSigner | None, link: HistoryLink
+) -> ChatCompletionRequest | None:
+    previous, current = link.previous, link.current
+    assert previous is not None and current is not None
+    if previous.chat is None or previous.chat_from is None or previous.system != body.instructions:
+        return None
+    kept = previous.chat_from[link.reused]
+    if kept < 0:
+        return None
+    counts: list[int] = []  # where each added item's chat messages start (-1: joined), and their end
+    try:
+        chat = _chat_request(body, _messages(body, [], signer, link.reused, counts))
+    except (InvalidRequest, ValueError):
+        return None  # translated whole, its error names the item's place in the whole input
+    offsets = [*previous.chat_from[: link.reused + 1], *(kept + n if n >= 0 else -1 for n in counts[1:])]
+    messages = [*previous.chat[:kept], *chat.messages]
+    chat = chat.model_copy(update={"messages": messages})
+    current.chat, current.chat_from, current.system = messages, offsets, body.instructions
+    chat._history = HistoryLink(previous, kept, current)
+    return chat
+
+
+def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    fields: dict[str, Any] = {"model": body.model, "messages": messages}
     # Hosted tools (web_search, file_search, mcp ...), namespaces and custom (freeform) tools run
     # on OpenAI's side or need a grammar per tool: this gateway runs no tools, so they are not
     # offered to the model (Codex sends several by default).
@@ -686,6 +750,7 @@ class ResponsesEdge(EdgeBase):
     path: str = "/v1/responses"
     name: str = "openai_responses"
     request: type[BaseModel] = ResponsesRequest
+    history_field: str | None = "input"
 
     def __init__(self, service: CompletionService, held: ResponseStore | None = None) -> None:
         super().__init__(service)
@@ -697,8 +762,21 @@ class ResponsesEdge(EdgeBase):
         service = self._service
         chat = to_chat_request(body, history, service.signer)
         prepared = await service.prepare(chat, **call.placement())
-        conversation = [m.model_dump(exclude_none=True) for m in chat.messages]
+        conversation = _conversation(chat)
         return ResponsesExchange(prepared, body, response_id(), call.tenant, conversation, self._held, service.signer)
+
+
+def _conversation(chat: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The chat messages as the response store keeps them, the kept history's already dumped
+    (and this request's kept for the next)."""
+    link = chat._history
+    previous = link.previous if link is not None else None
+    reused = link.reused if link is not None and previous is not None and previous.dumps is not None else 0
+    dumps = previous.dumps[:reused] if previous is not None and previous.dumps is not None else []
+    dumps += [m.model_dump(exclude_none=True) for m in chat.messages[reused:]]
+    if link is not None and link.current is not None:
+        link.current.dumps = dumps
+    return dumps
 
 
 def _allowed_tools(choice: dict[str, Any]) -> dict[str, Any]:

@@ -221,3 +221,49 @@ def test_an_anthropic_conversation_translates_only_what_it_adds() -> None:
         keys = conversation_keys(chat)
         assert keys == prefix_keys(tools_key(chat.tools), [message_fingerprint(m) for m in chat.messages])
     assert histories.hits == 4
+
+
+def _codex(turns: int) -> list[dict[str, Any]]:
+    """A Codex-shaped Responses input: a user message, then per turn a reasoning item, an assistant
+    message, function calls (joining that message's turn) and their outputs."""
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the build."}]}
+    ]
+    for i in range(turns):
+        items.append({"type": "reasoning", "summary": [{"type": "summary_text", "text": f"thinking {i}"}]})
+        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"on it {i}"}]})
+        for j in range(2):
+            items.append({"type": "function_call", "call_id": f"c{i}{j}", "name": "shell", "arguments": '{"cmd": ["ls"]}'})
+        for j in range(2):
+            items.append({"type": "function_call_output", "call_id": f"c{i}{j}", "output": f"out {i} ]}}\n" * 200})
+    return items
+
+
+def test_a_responses_conversation_translates_only_what_it_adds() -> None:
+    """Responses bodies (Codex's): the items repeated up to a boundary nothing crosses keep their
+    chat messages, and the chat request equals a whole translation."""
+    from stream_gateway.protocols._responses import ResponsesRequest, _conversation, to_chat_request
+
+    histories = Histories(1 << 30, decode_body)
+    tools = [{"type": "function", "name": "shell", "parameters": {"type": "object"}}]
+
+    def raw(turns: int) -> bytes:
+        return orjson.dumps({"model": "m", "input": _codex(turns), "instructions": "You are Codex.", "tools": tools})
+
+    first = to_chat_request(histories.parse(raw(2), ResponsesRequest, "input"))
+    conversation_keys(first)
+    _conversation(first)
+    for turns in range(3, 7):
+        body = histories.parse(raw(turns), ResponsesRequest, "input")
+        chat = to_chat_request(body)
+        whole = to_chat_request(decode_body(raw(turns), ResponsesRequest))
+        assert chat.model_dump() == whole.model_dump()
+        link = chat._history
+        assert link is not None and link.previous is not None
+        assert link.reused == len(whole.messages) - 3  # all but the added turn: an assistant and two tool results
+        assert all(a is b for a, b in zip(chat.messages[: link.reused], link.previous.chat or [], strict=False))
+        assert conversation_keys(chat) == prefix_keys(
+            tools_key(chat.tools), [message_fingerprint(m) for m in chat.messages]
+        )
+        assert _conversation(chat) == [m.model_dump(exclude_none=True) for m in whole.messages]
+    assert histories.hits == 4
