@@ -10,6 +10,9 @@ tokens held. ``--profile FILE`` records the gateway with py-spy (speedscope JSON
 
     .venv/bin/python benchmarks/agent_turns.py --max-context 131072 --delta-tokens 5400
 
+``--protocol messages`` or ``responses`` sends the same conversation as Anthropic Messages (the
+system prompt apart) or as Responses input items (the system prompt as ``instructions``).
+
 After the run, a new session's first turn carrying the conversation's first ``--cold-at`` tokens
 is timed three times per gateway (a cold start: its whole render tokenized once).
 
@@ -26,7 +29,10 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -54,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", help="py-spy record the gateway into this speedscope file")
     parser.add_argument("--baseline-tree", type=Path, help="also run the gateway of this checkout, side by side")
     parser.add_argument("--cold-at", type=int, default=50_000, help="then time cold starts of this much context")
+    parser.add_argument("--protocol", choices=sorted(_PROTOCOLS), default="chat", help="the wire format of the turns")
     args = parser.parse_args(argv)
 
     trees = [ROOT] if args.baseline_tree is None else [ROOT, args.baseline_tree.resolve()]
@@ -73,23 +80,24 @@ def main(argv: list[str] | None = None) -> None:
         words = max(1, args.delta_tokens // 4)  # the tiny tokenizer: about 4 tokens a word of these lines
         turn = 0
         with httpx.Client(timeout=600) as client:
+            protocol = _PROTOCOLS[args.protocol]
             while True:
-                body = {"model": "m", "messages": messages, "max_tokens": args.output_tokens, "ignore_eos": True}
+                body = protocol.body(messages, args.output_tokens)
                 spent, answers = [], []
                 for (process, _), port in zip(gateways, ports, strict=True):
-                    url = f"http://127.0.0.1:{port}/sessions/agent-{os.getpid()}/v1/chat/completions"
+                    url = f"http://127.0.0.1:{port}/sessions/agent-{os.getpid()}{protocol.path}"
                     before = precise_cpu_s(process.pid)
                     answers.append(client.post(url, json=body).json())
                     spent.append(precise_cpu_s(process.pid) - before)
                 answer = answers[0]
-                context = int(answer["usage"]["prompt_tokens"])
+                context = protocol.context(answer)
                 rows.append((context, spent))
                 shown = ", ".join(f"{s * 1000:7.1f} ms" for s in spent)
                 print(f"turn {turn:3d}: context {context:7d} tokens, gateway CPU {shown}, "
                       f"RSS {rss_mb(gateways[0][0].pid):.0f} MB", flush=True)  # fmt: skip
                 if context > args.max_context:
                     break
-                messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+                messages.append({"role": "assistant", "content": protocol.text(answer)})
                 messages.append({"role": "user", "content": _tool_result(turn, words)})
                 turn += 1
                 if context <= args.cold_at:
@@ -107,6 +115,48 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\ncold start (a new session's first turn) at {cold[0]:,} tokens of context: {shown} (median of 3)")
 
 
+@dataclass(frozen=True)
+class _Protocol:
+    """One wire format: its route, a turn's body from chat-shaped messages, and its answer's parts."""
+
+    path: str
+    body: Callable[[list[dict[str, object]], int], dict[str, object]]
+    text: Callable[[dict[str, Any]], str]
+    context: Callable[[dict[str, Any]], int]
+
+
+def _anthropic(messages: list[dict[str, object]], output: int) -> dict[str, object]:
+    system, rest = messages[0]["content"], messages[1:]
+    return {"model": "m", "system": system, "messages": rest, "max_tokens": output}
+
+
+def _responses(messages: list[dict[str, object]], output: int) -> dict[str, object]:
+    items = [{"type": "message", "role": m["role"], "content": m["content"]} for m in messages[1:]]
+    return {"model": "m", "instructions": messages[0]["content"], "input": items, "max_output_tokens": output}
+
+
+_PROTOCOLS = {
+    "chat": _Protocol(
+        "/v1/chat/completions",
+        lambda messages, output: {"model": "m", "messages": messages, "max_tokens": output, "ignore_eos": True},
+        lambda answer: str(answer["choices"][0]["message"]["content"]),
+        lambda answer: int(answer["usage"]["prompt_tokens"]),
+    ),
+    "messages": _Protocol(
+        "/v1/messages",
+        _anthropic,
+        lambda answer: "".join(b.get("text", "") for b in answer["content"]),
+        lambda answer: int(answer["usage"]["input_tokens"]),
+    ),
+    "responses": _Protocol(
+        "/v1/responses",
+        _responses,
+        lambda answer: "".join(c["text"] for o in answer["output"] if o["type"] == "message" for c in o["content"]),
+        lambda answer: int(answer["usage"]["input_tokens"]),
+    ),
+}
+
+
 def _cold_starts(
     client: httpx.Client,
     gateways: list[tuple[subprocess.Popen[bytes], int]],
@@ -116,16 +166,17 @@ def _cold_starts(
 ) -> tuple[int, list[float]]:
     """The gateway CPU of a new session's first turn carrying ``messages`` (its whole render
     tokenized once: a session's first turn, or one no replica holds), median of 3 per gateway."""
-    body = {"model": "m", "messages": messages, "max_tokens": args.output_tokens, "ignore_eos": True}
+    protocol = _PROTOCOLS[args.protocol]
+    body = protocol.body(messages, args.output_tokens)
     spent: list[list[float]] = [[] for _ in gateways]
     context = 0
     for attempt in range(3):
         for i, ((process, _), port) in enumerate(zip(gateways, ports, strict=True)):
-            url = f"http://127.0.0.1:{port}/sessions/cold-{os.getpid()}-{attempt}/v1/chat/completions"
+            url = f"http://127.0.0.1:{port}/sessions/cold-{os.getpid()}-{attempt}{protocol.path}"
             before = precise_cpu_s(process.pid)
             answer = client.post(url, json=body).json()
             spent[i].append((precise_cpu_s(process.pid) - before) * 1000)
-            context = int(answer["usage"]["prompt_tokens"])
+            context = protocol.context(answer)
     return context, [statistics.median(s) for s in spent]
 
 
