@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import orjson
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from stream_gateway._errors import GatewayError
 from stream_gateway.completion._fingerprint import extend_key, message_fingerprint, prefix_keys, tools_fingerprint
 from stream_gateway.completion._request import ChatCompletionRequest, Message
 
@@ -174,7 +175,7 @@ class Histories:
             return None
         try:
             added: Any = model.model_validate(data)
-        except Exception:
+        except (ValidationError, GatewayError, ValueError):
             return None  # read whole, for the error to name the message's place in the whole array
         if getattr(added, "legacy_functions", False):
             return None

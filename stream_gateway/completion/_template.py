@@ -30,7 +30,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from jinja2 import Template
+from jinja2 import Template, TemplateError
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
@@ -142,6 +142,8 @@ class ChatTemplate:
         variables = {**self._special, **kwargs, "tools": tools, "documents": None, "add_generation_prompt": generation}
         try:
             return recorded_render(template, variables, messages, tools, previous)
-        except Exception:  # the plain render is the authority on text and refusals
+        # What recording can add: C code or a filter that needs a real list (``tojson``, ``sort``)
+        # meeting the reporting sequence. The plain render is the authority on text and refusals.
+        except (TemplateError, TypeError, ValueError, LookupError, AttributeError):
             text = self.render(messages, tools, generation, **kwargs)
             return RenderRecord(text, messages, tools, {}, (), False, len(messages))
