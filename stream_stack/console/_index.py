@@ -78,6 +78,9 @@ CREATE TABLE IF NOT EXISTS replicas (
     replica TEXT NOT NULL, adapter TEXT NOT NULL, version INTEGER NOT NULL, time REAL NOT NULL,
     PRIMARY KEY (replica, adapter)
 );
+-- Which batch took each trajectory: the streams are read apart, so a batch's manifest can be indexed
+-- before its members' trajectories are, and a trajectory indexed later finds its batch here.
+CREATE TABLE IF NOT EXISTS batch_members (trajectory_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS drops (trajectory_id TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL);
 CREATE TABLE IF NOT EXISTS forgotten (tenant TEXT NOT NULL, session_id TEXT NOT NULL, PRIMARY KEY (tenant, session_id));
 """
@@ -163,6 +166,18 @@ class ConsoleIndex:
             have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        # An index made before batch_members: its batches' members, from their manifests.
+        if self._db.execute("SELECT 1 FROM batch_members LIMIT 1").fetchone() is None:
+            with self._db:
+                for row in self._db.execute("SELECT batch_id, members FROM batches").fetchall():
+                    self._db.executemany(
+                        "INSERT INTO batch_members VALUES (?, ?) ON CONFLICT DO NOTHING",
+                        [(m, row["batch_id"]) for m in orjson.loads(row["members"])],
+                    )
+                self._db.execute(
+                    "UPDATE trajectories SET batch_id = (SELECT batch_id FROM batch_members m "
+                    "WHERE m.trajectory_id = trajectories.trajectory_id) WHERE batch_id IS NULL"
+                )
 
     def close(self) -> None:
         with self._lock:
@@ -312,10 +327,11 @@ class ConsoleIndex:
         sampled = sum(data["loss_mask"])
         self._db.execute(
             "INSERT INTO trajectories (trajectory_id, tenant, session_id, seq, turn_ids, tokens, sampled, reward, "
-            "health, ended_at, min_version, max_version, adapter, end_reason) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "health, ended_at, min_version, max_version, adapter, end_reason, batch_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+            "(SELECT batch_id FROM batch_members WHERE trajectory_id = ?1)) "
             "ON CONFLICT (trajectory_id) DO UPDATE SET seq = excluded.seq, reward = excluded.reward, "
-            "health = excluded.health",
+            "health = excluded.health, batch_id = coalesce(batch_id, excluded.batch_id)",
             (data["trajectory_id"], tenant, session_id, seq,
              orjson.dumps([t["turn_id"] for t in data["turns"]]).decode(), len(data["token_ids"]), sampled,
              data.get("reward"), " ".join(data.get("health") or []), data.get("ended_at"),
@@ -330,6 +346,9 @@ class ConsoleIndex:
 
     def _batch(self, data: dict[str, Any]) -> None:
         members = list(data.get("trajectory_ids") or [])
+        self._db.executemany(
+            "INSERT INTO batch_members VALUES (?, ?) ON CONFLICT DO NOTHING", [(m, data["batch_id"]) for m in members]
+        )
         self._db.execute(
             "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
             (data["batch_id"], data.get("created_at"), len(members), data.get("min_policy_version"),

@@ -3,6 +3,7 @@ pages on, written idempotently, and a forgotten session gone for good."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,30 @@ def test_sessions_turns_trajectories_and_batches_are_indexed_once(tmp_path: Path
     assert found is not None and found["trajectories"][0]["batch_id"] == "b1"
     loop = index.loop(None)
     assert loop["replicas"][0]["replica"] == "host-1" and loop["batches"][0]["lag"] == 0
+
+
+def test_a_batch_indexed_before_its_trajectories_still_marks_them(tmp_path: Path) -> None:
+    """The console reads the trajectories and batches streams apart: on a busy machine a batch's
+    manifest was indexed first, and the trajectory that came after never showed its batch."""
+    path = tmp_path / "console.sqlite"
+    index = ConsoleIndex(path)
+    events = [(i + 1, "event", e) for i, e in enumerate(one_of_each("s1"))]
+    index.apply("SG_EVENTS", events)
+    tenant = events[0][2].tenant
+    index.apply("SG_BATCHES", [(1, "batch", {"batch_id": "b1", "trajectory_ids": ["tr-s1-1", "tr-s1-2"]})])
+    index.apply("SG_TRAJECTORIES", [(1, "trajectory", _trajectory("s1", tenant, ["turn-1"], []))])
+    index.apply("SG_TRAJECTORIES", [(2, "trajectory", _trajectory("s1", tenant, ["turn-1", "turn-3"], []))])
+    found = index.session(None, "s1")
+    assert found is not None and [t["batch_id"] for t in found["trajectories"]] == ["b1", "b1"]
+    index.close()
+    # An index file made before members were kept learns them from its batches when opened.
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM batch_members")
+        db.execute("UPDATE trajectories SET batch_id = NULL")
+    reopened = ConsoleIndex(path)
+    reopened.apply("SG_TRAJECTORIES", [(3, "trajectory", _trajectory("s1", tenant, ["turn-1", "turn-3"], []))])
+    found = reopened.session(None, "s1")
+    assert found is not None and "b1" in [t["batch_id"] for t in found["trajectories"]]
 
 
 def test_a_live_turn_is_counted_until_its_record_arrives() -> None:
