@@ -11,7 +11,9 @@ tokens held. ``--profile FILE`` records the gateway with py-spy (speedscope JSON
     .venv/bin/python benchmarks/agent_turns.py --max-context 131072 --delta-tokens 5400
 
 ``--protocol messages`` or ``responses`` sends the same conversation as Anthropic Messages (the
-system prompt apart) or as Responses input items (the system prompt as ``instructions``).
+system prompt apart) or as Responses input items (the system prompt as ``instructions``);
+``tokens`` sends it token-in to ``/v1/completions`` as an RL rollout does: the prompt ids of the
+previous turn, its sampled ids (logprobs' ``token_id:N`` tokens) and the new messages' ids, tokenized here once each.
 
 After the run, a new session's first turn carrying the conversation's first ``--cold-at`` tokens
 is timed three times per gateway (a cold start: its whole render tokenized once).
@@ -60,7 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", help="py-spy record the gateway into this speedscope file")
     parser.add_argument("--baseline-tree", type=Path, help="also run the gateway of this checkout, side by side")
     parser.add_argument("--cold-at", type=int, default=50_000, help="then time cold starts of this much context")
-    parser.add_argument("--protocol", choices=sorted(_PROTOCOLS), default="chat", help="the wire format of the turns")
+    parser.add_argument(
+        "--protocol", choices=sorted([*_PROTOCOLS, "tokens"]), default="chat", help="the wire format of the turns"
+    )
     args = parser.parse_args(argv)
 
     trees = [ROOT] if args.baseline_tree is None else [ROOT, args.baseline_tree.resolve()]
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         words = max(1, args.delta_tokens // 4)  # the tiny tokenizer: about 4 tokens a word of these lines
         turn = 0
         with httpx.Client(timeout=600) as client:
-            protocol = _PROTOCOLS[args.protocol]
+            protocol = _protocol(args)
             while True:
                 body = protocol.body(messages, args.output_tokens)
                 spent, answers = [], []
@@ -113,6 +117,42 @@ def main(argv: list[str] | None = None) -> None:
     _report(rows, args.baseline_tree is not None)
     shown = " / ".join(f"{ms:.1f} ms" for ms in cold[1])
     print(f"\ncold start (a new session's first turn) at {cold[0]:,} tokens of context: {shown} (median of 3)")
+
+
+class _TokenIn:
+    """The conversation as prompt ids, kept across turns the way a rollout keeps them: each new
+    message tokenized once (ChatML, as the built-in models' templates render it), each answer
+    appended as the ids it sampled."""
+
+    def __init__(self, model: str) -> None:
+        from transformers import AutoTokenizer
+
+        from stream_gateway.models import resolve_model
+
+        self._tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+        self._ids: list[int] = []
+        self._seen = 0
+        self._sampled: list[int] = []
+        self._generation = self._tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+
+    def body(self, messages: list[dict[str, object]], output: int) -> dict[str, object]:
+        for message in messages[self._seen :]:
+            if message["role"] == "assistant":
+                self._ids += self._generation + self._sampled  # exactly what the previous turn held
+            else:
+                text = f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n"
+                self._ids += self._tokenizer.encode(text, add_special_tokens=False)
+        self._seen = len(messages)
+        ids = self._ids + self._generation
+        # The sampled ids as logprobs' ``token_id:N`` tokens: ``return_token_ids`` would also echo
+        # the whole prompt's ids back (vLLM's contract), a response that grows with the context.
+        return {"model": "m", "prompt": ids, "max_tokens": output, "ignore_eos": True, "logprobs": 0,
+                "return_tokens_as_token_ids": True}  # fmt: skip
+
+    def text(self, answer: dict[str, Any]) -> str:
+        tokens = answer["choices"][0]["logprobs"]["tokens"]
+        self._sampled = [int(token.removeprefix("token_id:")) for token in tokens]
+        return str(answer["choices"][0]["text"])
 
 
 @dataclass(frozen=True)
@@ -157,6 +197,13 @@ _PROTOCOLS = {
 }
 
 
+def _protocol(args: argparse.Namespace) -> _Protocol:
+    if args.protocol != "tokens":
+        return _PROTOCOLS[args.protocol]
+    tokens = _TokenIn(args.model)
+    return _Protocol("/v1/completions", tokens.body, tokens.text, lambda answer: int(answer["usage"]["prompt_tokens"]))
+
+
 def _cold_starts(
     client: httpx.Client,
     gateways: list[tuple[subprocess.Popen[bytes], int]],
@@ -166,7 +213,7 @@ def _cold_starts(
 ) -> tuple[int, list[float]]:
     """The gateway CPU of a new session's first turn carrying ``messages`` (its whole render
     tokenized once: a session's first turn, or one no replica holds), median of 3 per gateway."""
-    protocol = _PROTOCOLS[args.protocol]
+    protocol = _protocol(args)  # a new session: token-in tokenizes its messages afresh
     body = protocol.body(messages, args.output_tokens)
     spent: list[list[float]] = [[] for _ in gateways]
     context = 0

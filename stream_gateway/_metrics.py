@@ -99,6 +99,14 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.token_in_matches = Counter(
+            "gateway_token_in_matches",
+            "Token-in prompts placed in a named session, by how: kept (the turn its kept prompt made, "
+            "checked on its sampled ids alone) or ids (looked up by digests of the whole prompt)",
+            ["how"],
+            registry=self.registry,
+        )
+
         self.images = Counter(
             "gateway_images",
             "Images in admitted requests (a conversation's images count once per request that sends them)",
@@ -247,12 +255,12 @@ class _HistoriesCollector(Collector):
         )
         yield CounterMetricFamily(
             "gateway_history_cache_hits",
-            "Chat bodies that continued a kept history: only the new messages read",
+            "Bodies (chat, Messages, Responses, token-in) that continued a kept history: only what they add read",
             histories.hits,
         )
         yield CounterMetricFamily(
             "gateway_history_cache_misses",
-            "Chat bodies over 4 KiB that continued no kept history (read whole)",
+            "Bodies over 4 KiB that continued no kept history (read whole)",
             histories.misses,
         )
 

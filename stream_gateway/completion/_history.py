@@ -21,6 +21,13 @@ error names the message's position in the whole array. The bytes are compared wi
 (``bytes.startswith``); only the new messages' bytes are scanned for the array's end (strings
 skipped by one regular expression each).
 
+Token-in bodies (``/v1/completions`` with ``prompt`` a list of ids, ``Edge.history_field`` "prompt")
+go through it the same way with one boundary, the array's end: a rollout's next prompt is its last
+one, the ids it sampled and the new message's ids, so the kept ids are put back in front of the new
+ones and only those are parsed and validated; the entry also names the turn the kept prompt made
+(``turn``), which the new prompt continues if it repeats that turn's sampled ids
+(``completion/_prepare.py``), with no pass over the ids it carries.
+
 Entries are found by the request model and the body's first 256 bytes, then by the bytes before
 each candidate boundary; they are bounded by ``--history-cache-bytes`` (least recently used first
 out), and a continued entry is replaced by its continuation, so a conversation holds one.
@@ -53,6 +60,8 @@ _HEAD = 256  # bytes of the body that pick the bucket of candidate histories
 _TAIL = 64  # the bytes before a candidate boundary, compared before the whole prefix
 _BACK = 4  # message boundaries tried per candidate, from its last message back
 
+_ID_BYTES = 36  # a kept token id: a Python int (28 bytes) and the list's pointer to it
+
 _TOKENS = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|[\[\]{},:]')
 _MESSAGES_KEY = b'"messages"'
 _WHITESPACE = b" \t\r\n"
@@ -81,12 +90,16 @@ class History:
     chars: list[int] | None = None  # chars[i]: the text characters of chat messages[:i + 1]
     dumps: list[dict[str, Any]] | None = None  # the chat messages as a response store keeps them
     bucket: bytes = b""
+    ids: bool = False  # a token-in prompt: ``messages`` are its ids, ``ends`` the array's end alone
+    turn: str | None = None  # token-in: the turn this prompt made (a single choice), once finished
 
     @property
     def size(self) -> int:
-        """Bytes this history holds, about: the body, its strings once parsed, and the render."""
+        """Bytes this history holds, about: the body, its strings once parsed (a token id's int
+        and its pointer), and the render."""
         record = self.record
-        return 2 * len(self.body) + (len(record.text) if record is not None else 0)
+        parsed = _ID_BYTES * len(self.messages) if self.ids else len(self.body)
+        return len(self.body) + parsed + (len(record.text) if record is not None else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +146,14 @@ class Histories:
         self.misses += 1
         whole: Any = self._read(raw, model)
         items = getattr(whole, field)
-        span = _messages_span(raw, 0, 0, _key(field))
-        if span is None or not isinstance(items, list) or len(span[1]) != len(items):
+        ids = _token_ids(items)
+        span = _messages_span(raw, 0, 0, _key(field), ids)
+        if span is None or not isinstance(items, list) or len(span[1]) != (1 if ids else len(items)):
             return cast(BodyT, whole)
-        if getattr(whole, "legacy_functions", False):
-            return cast(BodyT, whole)
+        if getattr(whole, "legacy_functions", False) or (not ids and isinstance(items[0], (list, int, str))):
+            return cast(BodyT, whole)  # (a batch of prompts: not a conversation)
         messages = list(items)
-        current = History(raw, span[1], span[0], messages, bucket=bucket)
+        current = History(raw, span[1], span[0], messages, bucket=bucket, ids=ids)
         whole._history = HistoryLink(None, 0, self._keep(current, None))
         return cast(BodyT, whole)
 
@@ -163,7 +177,7 @@ class Histories:
     def _continue(self, raw: bytes, model: type[BodyT], field: str, previous: History, count: int) -> BodyT | None:
         """The request, its kept messages not parsed again (None: this body cannot be spliced)."""
         cut = previous.ends[count - 1]
-        span = _messages_span(raw, cut + 1, 2, _key(field))
+        span = _messages_span(raw, cut + 1, 2, _key(field), previous.ids)
         if span is None:
             return None
         spliced = raw[: previous.opened] + raw[cut + 1 :]
@@ -171,7 +185,12 @@ class Histories:
             data = orjson.loads(spliced)
         except orjson.JSONDecodeError:
             return None
-        if not isinstance(data, dict) or not _plain_messages(data, field, len(span[1])):
+        if not isinstance(data, dict):
+            return None
+        if previous.ids:
+            if not _token_ids(data.get(field)):
+                return None
+        elif not _plain_messages(data, field, len(span[1])):
             return None
         try:
             added: Any = model.model_validate(data)
@@ -180,12 +199,14 @@ class Histories:
         if getattr(added, "legacy_functions", False):
             return None
         items = getattr(added, field)
-        if not isinstance(items, list):
+        if not isinstance(items, list) or (previous.ids and not _token_ids(items)):
             return None
-        messages = [*previous.messages[:count], *items]
+        if previous.ids:  # every kept id, then the new ones; the array's end is the one boundary
+            messages, ends, count = previous.messages + items, span[1], len(previous.messages)
+        else:
+            messages, ends = [*previous.messages[:count], *items], [*previous.ends[:count], *span[1]]
         body: Any = added.model_copy(update={field: messages})
-        ends = [*previous.ends[:count], *span[1]]
-        current = History(raw, ends, previous.opened, messages, bucket=previous.bucket)
+        current = History(raw, ends, previous.opened, messages, bucket=previous.bucket, ids=previous.ids)
         body._history = HistoryLink(previous, count, self._keep(current, previous))
         return cast(BodyT, body)
 
@@ -224,11 +245,18 @@ def _key(field: str) -> bytes:
     return b'"' + field.encode() + b'"'
 
 
-def _messages_span(raw: bytes, position: int, depth: int, name: bytes = _MESSAGES_KEY) -> tuple[int, list[int]] | None:
+def _messages_span(
+    raw: bytes, position: int, depth: int, name: bytes = _MESSAGES_KEY, ids: bool = False
+) -> tuple[int, list[int]] | None:
     """Scan ``raw`` from ``position`` at JSON ``depth`` (0: the body's start; 2: just after a
     message's comma in the top-level ``messages`` array) for that array: ``(opened, ends)``, where
     ``raw[opened:]`` starts inside it and ``raw[:ends[i]]`` ends with the i-th item scanned (None:
-    no array, an empty one, or a second ``messages`` key after it)."""
+    no array, an empty one, or a second ``messages`` key after it).
+
+    ``ids``: the array holds token ids (the caller checks the parsed array holds only ints, so
+    that its first ``]`` is its end), and ``ends`` is its end alone: no scan of the ids."""
+    if ids and depth == 2:
+        return _ids_end(raw, position, position, name)
     opened = position if depth == 2 else -1
     ends: list[int] = []
     key = expect = False  # the last token was the "messages" key / its colon
@@ -245,6 +273,8 @@ def _messages_span(raw: bytes, position: int, depth: int, name: bytes = _MESSAGE
             depth += 1
             if expect and first == 0x5B and depth == 2:
                 opened = match.end()
+                if ids:
+                    return _ids_end(raw, opened, opened, name)
             expect = key = False
             continue
         expect = key = False
@@ -263,6 +293,21 @@ def _messages_span(raw: bytes, position: int, depth: int, name: bytes = _MESSAGE
         if depth < 0:
             return None
     return None
+
+
+def _ids_end(raw: bytes, opened: int, position: int, name: bytes) -> tuple[int, list[int]] | None:
+    """An array of token ids opened at ``opened``: its end (the first ``]`` from ``position``)."""
+    close = raw.find(b"]", position)
+    if close < 0 or raw.find(name, close) >= 0:
+        return None
+    end = _before_space(raw, close)
+    return (opened, [end]) if end > opened else None
+
+
+def _token_ids(items: Any) -> bool:
+    """Whether a validated (or parsed) field is one prompt of token ids: a non-empty list of ints
+    (a validated prompt's union puts ints only in a list of ints; a parsed one is checked through)."""
+    return isinstance(items, list) and bool(items) and type(items[0]) is int and type(items[-1]) is int
 
 
 def _before_space(raw: bytes, position: int) -> int:

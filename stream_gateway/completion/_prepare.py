@@ -27,7 +27,14 @@ from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._admission import Admission, SamplingRequest
 from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build, template_variables
-from stream_gateway.completion._history import Histories, conversation_keys, imageless_prefix, text_characters
+from stream_gateway.completion._history import (
+    Histories,
+    History,
+    HistoryLink,
+    conversation_keys,
+    imageless_prefix,
+    text_characters,
+)
 from stream_gateway.completion._images import ImageResolver, PromptImage, RequestImages, prompt_images
 from stream_gateway.completion._request import ChatCompletionRequest
 from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
@@ -81,6 +88,7 @@ class PreparedCompletion:
     warnings: tuple[str, ...] = ()  # what the client should know (the template dropped its tools...)
     head: bytes | None = None  # key of (tools, system message): a conversation's identity across compaction
     max_tokens_requested: int | None = None  # what the client asked for (None: nothing); params.max_tokens fits it
+    kept: History | None = None  # token-in: the kept prompt, told the turn it makes (completion/_history.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +107,7 @@ class TokenInRequest:
     return_routes: bool = False  # vLLM's and SGLang's ``return_routed_experts``
     routes_from: int = 0  # their ``routed_experts_prompt_start`` / ``routed_experts_start_len``
     routes_param: str = "routed_experts_start_len"  # the name the client gave it (for errors)
+    history: HistoryLink | None = None  # the kept prompt this one repeats (completion/_history.py)
 
 
 class Preparer:
@@ -119,6 +128,7 @@ class Preparer:
         self._metrics = metrics
         self._sessions = sessions
         self._recorder = recorder
+        self._vocab: int | None = None  # the tokenizer's size, once asked (token-in prompts)
         self.admission = Admission(engine, settings)
 
     @cached_property
@@ -374,7 +384,10 @@ class Preparer:
         adapter = self.admission.check_model_and_n(request.model, request.n, tenant=tenant, bound=adapter)
         if len(request.prompts) > MAX_BATCH:
             raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
-        token_lists = [self._prompt_ids(p, request.add_special_tokens) for p in request.prompts]
+        # A prompt read through a kept one (completion/_history.py): its kept ids were checked then.
+        link = request.history if len(request.prompts) == 1 else None
+        checked = link.reused if link is not None and link.previous is not None else 0
+        token_lists = [self._prompt_ids(p, request.add_special_tokens, checked) for p in request.prompts]
         if request.return_routes:
             self._check_routes(request, token_lists)
         named: Session | None = None
@@ -389,7 +402,7 @@ class Preparer:
         arrived = time.perf_counter()
         batch = []
         for position, (ids, room) in enumerate(zip(token_lists, rooms, strict=True)):
-            session, parent = await self._place_tokens(ids, tenant, session_id, named, captured)
+            session, parent = await self._place_tokens(ids, tenant, session_id, named, captured, link)
             if session_id is not None:
                 named = session
             session = await self._admit_session(session, session_id, tenant, agent, {}, captured)
@@ -420,6 +433,7 @@ class Preparer:
                     split_reasoning=False,
                     return_routes=request.return_routes,
                     routes_from=request.routes_from,
+                    kept=link.current if link is not None and request.n == 1 else None,
                 )
             )
         return batch
@@ -441,31 +455,44 @@ class Preparer:
             )
 
     async def _place_tokens(
-        self, ids: list[int], tenant: str, session_id: str | None, named: Session | None, captured: bool
+        self,
+        ids: list[int],
+        tenant: str,
+        session_id: str | None,
+        named: Session | None,
+        captured: bool,
+        link: HistoryLink | None = None,
     ) -> tuple[Session | None, Turn | None]:
         """The session the prompt belongs to (``None``: a new one), and the turn it continues.
 
         Without a session id, continuation is found among the sessions this replica holds (the
         shared state indexes conversations, not id prefixes): name the session (vLLM's
-        ``session_id``, or the session URL) to continue it on any replica.
+        ``session_id``, or the session URL) to continue it on any replica. A named session's
+        prompt that repeats a kept prompt is checked against the turn that prompt made first
+        (``_linked_turn``), with no pass over the ids it repeats.
         """
         if session_id is not None:
             session = named if named is not None else await self._sessions.open(session_id, tenant, captured)
-            return session, await self._sessions.match_tokens(session, ids)
+            linked = _linked_turn(session, ids, link)
+            self._metrics.token_in_matches.labels("kept" if linked is not None else "ids").inc()
+            return session, linked if linked is not None else await self._sessions.match_tokens(session, ids)
         found = self._sessions.store.find_tokens(scope_of(tenant, captured), ids)
         if found is not None:
             return found
         return None, None
 
-    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool, checked: int = 0) -> list[int]:
+        """The prompt's ids (``checked``: how many leading ids an earlier request had checked)."""
         tokenizer: PreTrainedTokenizerBase = self._engine.tokenizer
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("The prompt must not be empty.", param="prompt")
             ids: list[int] = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             return ids
-        vocab = len(tokenizer)
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if self._vocab is None:
+            self._vocab = len(tokenizer)  # a fast tokenizer counts its vocabulary anew each time
+        vocab = self._vocab
+        bad = next((t for t in (prompt[checked:] if checked else prompt) if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param="prompt")
         return list(prompt)
@@ -514,6 +541,23 @@ def _lineage(session: Session | None, parent: Turn | None) -> dict[int, Turn]:
         out[turn.context_length] = turn
         turn = session.turns.get(turn.parent_id) if turn.parent_id is not None else None
     return out
+
+
+def _linked_turn(session: Session, ids: list[int], link: HistoryLink | None) -> Turn | None:
+    """The turn a token-in prompt continues, found through the kept prompt it repeats (None: look
+    it up by ids): the turn that prompt made, if this one goes on with that turn's sampled ids and
+    the session holds no longer sequence that could be a deeper match. The repeated prompt is that
+    turn's prompt, byte for byte, so only the sampled ids are compared."""
+    if link is None or link.previous is None or link.previous.turn is None:
+        return None
+    turn = session.turns.get(link.previous.turn)
+    if turn is None or turn.finish_reason is None:
+        return None
+    size = len(turn.prompt_ids)
+    end = size + len(turn.output_ids)
+    if size != link.reused or end > len(ids) or max(session.token_lengths, default=0) > end:
+        return None
+    return turn if turn.output_ids == ids[size:end] else None
 
 
 def _session_adapter(session: Session | None, requested: str | None) -> str | None:

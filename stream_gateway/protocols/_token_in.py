@@ -39,7 +39,7 @@ from typing import Annotated, Any
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from stream_gateway._errors import GatewayError, InvalidRequest, UnsupportedParameter
 from stream_gateway.completion import (
@@ -115,6 +115,9 @@ class CompletionRequest(BaseModel):
     min_tokens: int | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # What reading an earlier body of this rollout left (completion/_history.py HistoryLink): its
+    # prompt ids, kept, and the turn they made.
+    _history: Any = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         """Refuse what would change the output but is not implemented (never silently ignored)."""
@@ -396,6 +399,7 @@ class TokenInEdge(EdgeBase):
     path: str = "/v1/completions"
     name: str = "text_completion"
     request: type[BaseModel] = CompletionRequest
+    history_field: str | None = "prompt"
 
     def session_id(self, body: CompletionRequest) -> str | None:
         return body.session_id or None
@@ -427,6 +431,7 @@ class TokenInEdge(EdgeBase):
             return_routes=body.return_routed_experts,
             routes_from=routes_from,
             routes_param=routes_param,
+            history=body._history,
         )
         batch = await self._service.prepare_tokens(request, **call.placement())
         return TokenInExchange(batch, body, self._service.token_text)

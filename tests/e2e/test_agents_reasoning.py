@@ -113,7 +113,13 @@ def test_claude_code_two_rollouts_follow_the_policy(agents: Path, history: str, 
         second = run_claude(base, MODELS["claude"], "Read it again.", workdir, home=home, resume=result["session_id"])
         assert second.returncode == 0, second.describe()
         body = _check(gateway, session, "sk-ant-local", history, model)
-        assert [t["finish_reason"] for t in body["turns"]] == ["tool_calls", "stop", "tool_calls", "stop"]
+        reasons = [t["finish_reason"] for t in body["turns"]]
+        # The first rollout reads, then answers (num_turns above). Whether the second reads again is
+        # the tiny model's answer to "Read it again." after a first rollout whose thinking the
+        # template drops (under template) or keeps: builds on different machines differ there (the
+        # float kernels: tests/unit/test_model_digests.py), as pi's and Codex's second rollouts are
+        # not asserted either. It ends in an answer, and the chains above hold either way.
+        assert reasons[:2] == ["tool_calls", "stop"] and reasons[2:] in (["stop"], ["tool_calls", "stop"]), reasons
 
 
 def test_openclaw_tool_loop_with_thinking(agents: Path, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -340,3 +341,45 @@ def test_a_dense_model_has_no_routed_experts_to_return(gateway: RunningGateway) 
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "return_routed_experts" and error["type"] == "invalid_request_error", error
+
+
+def _counter(gateway: RunningGateway, name: str) -> float:
+    text = httpx.get(f"{gateway.base_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_rollout_continues_through_its_kept_prompt_without_a_pass_over_its_ids(gateway: RunningGateway) -> None:
+    """Issue 41, token-in: a rollout's next prompt (the last one, its sampled ids, new ids) is read
+    through the kept last body (only the new ids parsed and checked) and placed on the turn that
+    body made by comparing the sampled ids alone, counted by the gateway's own counters; the chain
+    is the one a lookup by ids gives. A prompt that changes a sampled id is not that turn's child."""
+    session = f"roll{secrets.token_hex(4)}"
+    path = f"/sessions/{session}/v1/completions"
+    prompt = [(37 * i) % 1900 + 20 for i in range(1500)]  # over the 4 KiB a body needs to be kept
+    hits = _counter(gateway, "gateway_history_cache_hits_total")
+    kept = _counter(gateway, 'gateway_token_in_matches_total{how="kept"}')
+    turns = 4
+    for turn in range(turns):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "return_token_ids": True, "seed": turn}
+        answer = _post(gateway, body, path)
+        assert answer.status_code == 200, answer.text
+        prompt = prompt + answer.json()["choices"][0]["token_ids"] + [5 + turn, 6, 7]
+    assert _counter(gateway, "gateway_history_cache_hits_total") - hits == turns - 1
+    assert _counter(gateway, 'gateway_token_in_matches_total{how="kept"}') - kept == turns - 1
+    recorded = httpx.get(f"{gateway.base_url}/sessions/{session}").json()["turns"]
+    assert [t["parent_id"] for t in recorded] == [None, *(t["turn_id"] for t in recorded[:-1])]
+    for parent, child in itertools.pairwise(recorded):
+        assert child["reused_prompt_tokens"] == len(parent["prompt_ids"]) + len(parent["output_ids"])
+        assert child["prompt_ids"][: child["reused_prompt_tokens"]] == parent["prompt_ids"] + parent["output_ids"]
+    # The kept last prompt, then a sampled id other than the one sampled: not the last turn's
+    # child, but the turn before's (the deepest whose ids it starts with), found by its ids.
+    last = recorded[-1]
+    by_ids = _counter(gateway, 'gateway_token_in_matches_total{how="ids"}')
+    wrong = [*last["prompt_ids"], (last["output_ids"][0] + 1) % 1900 + 20, *last["output_ids"][1:], 9]
+    assert _post(gateway, {"model": "tiny", "prompt": wrong, "max_tokens": 2}, path).status_code == 200
+    # ... and a new id out of the vocabulary is still refused, with the whole prompt's error.
+    bad = _post(gateway, {"model": "tiny", "prompt": [*wrong, 10**9], "max_tokens": 2}, path)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    assert _counter(gateway, 'gateway_token_in_matches_total{how="ids"}') - by_ids == 1  # (the 400 placed nothing)
+    after = httpx.get(f"{gateway.base_url}/sessions/{session}").json()["turns"]
+    assert len(after) == turns + 1 and after[-1]["parent_id"] == recorded[-2]["turn_id"]

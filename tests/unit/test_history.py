@@ -231,9 +231,13 @@ def _codex(turns: int) -> list[dict[str, Any]]:
     ]
     for i in range(turns):
         items.append({"type": "reasoning", "summary": [{"type": "summary_text", "text": f"thinking {i}"}]})
-        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"on it {i}"}]})
+        items.append(
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"on it {i}"}]}
+        )
         for j in range(2):
-            items.append({"type": "function_call", "call_id": f"c{i}{j}", "name": "shell", "arguments": '{"cmd": ["ls"]}'})
+            items.append(
+                {"type": "function_call", "call_id": f"c{i}{j}", "name": "shell", "arguments": '{"cmd": ["ls"]}'}
+            )
         for j in range(2):
             items.append({"type": "function_call_output", "call_id": f"c{i}{j}", "output": f"out {i} ]}}\n" * 200})
     return items
@@ -267,3 +271,57 @@ def test_a_responses_conversation_translates_only_what_it_adds() -> None:
         )
         assert _conversation(chat) == [m.model_dump(exclude_none=True) for m in whole.messages]
     assert histories.hits == 4
+
+
+def _prompt_body(ids: list[int], *, spaced: bool = False, **fields: Any) -> bytes:
+    body = {"model": "m", "prompt": ids, "max_tokens": 16, **fields}
+    return json.dumps(body).encode() if spaced else orjson.dumps(body)
+
+
+def test_a_token_in_rollout_reads_only_the_ids_it_adds() -> None:
+    """``/v1/completions`` with prompt ids: the next prompt repeats the last one's bytes through its
+    last id, then ``,`` and the ids sampled and added; only those are parsed, the kept list is put
+    back in front, and the request equals a whole read (the Python SDK's ``, `` spacing too)."""
+    from stream_gateway.protocols._token_in import CompletionRequest
+
+    read = partial(decode_body, model=CompletionRequest)
+    for spaced in (False, True):
+        histories = Histories(1 << 30, decode_body)
+        ids = [(7 * i) % 1999 for i in range(3000)]
+        first = histories.parse(_prompt_body(ids, spaced=spaced), CompletionRequest, "prompt")
+        assert first._history is not None and first._history.current is not None and first._history.current.ids
+        for turn in range(4):
+            ids = ids + [(11 * turn + j) % 1999 for j in range(500)]
+            raw = _prompt_body(ids, spaced=spaced, seed=turn)  # fields after the prompt may change
+            body = histories.parse(raw, CompletionRequest, "prompt")
+            assert body.model_dump() == read(raw).model_dump()
+            link = body._history
+            assert link is not None and link.previous is not None and link.reused == len(ids) - 500
+            assert link.current is not None and link.current.messages is body.prompt
+        assert (histories.hits, histories.misses) == (4, 1)
+
+
+def test_token_in_bodies_that_cannot_be_spliced_are_read_whole() -> None:
+    from stream_gateway.protocols._token_in import CompletionRequest
+
+    histories = Histories(1 << 30, decode_body)
+    ids = list(range(1, 2000))
+    histories.parse(_prompt_body(ids), CompletionRequest, "prompt")
+    # A string after the kept ids: the whole read's error, naming the whole prompt.
+    raw = _prompt_body(ids).replace(b"1999]", b'1999,"x"]', 1)
+    with pytest.raises(GatewayError):
+        histories.parse(raw, CompletionRequest, "prompt")
+    # A nested list after them: the same.
+    with pytest.raises(GatewayError):
+        histories.parse(_prompt_body(ids).replace(b"1999]", b"1999,[5]]", 1), CompletionRequest, "prompt")
+    # A second "prompt" key after the array: what a JSON parser keeps is the later one, so whole.
+    raw = _prompt_body([*ids, 5])[:-1] + b',"prompt":[3]}'
+    assert histories.parse(raw, CompletionRequest, "prompt").prompt == [3]
+    # A batch of prompts is never kept; a text prompt neither.
+    batch = histories.parse(orjson.dumps({"model": "m", "prompt": [ids, ids]}), CompletionRequest, "prompt")
+    assert batch._history is None
+    text = histories.parse(orjson.dumps({"model": "m", "prompt": "word " * 2000}), CompletionRequest, "prompt")
+    assert text._history is None
+    # And the kept rollout still continues afterwards.
+    body = histories.parse(_prompt_body([*ids, 9, 8]), CompletionRequest, "prompt")
+    assert body.prompt == [*ids, 9, 8] and body._history.previous is not None
