@@ -495,7 +495,9 @@ class Preparer:
         bad = next((t for t in (prompt[checked:] if checked else prompt) if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param="prompt")
-        return list(prompt)
+        # Not copied: nothing writes into a prompt's ids (engines take immutable TokenIds too), and
+        # a kept prompt's list (completion/_history.py) is only read, to build the next one.
+        return prompt
 
     # -- both --------------------------------------------------------------------------------------
 
