@@ -30,21 +30,23 @@ DEFAULT_MODEL = "smollm2"
 
 # The sha256 of each built-in model's weights as the reference build makes them (torch 2.13.0's
 # CPU build on the pinned code paths of _cache.PINNED_NUMERICS: AVX2 kernels, MKL's COMPATIBLE
-# branch, two threads): every build is deterministic (seeded, fixed threads, fp32, no dropout) and
-# pinned, so a build elsewhere that comes out otherwise is logged, and
-# tests/unit/test_model_digests.py checks the models the tests use. Changing a recipe means bumping its
+# branch, two threads; the reference machine is CI's, a 2-core Intel Xeon with AVX-512, whose
+# builds these development machines give too, 2026-12-03): every build is deterministic (seeded,
+# fixed threads, fp32, no dropout) and pinned, yet the models that train came out otherwise on
+# another machine, so a build that differs is logged, and tests/unit/test_model_digests.py checks
+# what holds everywhere. Changing a recipe means bumping its
 # builder version and recording the new digest here. (tiny, tiny-moe and smollm2 train nothing: their
 # digests are the same pinned or not, and kept their versions.)
 REFERENCE_WEIGHTS = {
     "tiny-qwen2-v3": "bfcaa27e9e0383cf1a0474384685851e2e999da5ef9a1c33afd69206179f1ae0",
-    "tiny-agent-v4": "8dd979c791f70174efc7bd3d4e91a9a5caae7a339328aea83278100025cef433",
-    "tiny-agent-claude-v4": "a122d38b8a6f66bb165a3b3dd354acb48cfd161df829e02ca56cd5105ec0718f",
-    "tiny-agent-codex-v4": "bf4799be23664172b47d107562637aa489eace29cc0ffc7b718ffbedcdd9974c",
-    "tiny-reasoning-v4": "22417a013d2d94f0c838d7ea63112fe40a471511cfaa016803025bf577049ad7",
-    "tiny-reasoning-claude-v4": "ce85d83836b7d9e8d67f6d9756af0bf3db0bfd485d36342fb068d961efbb615f",
-    "tiny-reasoning-codex-v4": "926024a06e91d003938468cf6d5678d792fc91a92c2e3fcc464b49654dd08a5d",
+    "tiny-agent-v4": "8cf7d56689ea88385b2ac840e30334ebaee294a63f1fb395d7112d236ddc5c0d",
+    "tiny-agent-claude-v4": "d0de1fd3b4229545174a520ee8e9ad7e4e3d606535e2374d4c5d260136875017",
+    "tiny-agent-codex-v4": "a40062ddb39b97ef59cb00c245f83cb97c4104d1677f6c88836a3e76dbe322ff",
+    "tiny-reasoning-v4": "d821bc6b66af2b8620ddc886b301cbcacf699b97ee725e38c29fecb905d5f793",
+    "tiny-reasoning-claude-v4": "6381ec14730deccd14b7ec4ab23c446abae8b3a00a0dcd85f9ad1c03849370c7",
+    "tiny-reasoning-codex-v4": "f9b527d9765673c26f83c246ce133ebdbc8443cc0c4c5376639d86e3bbc48291",
     "tiny-moe-v2": "062dc6e4de38e7760041aff4f16e6b789c65f40233a94b6997ed786d231f168e",
-    "tiny-vl-v4": "36db665ccac3a32803bd2e05baf2d91b4d47cd488a5e18622ad7c1e82ea021b9",
+    "tiny-vl-v4": "2f1e05bedd7fcce4ae8f8077efd4db1b3834cd8f311a09f352fb3a02bad51416",
     "smollm2-135m-instruct-v1": "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd",
 }
 # tiny-agent and its variants: the file-reading tool each calls (_tiny_agent.AGENT_READERS).

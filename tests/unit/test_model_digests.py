@@ -7,15 +7,16 @@ is built in a child process whose float code paths are pinned (``PINNED_NUMERICS
 AVX-512 and AVX2 machines built different bytes), and a short fine-tune run twice must give the
 same bytes.
 
-What the pins do not give is the same bytes on every machine for the models that train: three
-machines (this project's reference build, a 2-core Intel Xeon with AVX-512 and AMX, and CI's)
-built three different tiny-agent-family weights on the same pinned paths, each the same bytes
-every time on its own machine (2026-12-03: tiny-agent rebuilt here with another hash seed gave the
-same digest). So each built-in model here must be what its marker says it is, built on the pinned
-paths, and the models that train nothing (``tiny``, ``tiny-moe``, ``smollm2``: seeded
-initialisation or a fixed download-free conversion) must be the reference bytes; for the trained
-ones the reference digest is the reference machine's, a build that differs says so in its log, and
-what the tests need of their behaviour is what the end-to-end tests check.
+What the pins do not give is the same bytes on every machine for the models that train: the
+machine the first reference digests came from and CI's (a 2-core Intel Xeon with AVX-512, whose
+builds these development machines give too) built different tiny-agent-family weights on the same
+pinned paths, each the same bytes every time on its own machine (2026-12-03: tiny-agent rebuilt
+here with another hash seed gave the same digest). So each built-in model here must be what its
+marker says it is, built on the pinned paths, and the models that train nothing (``tiny``,
+``tiny-moe``, ``smollm2``: seeded initialisation or a fixed conversion) must be the reference
+bytes; for the trained ones ``REFERENCE_WEIGHTS`` holds CI's machine's digests, a build that
+differs says so in its log, and what the tests need of their behaviour is what the end-to-end
+tests check.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ _BUILT_IN = [
 ]
 
 
-# The built-in models that train nothing: the same bytes on every machine (seen on all three).
+# The built-in models that train nothing: the same bytes on every machine (seen on both kinds).
 _UNTRAINED = {"tiny", "tiny-moe", "smollm2"}
 
 
