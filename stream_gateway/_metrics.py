@@ -76,36 +76,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
-        self.context_builds = Counter(
-            "gateway_context_builds",
-            "Chat prompts built: cold (the whole render tokenized: a first turn, a new root, a turn no "
-            "longer in memory, images) or warm (a continuation tokenizing only what it adds)",
-            ["kind"],
-            registry=self.registry,
-        )
-
-        self.context_tokenized_chars = Counter(
-            "gateway_context_tokenized_chars",
-            "Characters of rendered chat templates tokenized to build prompts, by build kind (cold or warm)",
-            ["kind"],
-            registry=self.registry,
-        )
-
-        self.template_rendered_messages = Counter(
-            "gateway_template_rendered_messages",
-            "Messages the chat template was run for in recorded renders, by build kind: a continuation "
-            "whose history repeats an earlier request's bytes replays that render and runs only what it adds",
-            ["kind"],
-            registry=self.registry,
-        )
-
-        self.token_in_matches = Counter(
-            "gateway_token_in_matches",
-            "Token-in prompts placed in a named session, by how: kept (the turn its kept prompt made, "
-            "checked on its sampled ids alone) or ids (looked up by digests of the whole prompt)",
-            ["how"],
-            registry=self.registry,
-        )
+        self._prompt_builds()
 
         self.images = Counter(
             "gateway_images",
@@ -171,6 +142,40 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+    def _prompt_builds(self) -> None:
+        """How prompts were built: cold or warm, what was tokenized and rendered, how token-in
+        prompts found their parent (issue 41's counters)."""
+        self.context_builds = Counter(
+            "gateway_context_builds",
+            "Chat prompts built: cold (the whole render tokenized: a first turn, a new root, a turn no "
+            "longer in memory, images) or warm (a continuation tokenizing only what it adds)",
+            ["kind"],
+            registry=self.registry,
+        )
+
+        self.context_tokenized_chars = Counter(
+            "gateway_context_tokenized_chars",
+            "Characters of rendered chat templates tokenized to build prompts, by build kind (cold or warm)",
+            ["kind"],
+            registry=self.registry,
+        )
+
+        self.template_rendered_messages = Counter(
+            "gateway_template_rendered_messages",
+            "Messages the chat template was run for in recorded renders, by build kind: a continuation "
+            "whose history repeats an earlier request's bytes replays that render and runs only what it adds",
+            ["kind"],
+            registry=self.registry,
+        )
+
+        self.token_in_matches = Counter(
+            "gateway_token_in_matches",
+            "Token-in prompts placed in a named session, by how: kept (the turn its kept prompt made, "
+            "checked on its sampled ids alone) or ids (looked up by digests of the whole prompt)",
+            ["how"],
+            registry=self.registry,
+        )
 
 
 class BatchedHistogram(Collector):
