@@ -92,6 +92,7 @@ class Upstream:
     picks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("sticky", "home", "moved", "least"), 0))
     streamed_at: float = 0.0  # time.monotonic() of the last step a stream read from it
     slow_checks: int = 0  # checks it did not answer in time while its streams flowed (kept in rotation)
+    reloading: bool = False  # this gateway is loading weights into it (paused, busy: checks forgiven)
 
     def describe(self) -> dict[str, Any]:
         """The JSON view of ``GET /admin/upstreams``."""

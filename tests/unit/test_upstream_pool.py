@@ -62,3 +62,21 @@ def test_no_healthy_server_is_refused() -> None:
     p = UpstreamPool(URLS)
     with pytest.raises(EngineUnavailable):
         p.pick("sess_a")
+
+
+def test_a_check_missed_while_streaming_or_reloading_is_forgiven_and_one_missed_idle_is_not() -> None:
+    """``_forgive_slow_check``: a real vLLM answered its ``/health`` late while this gateway loaded
+    weights into it, and the pool took its only server out (the next request found none)."""
+    import time
+
+    from stream_gateway.engines._pool import Upstream
+    from stream_gateway.engines.remote._engine import _forgive_slow_check
+
+    idle = Upstream("http://a")
+    assert not _forgive_slow_check(idle, 1.0) and idle.slow_checks == 0
+    reloading = Upstream("http://b", reloading=True)
+    assert _forgive_slow_check(reloading, 1.0) and reloading.slow_checks == 1
+    streaming = Upstream("http://c", outstanding=2, streamed_at=time.monotonic())
+    assert _forgive_slow_check(streaming, 1.0)
+    stalled = Upstream("http://d", outstanding=2, streamed_at=time.monotonic() - 3600)
+    assert not _forgive_slow_check(stalled, 1.0)

@@ -581,10 +581,13 @@ class RemoteEngine:
                 # Already serving it (another gateway, or another --workers process, loaded it): done.
                 if await self.dialect.served_version(client, upstream.url) == str(policy_version):
                     return
+                upstream.reloading = True
                 await self.dialect.reload_weights(client, upstream.url, path, policy_version)
             except (httpx.HTTPError, UpstreamFailed) as exc:
                 failures[upstream.url] = describe(exc)
                 self.pool.mark_failed(upstream, f"weights {policy_version} not loaded: {describe(exc)}")
+            finally:
+                upstream.reloading = False
 
         in_flight = self._active
         async with self._weights_lock, anyio.create_task_group() as group:
@@ -622,9 +625,11 @@ def _forgive_slow_check(upstream: Upstream, timeout: float) -> bool:
     sending us, its streams stalled for seconds at a time, and taking the pool's only server out
     of rotation turned that into 503s for every client while it served. A server with nothing
     in flight, or silent that long, fails its next slow check (and its streams' own read
-    timeout ends those in flight on a server that hung)."""
+    timeout ends those in flight on a server that hung). A server this gateway is loading weights
+    into is busy too (seen: a real vLLM reloading answered its check late, the pool took its only
+    server out, and the next request found none); the reload's own calls fail it if it is gone."""
     recent = time.monotonic() - upstream.streamed_at < BUSY_WINDOW_S
-    if not (upstream.outstanding and recent):
+    if not (upstream.outstanding and recent) and not upstream.reloading:
         return False
     upstream.slow_checks += 1
     if upstream.slow_checks == 1 or upstream.slow_checks % 100 == 0:
