@@ -576,23 +576,10 @@ class RemoteEngine:
         servers = list(self.pool)
         failures: dict[str, str] = {}
 
-        async def reload(upstream: Upstream) -> None:
-            try:
-                # Already serving it (another gateway, or another --workers process, loaded it): done.
-                if await self.dialect.served_version(client, upstream.url) == str(policy_version):
-                    return
-                upstream.reloading = True
-                await self.dialect.reload_weights(client, upstream.url, path, policy_version)
-            except (httpx.HTTPError, UpstreamFailed) as exc:
-                failures[upstream.url] = describe(exc)
-                self.pool.mark_failed(upstream, f"weights {policy_version} not loaded: {describe(exc)}")
-            finally:
-                upstream.reloading = False
-
         in_flight = self._active
         async with self._weights_lock, anyio.create_task_group() as group:
             for upstream in servers:
-                group.start_soon(reload, upstream)
+                group.start_soon(_reload_one, self.dialect, self.pool, client, upstream, path, policy_version, failures)
         if failures:
             log.warning("%s: weights %d from %s not loaded by %s", self.name, policy_version, path, failures)
         if len(failures) == len(servers):
@@ -615,6 +602,30 @@ class RemoteEngine:
         """A snapshot of the requests in flight; ``running`` while any server is healthy."""
         running = self._client is not None and any(u.healthy for u in self.pool)
         return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens, running)
+
+
+async def _reload_one(
+    dialect: Dialect,
+    pool: UpstreamPool,
+    client: httpx.AsyncClient,
+    upstream: Upstream,
+    path: str,
+    version: int,
+    failures: dict[str, str],
+) -> None:
+    """Load the checkpoint ``path`` into one server as ``version`` (a failure noted in ``failures``
+    and the server out of rotation until a check passes); while it loads, its checks are forgiven."""
+    try:
+        # Already serving it (another gateway, or another --workers process, loaded it): done.
+        if await dialect.served_version(client, upstream.url) == str(version):
+            return
+        upstream.reloading = True
+        await dialect.reload_weights(client, upstream.url, path, version)
+    except (httpx.HTTPError, UpstreamFailed) as exc:
+        failures[upstream.url] = describe(exc)
+        pool.mark_failed(upstream, f"weights {version} not loaded: {describe(exc)}")
+    finally:
+        upstream.reloading = False
 
 
 def _forgive_slow_check(upstream: Upstream, timeout: float) -> bool:
