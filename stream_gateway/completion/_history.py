@@ -92,6 +92,7 @@ class History:
     bucket: bytes = b""
     ids: bool = False  # a token-in prompt: ``messages`` are its ids, ``ends`` the array's end alone
     turn: str | None = None  # token-in: the turn this prompt made (a single choice), once finished
+    checked: int = 0  # token-in: leading ids found in the vocabulary (0: its request failed before)
 
     @property
     def size(self) -> int:
@@ -185,12 +186,7 @@ class Histories:
             data = orjson.loads(spliced)
         except orjson.JSONDecodeError:
             return None
-        if not isinstance(data, dict):
-            return None
-        if previous.ids:
-            if not _token_ids(data.get(field)):
-                return None
-        elif not _plain_messages(data, field, len(span[1])):
+        if not isinstance(data, dict) or (not previous.ids and not _plain_messages(data, field, len(span[1]))):
             return None
         try:
             added: Any = model.model_validate(data)

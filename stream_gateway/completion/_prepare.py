@@ -384,10 +384,13 @@ class Preparer:
         adapter = self.admission.check_model_and_n(request.model, request.n, tenant=tenant, bound=adapter)
         if len(request.prompts) > MAX_BATCH:
             raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
-        # A prompt read through a kept one (completion/_history.py): its kept ids were checked then.
+        # A prompt read through a kept one (completion/_history.py): the ids its request checked
+        # (none if that request failed first: a kept body is not a checked one) are not checked again.
         link = request.history if len(request.prompts) == 1 else None
-        checked = link.reused if link is not None and link.previous is not None else 0
+        checked = min(link.reused, link.previous.checked) if link is not None and link.previous is not None else 0
         token_lists = [self._prompt_ids(p, request.add_special_tokens, checked) for p in request.prompts]
+        if link is not None and link.current is not None:
+            link.current.checked = len(token_lists[0])
         if request.return_routes:
             self._check_routes(request, token_lists)
         named: Session | None = None

@@ -377,9 +377,13 @@ def test_a_rollout_continues_through_its_kept_prompt_without_a_pass_over_its_ids
     by_ids = _counter(gateway, 'gateway_token_in_matches_total{how="ids"}')
     wrong = [*last["prompt_ids"], (last["output_ids"][0] + 1) % 1900 + 20, *last["output_ids"][1:], 9]
     assert _post(gateway, {"model": "tiny", "prompt": wrong, "max_tokens": 2}, path).status_code == 200
-    # ... and a new id out of the vocabulary is still refused, with the whole prompt's error.
+    # ... and a new id out of the vocabulary is still refused, with the whole prompt's error;
     bad = _post(gateway, {"model": "tiny", "prompt": [*wrong, 10**9], "max_tokens": 2}, path)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    # so is one in a refused prompt that a next body repeats (kept, but never checked), which
+    # would otherwise reach the engine.
+    again = _post(gateway, {"model": "tiny", "prompt": [*wrong, 10**9, 5], "max_tokens": 2}, path)
+    assert again.status_code == 400 and "1000000000" in again.json()["error"]["message"], again.text
     assert _counter(gateway, 'gateway_token_in_matches_total{how="ids"}') - by_ids == 1  # (the 400 placed nothing)
     after = httpx.get(f"{gateway.base_url}/sessions/{session}").json()["turns"]
     assert len(after) == turns + 1 and after[-1]["parent_id"] == recorded[-2]["turn_id"]
