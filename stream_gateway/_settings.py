@@ -36,8 +36,10 @@ class Flag:
     """The accepted values, asked for when a parser is built (their registry imports late)."""
 
 
-ENGINE_NAMES = ("transformers", "synthetic", "vllm", "vllm-http", "sglang-http")
-"""The ``--engine`` flag's values: one builder each in :mod:`stream_gateway.engines._build`."""
+def _engine_names() -> Sequence[str]:
+    from stream_gateway.engines.registry import ENGINE_NAMES
+
+    return ENGINE_NAMES
 
 
 def _tool_parser_names() -> Sequence[str]:
@@ -65,7 +67,7 @@ class Settings(BaseSettings):
         description="'smollm2', 'tiny', 'tiny-agent', 'tiny-reasoning', 'tiny-moe', 'tiny-vl', a local HF model "
         "directory or a hub id",
     )
-    engine: Annotated[str, Flag(choices=lambda: ENGINE_NAMES)] = Field(
+    engine: Annotated[str, Flag(choices=_engine_names)] = Field(
         "transformers", description="what samples the tokens (see docs/engines.md)"
     )
     served_model_name: str | None = Field(
@@ -119,6 +121,12 @@ class Settings(BaseSettings):
     )
     max_loras: int = Field(8, ge=1, le=64, description="transformers engine: most LoRA adapters loaded at once")
     synthetic_tokens_per_second: float = Field(0.0, ge=0.0, description="synthetic engine rate, 0: unthrottled")
+    script: Path | None = Field(
+        None,
+        description="scripted engine: the JSON file of rules it answers by (default: the tiny-agent repertoire; "
+        "docs/engines.md#scripted)",
+    )
+    script_tokens_per_second: float = Field(0.0, ge=0.0, description="scripted engine rate, 0: as fast as it runs")
 
     upstreams: Annotated[tuple[str, ...], Flag(name="--upstream")] = Field(
         (), description="vllm-http/sglang-http: the inference servers' URLs"

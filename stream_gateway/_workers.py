@@ -47,14 +47,16 @@ __all__ = ["check_workers", "listening_socket", "run_workers", "shared_signing_k
 
 log = logging.getLogger(__name__)
 
-SHAREABLE_ENGINES = ("synthetic", "vllm-http", "sglang-http")
 
 
 def check_workers(settings: Settings) -> None:
     """Refuse ``--workers N > 1`` where it cannot work, with what to do instead."""
     if settings.workers <= 1:
         return
-    if settings.engine not in SHAREABLE_ENGINES:
+    from stream_gateway.engines.registry import ENGINES
+
+    entry = ENGINES.get(settings.engine)
+    if entry is None or not entry.shareable:
         raise WorkersRefused(
             f"--workers {settings.workers} needs an engine that several processes can share; the "
             f"{settings.engine} engine holds the model inside the process. Serve the model with vLLM or "

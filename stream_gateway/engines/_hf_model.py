@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -59,6 +59,9 @@ class Row:
     images: tuple[ProcessedImage, ...] = ()
     mrope: torch.Tensor | None = None  # [3, prompt] positions of the prompt (None: text positions)
     rope_delta: int = 0  # a position after the prompt is its index plus this (images take fewer positions)
+    # The scripted engine's answer (engines/scripted.py): output token i is script[i] while the
+    # grammar, if any, allows it; then the model samples. None: the model samples every token.
+    script: Sequence[int] | None = None
 
 
 @dataclass(slots=True)

@@ -33,11 +33,18 @@ def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    forced: Sequence[int | None] | None = None,
 ) -> SampledBatch:
-    """Sample one token per row of ``logits`` ([batch, vocab], any float dtype)."""
+    """Sample one token per row of ``logits`` ([batch, vocab], any float dtype).
+
+    ``forced[i]``, when given, is row ``i``'s token instead of a draw (the scripted engine): its
+    logprob is read from the same processed distribution a draw would have come from (-9999.0 if
+    top-k/top-p filtered it out), and the row's generator is left as it was.
+    """
     logits = logits.float()
     batch = logits.shape[0]
     greedy = [p.temperature == 0.0 for p in params]
+    free = [forced is None or forced[i] is None for i in range(batch)]
     processed = logits
     if not all(greedy):
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params]).unsqueeze(1)
@@ -52,7 +59,7 @@ def sample_batch(
     chosen = torch.empty(batch, dtype=torch.long)
     if any(greedy):
         chosen.copy_(torch.argmax(logits, dim=-1))
-    sampled_rows = [i for i, g in enumerate(greedy) if not g]
+    sampled_rows = [i for i, g in enumerate(greedy) if not g and free[i]]
     if sampled_rows:
         rows = torch.tensor(sampled_rows)
         uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in sampled_rows])
@@ -60,6 +67,10 @@ def sample_batch(
         # Scale by the row total so float round-off in the cumsum can never index past the end.
         draws = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1)).squeeze(1)
         chosen[rows] = torch.clamp(draws, max=logits.shape[1] - 1)
+    if forced is not None:
+        for i, token in enumerate(forced):
+            if token is not None:
+                chosen[i] = token
 
     # Tokens filtered out by top-k/top-p have -inf; report -9999.0 as vLLM and OpenAI do (JSON has no -inf).
     reported = torch.where(torch.tensor(greedy).unsqueeze(1), raw_logprobs, logprobs).clamp(min=-9999.0)

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -36,7 +36,9 @@ from stream_gateway.reasoning import resolve_reasoning_format
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SyntheticEngine"]
+    from stream_gateway._settings import Settings
+
+__all__ = ["SyntheticEngine", "create_engine", "engine_options"]
 
 _PASSAGE = (
     "Streaming lets an agent act on the first tokens while the rest are still being sampled. "
@@ -135,3 +137,19 @@ class SyntheticEngine:
     def statistics(self) -> EngineStatistics:
         """A snapshot of the engine's load."""
         return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens)
+
+
+def engine_options(name: str, settings: Settings) -> dict[str, Any]:
+    """The engine's constructor arguments from a process's settings (see :mod:`.registry`)."""
+    options: dict[str, Any] = {
+        "served_model_name": settings.served_model_name or "synthetic",
+        "tokens_per_second": settings.synthetic_tokens_per_second,
+    }
+    if settings.max_model_len:
+        options["max_model_len"] = settings.max_model_len
+    return options
+
+
+def create_engine(name: str, model: str | Path, **options: Any) -> SyntheticEngine:
+    """A :class:`SyntheticEngine` with ``model``'s tokenizer (see :mod:`.registry`)."""
+    return SyntheticEngine(model, **options)

@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -80,7 +80,10 @@ from stream_gateway.engines._sampling import sample_batch
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
 from stream_gateway.lora import LoraWeights, read_adapter
 
-__all__ = ["TransformersEngine", "end_of_turn_ids"]
+if TYPE_CHECKING:
+    from stream_gateway._settings import Settings
+
+__all__ = ["TransformersEngine", "create_engine", "end_of_turn_ids", "engine_options"]
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +211,11 @@ class TransformersEngine:
         *,
         affinity: str | None = None,
         images: Sequence[ProcessedImage] = (),
+        script: Sequence[int] | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         """Queue a request and yield its steps as the worker samples them (``images``: a
-        vision-language model's, in the order of their placeholders in ``prompt_ids``)."""
+        vision-language model's, in the order of their placeholders in ``prompt_ids``; ``script``:
+        the output ids to emit instead of drawing them, see :mod:`.scripted`)."""
         if self._thread is None or not self._thread.is_alive():
             raise EngineUnavailable("the transformers engine is not running") from self._failure
         generator = torch.Generator()
@@ -225,6 +230,7 @@ class TransformersEngine:
             generator=generator,
             stop_ids=stop_ids,
             images=tuple(images),
+            script=script,
         )
         self._waiting += 1
         self._total_requests += 1
@@ -460,7 +466,11 @@ class TransformersEngine:
         # per-request generators (CPU) and the result lists cheap on any device.
         logits = logits.float().cpu()
         faults: dict[int, str] = {}  # row -> why it fails alone
+        forced: list[int | None] = [None] * len(rows)  # a scripted row's next token (engines/scripted.py)
         for i, row in enumerate(rows):
+            script = row.script
+            if script is not None and row.generated < len(script):
+                forced[i] = script[row.generated]
             if row.mask is not None:  # constrained: what the grammar does not allow cannot be drawn
                 try:
                     allowed = row.mask.allowed()
@@ -471,6 +481,11 @@ class TransformersEngine:
                     faults[i] = "its grammar allows no token here"
                     continue
                 logits[i, torch.from_numpy(~allowed)] = float("-inf")
+                token = forced[i]
+                if token is not None and not (0 <= token < allowed.shape[0] and allowed[token]):
+                    # The grammar refuses the script, as it would a model's choice: the model samples on.
+                    log.info("request %s: its grammar refuses the script at output token %d", row.request_id, row.generated)
+                    forced[i], row.script = None, None
         # One reduction per step: a row's peak is NaN if any score is, -inf if every score is.
         unusable = ~torch.isfinite(logits.amax(dim=1))
         if bool(unusable.any()):
@@ -478,7 +493,7 @@ class TransformersEngine:
                 faults.setdefault(i, "the model's scores for it are not finite")
         if faults:  # sampled like the rest (so one row cannot fail the draw), then dropped
             logits[list(faults)] = 0.0
-        sampled = sample_batch(logits, params, generators)
+        sampled = sample_batch(logits, params, generators, forced)
         finished: list[bool] = []
         deliveries: list[tuple[Row, EngineStep]] = []
         for i, row in enumerate(rows):
@@ -617,3 +632,24 @@ def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
+
+
+def engine_options(name: str, settings: Settings) -> dict[str, Any]:
+    """The engine's constructor arguments from a process's settings (see :mod:`.registry`)."""
+    from stream_gateway.engines._build import default_name
+
+    return {
+        "served_model_name": settings.served_model_name or default_name(settings.model),
+        "max_batch_size": settings.max_batch_size,
+        "max_model_len": settings.max_model_len,
+        "device": settings.device,
+        "recompute_on_update": settings.kv_cache_on_update == "recompute",
+        "routed_experts": settings.routed_experts,
+        "loras": settings.lora_adapters(),
+        "max_loras": settings.max_loras,
+    }
+
+
+def create_engine(name: str, model: str | Path, **options: Any) -> TransformersEngine:
+    """A :class:`TransformersEngine` on ``model`` (see :mod:`.registry`)."""
+    return TransformersEngine(model, **options)

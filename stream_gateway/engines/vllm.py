@@ -58,7 +58,9 @@ from stream_gateway.engines._base import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLMEngine", "model_dtype"]
+    from stream_gateway._settings import Settings
+
+__all__ = ["VLLMEngine", "create_engine", "engine_options", "model_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -396,3 +398,19 @@ def _to_step(completion: Any, top_n: int, policy_version: int = 0) -> EngineStep
     return EngineStep(
         token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish_reason=reason, policy_version=policy_version
     )
+
+
+def engine_options(name: str, settings: Settings) -> dict[str, Any]:
+    """The engine's constructor arguments from a process's settings (see :mod:`.registry`)."""
+    from stream_gateway.engines._build import default_name
+
+    return {
+        "served_model_name": settings.served_model_name or default_name(settings.model),
+        "max_model_len": settings.max_model_len,
+        "dtype": settings.dtype,
+    }
+
+
+def create_engine(name: str, model: str | Path, **options: Any) -> VLLMEngine:
+    """A :class:`VLLMEngine` on ``model`` (see :mod:`.registry`)."""
+    return VLLMEngine(model, **options)

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from stream_gateway._errors import Conflict, ForgetFailed, InvalidRequest, NotFound, PolicyNotNewer, WeightsRejected
 from stream_gateway.engines import UpstreamControl, normalize_url
+from stream_gateway.engines.registry import ENGINES
 from stream_gateway.http._body import parse_body
 from stream_gateway.http._render import ORJSONResponse
 from stream_gateway.http._state import GatewayState, gateway_state
@@ -210,7 +211,8 @@ def _upstreams(state: GatewayState) -> UpstreamControl:
     upstreams = state.engine.upstreams
     if upstreams is None:
         raise NotFound(
-            f"The {state.engine.name} engine has no inference servers to manage (only vllm-http and sglang-http do).",
+            f"The {state.engine.name} engine has no inference servers to manage (only "
+            f"{' and '.join(name for name, entry in ENGINES.items() if entry.pool)} do).",
             code="no_upstreams",
         )
     return upstreams

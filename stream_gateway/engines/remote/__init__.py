@@ -7,11 +7,19 @@ body, frames -> steps); the LoRA adapter fleet (:mod:`._adapters`), route checks
 (:mod:`._stream_http`) beside them. See ``docs/engines.md``.
 """
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines.remote._adapters import adapter_model
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._engine import DIALECTS, PROTOCOLS, RemoteEngine
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted
+
+if TYPE_CHECKING:
+    from stream_gateway._settings import Settings
 
 __all__ = [
     "DIALECTS",
@@ -23,4 +31,39 @@ __all__ = [
     "UpstreamFailed",
     "Wanted",
     "adapter_model",
+    "create_engine",
+    "engine_options",
 ]
+
+
+def engine_options(name: str, settings: Settings) -> dict[str, Any]:
+    """The pool's constructor arguments from a process's settings (see :mod:`..registry`)."""
+    from stream_gateway.engines._build import default_name
+
+    if not settings.upstreams and not (settings.upstreams_bucket and settings.nats_url):
+        raise SystemExit(
+            f"stream-gateway: --engine {name} needs its servers: --upstream URL (repeatable), "
+            "or --upstreams-bucket with --nats-url"
+        )
+    options: dict[str, Any] = {
+        "served_model_name": settings.served_model_name or default_name(settings.model),
+        "max_model_len": settings.max_model_len,
+        "upstreams": settings.upstreams,
+        "api_key": settings.upstream_api_key,
+        "health_interval_s": settings.upstream_health_interval_seconds,
+        "health_timeout_s": settings.upstream_health_timeout_seconds,
+        "connect_timeout_s": settings.upstream_connect_timeout_seconds,
+        "read_timeout_s": settings.upstream_read_timeout_seconds,
+        "max_connections": settings.upstream_max_connections,
+        "routed_experts": settings.routed_experts,
+    }
+    if name == "vllm-http":
+        options["protocol"] = "vllm-generate" if settings.vllm_api == "generate" else "vllm"
+        options["upstream_weights"] = settings.upstream_weights
+    return options
+
+
+def create_engine(name: str, model: str | Path, **options: Any) -> RemoteEngine:
+    """A :class:`RemoteEngine` speaking ``name``'s dialect unless ``options`` name another."""
+    options.setdefault("protocol", PROTOCOLS[name])
+    return RemoteEngine(model, **options)
