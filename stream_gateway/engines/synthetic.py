@@ -96,8 +96,8 @@ class SyntheticEngine:
         affinity: str | None = None,
         images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
-        """Yield ``max_tokens`` passage tokens (fewer if the context fills up), one per step; a
-        thinking model's first half of them between its thinking tags."""
+        """Yield ``max_tokens`` passage tokens (fewer if the context fills up or a stop id comes up),
+        one per step; a thinking model's first half of them between its thinking tags."""
         if images:  # the preparer refuses them first (vision is None): never sample without them
             raise EngineError(f"the {self.name} engine does not take images")
         self._active += 1
@@ -106,9 +106,11 @@ class SyntheticEngine:
             budget = min(params.max_tokens, self.max_model_len - len(prompt_ids))
             offset = len(prompt_ids) % len(self._passage)
             tags = {0: self._thinking[0], max(budget // 2, 1): self._thinking[1]} if self._thinking else {}
+            stops = params.stop_token_ids
             for i in range(budget):
                 token = tags.get(i) or self._passage[(offset + i) % len(self._passage)]
-                last = i == budget - 1
+                stopped = token in stops
+                last = stopped or i == budget - 1
                 top = ((token, -0.25),) * min(params.top_logprobs, 1) if params.top_logprobs else None
                 self._total_tokens += 1
                 if self._interval:
@@ -116,9 +118,10 @@ class SyntheticEngine:
                 else:
                     # Yield to the loop as a real engine would, so other streams interleave.
                     await anyio.lowlevel.checkpoint()
-                yield EngineStep(
-                    (token,), (-0.25,), (top,) if top else None, "length" if last else None, self.policy_version
-                )
+                reason = ("stop" if stopped else "length") if last else None
+                yield EngineStep((token,), (-0.25,), (top,) if top else None, reason, self.policy_version)
+                if last:
+                    return
         finally:
             self._active -= 1
 
