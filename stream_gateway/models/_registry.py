@@ -9,8 +9,12 @@ from stream_gateway.models._smollm2 import SMOLLM2_BUILDER_VERSION, _convert_smo
 from stream_gateway.models._tiny import TINY_BUILDER_VERSION, _build_tiny
 from stream_gateway.models._tiny_agent import TINY_AGENT_BUILDER_VERSION, build_tiny_agent
 from stream_gateway.models._tiny_moe import TINY_MOE_BUILDER_VERSION, build_tiny_moe
-from stream_gateway.models._tiny_reasoning import TINY_REASONING_BUILDER_VERSION, build_tiny_reasoning
-from stream_gateway.models._tiny_vl import TINY_VL_BUILDER_VERSION, build_tiny_vl
+from stream_gateway.models._tiny_reasoning import (
+    TINY_REASONING_BUILDER_VERSION,
+    build_tiny_reasoning,
+    build_tiny_reasoning_untrained,
+)
+from stream_gateway.models._tiny_vl import TINY_VL_BUILDER_VERSION, build_tiny_vl, build_tiny_vl_untrained
 
 __all__ = [
     "AGENT_VARIANTS",
@@ -21,7 +25,9 @@ __all__ = [
     "build_tiny_model",
     "build_tiny_moe_model",
     "build_tiny_reasoning_model",
+    "build_tiny_reasoning_untrained_model",
     "build_tiny_vl_model",
+    "build_tiny_vl_untrained_model",
     "resolve_model",
     "smollm2_path",
 ]
@@ -49,6 +55,10 @@ REFERENCE_WEIGHTS = {
     "tiny-vl-v4": "2f1e05bedd7fcce4ae8f8077efd4db1b3834cd8f311a09f352fb3a02bad51416",
     "smollm2-135m-instruct-v1": "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd",
 }
+# The untrained starting points of tiny-reasoning and tiny-vl: their tokenizers, templates and
+# architectures on seeded weights, built in seconds, for the scripted engine (engines/scripted.py).
+UNTRAINED_BUILDER_VERSION = 1
+UNTRAINED_MODELS = ("tiny-reasoning-untrained", "tiny-vl-untrained")
 # tiny-agent and its variants: the file-reading tool each calls (_tiny_agent.AGENT_READERS).
 AGENT_VARIANTS = {"tiny-agent": "read", "tiny-agent-claude": "Read", "tiny-agent-codex": "exec_command"}
 # tiny-reasoning and its variants, the same way (one model picking among the three does not learn
@@ -65,7 +75,7 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
 
     ``"tiny"``, ``"tiny-agent"`` (and its variants ``"tiny-agent-claude"``, ``"tiny-agent-codex"``),
     ``"tiny-reasoning"`` (and ``"tiny-reasoning-claude"``, ``"tiny-reasoning-codex"``),
-    ``"tiny-moe"``, ``"tiny-vl"`` and ``"smollm2"`` name the local models (built on first use), an existing
+    ``"tiny-moe"``, ``"tiny-vl"``, the untrained ``"tiny-reasoning-untrained"`` and ``"tiny-vl-untrained"``, and ``"smollm2"`` name the local models (built on first use), an existing
     directory becomes its absolute path, and anything else (a hub id) is returned unchanged.
     """
     if spec == "tiny":
@@ -76,6 +86,10 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
         return str(build_tiny_reasoning_model(cache_dir, spec))
     if spec == "tiny-moe":
         return str(build_tiny_moe_model(cache_dir))
+    if spec == "tiny-reasoning-untrained":
+        return str(build_tiny_reasoning_untrained_model(cache_dir))
+    if spec == "tiny-vl-untrained":
+        return str(build_tiny_vl_untrained_model(cache_dir))
     if spec == "tiny-vl":
         return str(build_tiny_vl_model(cache_dir))
     if spec == DEFAULT_MODEL:
@@ -170,3 +184,19 @@ def smollm2_path(cache_dir: Path | None = None) -> Path:
     name = f"smollm2-135m-instruct-v{SMOLLM2_BUILDER_VERSION}"
     build = lambda target: _convert_smollm2(gguf, target)  # noqa: E731
     return _cached_build(cache_dir, name, SMOLLM2_BUILDER_VERSION, build, REFERENCE_WEIGHTS.get(name), DEFAULT_MODEL)
+
+
+def build_tiny_reasoning_untrained_model(cache_dir: Path | None = None) -> Path:
+    """tiny-reasoning's tokenizer, template and architecture on ``tiny``'s weights, untrained (seconds)."""
+    tiny = build_tiny_model(cache_dir)
+    name = f"tiny-reasoning-untrained-v{UNTRAINED_BUILDER_VERSION}"
+    build = lambda target: build_tiny_reasoning_untrained(tiny, target)  # noqa: E731
+    return _cached_build(cache_dir, name, UNTRAINED_BUILDER_VERSION, build, None, None)
+
+
+def build_tiny_vl_untrained_model(cache_dir: Path | None = None) -> Path:
+    """tiny-vl's tokenizer, template, image processor and architecture around ``tiny``, untrained (seconds)."""
+    tiny = build_tiny_model(cache_dir)
+    name = f"tiny-vl-untrained-v{UNTRAINED_BUILDER_VERSION}"
+    build = lambda target: build_tiny_vl_untrained(tiny, target)  # noqa: E731
+    return _cached_build(cache_dir, name, UNTRAINED_BUILDER_VERSION, build, None, None)

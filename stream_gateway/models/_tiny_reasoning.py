@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "build_tiny_reasoning_untrained",
     "REASONING_AFTER_TOOL",
     "REASONING_AFTER_TOOL_THOUGHT",
     "REASONING_TOOL_THOUGHTS",
@@ -200,6 +201,22 @@ def build_tiny_reasoning(agent: Path, target: Path, reader: str = "read") -> Non
     _fine_tune(model, tokenizer, recipe)
     model.save_pretrained(target)  # weights, config and generation config (ChatML stops, as tiny's)
     tokenizer.save_pretrained(target)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+
+
+def build_tiny_reasoning_untrained(tiny: Path, target: Path) -> None:
+    """tiny-reasoning before any training: ``tiny``'s weights with the think tags' rows, its tokenizer
+    and template. A model that thinks by its template, for the scripted engine (engines/scripted.py)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Qwen2ForCausalLM
+
+    backend = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_OPEN, THINK_CLOSE)])
+    tokenizer = _chat_tokenizer(backend, TINY_REASONING_CHAT_TEMPLATE)
+    model = Qwen2ForCausalLM.from_pretrained(tiny, local_files_only=True, dtype=torch.float32)
+    _add_embedding_rows(model, tokenizer)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
 
 
 def _add_embedding_rows(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

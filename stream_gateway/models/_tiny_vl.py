@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2VLForConditionalGeneration
 
-__all__ = ["TINY_VL_BUILDER_VERSION", "TINY_VL_CHAT_TEMPLATE", "build_tiny_vl"]
+__all__ = ["TINY_VL_BUILDER_VERSION", "TINY_VL_CHAT_TEMPLATE", "build_tiny_vl", "build_tiny_vl_untrained"]
 
 TINY_VL_BUILDER_VERSION = 4
 
@@ -87,6 +87,20 @@ def build_tiny_vl(agent: Path, target: Path) -> None:
     model = _vl_model(text, tokenizer)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS)
     fine_tune_vl(model, tokenizer, image_processor)
+    _save(model, tokenizer, image_processor, target)
+
+
+def build_tiny_vl_untrained(tiny: Path, target: Path) -> None:
+    """tiny-vl before any training: ``tiny`` as the language model, the vision tower seeded, the same
+    tokenizer, template and image processor. A model that sees, for the scripted engine."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = _vl_tokenizer(tiny)
+    text = Qwen2ForCausalLM.from_pretrained(tiny, local_files_only=True, dtype=torch.float32)
+    model = _vl_model(text, tokenizer)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS)
     _save(model, tokenizer, image_processor, target)
 
 
