@@ -1,4 +1,11 @@
-"""Shared fixtures: the tiny model on disk and real uvicorn gateways on free ports."""
+"""Shared fixtures: the tiny models on disk and real uvicorn gateways on free ports.
+
+No fixture here needs a trained model. Where a test needs tiny-agent's answers (a tool call to
+whichever reading tool is offered, "done" after the result, hello otherwise), the ``scripted``
+engine gives them on the untrained ``tiny`` (same tokenizer, template and architecture as
+tiny-agent); thinking and images come the same way from ``tiny-reasoning-untrained`` and
+``tiny-vl-untrained``. Only the models' own tests (marker ``trained``) load trained weights.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +17,15 @@ from openai import AsyncOpenAI, OpenAI
 
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_gateway.models import build_tiny_agent_model, build_tiny_model
+from stream_gateway.models import (
+    build_tiny_model,
+    build_tiny_reasoning_untrained_model,
+    build_tiny_vl_untrained_model,
+)
 
 from .support.capture import capture_gateway, capture_settings
 from .support.nats_fixtures import nats_server
-from .support.servers import RunningGateway, run_gateway
+from .support.servers import RunningGateway, run_gateway, scripted_settings
 
 __all__ = ["capture_gateway", "capture_settings", "nats_server"]  # fixtures defined elsewhere, offered to every test
 
@@ -26,27 +37,28 @@ def tiny_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def agent_model_path() -> Path:
-    """``tiny-agent``: the tiny model fine-tuned (at build time) to call the ``read`` tool."""
-    return build_tiny_agent_model()
+def agent_model_path(tiny_model_path: Path) -> Path:
+    """The model agent tests serve: the untrained ``tiny``; serve it with ``engine="scripted"`` for
+    tiny-agent's answers (any reading tool: ``read``, Claude Code's ``Read``, Codex's ``exec_command``)."""
+    return tiny_model_path
 
 
 @pytest.fixture(scope="session")
-def claude_agent_model_path() -> Path:
-    """``tiny-agent-claude``: the same recipe, calling Claude Code's ``Read``."""
-    return build_tiny_agent_model(variant="tiny-agent-claude")
+def reasoning_model_path() -> Path:
+    """``tiny-reasoning-untrained``: tiny-reasoning's tokenizer and thinking template, untrained."""
+    return build_tiny_reasoning_untrained_model()
 
 
 @pytest.fixture(scope="session")
-def codex_agent_model_path() -> Path:
-    """``tiny-agent-codex``: the same recipe, calling Codex's shell tool ``exec_command``."""
-    return build_tiny_agent_model(variant="tiny-agent-codex")
+def vl_model_path() -> Path:
+    """``tiny-vl-untrained``: tiny-vl's tokenizer, template, image processor and architecture, untrained."""
+    return build_tiny_vl_untrained_model()
 
 
 @pytest.fixture(scope="session")
 def agent_gateway(agent_model_path: Path) -> Iterator[RunningGateway]:
-    """A gateway serving ``tiny-agent``, shared by the session."""
-    settings = Settings(model=str(agent_model_path), served_model_name="tiny-agent")
+    """A gateway answering as ``tiny-agent`` (the scripted engine on ``tiny``), shared by the session."""
+    settings = scripted_settings(agent_model_path)
     with run_gateway(build_engine(settings), settings) as running:
         yield running
 

@@ -101,3 +101,9 @@ def wait_healthy(process: subprocess.Popen[str], port: int, timeout: float = 120
             pass
         assert time.monotonic() < deadline, "the gateway did not become healthy"
         time.sleep(0.2)
+
+
+def scripted_settings(model: Path | str, served_model_name: str = "tiny-agent", **options: Any) -> Settings:
+    """Settings of a gateway on the scripted engine: tiny-agent's repertoire (engines/_script.py's
+    ``DEFAULT_SCRIPT``) on ``model``, unless ``script=`` names a script file."""
+    return Settings(model=str(model), served_model_name=served_model_name, engine="scripted", **options)
