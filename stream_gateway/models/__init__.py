@@ -8,7 +8,9 @@ Nothing here downloads anything. The local models are built on first use and cac
   Qwen2.5's chat format, tools included, so tests exercise the real template and tokenizer
   paths without a hub. Builds in a few seconds. It lives in ``_tiny.py``, the synthetic text
   and the checkpoint layout it shares in ``_corpus.py``.
-* ``tiny-agent``: ``tiny`` fine-tuned on CPU (about 40 s on two idle cores) on a synthetic agent
+* ``tiny-agent`` (and ``tiny-agent-claude``): their trained weights ship with the package
+  (``weights/``, ``SHIPPED_WEIGHTS``), so they are ready in a second and alike on every machine;
+  the recipe below made them and remakes the other variants on first use. ``tiny`` fine-tuned on CPU (about 40 s on two idle cores) on a synthetic agent
   corpus, so that agent tool loops get real tool calls from a real model: given a ``read`` tool
   it calls ``read`` on ``README.md``, after a tool result it says it is done, and without tools
   it says hello, at any temperature up to 1.0 and after system prompts of 20k+ tokens. The
@@ -74,6 +76,7 @@ from stream_gateway.models._registry import (
     DEFAULT_MODEL,
     REASONING_VARIANTS,
     REFERENCE_WEIGHTS,
+    SHIPPED_WEIGHTS,
     build_tiny_agent_model,
     build_tiny_model,
     build_tiny_moe_model,
@@ -117,6 +120,7 @@ __all__ = [
     "REASONING_WITHOUT_TOOLS",
     "REASONING_WITHOUT_TOOLS_THOUGHT",
     "REFERENCE_WEIGHTS",
+    "SHIPPED_WEIGHTS",
     "SmolLM2NotInstalled",
     "VL_COLOURS",
     "agent_tool_call",

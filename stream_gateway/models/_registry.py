@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "REASONING_VARIANTS",
     "REFERENCE_WEIGHTS",
+    "SHIPPED_WEIGHTS",
     "build_tiny_agent_model",
     "build_tiny_model",
     "build_tiny_moe_model",
@@ -106,8 +107,33 @@ def build_tiny_model(cache_dir: Path | None = None) -> Path:
     return _cached_build(cache_dir, name, TINY_BUILDER_VERSION, _build_tiny, REFERENCE_WEIGHTS.get(name), "tiny")
 
 
+# Trained weights that ship with the package (models/weights/NAME.safetensors, ~2 MB each): such a
+# model is ``tiny``'s directory with these weights, assembled in a second instead of trained for
+# minutes, and the same bytes on every machine. Each is what its recipe built on a development
+# machine (tiny-agent and tiny-agent-claude: builder version 4, 2026-12-06); the digests below are
+# of those files. The other trained models build from their recipes on first use.
+SHIPPED_WEIGHTS = {
+    "tiny-agent": "8dd979c791f70174efc7bd3d4e91a9a5caae7a339328aea83278100025cef433",
+    "tiny-agent-claude": "a122d38b8a6f66bb165a3b3dd354acb48cfd161df829e02ca56cd5105ec0718f",
+}
+_SHIPPED_DIR = Path(__file__).resolve().parent / "weights"
+
+
+def _from_shipped(tiny: Path, variant: str, target: Path) -> None:
+    """``tiny``'s tokenizer, template and config with ``variant``'s shipped weights."""
+    import shutil
+
+    from stream_gateway.models._cache import MARKER_FILE
+
+    for path in tiny.iterdir():
+        if path.is_file() and path.name not in (MARKER_FILE, "model.safetensors"):
+            shutil.copy2(path, target / path.name)
+    shutil.copyfile(_SHIPPED_DIR / f"{variant}.safetensors", target / "model.safetensors")
+
+
 def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-agent") -> Path:
-    """The directory of ``tiny`` fine-tuned to run agent tool loops, built on first use (~40 s).
+    """The directory of ``tiny`` fine-tuned to run agent tool loops: from the weights the package
+    ships (:data:`SHIPPED_WEIGHTS`, a second), else built by its recipe on first use (minutes).
 
     Same tokenizer and template as ``tiny``. Its whole repertoire, sampled at any temperature up
     to 1.0: with a ``read`` tool and a user turn last it calls ``read`` on ``README.md``
@@ -117,6 +143,16 @@ def build_tiny_agent_model(cache_dir: Path | None = None, variant: str = "tiny-a
     """
     tiny = build_tiny_model(cache_dir)
     reader = AGENT_VARIANTS[variant]
+    if variant in SHIPPED_WEIGHTS and (_SHIPPED_DIR / f"{variant}.safetensors").is_file():
+        name = f"{variant}-v{TINY_AGENT_BUILDER_VERSION}-shipped"
+        return _cached_build(
+            cache_dir,
+            name,
+            TINY_AGENT_BUILDER_VERSION,
+            lambda target: _from_shipped(tiny, variant, target),
+            SHIPPED_WEIGHTS[variant],
+            None,
+        )
     name = f"{variant}-v{TINY_AGENT_BUILDER_VERSION}"
     return _cached_build(
         cache_dir,
