@@ -1,4 +1,8 @@
-"""Fixtures of the consumers' image tests: tiny-vl on disk, its processor and its tokenizer."""
+"""Fixtures of the consumers' image tests: tiny-vl-untrained on disk, its processor and its tokenizer.
+
+A consumer test builds batches and checks their layout, never what a model says: the untrained
+variant has tiny-vl's tokenizer, template, image processor and architecture, and builds in seconds.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,14 @@ from typing import Any
 import pytest
 
 from pipeline.vision import VisionProcessor
-from stream_gateway.models import resolve_model
 
 from ..support.images import vl_processor
 
 
 @pytest.fixture(scope="module")
-def vl_path() -> Path:
-    return Path(resolve_model("tiny-vl"))
+def vl_path(vl_model_path: Path) -> Path:
+    """``tiny-vl-untrained`` (the session's ``vl_model_path``)."""
+    return vl_model_path
 
 
 @pytest.fixture(scope="module")

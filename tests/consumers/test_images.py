@@ -1,5 +1,6 @@
 """Images from events to batches: the trajectory's image fields, the parquet column, the batcher's
-cuts, and the image check against a real nats-server with tiny-vl's own processor.
+cuts, and the image check against a real nats-server with the vision model's own processor
+(``tiny-vl-untrained``: tiny-vl's processor and tokenizer, untrained; nothing here asks what it says).
 
 Events are built here (their token ids synthetic, with tiny-vl's placeholder id); the image check
 (:class:`consumers.images.ImageStore`) reads objects stored under the gateway's names, and the
@@ -37,7 +38,7 @@ from ..support.images import png, process, store_images, vl_trajectory
 from ..support.trajectories import make_trajectory
 from .test_batcher import batcher_config, jetstream, publish, read_manifests, read_object, unique_names, wait_until
 
-PAD = 2002  # tiny-vl's <|image_pad|>
+PAD = 2002  # <|image_pad|> of tiny-vl and tiny-vl-untrained
 START, END = 2000, 2001
 RED, BLUE, GREEN = png((230, 20, 20)), png((20, 20, 230), (64, 120)), png((20, 200, 20), (56, 56))
 

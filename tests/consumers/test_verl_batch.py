@@ -1,9 +1,10 @@
 """verl batches from real gateway traffic, checked with verl 0.9.1's own code.
 
-The traffic is real: ``tiny-agent`` behind a real gateway, driven by the official openai client in
-streamed multi-turn sessions (a tool loop that really calls ``read`` and continues after the tool
-result; a chat continued by a second user message), sampled at temperatures 1.0 and 0.7 with
-different seeds. Each session's chain (``GET /sessions/{id}``) becomes a trajectory
+The traffic is real: two real gateways driven by the official openai client in streamed multi-turn
+sessions, sampled at temperatures 1.0 and 0.7 with different seeds. One serves ``tiny-agent``'s
+answers on the scripted engine (the untrained ``tiny`` told what to say, its logprobs a real forward
+pass): a tool loop that calls ``read`` and continues after the tool result, and a chat continued by a
+second user message. The other samples freely from the untrained ``tiny`` on the transformers engine. Each session's chain (``GET /sessions/{id}``) becomes a trajectory
 (:mod:`tests.support.trajectories`), and the test assigns the rewards.
 
 What is checked against verl itself: ``DataProto`` construction and its consistency checks, its
@@ -40,6 +41,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from consumers.trajectory import TRAJECTORY_SCHEMA_VERSION, ExpertRoutes, Trajectory, TurnSummary
 from consumers.verl_batch import PaddedBatch, group_uid, padded_batch, to_data_proto, to_jagged_tensordict
+from stream_gateway.models import AGENT_AFTER_TOOL, AGENT_TOOL_CALL, AGENT_WITHOUT_TOOLS
 
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.servers import RunningGateway
@@ -154,11 +156,12 @@ def traffic(
 ) -> Traffic:
     """Eight real sessions in three groups.
 
-    ``tiny-agent``: three tool loops (call ``read``, get the result, answer) at T=1.0, and two
-    two-turn chats at T=0.7. It is sharpened to be near-certain, so its logprobs are all close to
-    0; ``tiny`` (untrained, high entropy) adds three three-turn chats, at T=1.0 and 0.7, whose
-    logprobs are far from 0 and whose truncated replies do not survive re-tokenization, so only
-    the reused sampled ids can reproduce them.
+    ``tiny-agent`` (the scripted engine on the untrained ``tiny``): three tool loops (call ``read``,
+    get the result, answer) at T=1.0, and two two-turn chats at T=0.7; the script fixes the ids, the
+    model's distribution at each step (untrained, so far from certain) gives their logprobs.
+    ``tiny`` (transformers, untrained, high entropy) adds three three-turn chats, at T=1.0 and 0.7,
+    whose truncated replies do not survive re-tokenization, so only the reused sampled ids can
+    reproduce them.
     """
     workdir = tmp_path_factory.mktemp("verl_workdir")
     (workdir / "README.md").write_text("The secret word is lighthouse.\n")
@@ -184,6 +187,20 @@ def test_traffic_is_multi_turn_with_tool_results(traffic: Traffic) -> None:
         # a sampled span, then inserted ids (mask 0), then sampled again
         assert response_mask[0] == 1 and response_mask[-1] == 1 and 0 in response_mask
     assert len({t.prompt_length for t in traffic.trajectories}) >= 2, "rows must differ in prompt length"
+
+
+def test_tiny_agent_rows_hold_the_scripted_answers(traffic: Traffic, agent_model_path: Path) -> None:
+    """The scripted rows sampled exactly tiny-agent's answers: a call to ``read``, then done; hello twice."""
+    tokenizer = AutoTokenizer.from_pretrained(agent_model_path)
+    expected = {
+        "readme": [("tool_calls", AGENT_TOOL_CALL), ("stop", AGENT_AFTER_TOOL)],
+        "hello": [("stop", AGENT_WITHOUT_TOOLS)] * 2,
+    }
+    rows = [t for t in traffic.trajectories if t.model == "tiny-agent"]
+    assert [t.metadata["group"] for t in rows] == ["readme"] * 3 + ["hello"] * 2
+    for t in rows:
+        said = [(s.finish_reason, tokenizer.decode(t.token_ids[s.start : s.start + s.length])) for s in t.turns]
+        assert said == [(reason, text + "<|im_end|>") for reason, text in expected[t.metadata["group"]]], said
 
 
 def test_padded_batch_is_accepted_by_data_proto(traffic: Traffic) -> None:
@@ -474,10 +491,10 @@ def test_fidelity_forward_pass_reproduces_rollout_log_probs(traffic: Traffic) ->
         checked = mask & rows[:, None]
         assert checked.sum() > 50, name
         torch.testing.assert_close(log_prob[checked], rollout[checked], atol=ATOL, rtol=0)
-        if name == "tiny":
-            # Far from certain: the comparison weighs real probabilities, and the temperature
-            # matters (the T=0.7 row does not match raw logits).
-            assert rollout[checked].mean() < -1.0
+        # Both models are untrained, so far from certain: the comparison weighs real probabilities,
+        # and the temperature matters (the T=0.7 rows do not match raw logits).
+        assert rollout[checked].mean() < -1.0
+        if True:
             raw = torch.log_softmax(logits, dim=-1).gather(2, tensors["responses"].unsqueeze(2)).squeeze(2)
             cooled = checked & (temperature != 1.0)[:, None]
             assert (raw[cooled] - rollout[cooled]).abs().max() > 0.1

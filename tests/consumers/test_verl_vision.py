@@ -1,12 +1,15 @@
 """Vision-language verl batches, checked with transformers' and verl 0.9.1's own code.
 
 * The multimodal rotary positions (:func:`consumers.verl_vision.mrope_position_ids`) equal the
-  positions tiny-vl's own ``get_rope_index`` gives, on random grids and paddings.
+  positions the vision model's own ``get_rope_index`` gives, on random grids and paddings.
 * Rows with and without images, laid out by :func:`~consumers.verl_batch.padded_batch`, equal what
   verl's agent loop builds from the same rows and the same images
   (``AgentLoopWorker._agent_loop_postprocess`` and ``_postprocess``, with the processor verl makes);
   the jagged layout equals its v1 per-sample layout and its conversion of the padded batch; verl's
   trainer concatenates the rows' ``multi_modal_inputs`` into the model's inputs.
+
+The model is ``tiny-vl-untrained`` (tiny-vl's tokenizer, template, image processor and architecture,
+untrained): layouts and rotary positions do not depend on what the weights learned.
 """
 
 from __future__ import annotations

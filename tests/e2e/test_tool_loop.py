@@ -1,9 +1,10 @@
 """A real multi-turn tool loop through the gateway with the official openai client.
 
-The model is ``tiny-agent``: the tiny test model fine-tuned at build time on a synthetic agent
-corpus, so it really does call the ``read`` tool after a user message and answers after a tool
-result (no forced decoding). The client executes the tool and sends the result back, echoing the
-assistant message either exactly or re-serialised the way real agents do.
+The gateway serves the untrained tiny model as ``tiny-agent`` on the scripted engine: it calls the
+``read`` tool after a user message and answers "Done: I read the file." after a tool result, each
+token with its real logprob from the model's forward pass. The client executes the tool and sends
+the result back, echoing the assistant message either exactly or re-serialised the way real agents
+do; a forward pass of the same untrained model over the chain reproduces every recorded logprob.
 """
 
 from __future__ import annotations

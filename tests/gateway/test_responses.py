@@ -1,9 +1,10 @@
 """OpenAI's Responses API with the official ``openai`` SDK against a real gateway.
 
-Plain responses on the tiny model (stream and not), and a real function-call loop on
-``tiny-agent``, both stateless (the client sends the whole conversation as items, like Codex
+Plain responses on the tiny model (stream and not), and a real function-call loop on the
+scripted engine serving ``tiny-agent``'s answers on the untrained ``tiny`` (``agent_gateway``), both
+stateless (the client sends the whole conversation as items, like Codex
 with ``store: false``) and continued by ``previous_response_id``: one token-exact chain whose
-logprobs a forward pass reproduces.
+logprobs a forward pass of the same untrained weights reproduces.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def test_bad_responses_requests_are_refused_clearly(gateway: RunningGateway) -> 
 
 
 def _respond(client: OpenAI, stream: bool, **kwargs: Any) -> Any:
-    # Greedy: what is tested is the protocol; tiny-agent's sampled choices are tested elsewhere.
+    # The script decides the answer; greedy only pins what the model would sample after it.
     kwargs["temperature"] = 0
     if not stream:
         return client.responses.create(model="tiny-agent", tools=[READ], max_output_tokens=64, **kwargs)  # type: ignore[list-item]
@@ -133,18 +134,22 @@ def test_a_function_call_loop_is_one_token_exact_chain(
 
 def test_allowed_tools_in_the_responses_form_narrow_the_calls(agent_gateway: RunningGateway) -> None:
     """``tool_choice: {type: allowed_tools, mode, tools: [{type: function, name}]}``, the Responses
-    API's flat form (openai 3.57's ``ToolChoiceAllowed``): tiny-agent, which calls ``read`` given the
-    choice, calls the one tool allowed; a name that is not among the tools is a 400 naming the field."""
+    API's flat form (openai 3.57's ``ToolChoiceAllowed``): the script calls ``read`` given the choice;
+    allowed only ``write``, the grammar refuses ``read`` and every call names ``write`` with its
+    declared arguments (how many calls the untrained model goes on to write after the first is its
+    own, ``required`` allows one or more); a name that is not among the tools is a 400 naming the field."""
     write = {"type": "function", "name": "write", "description": "Write a file.",
              "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}  # fmt: skip
     allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "write"}]}
     with _client(agent_gateway) as client:
         free = client.responses.create(model="tiny-agent", input="What does the README say?", tools=[READ, write])
         assert [item.name for item in free.output if item.type == "function_call"] == ["read"]
+        # Greedy: what the untrained model writes after the refused token is then the same every run.
         asked = client.responses.create(model="tiny-agent", input="What does the README say?", tools=[READ, write],
-                                        tool_choice=allowed)  # type: ignore[arg-type]  # fmt: skip
+                                        tool_choice=allowed, temperature=0)  # type: ignore[arg-type]  # fmt: skip
         calls = [item for item in asked.output if item.type == "function_call"]
-        assert [c.name for c in calls] == ["write"] and set(json.loads(calls[0].arguments)) == {"path"}
+        assert calls and {c.name for c in calls} == {"write"}
+        assert all(set(json.loads(c.arguments)) == {"path"} for c in calls)
         unknown = {**allowed, "tools": [{"type": "function", "name": "delete"}]}
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model="tiny-agent", input="x", tools=[READ, write], tool_choice=unknown)  # type: ignore[arg-type]

@@ -1,6 +1,9 @@
-"""Images for the consumers' tests: drawn in code, processed by tiny-vl's own processor, stored as the gateway does.
+"""Images for the consumers' tests: drawn in code, processed by the vision model's own processor, stored as the
+gateway does.
 
-:func:`vl_trajectory` builds a trajectory of a vision-language chat from real token ids (tiny-vl's
+The model is ``tiny-vl-untrained`` (tiny-vl's tokenizer, template, image processor and architecture,
+untrained): these helpers lay out ids and images, and no test of them depends on what a model learned.
+:func:`vl_trajectory` builds a trajectory of a vision-language chat from real token ids (the model's
 tokenizer and template markers) and real processed images, with each image's placeholder run
 expanded as the gateway expands it; :func:`store_images` puts the bytes and the processor record
 into an object store bucket under the gateway's names (``images/<sha256>``,
@@ -41,7 +44,7 @@ def image_part(data: bytes) -> dict[str, Any]:
 
 
 def vl_processor(model_dir: Path) -> VisionProcessor:
-    """tiny-vl's image processor, as the gateway loads it."""
+    """The image processor of the Qwen2-VL model in ``model_dir``, as the gateway loads it."""
     config = orjson.loads((model_dir / "config.json").read_bytes())
     return VisionProcessor.from_model(str(model_dir), int(config["image_token_id"]))
 
@@ -132,7 +135,7 @@ def vl_trajectory(
         trajectory_id=trajectory_id(session, turn_ids),
         session_id=session,
         tenant="test",
-        model="tiny-vl",
+        model="tiny-vl-untrained",
         metadata={"group": group},
         token_ids=ids,
         loss_mask=mask,
@@ -155,7 +158,7 @@ def vl_trajectory(
 
 
 def verl_processor(model_dir: Path) -> Any:
-    """tiny-vl's Qwen2-VL processor with the model's rotary index bound to it, as verl's ``hf_processor``
+    """The Qwen2-VL processor of ``model_dir`` with the model's rotary index bound to it, as verl's ``hf_processor``
     makes one (``verl/utils/tokenizer/tokenizer.py`` 205-241: ``processor.config``, then
     ``Qwen2VLModel.get_rope_index`` and ``get_vision_position_ids`` bound to the processor).
 
