@@ -48,7 +48,6 @@ __all__ = ["check_workers", "listening_socket", "run_workers", "shared_signing_k
 log = logging.getLogger(__name__)
 
 
-
 def check_workers(settings: Settings) -> None:
     """Refuse ``--workers N > 1`` where it cannot work, with what to do instead."""
     if settings.workers <= 1:

@@ -78,13 +78,13 @@ class When(_Strict):
     """A rule's conditions; all that are given must hold (none given: always)."""
 
     last: Literal["system", "user", "tool", "assistant"] | None = Field(
-        None, description="the role of the last message; 'tool': a turn of tool results"
+        default=None, description="the role of the last message; 'tool': a turn of tool results"
     )
-    tool: str | None = Field(None, description="a tool of this name is offered")
-    tools: bool | None = Field(None, description="any tool is offered (true) or none (false)")
-    image: bool | None = Field(None, description="the last message holds an image")
-    contains: str | None = Field(None, description="the last message's text holds this")
-    matches: str | None = Field(None, description="a regular expression found in the whole decoded prompt")
+    tool: str | None = Field(default=None, description="a tool of this name is offered")
+    tools: bool | None = Field(default=None, description="any tool is offered (true) or none (false)")
+    image: bool | None = Field(default=None, description="the last message holds an image")
+    contains: str | None = Field(default=None, description="the last message's text holds this")
+    matches: str | None = Field(default=None, description="a regular expression found in the whole decoded prompt")
 
     @field_validator("matches")
     @classmethod
@@ -108,9 +108,9 @@ class When(_Strict):
 class Rule(_Strict):
     """When it applies, and what the model then says: a thought, text, tool calls."""
 
-    when: When = Field(default_factory=When)
-    think: str | None = Field(None, description="a thought, on a model that thinks")
-    say: str = Field("", description="the answer's text; {model} and {colour} are filled in")
+    when: When = Field(default_factory=lambda: When())
+    think: str | None = Field(default=None, description="a thought, on a model that thinks")
+    say: str = Field(default="", description="the answer's text; {model} and {colour} are filled in")
     call: list[ToolCall] = Field(default_factory=list, description="tool calls after the text")
 
 
@@ -168,7 +168,9 @@ class PromptView:
     thinking: Literal["open", "closed", "none"]  # what the generation prompt leaves of thinking
 
     @classmethod
-    def read(cls, text: str, *, image_token: str | None = None, think_tags: tuple[str, str] | None = None) -> PromptView:
+    def read(
+        cls, text: str, *, image_token: str | None = None, think_tags: tuple[str, str] | None = None
+    ) -> PromptView:
         """Read ``text`` (a prompt decoded with its special tokens) as ChatML with Hermes tools."""
         tools: set[str] = set()
         found = _TOOLS.search(text)

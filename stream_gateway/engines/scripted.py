@@ -88,10 +88,7 @@ class ScriptedEngine(TransformersEngine):
         tokenizer = self.tokenizer
         fmt = resolve_reasoning_format("auto", tokenizer)
         if fmt is not None:
-            self._think_tags = (
-                tokenizer.convert_ids_to_tokens(fmt.start_id),
-                tokenizer.convert_ids_to_tokens(fmt.end_id),
-            )
+            self._think_tags = (str(tokenizer.decode([fmt.start_id])), str(tokenizer.decode([fmt.end_id])))
             self._prompt_opens_thought = fmt.name == "deepseek_r1"
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self._end_of_turn = [end] if isinstance(end, int) and end != tokenizer.unk_token_id else []
@@ -101,7 +98,7 @@ class ScriptedEngine(TransformersEngine):
 
     def answer(self, prompt_ids: Sequence[int], images: Sequence[ProcessedImage] = ()) -> list[int]:
         """The ids the script answers ``prompt_ids`` with, end-of-turn token included."""
-        text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+        text = str(self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
         image_token = _IMAGE_PAD if self.vision is not None else None
         view = PromptView.read(text, image_token=image_token, think_tags=self._think_tags)
         rule = self.script.reply(view)

@@ -26,6 +26,7 @@ from stream_gateway.engines._base import (
     EngineStatistics,
     EngineStep,
     ExpertShape,
+    FinishReason,
     SamplingParams,
     UpstreamControl,
     WeightUpdateReport,
@@ -118,7 +119,7 @@ class SyntheticEngine:
                 else:
                     # Yield to the loop as a real engine would, so other streams interleave.
                     await anyio.lowlevel.checkpoint()
-                reason = ("stop" if stopped else "length") if last else None
+                reason: FinishReason | None = ("stop" if stopped else "length") if last else None
                 yield EngineStep((token,), (-0.25,), (top,) if top else None, reason, self.policy_version)
                 if last:
                     return

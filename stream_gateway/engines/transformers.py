@@ -465,27 +465,7 @@ class TransformersEngine:
         # Sampling is per-row Python work on [rows, vocab]; doing it on the CPU keeps the
         # per-request generators (CPU) and the result lists cheap on any device.
         logits = logits.float().cpu()
-        faults: dict[int, str] = {}  # row -> why it fails alone
-        forced: list[int | None] = [None] * len(rows)  # a scripted row's next token (engines/scripted.py)
-        for i, row in enumerate(rows):
-            script = row.script
-            if script is not None and row.generated < len(script):
-                forced[i] = script[row.generated]
-            if row.mask is not None:  # constrained: what the grammar does not allow cannot be drawn
-                try:
-                    allowed = row.mask.allowed()
-                except Exception as exc:  # llguidance's own refusal
-                    faults[i] = f"its grammar failed: {exc}"
-                    continue
-                if not allowed.any():
-                    faults[i] = "its grammar allows no token here"
-                    continue
-                logits[i, torch.from_numpy(~allowed)] = float("-inf")
-                token = forced[i]
-                if token is not None and not (0 <= token < allowed.shape[0] and allowed[token]):
-                    # The grammar refuses the script, as it would a model's choice: the model samples on.
-                    log.info("request %s: its grammar refuses the script at output token %d", row.request_id, row.generated)
-                    forced[i], row.script = None, None
+        faults, forced = _constrain(rows, logits)
         # One reduction per step: a row's peak is NaN if any score is, -inf if every score is.
         unusable = ~torch.isfinite(logits.amax(dim=1))
         if bool(unusable.any()):
@@ -618,6 +598,33 @@ class TransformersEngine:
             except Exception as exc:  # KeyError: unloaded already
                 outcome = exc
         unload.loop.call_soon_threadsafe(_resolve, unload.done, outcome)
+
+
+def _constrain(rows: list[Row], logits: torch.Tensor) -> tuple[dict[int, str], list[int | None]]:
+    """Mask what each constrained row's grammar forbids (in place); say which rows fail alone and
+    which scripted rows' next tokens stand (the grammar refuses a script as it would a draw)."""
+    faults: dict[int, str] = {}  # row -> why it fails alone
+    forced: list[int | None] = [None] * len(rows)  # a scripted row's next token (engines/scripted.py)
+    for i, row in enumerate(rows):
+        script = row.script
+        if script is not None and row.generated < len(script):
+            forced[i] = script[row.generated]
+        if row.mask is not None:  # constrained: what the grammar does not allow cannot be drawn
+            try:
+                allowed = row.mask.allowed()
+            except Exception as exc:  # llguidance's own refusal
+                faults[i] = f"its grammar failed: {exc}"
+                continue
+            if not allowed.any():
+                faults[i] = "its grammar allows no token here"
+                continue
+            logits[i, torch.from_numpy(~allowed)] = float("-inf")
+            token = forced[i]
+            if token is not None and not (0 <= token < allowed.shape[0] and allowed[token]):
+                # The grammar refuses the script, as it would a model's choice: the model samples on.
+                log.info("request %s: its grammar refuses the script at output token %d", row.request_id, row.generated)
+                forced[i], row.script = None, None
+    return faults, forced
 
 
 def _deliver(deliveries: list[tuple[Row, EngineStep]]) -> None:

@@ -10,7 +10,8 @@ Nothing here downloads anything. The local models are built on first use and cac
   and the checkpoint layout it shares in ``_corpus.py``.
 * ``tiny-agent`` (and ``tiny-agent-claude``): their trained weights ship with the package
   (``weights/``, ``SHIPPED_WEIGHTS``), so they are ready in a second and alike on every machine;
-  the recipe below made them and remakes the other variants on first use. ``tiny`` fine-tuned on CPU (about 40 s on two idle cores) on a synthetic agent
+  the recipe below made them and remakes the other variants on first use.
+  ``tiny`` fine-tuned on CPU (about 40 s on two idle cores) on a synthetic agent
   corpus, so that agent tool loops get real tool calls from a real model: given a ``read`` tool
   it calls ``read`` on ``README.md``, after a tool result it says it is done, and without tools
   it says hello, at any temperature up to 1.0 and after system prompts of 20k+ tokens. The

@@ -76,7 +76,8 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> str:
 
     ``"tiny"``, ``"tiny-agent"`` (and its variants ``"tiny-agent-claude"``, ``"tiny-agent-codex"``),
     ``"tiny-reasoning"`` (and ``"tiny-reasoning-claude"``, ``"tiny-reasoning-codex"``),
-    ``"tiny-moe"``, ``"tiny-vl"``, the untrained ``"tiny-reasoning-untrained"`` and ``"tiny-vl-untrained"``, and ``"smollm2"`` name the local models (built on first use), an existing
+    ``"tiny-moe"``, ``"tiny-vl"``, the untrained ``"tiny-reasoning-untrained"`` and
+    ``"tiny-vl-untrained"``, and ``"smollm2"`` name the local models (built on first use), an existing
     directory becomes its absolute path, and anything else (a hub id) is returned unchanged.
     """
     if spec == "tiny":

@@ -9,7 +9,6 @@ body, frames -> steps); the LoRA adapter fleet (:mod:`._adapters`), route checks
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stream_gateway._errors import UpstreamFailed
@@ -19,6 +18,8 @@ from stream_gateway.engines.remote._engine import DIALECTS, PROTOCOLS, RemoteEng
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from stream_gateway._settings import Settings
 
 __all__ = [
