@@ -447,17 +447,20 @@ def group_uid(trajectory: Trajectory, key: str) -> str:
     """The GRPO group a trajectory belongs to, by ``key`` (the one definition: the batcher's and
     every caller's; no torch needed).
 
-    ``"metadata:<name>"``: the session's ``metadata[name]``, or, for a session without it, the
-    prompt's group; ``"prompt"``: the sha256 of the first prompt's token ids
-    (``token_ids[:prompt_length]``), so trajectories that started from the same tokens share a
-    group. Any other key is a :class:`ValueError`.
+    A group never spans tenants: a label is its tenant's name, as a session id is. ``"metadata:<name>"``:
+    ``<tenant>/<label>`` for the session's ``metadata[name]`` (``tenant``: the events' digest, never a
+    key), or, for a session without it, the prompt's group; ``"prompt"``: the sha256 of the tenant and
+    the first prompt's token ids (``token_ids[:prompt_length]``), so a tenant's trajectories that
+    started from the same tokens share a group and two tenants' never do (one tenant's rewards never
+    move another's advantages; erasing one tenant's data never changes another's rows). Any other key
+    is a :class:`ValueError`.
     """
     if key.startswith("metadata:") and len(key) > len("metadata:"):
         value = trajectory.metadata.get(key.removeprefix("metadata:"))
         if value is not None:
-            return value
+            return f"{trajectory.tenant}/{value}"
         key = "prompt"
     if key == "prompt":
         prompt = trajectory.token_ids[: trajectory.prompt_length]
-        return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()
+        return hashlib.sha256(f"{trajectory.tenant}\n{','.join(map(str, prompt))}".encode()).hexdigest()
     raise ValueError(f"unknown group key {key!r}: expected 'prompt' or 'metadata:<name>'")

@@ -22,7 +22,7 @@ from pipeline.connection import NatsAuth
 
 from stream_gateway._errors import Conflict, NotFound, SharedUnavailable
 from stream_gateway.sessions._shared import SharedSessions, expected_seqs
-from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn, scope_of
+from stream_gateway.sessions._store import SEQ_BLOCK, Session, SessionStore, Turn, scope_of, session_not_found
 
 __all__ = ["SessionDirectory", "SharingConfig"]
 
@@ -100,7 +100,7 @@ class SessionDirectory:
         """The tenant's session, as current as the shared state allows (404 if there is none)."""
         session = await self.lookup(session_id, tenant)
         if session is None:
-            raise NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
+            raise session_not_found(session_id)
         return session
 
     async def lookup(self, session_id: str, tenant: str, captured: bool | None = None) -> Session | None:
@@ -192,7 +192,7 @@ class SessionDirectory:
             if hit is None:
                 return None
             _, session_id, turn_id = hit
-            session = self.store.cached(session_id)
+            session = self.store.cached(session_id, tenant)
             if session is not None and turn_id not in session.turns:
                 await shared.refresh(session)
             elif session is None:

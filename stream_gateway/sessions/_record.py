@@ -29,7 +29,9 @@ from stream_gateway.sessions._store import SEQ_BLOCK, Session
 
 __all__ = ["RECORD_VERSION", "SeqBlock", "SessionRecord", "TurnEntry", "merge_record"]
 
-RECORD_VERSION = 1  # the record's ``v``
+# The record's ``v``. 2: stored under its tenant's key (``s.<tenant>.<session>``, sessions/_shared.py);
+# 1: under its id alone, read and migrated by its tenant.
+RECORD_VERSION = 2
 
 SeqBlock = tuple[int, int]  # [first, end) durable event numbers one replica reserved
 

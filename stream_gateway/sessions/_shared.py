@@ -3,7 +3,10 @@
 A replica's :class:`SessionStore` is a cache over state that lives in JetStream. What lives where
 (bucket ``--sessions-bucket``, default ``sg_sessions``, and the events stream):
 
-* ``s.<session>``: the session record (JSON): its tenant (the digest events carry), when it was
+* ``s.<tenant>.<session>``: the session record (JSON), under its tenant's digest (a session id is a
+  name within its tenant: two tenants' ``run-1`` are two records; records of the layout before
+  that, ``s.<session>`` at record version 1, are migrated when their tenant first reads them):
+  its tenant (the digest events carry), when it was
   created and last active, whether it was closed (and why), ``next_seq`` (the first durable event
   number no replica has reserved), its feedback, and per turn: its parent, how many request
   messages formed its context, its conversation key, the ``seq`` of its events and whether it
@@ -11,7 +14,7 @@ A replica's :class:`SessionStore` is a cache over state that lives in JetStream.
   to one session at once both land, as siblings of a tree.
 * ``k.<tenant>.<key>``: the turn key index of automatic detection: the key of a conversation that
   ends with an assistant message -> the session and turn that produced it.
-* ``c.<session>``: written when a session is closed; every replica watches ``c.>`` and stops
+* ``c.<tenant>.<session>``: written when a session is closed; every replica watches ``c.>`` and stops
   finding the session automatically.
 * The exact ids (the prompt after the reused prefix, the sampled ids, their logprobs, the tool
   calls) are the turn's ``turn.completed``/``turn.aborted`` event on the events stream, read back
@@ -53,7 +56,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -63,9 +66,9 @@ from pipeline.errors import NatsRefused
 from pipeline.events import subject_token, tenant_id
 
 from stream_gateway._errors import SharedUnavailable
-from stream_gateway.sessions._record import SeqBlock, SessionRecord, TurnEntry, merge_record
+from stream_gateway.sessions._record import RECORD_VERSION, SeqBlock, SessionRecord, TurnEntry, merge_record
 from stream_gateway.sessions._replay import ReplayCursor, TurnReplay
-from stream_gateway.sessions._store import Session, SessionStore, Turn, foreign_session
+from stream_gateway.sessions._store import Session, SessionKey, SessionStore, Turn
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -73,7 +76,7 @@ if TYPE_CHECKING:
     from nats.js.kv import KeyValue
     from pipeline.tombstones import Tombstones
 
-__all__ = ["SharedSessions", "SharedUnavailable", "expected_seqs"]
+__all__ = ["SharedSessions", "SharedUnavailable", "expected_seqs", "record_key"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -151,27 +154,50 @@ class SessionsBucket:
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
 
-    async def get_record(self, session_id: str) -> tuple[bytes | None, int | None]:
-        """The stored record's JSON and revision; ``(None, None)``: there is none."""
-        from nats.js.errors import KeyNotFoundError
+    async def get_record(self, owner: str, session_id: str) -> tuple[bytes | None, int | None]:
+        """The stored record of the tenant ``owner``'s (its digest) session and its revision;
+        ``(None, None)``: there is none.
 
+        A record of the layout before tenants named sessions (``s.<session>``, record version 1)
+        that the same tenant owns is migrated on first read: copied to its tenant's key, version 2,
+        and read from there on; one another tenant owns is not this tenant's (``(None, None)``).
+        """
+        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+        key = record_key(owner, session_id)
         try:
-            entry = await self.kv.get(_record_key(session_id))
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            entry = None
+        if entry is not None and entry.value:
+            return entry.value, entry.revision
+        try:
+            legacy = await self.kv.get(f"s.{subject_token(session_id)}")
         except KeyNotFoundError:
             return None, None
-        if not entry.value:
+        if not legacy.value:
             return None, None
-        return entry.value, entry.revision
+        record = SessionRecord.from_json(orjson.loads(legacy.value))
+        if record.tenant != owner:
+            return None, None
+        value = orjson.dumps(replace(record, version=RECORD_VERSION).to_json())
+        try:
+            revision = await self.kv.create(key, value)
+        except KeyWrongLastSequenceError:  # another replica migrated it first: theirs
+            entry = await self.kv.get(key)
+            return entry.value, entry.revision
+        log.info("session %s: record migrated to its tenant's key %s", session_id, key)
+        return value, revision
 
-    async def read_record(self, session_id: str) -> tuple[SessionRecord | None, int | None]:
+    async def read_record(self, owner: str, session_id: str) -> tuple[SessionRecord | None, int | None]:
         """The stored record and its revision; ``(None, None)``: there is none."""
-        value, revision = await self.get_record(session_id)
+        value, revision = await self.get_record(owner, session_id)
         return (SessionRecord.from_json(orjson.loads(value)), revision) if value is not None else (None, None)
 
     async def put_record(self, record: SessionRecord, revision: int | None) -> int:
         """Compare-and-set ``record`` over ``revision`` (``None``: create it); its new revision."""
         value = orjson.dumps(record.to_json())
-        key = _record_key(record.session_id)
+        key = record_key(record.tenant, record.session_id)
         if revision is None:
             return await self.kv.create(key, value)
         return await self.kv.update(key, value, last=revision)
@@ -202,20 +228,23 @@ class SessionsBucket:
             if entry.key and turn_id in session.turns and not record.closed:
                 await self.index_turn(tenant_id(session.tenant), entry.key, session.session_id, turn_id)
         if close is not None:
-            await self.announce_close(session.session_id, close, by)
+            await self.announce_close(tenant_id(session.tenant), session.session_id, close, by)
 
-    async def announce_close(self, session_id: str, reason: str, by: str) -> None:
-        """Tell every replica (watching :meth:`watch_closes`) that ``session_id`` is closed."""
-        marker = {"session_id": session_id, "reason": reason, "by": by}
-        await self.kv.put(f"c.{subject_token(session_id)}", orjson.dumps(marker))
+    async def announce_close(self, owner: str, session_id: str, reason: str, by: str) -> None:
+        """Tell every replica (watching :meth:`watch_closes`) that the tenant ``owner``'s (its digest)
+        session ``session_id`` is closed."""
+        marker = {"session_id": session_id, "tenant": owner, "reason": reason, "by": by}
+        await self.kv.put(f"c.{subject_token(owner)}.{subject_token(session_id)}", orjson.dumps(marker))
 
     async def watch_closes(self) -> KeyValue.KeyWatcher:
         """A watch of the close markers written from now on."""
         return await self.kv.watch("c.>", include_history=False, ignore_deletes=True)
 
 
-def _record_key(session_id: str) -> str:
-    return f"s.{subject_token(session_id)}"
+def record_key(owner: str, session_id: str) -> str:
+    """The bucket key of the tenant ``owner``'s (its digest) session record: a session id is a name
+    within its tenant, so two tenants' ``run-1`` are two records."""
+    return f"s.{subject_token(owner)}.{subject_token(session_id)}"
 
 
 def expected_seqs(session: Session) -> list[tuple[int, int]]:
@@ -270,9 +299,9 @@ class SharedSessions:
         self._disconnected_at: float | None = None  # when the connection was lost; None: connected
         self._backoff = _BACKOFF[0]  # before the next retry of a failed write
         self._me = secrets.token_hex(8)  # tells this replica's close markers from others'
-        self._dirty: dict[str, Session] = {}
+        self._dirty: dict[SessionKey, Session] = {}
         self.tombstones: Tombstones | None = None  # the erased sessions' (pipeline.tombstones), set by the app
-        self._idle: dict[str, Session] = {}
+        self._idle: dict[SessionKey, Session] = {}
         self._wake = anyio.Event()
         self.ready = anyio.Event()  # set once the bucket exists (or the first attempt failed)
         self._on_remote_close = on_remote_close  # called with a cached session gone idle everywhere
@@ -352,7 +381,7 @@ class SharedSessions:
                     marker = orjson.loads(entry.value)
                     if marker.get("by") == self._me:
                         continue
-                    session = self._store.cached(marker["session_id"])
+                    session = self._closed_here(marker)
                     if session is not None and not session.closed:
                         self._store.mark_closed(session)
                         log.info("session %s was closed by another replica", session.session_id)
@@ -442,12 +471,10 @@ class SharedSessions:
         return deepest, *found[deepest]
 
     async def load(self, session_id: str, tenant: str) -> Session | None:
-        """The session from the shared state (``None``: there is none); another tenant's raises."""
-        record, revision = await self._get_record(session_id)
+        """The tenant's session from the shared state (``None``: the tenant has none)."""
+        record, revision = await self._get_record(tenant, session_id)
         if record is None:
             return None
-        if record.tenant != tenant_id(tenant):
-            raise foreign_session(session_id)
         now = time.time()
         session = Session(session_id, tenant, float(record.created_at), now, announced=True)
         session.seq_end = 0  # no event numbers yet: reserved when this replica first writes
@@ -460,7 +487,7 @@ class SharedSessions:
     async def refresh(self, session: Session) -> None:
         """Bring a cached session up to its record (new turns, feedback, closed)."""
         state = self._state(session)
-        record, revision = await self._get_record(session.session_id)
+        record, revision = await self._get_record(session.tenant, session.session_id)
         if record is None or (revision == state.revision and not self.unread(session)):
             return
         state.revision, state.record = revision, record
@@ -506,11 +533,11 @@ class SharedSessions:
         with contextlib.suppress(SharedUnavailable):
             await self._write(session, reserve=True)
 
-    async def _get_record(self, session_id: str) -> tuple[SessionRecord | None, int | None]:
+    async def _get_record(self, tenant: str, session_id: str) -> tuple[SessionRecord | None, int | None]:
         bucket = self._check()
         try:
             with anyio.fail_after(self.timeout_s):
-                value, revision = await bucket.get_record(session_id)
+                value, revision = await bucket.get_record(tenant_id(tenant), session_id)
         except Exception as exc:
             raise self._unavailable(exc) from exc
         if value is None:
@@ -581,14 +608,14 @@ class SharedSessions:
 
     def drop(self, session: Session) -> None:
         """Write nothing more of ``session`` (it was erased): what is pending for it is discarded."""
-        self._dirty.pop(session.session_id, None)
-        self._idle.pop(session.session_id, None)
+        self._dirty.pop(session.key, None)
+        self._idle.pop(session.key, None)
         session.shared = None
 
     def evicted(self, session: Session, reason: str) -> None:
         """``session`` left this replica's cache; if it went idle everywhere, close it."""
         if reason == "idle" and not session.closed:
-            self._idle[session.session_id] = session
+            self._idle[session.key] = session
             self._wake.set()
 
     async def flush(self) -> None:
@@ -601,14 +628,14 @@ class SharedSessions:
             log.warning("shared sessions: %d turns not written to NATS at shutdown (their events are)", left)
 
     def _mark_dirty(self, session: Session) -> None:
-        self._dirty[session.session_id] = session
+        self._dirty[session.key] = session
         self._wake.set()
 
     async def _write_loop(self) -> None:
         # One writer task per dirty session, started as soon as it is dirty: a turn's record is
         # written while others are, and never waits for a batch of other sessions' writes. A
         # session's writer keeps writing until nothing is pending for it (see ``_write``).
-        writing: set[str] = set()
+        writing: set[SessionKey] = set()
 
         async def write(session: Session) -> None:
             try:
@@ -619,8 +646,8 @@ class SharedSessions:
                 largest = _BACKOFF_CONNECTED_S if self.worth_waiting else _BACKOFF[1]
                 self._backoff = min(self._backoff * 2, largest)
             finally:
-                writing.discard(session.session_id)
-                if session.session_id in self._dirty:
+                writing.discard(session.key)
+                if session.key in self._dirty:
                     self._wake.set()
 
         async with anyio.create_task_group() as tg:
@@ -629,9 +656,9 @@ class SharedSessions:
                 self._wake = anyio.Event()
                 if self._bucket is None:
                     continue
-                for session_id, session in list(self._dirty.items()):
-                    if session_id not in writing:
-                        writing.add(session_id)
+                for key, session in list(self._dirty.items()):
+                    if key not in writing:
+                        writing.add(key)
                         tg.start_soon(write, session)
                 while self._idle:
                     _, session = self._idle.popitem()
@@ -639,7 +666,7 @@ class SharedSessions:
 
     async def _close_if_idle(self, session: Session) -> None:
         try:
-            record, _ = await self._get_record(session.session_id)
+            record, _ = await self._get_record(session.tenant, session.session_id)
         except SharedUnavailable:
             return  # the assembler's idle timeout covers it
         if record is None or record.closed:
@@ -671,7 +698,7 @@ class SharedSessions:
                     with anyio.fail_after(self.timeout_s * 2):
                         trusted = state.trusted() if trust else None
                         if trusted is None:
-                            trusted = await bucket.read_record(session.session_id)
+                            trusted = await bucket.read_record(tenant_id(session.tenant), session.session_id)
                         stored, revision = trusted
                         new = SessionRecord.new(session)
                         record, block = merge_record(
@@ -688,8 +715,21 @@ class SharedSessions:
                 state.settle(turns, feedback, close)
                 reserve = False
                 if state.nothing_pending():
-                    self._dirty.pop(session.session_id, None)
+                    self._dirty.pop(session.key, None)
                     return
+
+    def _closed_here(self, marker: Mapping[str, Any]) -> Session | None:
+        """The cached session a close marker names (a marker of the layout before tenants named
+        sessions has no tenant: any tenant's session of that id)."""
+        owner = marker.get("tenant")
+        return next(
+            (
+                s
+                for s in self._store
+                if s.session_id == marker.get("session_id") and (owner is None or tenant_id(s.tenant) == owner)
+            ),
+            None,
+        )
 
     @staticmethod
     def _state(session: Session) -> SharedState:

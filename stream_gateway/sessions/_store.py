@@ -38,7 +38,7 @@ import numpy as np
 from pipeline import TokenChain, chain_tokens
 from pipeline.routes import chain_routes_rows
 
-from stream_gateway._errors import NotFound, PermissionDenied
+from stream_gateway._errors import NotFound
 from stream_gateway.sessions._ids import Logprobs, TokenIds
 from stream_gateway.tool_parsers import ToolCall
 
@@ -153,6 +153,10 @@ Chain = TokenChain
 """A root-to-leaf path of a session's tree (:func:`pipeline.chain_tokens`, the same the consumers build)."""
 
 
+SessionKey = tuple[str, str]
+"""A session's name: (tenant, session id)."""
+
+
 @dataclass(slots=True)
 class Session:
     """A tree of turns owned by one tenant (API key)."""
@@ -187,6 +191,11 @@ class Session:
     # store holding it has counted towards its bound (SessionStore's max_tokens).
     held_tokens: int = 0
     counted_tokens: int = 0
+
+    @property
+    def key(self) -> SessionKey:
+        """What names it: its tenant and its id (a session id is a name within its tenant)."""
+        return (self.tenant, self.session_id)
 
     @property
     def scope(self) -> str:
@@ -349,10 +358,11 @@ class SessionStore:
     ) -> None:
         """``max_tokens``: beyond this many token ids held by all sessions' turns, the least
         recently used sessions are evicted too (never the one just used); ``None``: no bound."""
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
-        self._index: dict[tuple[str, bytes], str] = {}
+        # Keyed by (tenant, id): a session id is its tenant's name, and two tenants' `run-1` are two sessions.
+        self._sessions: OrderedDict[SessionKey, Session] = OrderedDict()
+        self._index: dict[tuple[str, bytes], SessionKey] = {}
         # Token-id prefixes (the token-in API): (tenant, digest) -> session, and each tenant's lengths.
-        self._token_index: dict[tuple[str, bytes], str] = {}
+        self._token_index: dict[tuple[str, bytes], SessionKey] = {}
         self._token_lengths: dict[str, dict[int, int]] = {}
         self._max_sessions = max_sessions
         self._max_tokens = max_tokens
@@ -362,34 +372,32 @@ class SessionStore:
         self._on_evict = on_evict  # set: eviction only drops the cached copy (shared sessions)
 
     def get(self, session_id: str, tenant: str) -> Session:
-        """The tenant's session ``session_id``; another tenant's is refused, saying so (403)."""
+        """The tenant's session ``session_id``; 404 if the tenant has none (another tenant's session
+        of that name is not seen: it answers exactly as an id nobody used)."""
         session = self.lookup(session_id, tenant)
         if session is None:
-            raise _not_found(session_id)
+            raise session_not_found(session_id)
         return session
 
     def lookup(self, session_id: str, tenant: str) -> Session | None:
-        """The tenant's session ``session_id``, ``None`` if there is none; another tenant's raises."""
-        session = self._sessions.get(session_id)
-        if session is not None and session.tenant != tenant:
-            raise foreign_session(session_id)
-        return session
+        """The tenant's session ``session_id``, ``None`` if the tenant has none."""
+        return self._sessions.get((tenant, session_id))
 
     def get_or_create(self, session_id: str, tenant: str, captured: bool = True) -> Session:
-        """The named session, created on first use. Another tenant's id is refused."""
+        """The tenant's named session, created on first use."""
         session = self.lookup(session_id, tenant)
         return session if session is not None else self._create(session_id, tenant, captured)
 
-    def cached(self, session_id: str) -> Session | None:
-        """The session ``session_id`` if this store holds it, whoever owns it."""
-        return self._sessions.get(session_id)
+    def cached(self, session_id: str, tenant: str) -> Session | None:
+        """The tenant's session ``session_id`` if this store holds it."""
+        return self._sessions.get((tenant, session_id))
 
     def insert(self, session: Session) -> Session:
         """Hold ``session`` (loaded from shared state) and make its turns findable; returns the one held."""
-        held = self._sessions.get(session.session_id)
+        held = self._sessions.get(session.key)
         if held is not None:
             return held
-        self._sessions[session.session_id] = session
+        self._sessions[session.key] = session
         session.counted_tokens = 0
         self._count(session)
         for turn in session.turns.values():
@@ -408,8 +416,8 @@ class SessionStore:
         One index probe per assistant position (see :meth:`Session.match`), however many sessions are open.
         """
         for i in reversed(positions):
-            session_id = self._index.get((scope, keys[i]))
-            session = self._sessions.get(session_id) if session_id is not None else None
+            held = self._index.get((scope, keys[i]))
+            session = self._sessions.get(held) if held is not None else None
             turn = session.match(keys, [i])[0] if session is not None else None
             if session is not None and turn is not None:
                 return session, turn, i
@@ -417,8 +425,8 @@ class SessionStore:
 
     def discard(self, session: Session) -> None:
         """Forget ``session`` without closing it (a copy another replica's replaced)."""
-        if self._sessions.get(session.session_id) is session:
-            del self._sessions[session.session_id]
+        if self._sessions.get(session.key) is session:
+            del self._sessions[session.key]
             self.held_tokens -= session.counted_tokens
             self._unindex(session)
 
@@ -428,8 +436,8 @@ class SessionStore:
         if not lengths:
             return None
         for digest in prefix_digests(prompt_ids, lengths):
-            session_id = self._token_index.get((scope, digest))
-            session = self._sessions.get(session_id) if session_id is not None else None
+            held = self._token_index.get((scope, digest))
+            session = self._sessions.get(held) if held is not None else None
             turn = session.match_tokens(prompt_ids) if session is not None else None
             if session is not None and turn is not None:
                 return session, turn
@@ -438,18 +446,18 @@ class SessionStore:
     def add_turn(self, session: Session, turn: Turn) -> None:
         """Record ``turn`` in ``session`` and make it findable (unless the session was closed)."""
         session.add(turn)
-        if self._sessions.get(session.session_id) is session:
+        if self._sessions.get(session.key) is session:
             self._count(session)
         self._index_turn(session, turn)
 
     def _index_turn(self, session: Session, turn: Turn) -> None:
-        if self._sessions.get(session.session_id) is not session or session.closed:
+        if self._sessions.get(session.key) is not session or session.closed:
             return
         digest = session.token_digests.get(turn.turn_id)
         if turn.key is not None:
-            self._index[(session.scope, turn.key)] = session.session_id
+            self._index[(session.scope, turn.key)] = session.key
         if digest is not None and (session.scope, digest) not in self._token_index:
-            self._token_index[(session.scope, digest)] = session.session_id
+            self._token_index[(session.scope, digest)] = session.key
             lengths = self._token_lengths.setdefault(session.scope, {})
             length = len(turn.prompt_ids) + len(turn.output_ids)
             lengths[length] = lengths.get(length, 0) + 1
@@ -478,8 +486,8 @@ class SessionStore:
     def touch(self, session: Session) -> None:
         """Mark ``session`` as just used (it is evicted last), and evict what is due."""
         session.last_active = time.time()
-        if self._sessions.get(session.session_id) is session:
-            self._sessions.move_to_end(session.session_id)
+        if self._sessions.get(session.key) is session:
+            self._sessions.move_to_end(session.key)
             self._count(session)
         self._evict(session.last_active)
 
@@ -498,7 +506,7 @@ class SessionStore:
     def _create(self, session_id: str, tenant: str, captured: bool = True) -> Session:
         now = time.time()
         session = Session(session_id, tenant, now, now, captured=captured)
-        self._sessions[session_id] = session
+        self._sessions[session.key] = session
         self._evict(now)
         return session
 
@@ -512,7 +520,7 @@ class SessionStore:
                 and not (over_tokens and len(self._sessions) > 1)
             ):
                 return
-            del self._sessions[oldest.session_id]
+            del self._sessions[oldest.key]
             self.held_tokens -= oldest.counted_tokens
             reason = "idle" if now - oldest.last_active >= self._idle_seconds else "evicted"
             if self._on_evict is not None:
@@ -527,11 +535,11 @@ class SessionStore:
 
     def _unindex(self, session: Session) -> None:
         for key in session.by_key:
-            if self._index.get((session.scope, key)) == session.session_id:
+            if self._index.get((session.scope, key)) == session.key:
                 del self._index[(session.scope, key)]
         lengths = self._token_lengths.get(session.scope, {})
         for digest, turn_id in session.by_tokens.items():
-            if self._token_index.get((session.scope, digest)) != session.session_id:
+            if self._token_index.get((session.scope, digest)) != session.key:
                 continue
             del self._token_index[(session.scope, digest)]
             turn = session.turns[turn_id]
@@ -543,18 +551,17 @@ class SessionStore:
             self._token_lengths.pop(session.scope, None)
 
 
-def _not_found(session_id: str) -> NotFound:
-    return NotFound(f"No session `{session_id}`.", param="session_id", code="session_not_found")
-
-
-def foreign_session(session_id: str) -> PermissionDenied:
-    """Another tenant's session: said as such (a newcomer whose agent sent ``api_key="anything"``
-    and whose curl sent no key is two tenants, and "no session" sent them looking for a bug)."""
-    return PermissionDenied(
-        f"Session `{session_id}` belongs to another tenant: use the API key that created it (without "
-        "--api-key-file each bearer key is a tenant of its own, and a request without a key is `anonymous`).",
+def session_not_found(session_id: str) -> NotFound:
+    """No session of that name for this tenant, whether or not another tenant has one: the answer
+    is the same either way (it must not tell one tenant which names another uses), and it says how
+    sessions are scoped, for the honest case (an agent with ``api_key="anything"`` and a curl with no
+    key are two tenants)."""
+    return NotFound(
+        f"No session `{session_id}` for this API key; sessions belong to the key that created them "
+        "(without --api-key-file each bearer key is a tenant of its own, and a request without a key is "
+        "`anonymous`).",
         param="session_id",
-        code="session_of_another_tenant",
+        code="session_not_found",
     )
 
 

@@ -287,7 +287,19 @@ def _sessions(app: FastAPI, api: ConsoleApi) -> None:
     @app.get("/api/sessions/{session_id}")
     async def session(request: Request, session_id: str) -> dict[str, Any]:
         who = api.who(request)
-        found = await anyio.to_thread.run_sync(api.index.session, _tenant_of(who, request), session_id)
+        tenant = _tenant_of(who, request)
+        if tenant is None:  # an admin: a session id is a name within a tenant, and several may use it
+            owners = await anyio.to_thread.run_sync(api.index.tenants_of, session_id)
+            if len(owners) > 1:
+                raise ConsoleError(
+                    400,
+                    f"{len(owners)} tenants have a session `{session_id}` ({', '.join(owners)}): name one with "
+                    "tenant=",
+                    "invalid_request_error",
+                    "ambiguous_session",
+                    "tenant",
+                )
+        found = await anyio.to_thread.run_sync(api.index.session, tenant, session_id)
         if found is None:
             raise _not_found(f"session `{session_id}`")
         offset = _number(request, "offset", 0, integer=True)

@@ -432,6 +432,12 @@ class ConsoleIndex:
             t["health"] = t["health"].split()
         return {**_session_row(row), "trajectories": trajectories}
 
+    def tenants_of(self, session_id: str) -> list[str]:
+        """The tenants that have a session named ``session_id`` (a name is its tenant's: several may)."""
+        with self._lock:
+            rows = self._db.execute("SELECT tenant FROM sessions WHERE session_id = ? ORDER BY tenant", [session_id])
+            return [r["tenant"] for r in rows]
+
     def turns(self, tenant: str, session_id: str, *, offset: int, limit: int) -> list[dict[str, Any]]:
         """A page of a session's turns in the order they started."""
         with self._lock:

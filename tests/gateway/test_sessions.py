@@ -281,12 +281,14 @@ def test_sessions_are_found_automatically_and_scoped_by_key(gateway: RunningGate
         assert named.headers["x-session-id"] == "bob-explicit"
     body = _session(gateway, session, key="sk-bob")
     assert len(body["turns"]) == 2 and len(body["chains"]) == 1
+    # Another tenant's session id answers exactly as an id nobody used (issue 55): nothing tells eve
+    # which names bob uses, and the message still says how sessions are scoped.
     hidden = httpx.get(f"{gateway.base_url}/sessions/{session}", headers={"authorization": "Bearer sk-eve"}, timeout=10)
-    assert hidden.status_code == 403  # said as such (issue 43), not "no session"
-    assert hidden.json()["error"]["code"] == "session_of_another_tenant"
-    assert "belongs to another tenant" in hidden.json()["error"]["message"]
-    missing = httpx.get(f"{gateway.base_url}/sessions/nope", timeout=10)
-    assert missing.status_code == 404
+    unused = httpx.get(f"{gateway.base_url}/sessions/{session}x", headers={"authorization": "Bearer sk-eve"}, timeout=10)
+    assert hidden.status_code == unused.status_code == 404
+    assert hidden.json()["error"]["code"] == unused.json()["error"]["code"] == "session_not_found"
+    assert hidden.json()["error"]["message"] == unused.json()["error"]["message"].replace(f"{session}x", session)
+    assert "sessions belong to the key that created them" in hidden.json()["error"]["message"]
 
 
 def test_bad_session_ids_are_refused(gateway: RunningGateway) -> None:
