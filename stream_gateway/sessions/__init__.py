@@ -20,7 +20,7 @@ from stream_gateway.sessions._directory import SessionDirectory, SharingConfig
 from stream_gateway.sessions._events import TurnEvent, turn_from_event, turn_to_event
 from stream_gateway.sessions._ids import Logprobs, TokenIds, wire_ids
 from stream_gateway.sessions._record import SessionRecord, TurnEntry, merge_record
-from stream_gateway.sessions._shared import SharedSessions, expected_seqs
+from stream_gateway.sessions._shared import SharedSessions, expected_seqs, record_key
 from stream_gateway.sessions._store import (
     SEQ_BLOCK,
     Chain,
@@ -55,6 +55,7 @@ __all__ = [
     "expected_seqs",
     "merge_record",
     "prompt_after",
+    "record_key",
     "scope_of",
     "session_body",
     "turn_from_event",
