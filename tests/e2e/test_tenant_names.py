@@ -11,6 +11,7 @@ used. A session stored in the layout before tenants named sessions (``s.<session
 
 from __future__ import annotations
 
+import itertools
 import random
 import secrets
 from collections.abc import Iterator
@@ -79,7 +80,7 @@ def _one_exact_chain(body: dict[str, Any], turns: int) -> list[dict[str, Any]]:
     assert len(body["turns"]) == turns and len(body["chains"]) == 1, body["chains"]
     by_id = {t["turn_id"]: t for t in body["turns"]}
     ordered = [by_id[t] for t in body["chains"][0]["turn_ids"]]
-    for parent, child in zip(ordered, ordered[1:], strict=False):
+    for parent, child in itertools.pairwise(ordered):
         assert child["parent_id"] == parent["turn_id"]
         head = parent["prompt_ids"] + parent["output_ids"]
         assert child["prompt_ids"][: len(head)] == head
