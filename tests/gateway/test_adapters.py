@@ -23,7 +23,7 @@ from stream_gateway.engines import build_engine
 
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.lora import make_adapter, mis_shaped
-from ..support.servers import RunningGateway, run_gateway
+from ..support.servers import RunningGateway, run_gateway, scripted_settings
 
 KEYS = {"sk-alpha": "alpha", "sk-beta": "beta", "sk-base": None}  # key -> the adapter its tenant is bound to
 CONFIGS = {
@@ -246,13 +246,14 @@ def test_adapters_the_base_cannot_take_are_refused(
 
 
 def test_a_tool_loop_on_an_adapter_is_one_exact_chain(agent_model_path: Path, tmp_path: Path) -> None:
-    """tiny-agent with a small adapter bound to a tenant: the tool loop and its follow-up are one
-    chain of turns recorded with the adapter, each logprob base + adapter's (PEFT's)."""
+    """tiny-agent's answers (the scripted engine on the untrained ``tiny``) with a small adapter
+    bound to a tenant: the tool loop and its follow-up are one chain of turns recorded with the
+    adapter, each logprob base + adapter's (PEFT's)."""
     adapter = make_adapter(agent_model_path, CONFIGS["alpha"], 3, tmp_path / "agent-alpha", scale=0.05)
     keys = tmp_path / "keys"
     keys.write_text("sk-agent tenant-agent adapter=alpha\n")
-    settings = Settings(model=str(agent_model_path), served_model_name="tiny-agent", lora=(f"alpha={adapter}",),
-                        api_key_file=keys, default_temperature=0.0)  # fmt: skip
+    settings = scripted_settings(agent_model_path, lora=(f"alpha={adapter}",), api_key_file=keys,
+                                 default_temperature=0.0)  # fmt: skip
     (tmp_path / "README.md").write_text("The secret word is lighthouse.\n")
     session = f"tools{secrets.token_hex(4)}"
     with run_gateway(build_engine(settings), settings) as gateway:
@@ -277,4 +278,4 @@ def test_a_tool_loop_on_an_adapter_is_one_exact_chain(agent_model_path: Path, tm
     ids = torch.tensor([turns[-1]["prompt_ids"] + turns[-1]["output_ids"]])
     with torch.no_grad():
         moved = (reference(input_ids=ids).logits - base(input_ids=ids).logits).abs().max()
-    assert moved > 1e-2  # the adapter is not the base (its sampled tokens are just very likely under both)
+    assert moved > 1e-2  # the adapter is not the base: the logprobs above are the adapter's, not the base's

@@ -1,9 +1,10 @@
 """Anthropic's Messages API with the official ``anthropic`` SDK against a real gateway.
 
 Plain turns on the tiny model (stream and not, count_tokens, stop sequences, errors), and a real
-tool loop on ``tiny-agent``: the model calls ``read``, the client runs it and echoes the turn
-back in Anthropic's form (``tool_use`` / ``tool_result`` blocks), and the whole conversation
-is one token-exact chain whose logprobs a forward pass reproduces.
+tool loop on ``tiny-agent``'s answers (the scripted engine on the untrained ``tiny``,
+``agent_gateway``): the model calls ``read``, the client runs it and echoes the turn back in
+Anthropic's form (``tool_use`` / ``tool_result`` blocks), and the whole conversation is one
+token-exact chain whose logprobs a forward pass of the same untrained weights reproduces.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def test_errors_take_anthropics_shape(gateway: RunningGateway) -> None:
 def _turn(client: anthropic.Anthropic, messages: list[dict[str, Any]], stream: bool) -> Any:
     kwargs: dict[str, Any] = {"model": "tiny-agent", "max_tokens": 64, "system": "You are a coding agent.",
                               "messages": messages, "tools": [READ]}  # fmt: skip
-    kwargs["extra_body"] = GREEDY  # what is tested is the protocol; tiny-agent's sampling is tested elsewhere
+    kwargs["extra_body"] = GREEDY  # the script decides the answer; greedy pins the logprobs' distribution
     if not stream:
         return client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as events:

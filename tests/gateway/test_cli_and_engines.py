@@ -18,7 +18,6 @@ from openai import OpenAI
 import stream_gateway
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_gateway.models import resolve_model
 
 from ..support.servers import RunningGateway, free_port, run_gateway, wait_healthy
 
@@ -128,9 +127,10 @@ def test_synthetic_engine_streams_through_the_gateway(synthetic_gateway: Running
     assert "token" in text
 
 
-def test_synthetic_engine_thinks_with_a_thinking_models_tokenizer() -> None:
-    """With tiny-reasoning's tokenizer, the first half of every output is a thinking block."""
-    settings = Settings(model=resolve_model("tiny-reasoning"), engine="synthetic", synthetic_tokens_per_second=0)
+def test_synthetic_engine_thinks_with_a_thinking_models_tokenizer(reasoning_model_path: Path) -> None:
+    """With tiny-reasoning's tokenizer (tiny-reasoning-untrained's), the first half of every output
+    is a thinking block."""
+    settings = Settings(model=str(reasoning_model_path), engine="synthetic", synthetic_tokens_per_second=0)
     with (
         run_gateway(build_engine(settings), settings) as running,
         OpenAI(base_url=running.base_url + "/v1", api_key="x", max_retries=0, timeout=60) as client,

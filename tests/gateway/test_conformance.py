@@ -329,7 +329,7 @@ RESPONSES_TOOL = {"type": "function", **READ_TOOL["function"]}  # type: ignore[d
 def test_responses_bodies_and_events_match_openais_schemas(
     gateway: RunningGateway, agent_gateway: RunningGateway
 ) -> None:
-    """Plain text on the tiny model, a function call on tiny-agent: bodies, events, errors."""
+    """Plain text on the tiny model, a function call by tiny-agent's script: bodies, events, errors."""
     cases = [
         (gateway, {"model": "tiny", "input": "Hello", "max_output_tokens": 6}),
         (

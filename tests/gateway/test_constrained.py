@@ -1,8 +1,12 @@
 """Constrained decoding on the tiny models: structured outputs and forced tool calls.
 
-``tiny-agent`` was trained to call ``read`` after a user message; it never saw JSON answers or
-the ``bash`` tool used. Constrained, it must still produce what the request demands, and what
-the gateway records must reproduce under the trainer's recompute with the grammar's masks.
+``agent_gateway`` answers by tiny-agent's script on the untrained ``tiny``: a call of ``read`` when
+it is offered after a user message, "Hello from tiny-agent." when no tool is. A grammar that
+refuses a scripted token masks it as it would a model's choice, and the untrained model samples
+the rest under the grammar. So what is asserted is what the grammar guarantees whatever the
+weights: the schemas are bounded where a test needs the answer to end (every document the grammar
+allows fits the budget), or long where it needs it cut, and what the gateway records must
+reproduce under the trainer's recompute with the grammar's masks.
 """
 
 from __future__ import annotations
@@ -31,6 +35,18 @@ from ..support.servers import RunningGateway
 from .test_conformance import check, streamed_chunks
 
 TOOLS = [READ_TOOL, BASH_TOOL]
+# bash with a bounded command: a forced call of it ends within a few dozen tokens, whatever the
+# untrained model writes in it (an unbounded string ends when the model happens to close it).
+SHORT_COMMAND = {
+    "type": "object",
+    "properties": {"command": {"type": "string", "maxLength": 12}},
+    "required": ["command"],
+}
+SHORT_BASH = {
+    "type": "function",
+    "function": {"name": "bash", "description": "Run a command", "parameters": SHORT_COMMAND},
+}
+BOUNDED_TOOLS = [READ_TOOL, SHORT_BASH]
 
 
 class City(BaseModel):
@@ -62,23 +78,20 @@ def _session_turns(gateway: RunningGateway, session_id: str) -> list[dict[str, A
 
 
 def test_parse_with_a_pydantic_response_format(client: OpenAI) -> None:
-    # Bounded fields: every document the grammar allows ends within the budget (an unbounded string
-    # depends on when this tiny model happens to close it).
-    for seed in range(3):
-        reply = client.chat.completions.parse(
-            model="tiny-agent",
-            messages=[{"role": "user", "content": "a city and its population"}],
-            response_format=BoundedCityModel,
-            max_tokens=96,
-            seed=seed,
-        )
-        choice = reply.choices[0]
-        if choice.finish_reason == "length":
-            continue  # a string the model never closes; the JSON so far still follows the schema
-        assert choice.finish_reason == "stop"
-        assert isinstance(choice.message.parsed, BoundedCityModel)
-        return
-    raise AssertionError("no seed produced a finished answer")
+    # The script says hello; the grammar refuses it and the model writes the document. Bounded
+    # fields: every document the grammar allows ends within the budget (12 characters of city, each
+    # at worst a surrogate pair of \uXXXX escapes a character a token, 8 digits, keys: under 200).
+    reply = client.chat.completions.parse(
+        model="tiny-agent",
+        messages=[{"role": "user", "content": "a city and its population"}],
+        response_format=BoundedCityModel,
+        max_tokens=200,
+        seed=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(choice.message.parsed, BoundedCityModel)
+    assert not (choice.message.content or "").startswith("Hello")
 
 
 # City with bounds the grammar enforces: every document of it ends within a few tokens.
@@ -111,34 +124,53 @@ def _closed(prefix: str) -> Any:
     try:
         return json.loads(text + tail)
     except json.JSONDecodeError:  # cut after a key, its colon, or a comma: that member is not there yet
-        return json.loads(re.sub(r'(,\s*"(?:[^"\\]|\\.)*"\s*:?\s*|,\s*)$', "", text) + tail)
+        return json.loads(re.sub(r'(?:(?<=\{)|,)\s*"(?:[^"\\]|\\.)*"\s*:?\s*$|,\s*$', "", text) + tail)
 
 
 def _present_only(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` without ``required``: what a document cut short must still satisfy."""
-    return {k: v for k, v in schema.items() if k != "required"}
+    """``schema`` without ``required`` and its strings without ``minLength``: what a document cut
+    short must still satisfy."""
+    properties = {
+        name: {k: v for k, v in rule.items() if k != "minLength"} for name, rule in schema.get("properties", {}).items()
+    }
+    return {k: v for k, v in schema.items() if k != "required"} | ({"properties": properties} if properties else {})
+
+
+# A document of at least 400 characters: no token of tiny's vocabulary is longer than 13
+# characters, so no document of it ends within 30 tokens, whatever the model writes.
+LONG_NOTE = {
+    "type": "object",
+    "properties": {"note": {"type": "string", "minLength": 400}},
+    "required": ["note"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize(
-    ("response_format", "schema", "finish"),
+    ("response_format", "schema", "finish", "max_tokens"),
     [
-        # Greedy, this model repeats a digit of "population" for hundreds of tokens: cut off.
-        (CITY_FORMAT, City.model_json_schema(), "length"),
-        # Bounded, the grammar closes the object and then allows only the end of the turn.
+        # Every document of the schema is longer than the budget: cut off.
+        (
+            {"type": "json_schema", "json_schema": {"name": "Note", "schema": LONG_NOTE, "strict": True}},
+            LONG_NOTE,
+            "length",
+            30,
+        ),
+        # Bounded, the grammar closes the object within the budget and then allows only the end of the turn.
         (
             {"type": "json_schema", "json_schema": {"name": "City", "schema": BOUNDED_CITY, "strict": True}},
             BOUNDED_CITY,
             "stop",
+            200,
         ),
-        # Greedy, the model writes its tool call's JSON and repeats a letter of the path: cut off.
-        ({"type": "json_object"}, {"type": "object"}, "length"),
+        # One token: an object is open, never closed and ended in it (the end of the turn takes a token of its own).
+        ({"type": "json_object"}, {"type": "object"}, "length", 1),
     ],
     ids=["json_schema-cut", "json_schema-bounded", "json_object-cut"],
 )
 def test_streamed_json_schema_and_json_object(
-    agent_gateway: RunningGateway, response_format: dict[str, Any], schema: dict[str, Any], finish: str
+    agent_gateway: RunningGateway, response_format: dict[str, Any], schema: dict[str, Any], finish: str, max_tokens: int
 ) -> None:
-    max_tokens = 64
     body = {
         "model": "tiny-agent",
         "messages": [{"role": "user", "content": "json please"}],
@@ -152,7 +184,7 @@ def test_streamed_json_schema_and_json_object(
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     tokens = chunks[-1]["usage"]["completion_tokens"]
-    # Unconstrained, this model answers with a tool call: it now writes JSON of the schema.
+    # Unconstrained, the script says hello: the grammar refused it, and the model wrote JSON of the schema.
     assert text.startswith("{") and "<tool_call>" not in text, text
     assert finishes[-1] == finish, (finishes[-1], tokens, text)
     if finish == "stop":
@@ -169,22 +201,27 @@ def test_streamed_json_schema_and_json_object(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_and_named(agent_gateway: RunningGateway, client: OpenAI, stream: bool) -> None:
-    # "hello" alone makes this model answer in text; "required" makes it call a tool.
-    messages = [{"role": "user", "content": "hello there"}]
-    free = client.chat.completions.create(model="tiny-agent", messages=messages, tools=TOOLS, max_tokens=40)  # type: ignore[arg-type]
-    only_bash = [{"type": "function", "function": {"name": "bash"}}]  # tiny-agent was taught to call read
+    messages = [{"role": "user", "content": "What does the README say?"}]
+    free = client.chat.completions.create(model="tiny-agent", messages=messages, tools=BOUNDED_TOOLS, max_tokens=40)  # type: ignore[arg-type]
+    [read] = free.choices[0].message.tool_calls or []  # the script calls read given the choice
+    assert (read.function.name, json.loads(read.function.arguments)) == ("read", {"path": "README.md"})  # type: ignore[union-attr]
+    only_bash = [{"type": "function", "function": {"name": "bash"}}]
     for tool_choice, names in (
-        ("required", {"read", "bash"}),
+        # The script's call of read is one the grammar allows: it stands, and the turn ends after it.
+        ("required", {"read"}),
+        # The grammar refuses read: the model writes one call of bash.
         ({"type": "function", "function": {"name": "bash"}}, {"bash"}),
-        # OpenAI's allowed_tools (openai 3.57 sends it): every tool stays in the prompt, the calls are narrowed.
+        # OpenAI's allowed_tools (openai 3.57 sends it): every tool stays in the prompt, the calls are
+        # narrowed to bash, one or more of them (the model's choice after each; the untrained model
+        # ends after one call about two times in three, so 400 tokens hold its calls).
         ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": only_bash}}, {"bash"}),
     ):
         body = {
             "model": "tiny-agent",
             "messages": messages,
-            "tools": TOOLS,
+            "tools": BOUNDED_TOOLS,
             "tool_choice": tool_choice,
-            "max_tokens": 200,  # room for any arguments the grammar allows (at 80, ~1 run in 10 ended by length)
+            "max_tokens": 400,
             "seed": 11,
             "stream": stream,
         }
@@ -201,10 +238,14 @@ def test_tool_choice_required_and_named(agent_gateway: RunningGateway, client: O
                 (c["function"]["name"], c["function"]["arguments"])
                 for c in answer["choices"][0]["message"]["tool_calls"]
             ]
-        assert finish == "tool_calls", (tool_choice, free.choices[0].message)
-        assert calls and {name for name, _ in calls} <= names
+        assert finish == "tool_calls", (tool_choice, calls)
+        assert calls and {name for name, _ in calls} == names, (tool_choice, calls)
+        if tool_choice == "required":
+            assert [(name, json.loads(arguments)) for name, arguments in calls] == [("read", {"path": "README.md"})]
+        if isinstance(tool_choice, dict) and tool_choice["type"] == "function":
+            assert len(calls) == 1, calls
         for name, arguments in calls:
-            parameters = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+            parameters = next(t["function"]["parameters"] for t in BOUNDED_TOOLS if t["function"]["name"] == name)
             jsonschema.validate(json.loads(arguments), parameters)
 
 
@@ -237,7 +278,7 @@ def test_langchain_structured_output(agent_gateway: RunningGateway) -> None:
 def test_forced_calls_hold_the_declared_arguments_only(agent_gateway: RunningGateway) -> None:
     """A schema that says nothing of other properties gets none (as OpenAI's strict mode and vLLM's
     xgrammar read it): at temperature 1.0 over several seeds, every forced call ends, with exactly
-    the declared keys. Before, JSON Schema's default let tiny-agent add keys until max_tokens."""
+    the declared keys. Before, JSON Schema's default let a tiny model add keys until max_tokens."""
     tool = {"type": "function", "function": {"name": "BoundedCityModel",
             "parameters": BoundedCityModel.model_json_schema()}}  # fmt: skip
     for seed in range(6):
@@ -310,20 +351,26 @@ def test_constrained_logprobs_reproduce_with_the_grammar(agent_gateway: RunningG
 
 
 def test_allowed_tools_in_auto_mode_narrows_the_calls(agent_gateway: RunningGateway) -> None:
-    """``mode: auto``: a text answer or calls of the allowed tools, never a call of another one
-    (tiny-agent, taught to call ``read`` when asked about a file, may not here)."""
+    """``mode: auto``: a text answer or calls of the allowed tools, never a call of another one.
+    The script calls ``read``: its ``<tool_call>`` token (a token of its own, which text cannot
+    hold) opens a call, the grammar refuses ``read``, and the model writes calls of ``bash``."""
     only_bash = [{"type": "function", "function": {"name": "bash"}}]
-    for seed in range(4):
+    for seed in range(4):  # each seed a different draw of the model's, every one held to the grammar
         body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "What does the README say?"}],
-                "tools": TOOLS, "max_tokens": 120, "seed": seed,
-                "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": only_bash}}}  # fmt: skip
+                "tools": BOUNDED_TOOLS, "max_tokens": 400, "seed": seed,
+                "tool_choice": {"type": "allowed_tools",
+                                "allowed_tools": {"mode": "auto", "tools": only_bash}}}  # fmt: skip
         answer = httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=120).json()
         check(answer, "CreateChatCompletionResponse")
-        message = answer["choices"][0]["message"]
-        assert all(call["function"]["name"] == "bash" for call in message.get("tool_calls") or []), message
+        choice = answer["choices"][0]
+        message = choice["message"]
+        assert choice["finish_reason"] == "tool_calls", choice
+        calls = message.get("tool_calls") or []
+        assert calls and all(call["function"]["name"] == "bash" for call in calls), message
         assert "<tool_call>" not in (message.get("content") or "")
     unknown = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function",
                "function": {"name": "nope"}}]}}  # fmt: skip
     refused = httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", timeout=60, json={
-        "model": "tiny-agent", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": unknown})  # fmt: skip
+        "model": "tiny-agent", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+        "tool_choice": unknown})  # fmt: skip
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice.allowed_tools"

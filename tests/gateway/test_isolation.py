@@ -139,7 +139,7 @@ def test_a_fault_in_one_sequence_fails_that_request_alone(agent_gateway: Running
         reply = client.chat.completions.create(model="tiny-agent", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=4)  # fmt: skip
         assert reply.choices[0].finish_reason in ("stop", "length")
-        # tiny-agent's template renders tools: no warning.
+        # tiny's template (served here as tiny-agent) renders tools: no warning.
         hi = [{"role": "user", "content": "hi"}]
         raw = client.chat.completions.with_raw_response.create(model="tiny-agent", tools=[WEATHER], max_tokens=2,
                                                                messages=hi)  # fmt: skip

@@ -1,13 +1,16 @@
 """A thinking model through the gateway: thinking streamed apart on every protocol, and one chain
 whatever the client does with it (docs/reasoning.md).
 
-The model is ``tiny-reasoning``: it opens with ``<think>``, writes a short thought, closes it, then
-calls the offered file-reading tool after a user message or answers after a tool result. The
-client-behaviour matrix drives the same conversation (a tool loop of three calls under one user
-message, then a second user message and its loop) with each way clients treat thinking, under both
-``--reasoning-history`` policies, and counts the roots: the policy decides them, never the client.
-The model calls once per user message on its own; a forced ``tool_choice`` makes the second and
-third calls, after a thinking block the grammar leaves free.
+The model answers as ``tiny-reasoning``: the scripted engine on the untrained
+``tiny-reasoning-untrained`` (its tokenizer and thinking template), so it opens with ``<think>``,
+writes a short thought, closes it, then calls the offered file-reading tool after a user message or
+answers after a tool result. The client-behaviour matrix drives the same conversation (a tool loop
+of three calls under one user message, then a second user message and its loop) with each way
+clients treat thinking, under both ``--reasoning-history`` policies, and counts the roots: the
+policy decides them, never the client. The module's script (tiny-agent's repertoire, and a
+second and third call of ``read`` after the first results) makes the loop; a forced
+``tool_choice`` holds those calls, after a thinking block the grammar leaves free. Every token is
+the script's, so what the gateway re-renders from a client's echo is the turn's own tokens.
 """
 
 from __future__ import annotations
@@ -27,33 +30,49 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stream_gateway import Settings
 from stream_gateway.completion._request import ChatCompletionRequest
 from stream_gateway.constraints import replay_masks, response_format_constraint, tool_choice_constraint
 from stream_gateway.engines import build_engine
+from stream_gateway.engines.scripted import DEFAULT_SCRIPT
 from stream_gateway.engines.transformers import end_of_turn_ids
-from stream_gateway.models import resolve_model
 
 from ..support.agent_loop import READ_TOOL
 from ..support.fidelity import assert_chain_logprobs
-from ..support.servers import RunningGateway, run_gateway
+from ..support.servers import RunningGateway, run_gateway, scripted_settings
 
 MODEL = "tiny-reasoning"
 FIRST, SECOND = "What is in this repo?", "And now?"
 README = "The secret word is lighthouse.\n"
+CALLS = 3  # tool calls under each user message: the script's three, the second and third forced too
 
-
-@pytest.fixture(scope="module")
-def reasoning_model_path() -> Path:
-    return Path(resolve_model(MODEL))
+# A genuine user message (not a turn of tool results) in the decoded prompt, and text without one.
+_USER = r"<\|im_start\|>user\n(?!<tool_response>)"
+_SINCE_USER = rf"(?:(?!{_USER}).)*"
+# CALLS tool results since the last user message: the loop is done.
+_LOOP_DONE = "(?s)" + "".join(f"<tool_response>{_SINCE_USER}" for _ in range(CALLS)) + r"\Z"
+READ_README = {"name": "read", "arguments": {"path": "README.md"}}
+SCRIPT = {
+    "rules": [
+        {"when": {"last": "tool", "matches": _LOOP_DONE}, "think": "The result is in, now answer.",
+         "say": "Done: I read the file."},
+        {"when": {"last": "tool", "tool": "read"}, "think": "Read it once more.", "call": [READ_README]},
+        *DEFAULT_SCRIPT.model_dump(mode="json", exclude_none=True)["rules"],
+    ]
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["keep", "template"])
 def thinking_gateway(
-    request: pytest.FixtureRequest, reasoning_model_path: Path
+    request: pytest.FixtureRequest, reasoning_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[RunningGateway, str]]:
-    settings = Settings(
-        model=str(reasoning_model_path), served_model_name=MODEL, reasoning_history=request.param, max_batch_size=8
+    script = tmp_path_factory.mktemp("script") / "loop.json"
+    script.write_text(json.dumps(SCRIPT))
+    settings = scripted_settings(
+        reasoning_model_path,
+        served_model_name=MODEL,
+        script=script,
+        reasoning_history=request.param,
+        max_batch_size=8,
     )
     with run_gateway(build_engine(settings), settings) as running:
         yield running, request.param
@@ -69,9 +88,6 @@ def _session(gateway: RunningGateway, session: str) -> dict[str, Any]:
 def _read(arguments: str, workdir: Path) -> str:
     path = workdir / json.loads(arguments)["path"]
     return path.read_text() if path.is_file() else f"no such file: {path.name}"
-
-
-CALLS = 3  # tool calls under each user message: the model's own, then two forced ones
 
 
 def _forced(step: int) -> bool:
@@ -124,7 +140,7 @@ def _chat_conversation(client: OpenAI, echo: str, workdir: Path) -> tuple[int, i
             thinking, content, calls = turn(messages, _forced(step))
             turns += 1
             ran += len(calls)
-            assert thinking, "tiny-reasoning always thinks"
+            assert thinking, "the script thinks first on a thinking model"
             message: dict[str, Any] = {"role": "assistant", "content": content or None}
             if calls:
                 message["tool_calls"] = [
@@ -274,7 +290,9 @@ def test_roots_follow_the_policy_not_the_client(
     body = _session(gateway, session)
     recorded = body["turns"]
     assert len(recorded) == turns
-    assert ran == 2 * CALLS, [t["finish_reason"] for t in recorded]  # a loop of three calls per user message
+    # A loop of three calls per user message, and its answer.
+    assert [t["finish_reason"] for t in recorded] == 2 * [*CALLS * ["tool_calls"], "stop"]
+    assert ran == 2 * CALLS
     roots = [t for t in recorded if t["parent_id"] is None]
     # keep: one chain for the whole conversation; template: one root per user message, the second
     # linked to the turn it follows, with the reason recorded.
@@ -288,7 +306,7 @@ def test_roots_follow_the_policy_not_the_client(
         second = roots[1]
         assert second["predecessor_id"] in {t["turn_id"] for t in recorded}
         assert second["fallback_reason"].startswith("reasoning_history=template")
-        assert all(t["matches_full_render"] for t in recorded)
+        assert all(t["matches_full_render"] for t in recorded), [t["matches_full_render"] for t in recorded]
     else:
         assert recorded[0]["fallback_reason"] is None
         assert all(t["fallback_reason"] is None for t in recorded)
@@ -332,7 +350,9 @@ def test_forced_output_follows_free_thinking(
     thinking_gateway: tuple[RunningGateway, str], reasoning_model_path: Path
 ) -> None:
     """response_format and a forced tool_choice hold the answer, after the thinking (as vLLM's
-    structured outputs start at ``</think>``); the recorded logprobs are the masked distribution's."""
+    structured outputs start at ``</think>``); the recorded logprobs are the masked distribution's.
+    The script's thought passes the grammar; its hello does not, and the untrained model writes the
+    JSON under the grammar (bounded: every document fits the budget); its call of read passes."""
     gateway, _ = thinking_gateway
     tokenizer = AutoTokenizer.from_pretrained(reasoning_model_path)
     model = AutoModelForCausalLM.from_pretrained(reasoning_model_path, dtype=torch.float32).eval()
@@ -345,7 +365,13 @@ def test_forced_output_follows_free_thinking(
         for extra in ({"response_format": response_format}, {"tools": [READ_TOOL], "tool_choice": named}):
             thinking, content, calls, finish = "", "", [], None
             stream = client.chat.completions.create(
-                model=MODEL, messages=messages, stream=True, max_tokens=120, temperature=0, **extra
+                # A thought, then at worst 12 characters as surrogate-pair escapes, 144 tokens, and the keys: under 240.
+                model=MODEL,
+                messages=messages,
+                stream=True,
+                max_tokens=240,
+                temperature=0,
+                **extra,
             )  # type: ignore[call-overload]
             for chunk in stream:
                 delta = chunk.choices[0].delta
@@ -356,7 +382,7 @@ def test_forced_output_follows_free_thinking(
                 calls += [c for c in delta.tool_calls or [] if c.id]
                 finish = chunk.choices[0].finish_reason or finish
                 session = stream.response.headers["x-session-id"]
-            assert thinking, "the grammar left the thinking to the model"
+            assert thinking, "the grammar left the thinking to the script"
             if "response_format" in extra:
                 assert finish == "stop", (finish, content)
                 jsonschema.validate(json.loads(content), BOUNDED)  # the answer, not the thinking, is JSON
