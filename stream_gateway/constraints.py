@@ -175,8 +175,13 @@ def tool_choice_constraint(
     tools: Sequence[Any] | None,
     tokenizer: PreTrainedTokenizerBase,
     tool_parser: str,
+    *,
+    parallel: bool = True,
 ) -> Constraint | None:
-    """The constraint ``tool_choice`` asks for: ``"required"`` or a named function; else ``None``."""
+    """The constraint ``tool_choice`` asks for: ``"required"`` or a named function; else ``None``.
+
+    ``parallel``: ``parallel_tool_calls`` (false: at most one call, as OpenAI defines it; Anthropic's
+    ``disable_parallel_tool_use`` arrives as that too)."""
     if tool_choice is None or tool_choice in ("auto", "none") or not tools:
         return None
     by_name = {tool.function.name: tool.function for tool in tools}
@@ -215,10 +220,13 @@ def tool_choice_constraint(
         {"anyOf": calls, "x-guidance": _JSON_OPTIONS} if len(calls) > 1 else {**calls[0], "x-guidance": _JSON_OPTIONS}
     )
     call = f'{start} "\\n" %json {orjson.dumps(schema).decode()} "\\n" {end}'
-    many = tool_choice == "required" or (isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools")
-    rules = 'answer: call ("\\n" call)*\n' if many else "answer: call\n"
+    many = parallel and (
+        tool_choice == "required" or (isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools")
+    )
+    calls_rule = 'call ("\\n" call)*' if many else "call"
+    rules = f"answer: {calls_rule}\n"
     if free:
-        rules = 'answer: call ("\\n" call)* | text\ntext: /(?s:.*)/\n'
+        rules = f"answer: {calls_rule} | text\ntext: /(?s:.*)/\n"
     return Constraint.of("tool_call", rules + "call: " + call + "\n")
 
 

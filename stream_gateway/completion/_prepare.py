@@ -351,7 +351,13 @@ class Preparer:
         the first grammar for a large vocabulary takes a while); 400 if it cannot be enforced."""
         by_format = response_format_constraint(body.response_format)
         tokenizer = self._engine.tokenizer
-        by_choice = tool_choice_constraint(body.tool_choice, body.tools, tokenizer, self._settings.tool_parser)
+        by_choice = tool_choice_constraint(
+            body.tool_choice,
+            body.tools,
+            tokenizer,
+            self._settings.tool_parser,
+            parallel=body.parallel_tool_calls is not False,
+        )
         if by_format is not None and by_choice is not None:
             raise InvalidRequest("response_format and a forced tool_choice cannot be combined", param="response_format")
         constraint = by_format or by_choice
