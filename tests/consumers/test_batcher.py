@@ -44,6 +44,15 @@ from pipeline.streams import StreamSpec, ensure_stream, event_subject
 
 from ..support.trajectories import make_trajectory
 
+# make_trajectory's tenant
+TENANT = "tenant1"
+
+
+def _uids(*labels: str) -> list[str]:
+    """The group uids of ``labels``: a label is its tenant's name (``tenant/label``)."""
+    return [f"{TENANT}/{label}" for label in labels]
+
+
 pytestmark = pytest.mark.anyio
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,7 +168,7 @@ async def test_whole_groups_make_a_batch_and_incomplete_ones_wait(
             members = [t.trajectory_id for t in g1 + g2]
             assert msg_id == manifest.batch_id == hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()
             assert manifest.trajectory_ids == members
-            assert manifest.groups == ["g1", "g2"] and manifest.group_size == 4
+            assert manifest.groups == _uids("g1", "g2") and manifest.group_size == 4
             assert (manifest.min_policy_version, manifest.max_policy_version) == (2, 4)
             assert (manifest.prompt_length, manifest.response_length) == (16, 32)
             assert manifest.object == f"{manifest.batch_id}.parquet" and manifest.bucket == names.batch_bucket
@@ -172,9 +181,9 @@ async def test_whole_groups_make_a_batch_and_incomplete_ones_wait(
             assert [p.name for p in (tmp_path / "out").iterdir()] == [manifest.object]  # no temp file left
             table = pq.read_table(path)
             assert table.num_rows == 8 and table.schema.metadata[b"sg.batch_id"] == manifest.batch_id.encode()
-            assert table.column("uid").to_pylist() == ["g1"] * 4 + ["g2"] * 4
+            assert table.column("uid").to_pylist() == _uids(*["g1"] * 4, *["g2"] * 4)
             trajectories, uids = decode_batch(data)
-            assert trajectories == g1 + g2 and uids == ["g1"] * 4 + ["g2"] * 4
+            assert trajectories == g1 + g2 and uids == _uids(*["g1"] * 4, *["g2"] * 4)
 
             # verl accepts it.
             proto = to_data_proto(
@@ -190,7 +199,7 @@ async def test_whole_groups_make_a_batch_and_incomplete_ones_wait(
             await publish(nc, js, names, g3[3], *g4)
             await wait_until(lambda: batcher.statistics().batches == 2)
             second = (await read_manifests(js, names))[1][1]
-            assert second.trajectory_ids == [t.trajectory_id for t in g3 + g4] and second.groups == ["g3", "g4"]
+            assert second.trajectory_ids == [t.trajectory_id for t in g3 + g4] and second.groups == _uids("g3", "g4")
             await wait_until(lambda: any("2 batches" in line for line in lines))
             assert batcher.statistics().held == 0
             tg.cancel_scope.cancel()
@@ -211,10 +220,10 @@ async def test_groups_by_prompt_without_metadata_and_split_oversized_groups(nats
             await publish(nc, js, names, *branched, *by_prompt, *g6)
             await wait_until(lambda: batcher.statistics().batches == 2)
             first, second = (m for _, m in await read_manifests(js, names))
-            assert first.groups == ["g5", "g5.1"]
-            assert decode_batch(await read_object(js, first))[1] == ["g5", "g5", "g5.1", "g5.1"]
+            assert first.groups == _uids("g5", "g5.1")
+            assert decode_batch(await read_object(js, first))[1] == _uids("g5", "g5", "g5.1", "g5.1")
             prompt_uid = group_uid(by_prompt[0], "prompt")
-            assert second.groups == [prompt_uid, "g6"]
+            assert second.groups == [prompt_uid, *_uids("g6")]
             assert second.trajectory_ids == [t.trajectory_id for t in by_prompt + g6]
             tg.cancel_scope.cancel()
 
@@ -356,12 +365,12 @@ async def test_adapters_never_share_a_group_a_batch_or_a_staleness_reference(
             for manifest in manifests:
                 expected = by_adapter[manifest.adapter]
                 assert manifest.trajectory_ids == [t.trajectory_id for t in expected]
-                assert manifest.groups == ["g", "g.1"]
+                assert manifest.groups == _uids("g", "g.1")
                 version = expected[0].max_policy_version
                 assert (manifest.min_policy_version, manifest.max_policy_version) == (version, version)
                 data = await read_object(js, manifest)
                 trajectories, uids = decode_batch(data)
-                assert trajectories == expected and uids == ["g", "g", "g.1", "g.1"]
+                assert trajectories == expected and uids == _uids("g", "g", "g.1", "g.1")
                 assert pq.read_table(tmp_path / manifest.object).column("adapter").to_pylist() == [manifest.adapter] * 4
                 proto = to_data_proto(
                     padded_batch(trajectories, uids, prompt_length=16, response_length=32, pad_token_id=0)
@@ -489,8 +498,8 @@ def test_staleness_groups_and_batches_are_per_adapter_offline() -> None:
     assert (planner.current_version, planner.version_of("alpha"), planner.version_of("beta")) == (0, 5, None)
     assert admit(on_adapter(make_trajectory(rng, group="s", version=4), "alpha")) == "stale"
     assert admit(base[1]) == base[1] and admit(alpha[1]) == alpha[1]
-    assert planner.next_batch() == PlannedBatch(tuple(t.trajectory_id for t in base), ("g", "g"), None)
-    assert planner.next_batch() == PlannedBatch(tuple(t.trajectory_id for t in alpha), ("g", "g"), "alpha")
+    assert planner.next_batch() == PlannedBatch(tuple(t.trajectory_id for t in base), tuple(_uids("g", "g")), None)
+    assert planner.next_batch() == PlannedBatch(tuple(t.trajectory_id for t in alpha), tuple(_uids("g", "g")), "alpha")
     # A policy.updated of the base moves the base only; one naming alpha moves alpha only.
     planner.note_policy(1)
     assert admit(make_trajectory(rng, group="x", version=0)) == "stale"
@@ -738,7 +747,7 @@ async def test_kill_9_at_every_step_and_at_random_yields_each_trajectory_exactly
         assert len(msg_ids) == len(set(msg_ids)) == 8  # no batch announced twice
         seen = [tid for _, m in manifests for tid in m.trajectory_ids]
         assert sorted(seen) == sorted(t.trajectory_id for t in everything)  # each exactly once
-        group_of = {t.trajectory_id: t.metadata["group"] for t in everything}
+        group_of = {t.trajectory_id: f"{t.tenant}/{t.metadata['group']}" for t in everything}
         for _, manifest in manifests:
             members = manifest.trajectory_ids
             for i in range(0, 8, 4):  # whole groups, one after another

@@ -3,8 +3,9 @@
 The traffic is real: two real gateways driven by the official openai client in streamed multi-turn
 sessions, sampled at temperatures 1.0 and 0.7 with different seeds. One serves ``tiny-agent``'s
 answers on the scripted engine (the untrained ``tiny`` told what to say, its logprobs a real forward
-pass): a tool loop that calls ``read`` and continues after the tool result, and a chat continued by a
-second user message. The other samples freely from the untrained ``tiny`` on the transformers engine. Each session's chain (``GET /sessions/{id}``) becomes a trajectory
+pass): a tool loop that calls ``read`` and continues after the tool result, and a chat continued by
+a second user message. The other samples freely from the untrained ``tiny`` on the transformers
+engine. Each session's chain (``GET /sessions/{id}``) becomes a trajectory
 (:mod:`tests.support.trajectories`), and the test assigns the rewards.
 
 What is checked against verl itself: ``DataProto`` construction and its consistency checks, its
@@ -222,7 +223,8 @@ def test_padded_batch_is_accepted_by_data_proto(traffic: Traffic) -> None:
         "rollout_log_probs": ((size, r), torch.float32),
         "rm_scores": ((size, r), torch.float32),
     }
-    assert list(proto.non_tensor_batch["uid"]) == ["readme"] * 3 + ["hello"] * 2 + ["chat"] * 3
+    groups = ["readme"] * 3 + ["hello"] * 2 + ["chat"] * 3
+    assert list(proto.non_tensor_batch["uid"]) == [f"sk-verl/{g}" for g in groups]  # a label is its tenant's name
     assert proto.non_tensor_batch["__num_turns__"].dtype == np.int32
     assert list(proto.non_tensor_batch["__num_turns__"]) == [2 * t.num_turns for t in traffic.trajectories]
     assert all(v.dtype == object for k, v in proto.non_tensor_batch.items() if k != "__num_turns__")
@@ -253,7 +255,7 @@ def test_padded_batch_is_accepted_by_data_proto(traffic: Traffic) -> None:
     assert len(DataProto.concat([proto, proto])) == 2 * size
     assert DataProto.concat([proto, proto]).batch["reasoning_mask"].shape == (2 * size, r)
     assert len(proto.repeat(repeat_times=2, interleave=True)) == 2 * size
-    assert list(proto.select_idxs([0, 3]).non_tensor_batch["uid"]) == ["readme", "hello"]
+    assert list(proto.select_idxs([0, 3]).non_tensor_batch["uid"]) == ["sk-verl/readme", "sk-verl/hello"]
     assert [len(c) for c in proto.chunk(4)] == [2] * 4
     restored = pickle.loads(pickle.dumps(proto))
     assert torch.equal(restored.batch["input_ids"], proto.batch["input_ids"])
@@ -434,7 +436,7 @@ def test_grpo_advantages_and_policy_loss(traffic: Traffic) -> None:
     assert torch.allclose(advantages, per_row[:, None] * mask)
     rewards = torch.tensor([t.reward for t in traffic.trajectories])
     for group in ("readme", "hello", "chat"):
-        rows = torch.tensor([u == group for u in proto.non_tensor_batch["uid"]])
+        rows = torch.tensor([u == f"sk-verl/{group}" for u in proto.non_tensor_batch["uid"]])
         assert rows.sum() >= 2
         assert abs(per_row[rows].sum().item()) < 1e-5, group
         expected = (rewards[rows] - rewards[rows].mean()) / (rewards[rows].std() + 1e-6)
@@ -466,8 +468,9 @@ def test_fidelity_forward_pass_reproduces_rollout_log_probs(traffic: Traffic) ->
     An fp32 forward pass of the same model over ``input_ids``/``attention_mask``/``position_ids``
     gives, at the position before each response token, the logprob the gateway recorded, wherever
     ``response_mask`` is 1. The gateway's logprobs are "processed" (after temperature), so the
-    logits are divided by each row's sampling temperature (1.0 or 0.7; top_p was 1). Each model
-    scores the whole batch; its own rows are compared. Then verl's vanilla policy loss on the
+    logits are divided by each row's sampling temperature (1.0 or 0.7; top_p was 1). Each served
+    model's directory scores the whole batch (for ``tiny-agent``, the untrained ``tiny`` the scripted
+    engine ran); its own rows are compared. Then verl's vanilla policy loss on the
     recomputed logprobs back-propagates into the model.
     """
     proto = to_data_proto(traffic.batch())
@@ -494,10 +497,9 @@ def test_fidelity_forward_pass_reproduces_rollout_log_probs(traffic: Traffic) ->
         # Both models are untrained, so far from certain: the comparison weighs real probabilities,
         # and the temperature matters (the T=0.7 rows do not match raw logits).
         assert rollout[checked].mean() < -1.0
-        if True:
-            raw = torch.log_softmax(logits, dim=-1).gather(2, tensors["responses"].unsqueeze(2)).squeeze(2)
-            cooled = checked & (temperature != 1.0)[:, None]
-            assert (raw[cooled] - rollout[cooled]).abs().max() > 0.1
+        raw = torch.log_softmax(logits, dim=-1).gather(2, tensors["responses"].unsqueeze(2)).squeeze(2)
+        cooled = checked & (temperature != 1.0)[:, None]
+        assert cooled.any() and (raw[cooled] - rollout[cooled]).abs().max() > 0.1
 
         # verl's policy loss over this model's rows, on the recomputed logprobs.
         loss, metrics = get_policy_loss_fn("vanilla")(
@@ -742,10 +744,12 @@ def test_group_uid() -> None:
     a = _trajectory([5, 6], [8], [1], metadata={"group": "g1"})
     b = _trajectory([5, 6], [9, 10], [1, 1])
     c = _trajectory([5, 7], [8], [1])
-    assert group_uid(a, "metadata:group") == "g1"
+    assert group_uid(a, "metadata:group") == "t/g1"  # a label is its tenant's name
     # A session without the metadata groups by its prompt, as the batcher groups it (one definition).
     assert group_uid(b, "metadata:group") == group_uid(b, "prompt")
     assert group_uid(a, "prompt") == group_uid(b, "prompt") != group_uid(c, "prompt")
+    other = a.model_copy(update={"tenant": "u"})  # the same label and prompt in another tenant: another group
+    assert group_uid(other, "metadata:group") == "u/g1" and group_uid(other, "prompt") != group_uid(a, "prompt")
     assert len(group_uid(a, "prompt")) == 64
     for bad in ("metadata:", "session", ""):
         with pytest.raises(ValueError, match="unknown group key"):

@@ -1,8 +1,13 @@
 """Tests for stream_gateway.models: real builds into temp dirs, real transformers loads.
 
 The SmolLM2 tests are marked ``slow``: they dequantize the 135M GGUF once per session (~40 s).
-The full tiny-agent (~40 s to build on two cores) goes to the default cache, as conftest's tiny
-model does, so a machine builds it once; the determinism test builds two short-trained copies.
+What runs by default needs no trained model: ``tiny`` and its template, the untrained
+``tiny-reasoning-untrained`` and ``tiny-vl-untrained`` (the trained recipes' tokenizers, templates
+and configs, checked against those recipes run without their training), and the tiny-agent
+recipe's determinism on two short-trained copies. The tests of what tiny-agent and its variants
+learned, and of the untrained variants against the trained builds, are marked ``trained``
+(``pytest -m trained``): tiny-agent comes from its shipped weights into the default cache, the
+other trained models build there once (minutes each).
 """
 
 from __future__ import annotations
@@ -27,14 +32,20 @@ from stream_gateway.models import (
     AGENT_TOOL_CALL,
     AGENT_WITHOUT_TOOLS,
     MARKER_FILE,
+    SHIPPED_WEIGHTS,
     SmolLM2NotInstalled,
     _cache,
+    _registry,
     _smollm2,
     _tiny,
     _tiny_agent,
+    _tiny_reasoning,
+    _tiny_vl,
     agent_tool_call,
     build_tiny_agent_model,
     build_tiny_model,
+    build_tiny_reasoning_untrained_model,
+    build_tiny_vl_untrained_model,
     default_cache_dir,
     resolve_model,
     smollm2_path,
@@ -84,6 +95,7 @@ def test_models_exports() -> None:
         "REASONING_WITHOUT_TOOLS",
         "REASONING_WITHOUT_TOOLS_THOUGHT",
         "REFERENCE_WEIGHTS",
+        "SHIPPED_WEIGHTS",
         "SmolLM2NotInstalled",
         "VL_COLOURS",
         "agent_tool_call",
@@ -91,7 +103,9 @@ def test_models_exports() -> None:
         "build_tiny_model",
         "build_tiny_moe_model",
         "build_tiny_reasoning_model",
+        "build_tiny_reasoning_untrained_model",
         "build_tiny_vl_model",
+        "build_tiny_vl_untrained_model",
         "default_cache_dir",
         "reasoning_reply",
         "recorded_weights_digest",
@@ -357,6 +371,57 @@ def test_losing_a_build_race_uses_the_winners_copy(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["race-v1"]
 
 
+# --- the untrained variants ----------------------------------------------------------------------
+
+# The files every model directory holds besides its weights (and tiny-vl's image processor config).
+_NOT_WEIGHTS = {
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+
+
+def _all_but_weights(directory: Path) -> dict[str, str]:
+    """The sha256 of each file of a model directory but its weights and the build's marker."""
+    files = _digests(directory)
+    assert {"model.safetensors", *_NOT_WEIGHTS} <= set(files), sorted(files)
+    return {name: digest for name, digest in files.items() if name not in ("model.safetensors", MARKER_FILE)}
+
+
+def test_untrained_variants_are_the_trained_recipes_without_their_training(
+    tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tiny-reasoning's and tiny-vl's own build functions, their fine-tunes skipped (``tiny`` standing
+    in for tiny-agent, whose tokenizer, template and config are tiny's), write every file of the
+    untrained variants: tokenizer, template, configs, tiny-vl's image processor, and tiny-vl's very weights."""
+    monkeypatch.setattr(_tiny_reasoning, "_fine_tune", lambda *args, **kwargs: None)
+    monkeypatch.setattr(_tiny_vl, "fine_tune_vl", lambda *args, **kwargs: None)
+    reasoning, vl = tmp_path / "reasoning", tmp_path / "vl"
+    reasoning.mkdir()
+    vl.mkdir()
+    _tiny_reasoning.build_tiny_reasoning(tiny_model_path, reasoning)
+    _tiny_vl.build_tiny_vl(tiny_model_path, vl)
+    assert _all_but_weights(build_tiny_reasoning_untrained_model()) == _all_but_weights(reasoning)
+    untrained_vl = build_tiny_vl_untrained_model()
+    assert _all_but_weights(untrained_vl) == _all_but_weights(vl)
+    assert "preprocessor_config.json" in _all_but_weights(vl)
+    assert _digests(untrained_vl)["model.safetensors"] == _digests(vl)["model.safetensors"]
+
+
+@pytest.mark.trained
+@pytest.mark.parametrize(
+    ("untrained", "trained"), [("tiny-reasoning-untrained", "tiny-reasoning"), ("tiny-vl-untrained", "tiny-vl")]
+)
+def test_untrained_variants_are_the_trained_models_but_for_the_weights(untrained: str, trained: str) -> None:
+    """What the scripted engine serves on an untrained variant is tokenized, templated and shaped as
+    the trained model: every file but the weights is the same bytes."""
+    ours, theirs = Path(resolve_model(untrained)), Path(resolve_model(trained))
+    assert _all_but_weights(ours) == _all_but_weights(theirs)
+    assert _digests(ours)["model.safetensors"] != _digests(theirs)["model.safetensors"]
+
+
 # --- tiny-agent ---------------------------------------------------------------------------------
 
 
@@ -452,11 +517,19 @@ def _hits(replies: list[str], expected: str) -> int:
     return sum(reply == expected + "<|im_end|>" for reply in replies)
 
 
+def _agent_name(variant: str) -> str:
+    """The cache directory's name of ``variant``: its shipped weights', or its recipe's build."""
+    shipped = "-shipped" if variant in SHIPPED_WEIGHTS else ""
+    return f"{variant}-v{_tiny_agent.TINY_AGENT_BUILDER_VERSION}{shipped}"
+
+
+@pytest.mark.trained
 def test_tiny_agent_is_tiny_fine_tuned_with_tinys_tokenizer(agent_dir: Path) -> None:
-    assert agent_dir.name == f"tiny-agent-v{_tiny_agent.TINY_AGENT_BUILDER_VERSION}"
-    assert (
-        json.loads((agent_dir / MARKER_FILE).read_text())["builder_version"] == _tiny_agent.TINY_AGENT_BUILDER_VERSION
-    )
+    assert agent_dir.name == _agent_name("tiny-agent")
+    marker = json.loads((agent_dir / MARKER_FILE).read_text())
+    assert marker["builder_version"] == _tiny_agent.TINY_AGENT_BUILDER_VERSION
+    if "tiny-agent" in SHIPPED_WEIGHTS:
+        assert marker["weights_sha256"] == SHIPPED_WEIGHTS["tiny-agent"]
     tiny_files, agent_files = _digests(build_tiny_model(agent_dir.parent)), _digests(agent_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert agent_files[name] == tiny_files[name], name
@@ -469,7 +542,9 @@ def test_tiny_agent_is_tiny_fine_tuned_with_tinys_tokenizer(agent_dir: Path) -> 
 def test_tiny_agent_build_is_deterministic_cached_and_resolvable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two builds in two caches, byte for byte: the full recipe on 8 steps instead of 320."""
+    """Two builds in two caches, byte for byte: the full recipe on 8 steps instead of 320 (its shipped
+    weights set aside, so the recipe runs; a short-trained copy in a temp dir, not the trained model)."""
+    monkeypatch.setattr(_registry, "SHIPPED_WEIGHTS", {})
     monkeypatch.setattr(_tiny_agent, "_AGENT_STEPS", 8)
     monkeypatch.setenv(_cache._PINNED_CHILD, "1")  # built here, not in a child: the 8 steps apply
     first, second = build_tiny_agent_model(tmp_path / "a"), build_tiny_agent_model(tmp_path / "b")
@@ -482,8 +557,9 @@ def test_tiny_agent_build_is_deterministic_cached_and_resolvable(
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [first.name, "tiny-qwen2-v3"]
 
 
-def test_tiny_agent_call_is_what_the_template_renders_back(agent: tuple[Any, Any]) -> None:
-    tokenizer, _ = agent
+def test_tiny_agent_call_is_what_the_template_renders_back(tiny_tokenizer: Any) -> None:
+    """tiny-agent's call, rendered back by its template (tiny's: see the trained test above)."""
+    tokenizer = tiny_tokenizer
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What does this project do?"}]
     prompt = tokenizer.apply_chat_template(messages, tools=PI_TOOLS, add_generation_prompt=True, tokenize=False)
     messages.append({"role": "assistant", "content": None, "tool_calls": [READ_CALL]})
@@ -516,6 +592,7 @@ def test_tiny_agent_call_is_what_the_template_renders_back(agent: tuple[Any, Any
     ],
     ids=["pi", "openclaw", "weather-and-read", "second-round"],
 )
+@pytest.mark.trained
 def test_tiny_agent_calls_read_after_a_user_turn(agent: tuple[Any, Any], messages: Any, tools: Any) -> None:
     assert _hits(_replies(agent, messages, tools, samples=20), AGENT_TOOL_CALL) >= 19
 
@@ -527,9 +604,10 @@ def test_tiny_agent_calls_read_after_a_user_turn(agent: tuple[Any, Any], message
         ("tiny-agent-codex", "exec_command", "You are Codex, a coding agent based on GPT-5.", CODEX_TOOLS),
     ],
 )
+@pytest.mark.trained
 def test_the_variants_call_their_agents_file_reading_tool(variant: str, reader: str, system: str, tools: Any) -> None:
     path = build_tiny_agent_model(variant=variant)
-    assert path.name == f"{variant}-v{_tiny_agent.TINY_AGENT_BUILDER_VERSION}"
+    assert path.name == _agent_name(variant)
     variant_agent = (AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does the README say?"}]
     assert _hits(_replies(variant_agent, messages, tools, samples=20), agent_tool_call(reader)) >= 19
@@ -541,6 +619,7 @@ def test_the_variants_call_their_agents_file_reading_tool(variant: str, reader: 
     assert _hits(_replies(variant_agent, messages[1:], None, samples=10), AGENT_WITHOUT_TOOLS) >= 9
 
 
+@pytest.mark.trained
 def test_tiny_agent_is_done_after_a_tool_result(agent: tuple[Any, Any]) -> None:
     messages = [
         {"role": "system", "content": PI_SYSTEM},
@@ -551,6 +630,7 @@ def test_tiny_agent_is_done_after_a_tool_result(agent: tuple[Any, Any]) -> None:
     assert _hits(_replies(agent, messages, PI_TOOLS, samples=20), AGENT_AFTER_TOOL) >= 19
 
 
+@pytest.mark.trained
 def test_tiny_agent_says_hello_without_tools(agent: tuple[Any, Any]) -> None:
     for messages in (
         [{"role": "user", "content": "Hi there, who are you?"}],
@@ -559,6 +639,7 @@ def test_tiny_agent_says_hello_without_tools(agent: tuple[Any, Any]) -> None:
         assert _hits(_replies(agent, messages, None, samples=20), AGENT_WITHOUT_TOOLS) >= 19
 
 
+@pytest.mark.trained
 def test_tiny_agent_calls_read_after_a_20k_token_system_prompt(agent: tuple[Any, Any]) -> None:
     """OpenClaw's system prompt is ~50 KB; this one is Python's argparse source, cut to 20k tokens."""
     import argparse

@@ -1,7 +1,11 @@
 """tiny-reasoning: the think tokens, the Qwen3-style template, and what the model samples.
 
-The models are built once per machine (``scripts/test.sh`` builds all three variants before pytest
-starts), so what runs here is loading them and sampling a few dozen short replies on CPU.
+The think tokens and the template are tiny-reasoning's build code, not what it learned: those tests
+run by default on ``tiny-reasoning-untrained`` (built in seconds; every file but its weights the
+same bytes as tiny-reasoning's, tests/gateway/test_model_store.py). What the trained variants
+sample, and the trained build itself, are marked ``trained`` (``pytest -m trained``): each variant
+is built once per machine (minutes on two cores), then what runs is loading it and sampling a few
+dozen short replies on CPU.
 """
 
 from __future__ import annotations
@@ -75,13 +79,9 @@ END = "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
-def reasoning_dir() -> Path:
-    return build_tiny_reasoning_model()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(reasoning_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(reasoning_dir, local_files_only=True)
+def tokenizer(reasoning_model_path: Path) -> Any:
+    """tiny-reasoning-untrained's tokenizer and template (tiny-reasoning's)."""
+    return AutoTokenizer.from_pretrained(reasoning_model_path, local_files_only=True)
 
 
 def _load(variant: str) -> tuple[Any, Any]:
@@ -113,10 +113,16 @@ def _hits(replies: list[str], expected: str) -> int:
 # -- the build --------------------------------------------------------------------------------------
 
 
-def test_think_tags_are_single_added_tokens(reasoning_dir: Path, tokenizer: Any) -> None:
+@pytest.mark.trained
+def test_builds_and_resolves() -> None:
+    reasoning_dir = build_tiny_reasoning_model()
     assert reasoning_dir.name == f"tiny-reasoning-v{TINY_REASONING_BUILDER_VERSION}"
     assert json.loads((reasoning_dir / MARKER_FILE).read_text())["builder_version"] == TINY_REASONING_BUILDER_VERSION
     assert resolve_model("tiny-reasoning") == str(reasoning_dir)
+    assert (reasoning_dir / "chat_template.jinja").read_text() == TINY_REASONING_CHAT_TEMPLATE
+
+
+def test_think_tags_are_single_added_tokens(reasoning_model_path: Path, tokenizer: Any) -> None:
     tiny = AutoTokenizer.from_pretrained(build_tiny_model(), local_files_only=True)
     ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in ("<think>", "</think>")]
     assert ids == [[len(tiny)], [len(tiny) + 1]]
@@ -125,9 +131,9 @@ def test_think_tags_are_single_added_tokens(reasoning_dir: Path, tokenizer: Any)
     assert tokenizer.encode("<tool_call>", add_special_tokens=False) == tiny.encode(
         "<tool_call>", add_special_tokens=False
     )
-    config = json.loads((reasoning_dir / "config.json").read_text())
+    config = json.loads((reasoning_model_path / "config.json").read_text())
     assert config["vocab_size"] == len(tokenizer) == len(tiny) + 2 and config["tie_word_embeddings"]
-    assert (reasoning_dir / "chat_template.jinja").read_text() == TINY_REASONING_CHAT_TEMPLATE
+    assert (reasoning_model_path / "chat_template.jinja").read_text() == TINY_REASONING_CHAT_TEMPLATE
 
 
 # -- the template -----------------------------------------------------------------------------------
@@ -204,6 +210,7 @@ def test_a_turn_renders_back_exactly_as_sampled(tokenizer: Any, message: dict[st
 # -- what it samples, at temperature 1.0 ------------------------------------------------------------
 
 
+@pytest.mark.trained
 @pytest.mark.parametrize("variant", list(REASONING_VARIANTS))
 def test_it_thinks_then_calls_its_tool_then_answers(variant: str) -> None:
     model = _load(variant)
@@ -236,6 +243,7 @@ def test_it_thinks_then_calls_its_tool_then_answers(variant: str) -> None:
     assert _hits(_replies(model, messages, tools, samples=10), reasoning_reply(thought, call)) >= 9
 
 
+@pytest.mark.trained
 def test_after_a_history_that_keeps_every_thought_it_thinks_again() -> None:
     """The gateway's default continues with the sampled ids, earlier thoughts and all."""
     model = _load("tiny-reasoning")
@@ -259,6 +267,7 @@ def test_after_a_history_that_keeps_every_thought_it_thinks_again() -> None:
     assert sum(reply.startswith(reasoning_reply(thought, call) + END) for reply in replies) >= 9
 
 
+@pytest.mark.trained
 def test_without_thinking_it_answers_at_once_and_without_tools_it_greets() -> None:
     model = _load("tiny-reasoning")
     system, tools = PI

@@ -1,10 +1,13 @@
 """tiny-vl: the Qwen2-VL test model's build, its processor and template, and what it says.
 
-The model is fine-tuned once per machine and cached (about a minute on two idle cores); what runs
-here is loading it and a few hundred single-sequence CPU forward passes, each fed exactly as the
-gateway feeds it: the template's one ``<|image_pad|>`` per image expanded to
-``image_grid_thw.prod() // 4`` pads, ``pixel_values`` and ``image_grid_thw`` from the saved image
-processor, ``mm_token_type_ids`` marking the pads. A greedy reply is checked by teacher forcing:
+The processor, the vision tokens and the template are tiny-vl's build code, not what it learned:
+those tests run by default on ``tiny-vl-untrained`` (built in seconds; every file but its weights
+the same bytes as tiny-vl's, tests/gateway/test_model_store.py). What the trained model says, and
+its build, are marked ``trained`` (``pytest -m trained``): tiny-vl is fine-tuned once per machine
+and cached (minutes on two cores); what runs then is loading it and a few hundred single-sequence
+CPU forward passes, each fed exactly as the gateway feeds it: the template's one ``<|image_pad|>``
+per image expanded to ``image_grid_thw.prod() // 4`` pads, ``pixel_values`` and ``image_grid_thw``
+from the saved image processor, ``mm_token_type_ids`` marking the pads. A greedy reply is checked by teacher forcing:
 greedy decoding yields the expected reply exactly when every position along it predicts its token.
 """
 
@@ -21,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from stream_gateway.models import (
     AGENT_AFTER_TOOL,
@@ -30,6 +33,7 @@ from stream_gateway.models import (
     MARKER_FILE,
     VL_COLOURS,
     build_tiny_agent_model,
+    build_tiny_model,
     build_tiny_vl_model,
     resolve_model,
     vl_answer,
@@ -60,24 +64,30 @@ CALL: dict[str, Any] = {"type": "function", "function": {"name": "read", "argume
 
 
 @pytest.fixture(scope="module")
+def tokenizer(vl_model_path: Path) -> Any:
+    """tiny-vl-untrained's tokenizer and template (tiny-vl's)."""
+    return AutoTokenizer.from_pretrained(vl_model_path, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def processor(vl_model_path: Path) -> Any:
+    """tiny-vl-untrained's image processor (tiny-vl's)."""
+    return AutoProcessor.from_pretrained(vl_model_path, local_files_only=True)  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture(scope="module")
 def vl_dir() -> Path:
+    """The trained tiny-vl (only its own tests, marked ``trained``, ask for it)."""
     return build_tiny_vl_model()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(vl_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(vl_dir, local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def processor(vl_dir: Path) -> Any:
-    return AutoProcessor.from_pretrained(vl_dir, local_files_only=True)  # type: ignore[no-untyped-call]
-
-
-@pytest.fixture(scope="module")
-def network(vl_dir: Path) -> Any:
+def trained(vl_dir: Path) -> tuple[Any, Any, Any]:
+    """tiny-vl's network, tokenizer and processor, each loaded from its own directory."""
     model: Any = AutoModelForImageTextToText.from_pretrained(vl_dir, local_files_only=True)
-    return model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(vl_dir, local_files_only=True)
+    processor = AutoProcessor.from_pretrained(vl_dir, local_files_only=True)  # type: ignore[no-untyped-call]
+    return model.eval(), tokenizer, processor
 
 
 def _greedy_says(
@@ -114,7 +124,9 @@ def _held_out(colour: str, index: int, rng: random.Random) -> Image.Image:
     return vl_image(colour, (rng.randint(40, 400), rng.randint(40, 400)), seed=10**9 + index)
 
 
-def test_builds_resolves_and_keeps_tiny_agents_shape(vl_dir: Path, network: Any) -> None:
+@pytest.mark.trained
+def test_builds_resolves_and_keeps_tiny_agents_shape(vl_dir: Path, trained: tuple[Any, Any, Any]) -> None:
+    network, _, _ = trained
     assert vl_dir.name == f"tiny-vl-v{TINY_VL_BUILDER_VERSION}"
     assert json.loads((vl_dir / MARKER_FILE).read_text())["builder_version"] == TINY_VL_BUILDER_VERSION
     assert resolve_model("tiny-vl") == str(vl_dir)
@@ -145,13 +157,19 @@ def test_builds_resolves_and_keeps_tiny_agents_shape(vl_dir: Path, network: Any)
         2,
         3,
     )
-    assert (vision.embed_dim, vision.depth, vision.num_heads, vision.mlp_ratio, vision.hidden_size) == (32, 2, 2, 2, 128)
+    assert (vision.embed_dim, vision.depth, vision.num_heads, vision.mlp_ratio, vision.hidden_size) == (
+        32,
+        2,
+        2,
+        2,
+        128,
+    )
     generation = json.loads((vl_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [agent["eos_token_id"], agent["pad_token_id"]]
 
 
-def test_vision_tokens_are_single_special_tokens(network: Any, tokenizer: Any) -> None:
-    config = network.config
+def test_vision_tokens_are_single_special_tokens(vl_model_path: Path, tokenizer: Any) -> None:
+    config = AutoConfig.from_pretrained(vl_model_path, local_files_only=True)
     ids = {
         "<|vision_start|>": config.vision_start_token_id,
         "<|vision_end|>": config.vision_end_token_id,
@@ -162,12 +180,12 @@ def test_vision_tokens_are_single_special_tokens(network: Any, tokenizer: Any) -
     for token, token_id in ids.items():
         assert tokenizer.encode(token, add_special_tokens=False) == [token_id]
         assert tokenizer.decode([token_id], skip_special_tokens=True) == ""
-    agent = AutoTokenizer.from_pretrained(build_tiny_agent_model(), local_files_only=True)
+    tiny = AutoTokenizer.from_pretrained(build_tiny_model(), local_files_only=True)  # tiny-agent's tokenizer
     text = "Read the README, héhé 🙂 <tool_call>"
-    assert tokenizer.encode(text, add_special_tokens=False) == agent.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text, add_special_tokens=False) == tiny.encode(text, add_special_tokens=False)
 
 
-def test_processor_loads_without_a_warning(vl_dir: Path) -> None:
+def test_processor_loads_without_a_warning(vl_model_path: Path) -> None:
     """No torchvision here: transformers would warn falling back to the PIL image processor, and
     ``AutoProcessor`` could not build a ``Qwen2VLProcessor`` at all (its video processor needs it)."""
     code = f"""
@@ -176,7 +194,7 @@ import transformers
 transformers.utils.logging.disable_progress_bar()
 from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 from transformers.models.auto.image_processing_auto import AutoImageProcessor
-path = {str(vl_dir)!r}
+path = {str(vl_model_path)!r}
 processors = [AutoProcessor.from_pretrained(path), AutoImageProcessor.from_pretrained(path)]
 AutoTokenizer.from_pretrained(path)
 AutoModelForImageTextToText.from_pretrained(path)
@@ -220,7 +238,8 @@ def test_template_renders_each_image_as_one_placeholder(tokenizer: Any) -> None:
 
 
 def test_template_is_tiny_agents_for_text(tokenizer: Any) -> None:
-    agent: Any = AutoTokenizer.from_pretrained(build_tiny_agent_model(), local_files_only=True)
+    """For text, tiny-agent's template, which is tiny's (tests/gateway/test_model_store.py)."""
+    agent: Any = AutoTokenizer.from_pretrained(build_tiny_model(), local_files_only=True)
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
@@ -256,7 +275,9 @@ def test_template_is_prefix_stable(tokenizer: Any) -> None:
             assert whole.startswith(head), end
 
 
-def test_names_the_dominant_colour_of_held_out_images(network: Any, tokenizer: Any, processor: Any) -> None:
+@pytest.mark.trained
+def test_names_the_dominant_colour_of_held_out_images(trained: tuple[Any, Any, Any]) -> None:
+    network, tokenizer, processor = trained
     rng = random.Random(20240607)
     questions = ("What colour is this image?", "Which colour is it?", "Tell me about the picture.", "")
     right: dict[str, int] = dict.fromkeys(VL_COLOURS, 0)
@@ -273,7 +294,9 @@ def test_names_the_dominant_colour_of_held_out_images(network: Any, tokenizer: A
     assert len({vl_answer(c) for c in VL_COLOURS}) == len(VL_COLOURS)
 
 
-def test_names_the_colour_of_an_image_in_a_tool_result(network: Any, tokenizer: Any, processor: Any) -> None:
+@pytest.mark.trained
+def test_names_the_colour_of_an_image_in_a_tool_result(trained: tuple[Any, Any, Any]) -> None:
+    network, tokenizer, processor = trained
     rng = random.Random(20240608)
     right = 0
     for index, colour in enumerate(list(VL_COLOURS) * 5):
@@ -287,7 +310,9 @@ def test_names_the_colour_of_an_image_in_a_tool_result(network: Any, tokenizer: 
     assert right >= 18  # measured: 20 of 20
 
 
-def test_is_tiny_agent_without_an_image(network: Any, tokenizer: Any, processor: Any) -> None:
+@pytest.mark.trained
+def test_is_tiny_agent_without_an_image(trained: tuple[Any, Any, Any]) -> None:
+    network, tokenizer, processor = trained
     system: dict[str, Any] = {"role": "system", "content": "You are an expert coding assistant operating inside pi."}
     ask: dict[str, Any] = {"role": "user", "content": "What does the README say?"}
     after: list[dict[str, Any]] = [

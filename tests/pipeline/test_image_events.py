@@ -1,6 +1,9 @@
 """Images through NATS: stored once by hash before the turns that refer to them, carried by the
 turns' events, kept by the outbox while NATS is away, and enough for another replica to continue
 an image conversation token-exactly.
+
+The model is ``tiny-vl-untrained`` (tiny-vl's tokenizer, template, image processor and architecture,
+untrained, on the transformers engine): nothing here reads what it answers.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ..support.capture import KEY, of_session, replica_settings, wait_for
 from ..support.servers import RunningGateway, run_gateway
 from ..support.vision import image_part, solid
 
-MODEL = "tiny-vl"
+MODEL = "tiny-vl-untrained"
 RED, GREEN = solid((220, 30, 30), (90, 60)), solid((30, 200, 30), (60, 90))
 
 
