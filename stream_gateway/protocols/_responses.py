@@ -135,6 +135,13 @@ class ResponsesRequest(_In):
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     truncation: str | None = None
+    # Echoed in the response object (strict clients validate it; they carry no sampling meaning here).
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
+    prompt_cache_key: str | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    background: bool | None = None
 
 
 def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
@@ -307,7 +314,18 @@ def _continued_chat(
     return chat
 
 
+def _refuse_unsupported(body: ResponsesRequest) -> None:
+    """Fields a strict client may send that this gateway cannot honour: refused by name."""
+    if body.background:
+        raise InvalidRequest("background responses are not supported: stream the response instead.", param="background")
+    if body.top_logprobs:
+        raise InvalidRequest(
+            "top_logprobs is not supported on /v1/responses (chat completions return them).", param="top_logprobs"
+        )
+
+
 def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    _refuse_unsupported(body)
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
     # Hosted tools (web_search, file_search, mcp ...), namespaces and custom (freeform) tools run
     # on OpenAI's side or need a grammar per tool: this gateway runs no tools, so they are not
@@ -454,7 +472,27 @@ def _shell(rid: str, created: int, model: str, body: ResponsesRequest, status: s
         "truncation": "disabled",
         "metadata": body.metadata or {},
         **({"user": body.user} if body.user is not None else {}),
+        # Every field the Open Responses schema requires, with what the request asked or the default
+        # (issue 58): null only where that schema allows it.
+        "completed_at": None,
+        "reasoning": _reasoning_config(body),
+        "max_tool_calls": body.max_tool_calls,  # it bounds built-in tools, which this gateway runs none of
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
+        "presence_penalty": 0.0,  # penalties are refused by chat's rules; a response never has one
+        "frequency_penalty": 0.0,
+        "top_logprobs": 0,  # more are refused (_refuse_unsupported)
+        "background": False,  # background responses are refused (_refuse_unsupported)
+        "service_tier": "default",
+        "usage": None,  # until the response ends (_finish)
     }
+
+
+def _reasoning_config(body: ResponsesRequest) -> dict[str, Any] | None:
+    """The request's ``reasoning`` as the response echoes it (``effort``, ``summary``), or null."""
+    if not body.reasoning:
+        return None
+    return {"effort": body.reasoning.get("effort"), "summary": body.reasoning.get("summary")}
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -496,6 +534,7 @@ def _finish(
         shell["incomplete_details"] = {"reason": "max_output_tokens"}
     else:
         shell["status"] = "completed"
+        shell["completed_at"] = int(time.time())
     shell["usage"] = _usage(input_tokens, output_tokens, reasoning_tokens)
 
 

@@ -37,7 +37,25 @@ def _with_nulls(node: Any) -> Any:
 
 @cache
 def _document(spec: str = "chat-completions") -> dict[str, Any]:
-    return _with_nulls(json.loads((SPECS / f"{spec}.schemas.json").read_text()))  # type: ignore[no-any-return]
+    document: dict[str, Any] = _with_nulls(json.loads((SPECS / f"{spec}.schemas.json").read_text()))
+    if spec == "responses":
+        # OpenAI's extract gives `usage` no null, yet its API and the Open Responses schema send
+        # `usage: null` until a response ends (response.created, response.in_progress): read as such.
+        response = document["components"]["schemas"]["Response"]["allOf"][-1]["properties"]
+        response["usage"] = {"anyOf": [response["usage"], {"type": "null"}]}
+    return document
+
+
+@cache
+def _open_responses() -> dict[str, Any]:
+    """What the Open Responses schema requires of a response object beyond OpenAI's (issue 58)."""
+    return json.loads((SPECS / "open-responses-required.json").read_text())  # type: ignore[no-any-return]
+
+
+def check_response(instance: Any) -> None:
+    """A response object as OpenAI's schema and the Open Responses schema's required fields want it."""
+    check(instance, "Response", "responses")
+    jsonschema.Draft202012Validator(_open_responses()).validate(instance)
 
 
 def check(instance: Any, schema: str, spec: str = "chat-completions") -> None:
@@ -348,14 +366,21 @@ def test_responses_bodies_and_events_match_openais_schemas(
     for target, body in cases:
         whole = httpx.post(f"{target.base_url}/v1/responses", json=body, timeout=120)
         assert whole.status_code == 200, whole.text
-        check(whole.json(), "Response", "responses")
+        check_response(whole.json())
+        assert whole.json()["completed_at"] is not None or whole.json()["status"] == "incomplete"
         with httpx.stream("POST", f"{target.base_url}/v1/responses", json={**body, "stream": True}, timeout=120) as r:
             events = _sse_events(r)
         for name, event in events:
             assert name == event["type"]
             check(event, _event_schema(name), "responses")
+            if "response" in event:  # created, in_progress, completed, incomplete: the whole object
+                check_response(event["response"])
             kinds.add(name)
-        check(events[-1][1]["response"], "Response", "responses")
+        assert [e["response"]["usage"] for n, e in events if n in ("response.created", "response.in_progress")] == [
+            None,
+            None,
+        ]
+        check_response(events[-1][1]["response"])
     assert {"response.function_call_arguments.delta", "response.function_call_arguments.done",
             "response.output_text.delta", "response.completed", "response.incomplete"} <= kinds  # fmt: skip
     refused = httpx.post(f"{gateway.base_url}/v1/responses", json={"model": "tiny", "input": []}, timeout=30)

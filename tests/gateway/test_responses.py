@@ -208,3 +208,19 @@ def test_a_responses_turn_makes_the_events_a_chat_turn_makes(
     assert chat_turn.prompt_ids == responses_turn.prompt_ids  # type: ignore[attr-defined]
     assert chat_turn.output_ids == responses_turn.output_ids  # type: ignore[attr-defined]
     assert responses_turn.content == response.output_text  # type: ignore[attr-defined]
+
+
+def test_a_strict_clients_fields_are_echoed_or_refused_by_name(agent_gateway: RunningGateway) -> None:
+    """Issue 58: what the request asked comes back in the response object; what cannot be honoured is a 400."""
+    url = f"{agent_gateway.base_url}/v1/responses"
+    asked = {"model": "tiny-agent", "input": "hi", "safety_identifier": "user-7", "prompt_cache_key": "k1",
+             "max_tool_calls": 3, "service_tier": "auto", "reasoning": {"effort": "low"}}  # fmt: skip
+    body = httpx.post(url, json=asked, timeout=60).json()
+    assert (body["safety_identifier"], body["prompt_cache_key"], body["max_tool_calls"]) == ("user-7", "k1", 3)
+    assert body["reasoning"] == {"effort": "low", "summary": None}
+    assert (body["background"], body["service_tier"], body["top_logprobs"]) == (False, "default", 0)
+    assert body["presence_penalty"] == body["frequency_penalty"] == 0.0
+    assert body["status"] == "completed" and body["completed_at"] >= body["created_at"]
+    for field, value in (("background", True), ("top_logprobs", 2)):
+        refused = httpx.post(url, json={"model": "tiny-agent", "input": "hi", field: value}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
