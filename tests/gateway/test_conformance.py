@@ -7,6 +7,8 @@ Every response body, stream chunk and error body here is validated against OpenA
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from collections.abc import Iterator
 from functools import cache
@@ -15,10 +17,14 @@ from typing import Any
 
 import httpx
 import jsonschema
+import pytest
 from langchain_openai import ChatOpenAI
+from PIL import Image
+
+from stream_gateway.engines import build_engine
 
 from ..support.agent_loop import READ_TOOL
-from ..support.servers import RunningGateway
+from ..support.servers import RunningGateway, run_gateway, scripted_settings
 
 SPECS = Path(__file__).parent / "openai_spec"
 
@@ -344,11 +350,35 @@ def _event_schema(event_type: str) -> str:
 RESPONSES_TOOL = {"type": "function", **READ_TOOL["function"]}  # type: ignore[dict-item]
 
 
+@pytest.fixture(scope="module")
+def vl_gateway(vl_model_path: Path) -> Iterator[RunningGateway]:
+    """The scripted engine on tiny-vl-untrained: it names an image's colour."""
+    settings = scripted_settings(vl_model_path, "tiny-vl")
+    with run_gateway(build_engine(settings), settings) as running:
+        yield running
+
+
+def _red_png() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (220, 40, 40)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 def test_responses_bodies_and_events_match_openais_schemas(
-    gateway: RunningGateway, agent_gateway: RunningGateway
+    gateway: RunningGateway, agent_gateway: RunningGateway, vl_gateway: RunningGateway
 ) -> None:
-    """Plain text on the tiny model, a function call by tiny-agent's script: bodies, events, errors."""
+    """Plain text on the tiny model; a system prompt; a function call by tiny-agent's script, and the
+    turn after its result (multi-turn); an image: bodies, events, errors."""
+    after_call = [
+        {"role": "user", "content": "What does the README say?"},
+        {"type": "function_call", "call_id": "c1", "name": "read", "arguments": '{"path": "README.md"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "# A project"},
+    ]
+    image = [{"role": "user", "content": [{"type": "input_text", "text": "Colour?"},
+                                          {"type": "input_image", "image_url": _red_png()}]}]  # fmt: skip
     cases = [
+        (agent_gateway, {"model": "tiny-agent", "input": after_call, "tools": [RESPONSES_TOOL]}),
+        (vl_gateway, {"model": "tiny-vl", "input": image}),
         (gateway, {"model": "tiny", "input": "Hello", "max_output_tokens": 6}),
         (
             gateway,
