@@ -1,13 +1,15 @@
 """The whole path, with real parts only: agent traffic → gateway → NATS → assembler → batcher → verl.
 
-Real multi-turn tool sessions (tiny-agent calling ``read`` and answering after the result; or
-tiny-reasoning, which thinks before each call and answer) and chats on the untrained tiny model go
-through gateways that capture into a real nats-server. The assembler and the batcher run as they
-do under ``stream-gateway up``. The batch they write is loaded as the verl adapter loads it,
-turned into verl's ``DataProto``, run through verl's GRPO advantage, and checked by a forward pass
-of the same models: the logprob of every response token the batch marks as sampled equals the
-one the gateway recorded while streaming it, thinking tokens included (they stay in the loss
-mask; ``reasoning_mask`` marks them).
+Real multi-turn tool sessions and chats go through gateways that capture into a real nats-server.
+The tool sessions come from the scripted engine on untrained models, served as ``tiny-agent`` (the
+tiny model: it calls ``read``, then answers after the result) or ``tiny-reasoning``
+(``tiny-reasoning-untrained``: it thinks before each call and answer); the chats from the untrained
+tiny model sampling on the transformers engine. The assembler and the batcher run as they do under
+``stream-gateway up``. The batch they write is loaded as the verl adapter loads it, turned into
+verl's ``DataProto``, run through verl's GRPO advantage, and checked by a forward pass of the same
+(untrained) models: the logprob of every response token the batch marks as sampled equals the one
+the gateway recorded while streaming it, thinking tokens included (they stay in the loss mask;
+``reasoning_mask`` marks them).
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.vision import image_digest
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_gateway.models import resolve_model
+from stream_gateway.models import resolve_model, vl_answer
 from stream_gateway.moe import replay_routes
 
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.images import image_part, png
 from ..support.lora import make_adapter
-from ..support.servers import RunningGateway, run_gateway
+from ..support.servers import RunningGateway, run_gateway, scripted_settings
 from ..support.waiting import wait_until
 
 ATOL = 2e-4
@@ -100,19 +102,22 @@ def _run_session(gateway: RunningGateway, model: str, group: str, seed: int, rew
 
 @pytest.mark.parametrize("agent", ["tiny-agent", "tiny-reasoning"])
 def test_agent_traffic_becomes_a_verl_batch_whose_logprobs_a_forward_pass_reproduces(
-    agent: str, tiny_model_path: Path, tmp_path: Path
+    agent: str, tiny_model_path: Path, reasoning_model_path: Path, tmp_path: Path
 ) -> None:
     workdir = tmp_path / "work"
     workdir.mkdir()
     (workdir / "README.md").write_text("The secret word is lighthouse.\n")
     batch_dir = tmp_path / "batches"
-    models = {agent: Path(resolve_model(agent)), "tiny": tiny_model_path}
+    # The agent on the scripted engine (untrained weights), the chats sampled by the untrained tiny.
+    models = {agent: tiny_model_path if agent == "tiny-agent" else reasoning_model_path, "tiny": tiny_model_path}
     with EmbeddedNatsServer() as server, consumers(server, batch_dir):
         sessions = []
         for name, path in models.items():
-            settings = Settings(
-                model=str(path), served_model_name=name, nats_url=server.url, outbox_dir=tmp_path / f"outbox-{name}"
-            )
+            options: dict[str, Any] = {"nats_url": server.url, "outbox_dir": tmp_path / f"outbox-{name}"}
+            if name == agent:
+                settings = scripted_settings(path, name, **options)
+            else:
+                settings = Settings(model=str(path), served_model_name=name, **options)
             group = "readme" if name == agent else "chat"
             with run_gateway(build_engine(settings), settings) as gateway:
                 for seed, reward in ((11, 1.0), (12, -1.0)):
@@ -121,7 +126,8 @@ def test_agent_traffic_becomes_a_verl_batch_whose_logprobs_a_forward_pass_reprod
     [batch_file] = list(batch_dir.glob("*.parquet"))
     trajectories, uids = decode_batch(batch_file.read_bytes())
     assert sorted(t.session_id for t in trajectories) == sorted(sessions)
-    assert sorted(uids) == ["chat", "chat", "readme", "readme"]
+    [tenant] = {t.tenant for t in trajectories}  # one key: a group label is that tenant's name
+    assert sorted(uids) == [f"{tenant}/{group}" for group in ("chat", "chat", "readme", "readme")]
     by_model = {t.model for t in trajectories}
     assert by_model == {agent, "tiny"}
     for trajectory in trajectories:
@@ -252,24 +258,29 @@ def test_adapter_traffic_becomes_a_verl_batch_of_that_adapter_whose_logprobs_pef
     torch.testing.assert_close(logprobs.squeeze(2)[mask], tensors["rollout_log_probs"][mask], atol=ATOL, rtol=0)
 
 
-def _run_image_session(gateway: RunningGateway, group: str, seed: int, reward: float, images: list[bytes]) -> str:
+def _run_image_session(
+    gateway: RunningGateway, group: str, seed: int, reward: float, images: list[bytes]
+) -> tuple[str, list[str]]:
     """A two-turn chat on tiny-vl: an image and a question, then another image and a question (the
-    first image sent again with the history), sampled at temperature 1, top_p 1; rated and closed."""
+    first image sent again with the history), at temperature 1, top_p 1; rated and closed. The
+    session's id and its answers."""
     session = f"vl{secrets.token_hex(4)}"
     base = f"{gateway.base_url}/sessions/{session}"
     sampling: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "seed": seed, "max_tokens": 12}
     messages: list[Any] = []
+    answers = []
     with OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=120, max_retries=0) as client:
         for image, question in zip(images, ("What colour is this?", "And this one?"), strict=True):
             messages.append({"role": "user", "content": [image_part(image), {"type": "text", "text": question}]})
             reply = client.chat.completions.create(
                 model="tiny-vl", messages=messages, metadata={"group": group}, **sampling
             )
-            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            answers.append(reply.choices[0].message.content or "")
+            messages.append({"role": "assistant", "content": answers[-1]})
     headers = {"authorization": f"Bearer {KEY}"}
     assert httpx.post(f"{base}/feedback", json={"score": reward}, headers=headers).is_success
     assert httpx.post(f"{base}/close", headers=headers).is_success
-    return session
+    return session, answers
 
 
 async def _stored_objects(url: str) -> list[str]:
@@ -284,25 +295,26 @@ async def _stored_objects(url: str) -> list[str]:
 
 
 def test_the_verl_batch_of_an_image_session_reproduces_every_recorded_logprob_from_the_batch_alone(
-    tmp_path: Path,
+    vl_model_path: Path, tmp_path: Path
 ) -> None:
-    """tiny-vl chats with images through NATS, the assembler, the batcher and the verl manager
-    (which fetches each image from ``sg_images``, processes it again and checks its pixel digest):
-    a forward pass of the Hugging Face model over only the batch's ``input_ids``, ``attention_mask``,
+    """Image chats (tiny-vl-untrained on the scripted engine, served as tiny-vl: it names the last
+    image's colour) through NATS, the assembler, the batcher and the verl manager (which fetches
+    each image from ``sg_images``, processes it again and checks its pixel digest): a forward pass
+    of the Hugging Face model over only the batch's ``input_ids``, ``attention_mask``,
     ``position_ids`` (rows 1-3: the multimodal rotary positions) and its rows' ``multi_modal_inputs``
-    reproduces every sampled logprob; the bucket holds each distinct image once."""
-    path = Path(resolve_model("tiny-vl"))
+    reproduces every recorded logprob; the bucket holds each distinct image once."""
+    path = vl_model_path
     red, blue = png((230, 20, 20)), png((20, 20, 230), (64, 120))
+    orders = {"red-first": ([red, blue], ["red", "blue"]), "blue-first": ([blue, red], ["blue", "red"])}
     with EmbeddedNatsServer() as server, consumers(server, tmp_path / "batches"):
-        settings = Settings(
-            model=str(path), served_model_name="tiny-vl", nats_url=server.url, outbox_dir=tmp_path / "o"
-        )
+        settings = scripted_settings(path, "tiny-vl", nats_url=server.url, outbox_dir=tmp_path / "o")
         with run_gateway(build_engine(settings), settings) as gateway:
-            sessions = [
-                _run_image_session(gateway, group, seed, reward, images)
-                for group, images in (("red-first", [red, blue]), ("blue-first", [blue, red]))
-                for seed, reward in ((11, 1.0), (12, -1.0))
-            ]
+            sessions = []
+            for group, (images, colours) in orders.items():
+                for seed, reward in ((11, 1.0), (12, -1.0)):
+                    session, answers = _run_image_session(gateway, group, seed, reward, images)
+                    assert answers == [vl_answer(colour) for colour in colours], answers  # each image reached it
+                    sessions.append(session)
         pad = AutoTokenizer.from_pretrained(path).pad_token_id
         with StreamAgentLoopManager(
             settings=StreamSettings(nats_url=server.url, prompt_length=512, response_length=512, pad_token_id=pad)

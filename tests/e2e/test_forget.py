@@ -27,7 +27,6 @@ from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import tenant_id
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
-from stream_stack.cli import main
 
 from ..support.servers import RunningGateway, free_port, run_gateway, wait_healthy
 from ..support.traces import file_traces, ids_text, nats_traces
@@ -100,7 +99,7 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             _consumer("assemble", nats.url, "--close-grace", "0.5", "--default-reward", "0.5", log=root / "a.log"),
             _consumer(
                 "batch", nats.url, "--batch-size", "3", "--output-dir", str(root / "batches"), log=root / "b.log"
-            ),  # fmt: skip
+            ),
         ]
         try:
             with run_gateway(build_engine(settings), settings) as running:

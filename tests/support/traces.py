@@ -35,9 +35,7 @@ def nats_traces(url: str, needles: Iterable[bytes]) -> list[str]:
                         msg = await js.get_msg(name, seq)
                     except Exception:  # deleted (a purge, a KV update): nothing there
                         continue
-                    raw = b"".join(
-                        (msg.subject.encode(), repr(msg.headers or {}).encode(), msg.data or b"")
-                    )
+                    raw = b"".join((msg.subject.encode(), repr(msg.headers or {}).encode(), msg.data or b""))
                     if any(n in raw for n in wanted):
                         found.append(f"{name}#{seq} {msg.subject}")
             return found
