@@ -432,7 +432,7 @@ def console_tokenizers(settings: Settings, model_name: str) -> dict[str, str]:
     """The served model's tokenizer directory for ``up``'s console (none for a hub id it would download)."""
     from stream_gateway.models import resolve_model
 
-    path = resolve_model(settings.model)  # built already: the engine loaded it
+    path = resolve_model(settings.model, settings.model_cache_dir)  # built already: the engine loaded it
     return {model_name: path} if Path(path).is_dir() else {}
 
 

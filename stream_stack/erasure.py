@@ -306,27 +306,43 @@ async def _purge(nc: Client, stream: str, subject: str) -> int:
 async def _purge_sessions(
     nc: Client, js: JetStreamContext, target: ErasureTarget, sessions: Iterable[str], *, whole_tenant: bool
 ) -> int:
-    """The shared session records, close markers and turn index entries."""
+    """The shared session records, close markers and turn index entries.
+
+    Records and close markers live under their tenant (``s.<tenant>.<session>``, ``c.<tenant>.<session>``:
+    a session id is a name within its tenant); a record of the layout before that (``s.<session>``) is
+    purged only when this tenant owns it, since another tenant may use the same id.
+    """
     from stream_gateway.sessions import SessionRecord
 
     bucket, stream = target.sessions_bucket, f"KV_{target.sessions_bucket}"
     owner = target.tenant_token  # the index's tenant digest is a safe token: itself
     purged = 0
     if whole_tenant:
-        purged += await _purge(nc, stream, f"$KV.{bucket}.k.{owner}.>")
+        for prefix in ("k", "s", "c"):
+            purged += await _purge(nc, stream, f"$KV.{bucket}.{prefix}.{owner}.>")
+
+    async def record(subject: str) -> SessionRecord | None:
+        try:
+            message = await js.get_last_msg(stream, subject)
+        except Exception:  # no record (never shared, or gone)
+            return None
+        return SessionRecord.from_json(orjson.loads(message.data)) if message.data else None
+
     for session_id in sessions:
         token = subject_token(session_id)
+        current = await record(f"$KV.{bucket}.s.{owner}.{token}")
+        legacy = await record(f"$KV.{bucket}.s.{token}")
+        legacy_ours = legacy is not None and subject_token(legacy.tenant) == owner
         if not whole_tenant:  # its index entries, named by its turns' conversation keys
-            try:
-                record = await js.get_last_msg(stream, f"$KV.{bucket}.s.{token}")
-                turns = SessionRecord.from_json(orjson.loads(record.data)).turns.values() if record.data else ()
-            except Exception:  # no record (never shared, or gone): nothing indexed either
-                turns = ()
-            for entry in turns:
-                if entry.key:
-                    purged += await _purge(nc, stream, f"$KV.{bucket}.k.{owner}.{entry.key.hex()}")
-        purged += await _purge(nc, stream, f"$KV.{bucket}.s.{token}")
-        purged += await _purge(nc, stream, f"$KV.{bucket}.c.{token}")
+            for found in (current, legacy if legacy_ours else None):
+                for entry in found.turns.values() if found is not None else ():
+                    if entry.key:
+                        purged += await _purge(nc, stream, f"$KV.{bucket}.k.{owner}.{entry.key.hex()}")
+            purged += await _purge(nc, stream, f"$KV.{bucket}.s.{owner}.{token}")
+            purged += await _purge(nc, stream, f"$KV.{bucket}.c.{owner}.{token}")
+        if legacy_ours:
+            purged += await _purge(nc, stream, f"$KV.{bucket}.s.{token}")
+            purged += await _purge(nc, stream, f"$KV.{bucket}.c.{token}")
     return purged
 
 

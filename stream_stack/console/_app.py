@@ -293,8 +293,7 @@ def _sessions(app: FastAPI, api: ConsoleApi) -> None:
             if len(owners) > 1:
                 raise ConsoleError(
                     400,
-                    f"{len(owners)} tenants have a session `{session_id}` ({', '.join(owners)}): name one with "
-                    "tenant=",
+                    f"{len(owners)} tenants have a session `{session_id}` ({', '.join(owners)}): name one with tenant=",
                     "invalid_request_error",
                     "ambiguous_session",
                     "tenant",
