@@ -1,10 +1,11 @@
 """The ``vllm-http`` engine in front of real servers: two gateway processes serving ``tiny-agent``
-through vLLM's token-in API (``/v1/completions``), all over sockets.
+(the scripted engine on the untrained ``tiny``: tiny-agent's answers, real logprobs) through
+vLLM's token-in API (``/v1/completions``), all over sockets.
 
 The front gateway (``--engine vllm-http``) renders chat, parses tool calls and records sessions;
-the upstream processes only sample token ids. What the front records must be as token-exact as
-with an in-process engine: every sampled logprob equals a forward pass of the model over the
-chain. Then the pool: affinity, a server killed mid-stream, servers added and removed at run time
+the upstream processes only produce token ids. What the front records must be as token-exact as
+with an in-process engine: every recorded logprob equals a forward pass of the served (untrained)
+model over the chain. Then the pool: affinity, a server killed mid-stream, servers added and removed at run time
 (admin route and NATS KV bucket), and a client disconnect reaching the server. Routed experts of
 ``tiny-moe`` come through both protocols: from a gateway upstream (vLLM's per-choice npy) and from
 the SGLang stand-in (raw int32 in ``meta_info``).
@@ -16,6 +17,7 @@ import base64
 import contextlib
 import io
 import itertools
+import json
 import os
 import secrets
 import signal
@@ -45,8 +47,9 @@ from stream_gateway import Settings
 from stream_gateway.engines import EngineStep, ExpertShape, SamplingParams, build_engine
 from stream_gateway.engines._pool import _rank
 from stream_gateway.engines.remote import DIALECTS, Exchange, RemoteEngine, RouteCheck, UpstreamFailed, Wanted
+from stream_gateway.engines.scripted import ScriptedEngine
 from stream_gateway.engines.transformers import TransformersEngine
-from stream_gateway.models import resolve_model
+from stream_gateway.models import AGENT_AFTER_TOOL, AGENT_WITHOUT_TOOLS, resolve_model
 from stream_gateway.moe import decode_routes
 
 from ..support.agent_loop import READ_TOOL, drive_session
@@ -63,10 +66,12 @@ BUCKET = "SG_TEST_UPSTREAMS"
 
 
 class Upstream:
-    """One ``stream-gateway serve --engine transformers`` process on a fixed port."""
+    """One ``stream-gateway serve`` process on a fixed port: ``tiny-agent``'s answers (the scripted
+    engine) when ``scripted``, else plain ``tiny`` sampling (the transformers engine)."""
 
-    def __init__(self, model: Path, log_dir: Path) -> None:
+    def __init__(self, model: Path, log_dir: Path, *, scripted: bool) -> None:
         self.model = model
+        self.engine, self.served = ("scripted", "tiny-agent") if scripted else ("transformers", "tiny")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"upstream-{self.port}.log"
@@ -74,7 +79,8 @@ class Upstream:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--model", str(self.model),
-                   "--served-model-name", "tiny-agent", "--port", str(self.port), "--log-level", "warning"]  # fmt: skip
+                   "--engine", self.engine, "--served-model-name", self.served, "--port", str(self.port),
+                   "--log-level", "warning"]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
         with self.log.open("a") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
@@ -98,7 +104,7 @@ class Upstream:
 @pytest.fixture(scope="module")
 def upstreams(agent_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Upstream]]:
     log_dir = tmp_path_factory.mktemp("upstreams")
-    servers = [Upstream(agent_model_path, log_dir) for _ in range(2)]
+    servers = [Upstream(agent_model_path, log_dir, scripted=True) for _ in range(2)]
     try:
         for server in servers:
             server.start()
@@ -133,6 +139,7 @@ def front(
 
 @pytest.fixture(scope="module")
 def reference_model(agent_model_path: Path) -> Any:
+    """The served model itself (the untrained ``tiny`` under the script), for forward passes."""
     return AutoModelForCausalLM.from_pretrained(agent_model_path, dtype=torch.float32).eval()
 
 
@@ -188,11 +195,19 @@ def test_a_tool_loop_through_vllm_http_is_token_exact_and_sticks_to_one_server(
         seed=7,
         max_tokens=64,
     )
-    assert any(m.get("tool_calls") for m in messages if m["role"] == "assistant"), messages
+    # tiny-agent's answers (the script): read the README, say it is done; again after the follow-up.
+    said = [
+        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in m["tool_calls"]]
+        if m.get("tool_calls")
+        else m["content"]
+        for m in messages
+        if m["role"] == "assistant"
+    ]
+    call = [("read", {"path": "README.md"})]
+    assert said == [call, AGENT_AFTER_TOOL, call, AGENT_AFTER_TOOL], messages
     session = httpx.get(f"{front.base_url}/sessions/{session_id}", headers={"authorization": f"Bearer {ADMIN}"}).json()
     turns = session["turns"]
-    assert len(turns) >= 3
-    assert all(t["finish_reason"] in ("stop", "tool_calls") for t in turns)
+    assert [t["finish_reason"] for t in turns] == ["tool_calls", "stop", "tool_calls", "stop"]
     # One chain: every later turn continues the previous one, reusing its sampled ids (T2).
     assert [t["parent_id"] for t in turns[1:]] == [t["turn_id"] for t in turns[:-1]]
     assert all(t["reused_prompt_tokens"] == len(p["prompt_ids"]) + len(p["output_ids"])
@@ -259,7 +274,8 @@ def test_a_server_killed_mid_stream_ends_the_stream_with_an_error_and_the_next_r
         reply = client.chat.completions.create(
             model="tiny-agent", messages=[{"role": "user", "content": "hello again"}], max_tokens=4
         )
-        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.choices[0].finish_reason == "length"  # the first 4 of "Hello from tiny-agent."'s 10 tokens
+        assert AGENT_WITHOUT_TOOLS.startswith(reply.choices[0].message.content or "-"), reply
     finally:  # the killed server comes back at its address, whatever happened (the next tests need it)
         if victim is not None:
             victim.start()
@@ -287,9 +303,9 @@ def test_a_client_disconnect_aborts_the_request_on_the_server(front: RunningGate
 
 
 def test_a_server_added_at_run_time_takes_traffic_and_a_removed_one_none(
-    front: RunningGateway, upstreams: list[Upstream], agent_model_path: Path, tmp_path: Path
+    front: RunningGateway, upstreams: list[Upstream], tiny_model_path: Path, tmp_path: Path
 ) -> None:
-    extra = Upstream(agent_model_path, tmp_path)
+    extra = Upstream(tiny_model_path, tmp_path, scripted=False)  # plain tiny: its answers are not read
     extra.start()
     try:
         added = _admin(front, {"add": [extra.url]})
@@ -323,9 +339,9 @@ def test_a_server_added_at_run_time_takes_traffic_and_a_removed_one_none(
 
 
 def test_servers_follow_a_nats_kv_bucket(
-    front: RunningGateway, agent_model_path: Path, nats_server: EmbeddedNatsServer, tmp_path: Path
+    front: RunningGateway, tiny_model_path: Path, nats_server: EmbeddedNatsServer, tmp_path: Path
 ) -> None:
-    extra = Upstream(agent_model_path, tmp_path)
+    extra = Upstream(tiny_model_path, tmp_path, scripted=False)
     extra.start()
 
     async def put(value: str | None) -> None:
@@ -363,14 +379,14 @@ def test_admin_routes_need_an_admin_key_and_valid_addresses(front: RunningGatewa
     assert response.status_code == 400
 
 
-def test_no_healthy_server_is_a_503_not_a_hang(agent_model_path: Path) -> None:
+def test_no_healthy_server_is_a_503_not_a_hang(tiny_model_path: Path) -> None:
     port = free_port()  # nothing listens there
-    settings = Settings(model=str(agent_model_path), engine="vllm-http", served_model_name="tiny-agent",
+    settings = Settings(model=str(tiny_model_path), engine="vllm-http", served_model_name="tiny",
                         upstreams=(f"http://127.0.0.1:{port}",), upstream_health_interval_seconds=0.2)  # fmt: skip
     with run_gateway(build_engine(settings), settings) as running:
         health = httpx.get(running.base_url + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["upstreams"][0]["healthy"] is False
-        body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "hi"}]}
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         response = httpx.post(running.base_url + "/v1/chat/completions", timeout=30, json=body)
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "engine_unavailable"
@@ -382,7 +398,7 @@ def test_no_healthy_server_is_a_503_not_a_hang(agent_model_path: Path) -> None:
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["cumulative-frames", "incremental-frames"])
 def test_sglang_http_streams_token_exact_turns(agent_model_path: Path, reference_model: Any, incremental: bool) -> None:
-    upstream_engine = TransformersEngine(agent_model_path, served_model_name="tiny-agent")
+    upstream_engine = ScriptedEngine(agent_model_path, served_model_name="tiny-agent")  # tiny-agent's call of read
     with serve_app(create_sglang_app(upstream_engine, incremental=incremental)) as url:
         settings = Settings(model=str(agent_model_path), engine="sglang-http", served_model_name="tiny-agent",
                             upstreams=(url,))  # fmt: skip
@@ -394,8 +410,9 @@ def test_sglang_http_streams_token_exact_turns(agent_model_path: Path, reference
                                                     stream=True, max_tokens=48, temperature=1.0, seed=5,
                                                     logprobs=True, top_logprobs=2)  # fmt: skip
             chunks = list(stream)
-            calls = [d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []]
-            assert calls and calls[0].function is not None and calls[0].function.name == "read"
+            calls = [d.function for c in chunks for ch in c.choices for d in ch.delta.tool_calls or [] if d.function]
+            assert [f.name for f in calls if f.name] == ["read"], calls
+            assert json.loads("".join(f.arguments or "" for f in calls)) == {"path": "README.md"}
             tops = [
                 e.top_logprobs
                 for c in chunks
@@ -419,29 +436,29 @@ def test_sglang_http_streams_token_exact_turns(agent_model_path: Path, reference
             assert turns[-1]["policy_version"] == 7 and turns[-1]["policy_versions"] == [[7, 0]]
 
 
-def test_sglang_http_reports_an_aborted_request_as_an_error(agent_model_path: Path) -> None:
-    upstream_engine = TransformersEngine(agent_model_path, served_model_name="tiny-agent")
+def test_sglang_http_reports_an_aborted_request_as_an_error(tiny_model_path: Path) -> None:
+    upstream_engine = TransformersEngine(tiny_model_path, served_model_name="tiny")
     with serve_app(create_sglang_app(upstream_engine, abort_after=3)) as url:
-        settings = Settings(model=str(agent_model_path), engine="sglang-http", served_model_name="tiny-agent",
+        settings = Settings(model=str(tiny_model_path), engine="sglang-http", served_model_name="tiny",
                             upstreams=(url,))  # fmt: skip
         with run_gateway(build_engine(settings), settings) as running:
             stream = _client(running).chat.completions.create(
-                model="tiny-agent", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=50,
+                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=50,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
             with pytest.raises(openai.APIError, match="aborted the request"):
                 list(stream)
 
 
-def test_a_server_too_busy_to_answer_its_check_stays_in_rotation_while_it_streams(agent_model_path: Path) -> None:
+def test_a_server_too_busy_to_answer_its_check_stays_in_rotation_while_it_streams(tiny_model_path: Path) -> None:
     """A server whose ``/health`` waits past the check's timeout while its streams flow (a real vLLM
     saturated on two cores did, and the pool's only server went out of rotation: 503 for every
     client while it served) is busy, not gone: it keeps taking requests. Once nothing streams from
     it, the same slow check takes it out."""
     delay = {"s": 0.0}
-    upstream_engine = TransformersEngine(agent_model_path, served_model_name="tiny-agent")
+    upstream_engine = TransformersEngine(tiny_model_path, served_model_name="tiny")
     with serve_app(create_sglang_app(upstream_engine, health_delay=lambda: delay["s"])) as url:
-        settings = Settings(model=str(agent_model_path), engine="sglang-http", served_model_name="tiny-agent",
+        settings = Settings(model=str(tiny_model_path), engine="sglang-http", served_model_name="tiny",
                             upstreams=(url,), admin_api_keys=(ADMIN,), upstream_health_interval_seconds=0.2,
                             upstream_health_timeout_seconds=0.3)  # fmt: skip
         with run_gateway(build_engine(settings), settings) as running:
@@ -449,7 +466,7 @@ def test_a_server_too_busy_to_answer_its_check_stays_in_rotation_while_it_stream
             delay["s"] = 2.0  # from now on every check times out
             chunks = []
             stream = _client(running).chat.completions.create(
-                model="tiny-agent", messages=[{"role": "user", "content": "hi"}], stream=True,
+                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
                 max_tokens=MANY_TOKENS, extra_body={"ignore_eos": True},
             )  # fmt: skip
             with ThreadPoolExecutor(1) as pool:
@@ -458,7 +475,7 @@ def test_a_server_too_busy_to_answer_its_check_stays_in_rotation_while_it_stream
                     wait_until(lambda: _entry(running, url)["slow_checks"] >= 3, "3 checks timed out while streaming")
                     assert _entry(running, url)["healthy"], _admin(running)
                     reply = _client(running).chat.completions.create(
-                        model="tiny-agent", messages=[{"role": "user", "content": "and you?"}], max_tokens=4
+                        model="tiny", messages=[{"role": "user", "content": "and you?"}], max_tokens=4
                     )
                     assert reply.choices[0].finish_reason in ("stop", "length")
                 finally:
@@ -704,7 +721,7 @@ def test_images_through_a_remote_engine_are_refused_saying_why(front: RunningGat
 
 
 def test_an_unexpected_error_in_a_health_check_marks_the_server_down_and_the_checks_go_on(
-    agent_model_path: Path,
+    tiny_model_path: Path,
 ) -> None:
     """A server answering ``/v1/models`` with a JSON list once raised out of a check and ended the
     health loop (and the engine's task group with it): no server was ever checked again."""
@@ -723,7 +740,7 @@ def test_an_unexpected_error_in_a_health_check_marks_the_server_down_and_the_che
 
     app = Starlette(routes=[Route("/health", health), Route("/v1/models", models)])
     with serve_app(app) as url:
-        settings = Settings(model=str(agent_model_path), engine="vllm-http", served_model_name="tiny-agent",
+        settings = Settings(model=str(tiny_model_path), engine="vllm-http", served_model_name="tiny",
                             upstreams=(url,), upstream_health_interval_seconds=0.1)  # fmt: skip
 
         async def scenario() -> None:
@@ -733,11 +750,13 @@ def test_an_unexpected_error_in_a_health_check_marks_the_server_down_and_the_che
                 upstream = next(iter(engine.pool))
                 await anyio.sleep(0.5)  # five checks
                 assert not upstream.healthy and "AttributeError" in (upstream.last_error or "")
-                answer["models"] = {"data": [{"id": "tiny-agent", "max_model_len": 4096}]}
+                answer["models"] = {"data": [{"id": "tiny", "max_model_len": 4096}]}
                 with anyio.fail_after(10):  # the checks went on: the fixed answer is seen
-                    while not upstream.healthy:
+                    while True:
+                        if upstream.healthy:
+                            break
                         await anyio.sleep(0.05)
-                assert upstream.model == "tiny-agent"
+                assert upstream.model == "tiny"
 
         anyio.run(scenario)
 

@@ -36,8 +36,10 @@ documents and implements it (``python/sglang/srt/entrypoints/http_server.py``,
   error frame (``{"error": {"message": "The following requested LoRA adapters are not loaded:
   ..."}}``, status 200). The engine must have been built with ``loras=`` to hold adapters.
 
-The sampling itself is our ``transformers`` engine, so what the gateway records through this
-server can be checked against a forward pass like any other engine's output.
+The sampling itself is our ``transformers`` engine (or its subclass the ``scripted`` engine, where a
+test needs a particular answer, such as tiny-agent's tool call, from an untrained model), so what
+the gateway records through this server can be checked against a forward pass like any other
+engine's output.
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ class VllmServer:
         return pattern.findall(self.log.read_text(errors="replace"))
 
     def metric(self, name: str) -> float:
-        """The sum of a Prometheus metric's samples on ``/metrics`` (every label set)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        """The sum of a Prometheus metric's samples on ``/metrics`` (every label set). (Up to 30 s:
+        an API server busy writing a long answer's frames on a loaded machine answers late.)"""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
         total = 0.0
         for line in text.splitlines():
             if line.startswith(name) and (line[len(name)] in " {"):

@@ -4,7 +4,8 @@ The benchmark's vLLM/SGLang-like server is only worth its figures if the ``vllm-
 ``sglang-http`` engines read its frames as they read a real server's: every token id of the
 passage in order, its logprob, ``k`` alternatives, the finish reason. Its chat endpoint must carry
 the same tokens as text (what LiteLLM relays in ``benchmarks/relay.py``). The server runs on its
-own event loop in a thread; the engines and httpx are the real clients.
+own event loop in a thread; the engines and httpx are the real clients. The passage is tokenized
+with the untrained ``tiny`` model's tokenizer (no weights are read), served as ``tiny``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ paced_upstream = _load()
 
 
 @pytest.fixture(scope="module")
-def cycle(agent_model_path: Path) -> Any:
-    return paced_upstream.TokenCycle.from_model(agent_model_path)
+def cycle(tiny_model_path: Path) -> Any:
+    return paced_upstream.TokenCycle.from_model(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,9 @@ def paced(cycle: Any) -> Iterator[tuple[Any, str]]:
     """The server at 2,000 tokens/s per stream, 1 ms to the first token, EOS after 12 tokens without
     ignore_eos, and its URL."""
     loop = asyncio.new_event_loop()
-    server = paced_upstream.PacedUpstream(cycle, tokens_per_second=2000, first_token_s=0.001, stop_after=12)
+    server = paced_upstream.PacedUpstream(
+        cycle, tokens_per_second=2000, first_token_s=0.001, stop_after=12, served_model_name="tiny"
+    )
     listening = loop.run_until_complete(paced_upstream.start("127.0.0.1", 0, server))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -84,12 +87,12 @@ def _generate(engine: RemoteEngine, params: SamplingParams) -> list[EngineStep]:
 
 
 @pytest.mark.parametrize("protocol", ["vllm", "sglang"])
-def test_engines_read_one_token_per_step(agent_model_path: Path, cycle: Any, upstream_url: str,
+def test_engines_read_one_token_per_step(tiny_model_path: Path, cycle: Any, upstream_url: str,
                                          protocol: Literal["vllm", "sglang"]) -> None:  # fmt: skip
     """The passage's ids cycled, with logprobs and 3 alternatives each; ``length`` at the end. A step
     holds the frames that arrived in one read: one token each at this pace, unless the reader fell behind."""
-    engine = RemoteEngine(agent_model_path, protocol=protocol, upstreams=(upstream_url,),
-                          served_model_name="tiny-agent")  # fmt: skip
+    engine = RemoteEngine(tiny_model_path, protocol=protocol, upstreams=(upstream_url,),
+                          served_model_name="tiny")  # fmt: skip
     tokens = len(cycle.ids) + 5  # past the seam of the cycle
     steps = _generate(engine, SamplingParams(max_tokens=tokens, top_logprobs=3, ignore_eos=True))
     ids = [t for s in steps for t in s.token_ids]
@@ -100,15 +103,15 @@ def test_engines_read_one_token_per_step(agent_model_path: Path, cycle: Any, ups
     assert [s.finish_reason for s in steps] == [None] * (len(steps) - 1) + ["length"]
 
 
-def test_a_turn_without_ignore_eos_ends_with_eos(agent_model_path: Path, cycle: Any, upstream_url: str) -> None:
-    engine = RemoteEngine(agent_model_path, protocol="vllm", upstreams=(upstream_url,), served_model_name="tiny-agent")
+def test_a_turn_without_ignore_eos_ends_with_eos(tiny_model_path: Path, cycle: Any, upstream_url: str) -> None:
+    engine = RemoteEngine(tiny_model_path, protocol="vllm", upstreams=(upstream_url,), served_model_name="tiny")
     steps = _generate(engine, SamplingParams(max_tokens=40))
     assert sum(len(s.token_ids) for s in steps) == 12 and steps[-1].finish_reason == "stop"
     assert steps[-1].token_ids[-1] == cycle.eos_id
 
 
 def test_chat_carries_the_same_tokens_as_text(cycle: Any, upstream_url: str) -> None:
-    body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
     content, finish, usage = "", None, None
     with httpx.stream("POST", upstream_url + "/v1/chat/completions", json=body, timeout=30) as response:
@@ -129,20 +132,20 @@ def test_chat_carries_the_same_tokens_as_text(cycle: Any, upstream_url: str) -> 
 def test_health_models_and_refusals(upstream_url: str) -> None:
     assert httpx.get(upstream_url + "/health").status_code == 200
     card = httpx.get(upstream_url + "/v1/models").json()["data"][0]
-    assert card["id"] == "tiny-agent" and card["max_model_len"] == paced_upstream.DEFAULT_MAX_MODEL_LEN
-    assert httpx.get(upstream_url + "/get_model_info").json()["model_path"] == "tiny-agent"
+    assert card["id"] == "tiny" and card["max_model_len"] == paced_upstream.DEFAULT_MAX_MODEL_LEN
+    assert httpx.get(upstream_url + "/get_model_info").json()["model_path"] == "tiny"
     assert httpx.post(upstream_url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 400
     assert httpx.get(upstream_url + "/nowhere").status_code == 404
 
 
 @pytest.mark.parametrize("protocol", ["vllm", "sglang"])
-def test_sequential_turns_keep_one_connection(agent_model_path: Path, paced: tuple[Any, str],
+def test_sequential_turns_keep_one_connection(tiny_model_path: Path, paced: tuple[Any, str],
                                               protocol: Literal["vllm", "sglang"]) -> None:  # fmt: skip
     """vLLM writes ``data: [DONE]`` as its own chunk after the finishing frame (issue 38; the stand-in
     now does too): an engine that stops reading at the finish must still keep the connection, so
     six turns one after another use one connection, not six."""
     server, url = paced
-    engine = RemoteEngine(agent_model_path, protocol=protocol, upstreams=(url,), served_model_name="tiny-agent")
+    engine = RemoteEngine(tiny_model_path, protocol=protocol, upstreams=(url,), served_model_name="tiny")
 
     async def run() -> int:
         async with engine:
