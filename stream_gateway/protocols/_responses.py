@@ -58,10 +58,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel
 
 from stream_gateway._errors import GatewayError, InvalidRequest
 from stream_gateway.completion import (
@@ -73,6 +73,7 @@ from stream_gateway.completion import (
     PreparedCompletion,
 )
 from stream_gateway.protocols._edge import Call, EdgeBase, StreamStart
+from stream_gateway.protocols._responses_request import ResponsesRequest, refuse_unsupported
 from stream_gateway.reasoning import ThinkingSigner
 
 log = logging.getLogger(__name__)
@@ -89,59 +90,6 @@ __all__ = [
 _KEEP_BYTES = 256 * 1024 * 1024  # of held conversations, JSON-encoded (images are base64 in them)
 _KEEP = 10_000  # responses held for previous_response_id, per process
 _IMAGE_DETAILS = ("auto", "low", "high")  # the chat image part's; Responses' "original" is dropped
-
-
-class _In(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class FunctionTool(_In):
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class TextFormat(_In):
-    type: Literal["text", "json_schema", "json_object"]
-    name: str | None = None
-    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
-    strict: bool | None = None
-
-
-class TextConfig(_In):
-    format: TextFormat | None = None
-
-
-class ResponsesRequest(_In):
-    model: str
-    input: str | list[dict[str, Any]]
-    # What reading an earlier body of this conversation left (completion/_history.py HistoryLink).
-    _history: Any = PrivateAttr(default=None)
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    stream: bool = False
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, strict=True)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, strict=True)] | None = None
-    parallel_tool_calls: bool | None = None
-    previous_response_id: str | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    text: TextConfig | None = None
-    reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
-    truncation: str | None = None
-    # Echoed in the response object (strict clients validate it; they carry no sampling meaning here).
-    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
-    prompt_cache_key: str | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
-    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
-    background: bool | None = None
 
 
 def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
@@ -314,18 +262,8 @@ def _continued_chat(
     return chat
 
 
-def _refuse_unsupported(body: ResponsesRequest) -> None:
-    """Fields a strict client may send that this gateway cannot honour: refused by name."""
-    if body.background:
-        raise InvalidRequest("background responses are not supported: stream the response instead.", param="background")
-    if body.top_logprobs:
-        raise InvalidRequest(
-            "top_logprobs is not supported on /v1/responses (chat completions return them).", param="top_logprobs"
-        )
-
-
 def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
     # Hosted tools (web_search, file_search, mcp ...), namespaces and custom (freeform) tools run
     # on OpenAI's side or need a grammar per tool: this gateway runs no tools, so they are not
@@ -481,8 +419,8 @@ def _shell(rid: str, created: int, model: str, body: ResponsesRequest, status: s
         "prompt_cache_key": body.prompt_cache_key,
         "presence_penalty": 0.0,  # penalties are refused by chat's rules; a response never has one
         "frequency_penalty": 0.0,
-        "top_logprobs": 0,  # more are refused (_refuse_unsupported)
-        "background": False,  # background responses are refused (_refuse_unsupported)
+        "top_logprobs": 0,  # more are refused (_responses_request.refuse_unsupported)
+        "background": False,  # background responses are refused (_responses_request.refuse_unsupported)
         "service_tier": "default",
         "usage": None,  # until the response ends (_finish)
     }

@@ -135,7 +135,7 @@ def test_feedback_and_close_validate_their_input(capture_gateway: RunningGateway
     assert error(_post(capture_gateway, path, {"score": 1, "turn_id": "turnX"}), 404)["code"] == "turn_not_found"
     mismatch = _post(capture_gateway, f"/sessions/{session_id}/turns/{turn_id}/feedback", {"score": 1, "turn_id": "t2"})
     assert error(mismatch, 400)["param"] == "turn_id"
-    assert error(_post(capture_gateway, f"/sessions/{session_id}/close", key="sk-other"), 403)
+    assert error(_post(capture_gateway, f"/sessions/{session_id}/close", key="sk-other"), 404)  # as an unused id
 
     ok = _post(capture_gateway, path, {"score": -2.5, "turn_id": turn_id, "comment": "too short", "source": "judge"})
     assert ok.status_code == 200 and ok.json()["turn_id"] == turn_id

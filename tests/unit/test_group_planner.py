@@ -19,6 +19,8 @@ from consumers.verl_batch import group_uid
 
 from ..support.trajectories import make_trajectory
 
+T = "tenant1"  # make_trajectory's tenant: a group label is a name within its tenant (issue 55)
+
 
 class _Clock:
     def __init__(self) -> None:
@@ -45,7 +47,7 @@ def test_whole_groups_make_batches_in_completion_order_and_incomplete_ones_wait(
     _admit_all(planner, [g3[0], g1[0], g2[0], g1[1], g3[1], g2[1], g1[2], g2[2], g1[3], g3[2]])
     assert planner.next_batch() is None  # g1 whole, g2 and g3 not
     _admit_all(planner, [g2[3]])
-    assert planner.next_batch() == PlannedBatch(_ids(g1 + g2), ("g1",) * 4 + ("g2",) * 4)
+    assert planner.next_batch() == PlannedBatch(_ids(g1 + g2), (f"{T}/g1",) * 4 + (f"{T}/g2",) * 4)
     assert planner.next_batch() is None and planner.open_groups == 1
 
 
@@ -55,7 +57,7 @@ def test_oversized_groups_split_and_a_missing_metadata_key_groups_by_prompt() ->
     branched = [make_trajectory(rng, group="g5") for _ in range(4)]
     by_prompt = [make_trajectory(rng, group=None, prompt=[5, 6, 7, 8]) for _ in range(2)]
     _admit_all(planner, branched + by_prompt)
-    assert planner.next_batch() == PlannedBatch(_ids(branched), ("g5", "g5", "g5.1", "g5.1"))
+    assert planner.next_batch() == PlannedBatch(_ids(branched), (f"{T}/g5", f"{T}/g5", f"{T}/g5.1", f"{T}/g5.1"))
     uid = group_uid(by_prompt[0], "prompt")
     assert planner.next_batch() is None and planner.open_groups == 0
     _admit_all(planner, [make_trajectory(rng, group=None, prompt=[5, 6, 7, 8]) for _ in range(2)])
@@ -88,7 +90,7 @@ def test_a_group_with_a_dropped_member_is_released_whole() -> None:
     assert planner.admit(unrewarded).released is None  # a second copy of a dropped one counts once
     admission = planner.admit(last)
     assert admission.outcome == last
-    assert admission.released == DroppedGroup("g1", _ids([kept, last]))
+    assert admission.released == DroppedGroup(f"{T}/g1", _ids([kept, last]))
     assert planner.next_batch() is None and planner.open_groups == 0
 
 
@@ -101,7 +103,7 @@ def test_an_incomplete_group_expires_after_group_timeout_s() -> None:
     clock.now += 6
     planner.admit(late)
     clock.now += 5
-    assert planner.expire() == [DroppedGroup("early", _ids([early]))]
+    assert planner.expire() == [DroppedGroup(f"{T}/early", _ids([early]))]
     assert planner.open_groups == 1
     assert GroupPlanner(GroupingPolicy(group_size=2)).expire() == []  # no timeout: groups wait forever
 

@@ -108,7 +108,7 @@ def test_a_turn_entry_missing_optional_keys_reads_as_before() -> None:
 def test_a_new_record_is_what_a_creating_replica_wrote() -> None:
     session = _session()
     expected = {
-        "v": 1,
+        "v": 2,  # stored under its tenant (sessions/_shared.py record_key)
         "session_id": "s1",
         "tenant": SessionRecord.new(session).tenant,
         "created_at": session.created_at,
