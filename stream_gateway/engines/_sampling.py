@@ -44,7 +44,6 @@ def sample_batch(
     logits = logits.float()
     batch = logits.shape[0]
     greedy = [p.temperature == 0.0 for p in params]
-    free = [forced is None or forced[i] is None for i in range(batch)]
     processed = logits
     if not all(greedy):
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params]).unsqueeze(1)
@@ -59,7 +58,7 @@ def sample_batch(
     chosen = torch.empty(batch, dtype=torch.long)
     if any(greedy):
         chosen.copy_(torch.argmax(logits, dim=-1))
-    sampled_rows = [i for i, g in enumerate(greedy) if not g and free[i]]
+    sampled_rows = [i for i, g in enumerate(greedy) if not g and (forced is None or forced[i] is None)]
     if sampled_rows:
         rows = torch.tensor(sampled_rows)
         uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in sampled_rows])

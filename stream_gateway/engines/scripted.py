@@ -60,8 +60,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_SCRIPT", "Script", "ScriptedEngine", "create_engine", "engine_options", "load_script"]
 
-_IMAGE_PAD = "<|image_pad|>"
-
 
 class ScriptedEngine(TransformersEngine):
     """The transformers engine answering by ``script`` (default: :data:`DEFAULT_SCRIPT`)."""
@@ -82,6 +80,7 @@ class ScriptedEngine(TransformersEngine):
         self._think_tags: tuple[str, str] | None = None
         self._prompt_opens_thought = False
         self._end_of_turn: list[int] = []
+        self._image_token: str | None = None  # a vision-language model's placeholder, as decoded text
 
     async def __aenter__(self) -> ScriptedEngine:
         await super().__aenter__()
@@ -90,17 +89,18 @@ class ScriptedEngine(TransformersEngine):
         if fmt is not None:
             self._think_tags = (str(tokenizer.decode([fmt.start_id])), str(tokenizer.decode([fmt.end_id])))
             self._prompt_opens_thought = fmt.name == "deepseek_r1"
-        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self._end_of_turn = [end] if isinstance(end, int) and end != tokenizer.unk_token_id else []
-        if not self._end_of_turn and tokenizer.eos_token_id is not None:
-            self._end_of_turn = [tokenizer.eos_token_id]
+        # The turn ends as the template ends an assistant turn: the tokenizer's end-of-sequence token
+        # (ChatML's <|im_end|>), else the smallest of the model's own end-of-turn ids.
+        eos = tokenizer.eos_token_id
+        self._end_of_turn = [eos] if isinstance(eos, int) else [min(self._m.eos_ids)] if self._m.eos_ids else []
+        if self.vision is not None:
+            self._image_token = str(tokenizer.decode([self.vision.token_id]))
         return self
 
     def answer(self, prompt_ids: Sequence[int], images: Sequence[ProcessedImage] = ()) -> list[int]:
         """The ids the script answers ``prompt_ids`` with, end-of-turn token included."""
         text = str(self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
-        image_token = _IMAGE_PAD if self.vision is not None else None
-        view = PromptView.read(text, image_token=image_token, think_tags=self._think_tags)
+        view = PromptView.read(text, image_token=self._image_token, think_tags=self._think_tags)
         rule = self.script.reply(view)
         if rule is None:
             return list(self._end_of_turn)
@@ -108,7 +108,7 @@ class ScriptedEngine(TransformersEngine):
             rule,
             view,
             model=self.model_id,
-            colour=dominant_colour([image.data for image in images]),
+            colour=dominant_colour([image.data for image in images]) if "{colour}" in rule.say else None,
             think_tags=self._think_tags,
             prompt_opens_thought=self._prompt_opens_thought,
         )

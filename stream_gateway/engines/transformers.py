@@ -600,9 +600,10 @@ class TransformersEngine:
         unload.loop.call_soon_threadsafe(_resolve, unload.done, outcome)
 
 
-def _constrain(rows: list[Row], logits: torch.Tensor) -> tuple[dict[int, str], list[int | None]]:
+def _constrain(rows: list[Row], logits: torch.Tensor) -> tuple[dict[int, str], list[int | None] | None]:
     """Mask what each constrained row's grammar forbids (in place); say which rows fail alone and
-    which scripted rows' next tokens stand (the grammar refuses a script as it would a draw)."""
+    which scripted rows' next tokens stand (the grammar refuses a script as it would a draw; None:
+    no row of this step is scripted, as on every step of an engine that is not the scripted one)."""
     faults: dict[int, str] = {}  # row -> why it fails alone
     forced: list[int | None] = [None] * len(rows)  # a scripted row's next token (engines/scripted.py)
     for i, row in enumerate(rows):
@@ -624,7 +625,7 @@ def _constrain(rows: list[Row], logits: torch.Tensor) -> tuple[dict[int, str], l
                 # The grammar refuses the script, as it would a model's choice: the model samples on.
                 log.info("request %s: its grammar refuses the script at output token %d", row.request_id, row.generated)
                 forced[i], row.script = None, None
-    return faults, forced
+    return faults, forced if any(token is not None for token in forced) else None
 
 
 def _deliver(deliveries: list[tuple[Row, EngineStep]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from stream_gateway.models._cache import _cached_build
@@ -225,15 +226,16 @@ def smollm2_path(cache_dir: Path | None = None) -> Path:
 
 def build_tiny_reasoning_untrained_model(cache_dir: Path | None = None) -> Path:
     """tiny-reasoning's tokenizer, template and architecture on ``tiny``'s weights, untrained (seconds)."""
-    tiny = build_tiny_model(cache_dir)
-    name = f"tiny-reasoning-untrained-v{UNTRAINED_BUILDER_VERSION}"
-    build = lambda target: build_tiny_reasoning_untrained(tiny, target)  # noqa: E731
-    return _cached_build(cache_dir, name, UNTRAINED_BUILDER_VERSION, build, None, None)
+    return _untrained(cache_dir, "tiny-reasoning-untrained", build_tiny_reasoning_untrained)
 
 
 def build_tiny_vl_untrained_model(cache_dir: Path | None = None) -> Path:
     """tiny-vl's tokenizer, template, image processor and architecture around ``tiny``, untrained (seconds)."""
+    return _untrained(cache_dir, "tiny-vl-untrained", build_tiny_vl_untrained)
+
+
+def _untrained(cache_dir: Path | None, spec: str, build: Callable[[Path, Path], None]) -> Path:
+    """``spec`` built by ``build(tiny, target)`` from ``tiny``, cached (nothing trains: no pinned child)."""
     tiny = build_tiny_model(cache_dir)
-    name = f"tiny-vl-untrained-v{UNTRAINED_BUILDER_VERSION}"
-    build = lambda target: build_tiny_vl_untrained(tiny, target)  # noqa: E731
-    return _cached_build(cache_dir, name, UNTRAINED_BUILDER_VERSION, build, None, None)
+    name = f"{spec}-v{UNTRAINED_BUILDER_VERSION}"
+    return _cached_build(cache_dir, name, UNTRAINED_BUILDER_VERSION, lambda target: build(tiny, target), None, None)

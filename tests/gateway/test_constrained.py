@@ -353,11 +353,12 @@ def test_constrained_logprobs_reproduce_with_the_grammar(agent_gateway: RunningG
 def test_allowed_tools_in_auto_mode_narrows_the_calls(agent_gateway: RunningGateway) -> None:
     """``mode: auto``: a text answer or calls of the allowed tools, never a call of another one.
     The script calls ``read``: its ``<tool_call>`` token (a token of its own, which text cannot
-    hold) opens a call, the grammar refuses ``read``, and the model writes calls of ``bash``."""
+    hold) opens a call, the grammar refuses ``read``, and the model writes a call of ``bash``
+    (exactly one: ``parallel_tool_calls`` is false, so nothing is left to the model's choice)."""
     only_bash = [{"type": "function", "function": {"name": "bash"}}]
     for seed in range(4):  # each seed a different draw of the model's, every one held to the grammar
         body = {"model": "tiny-agent", "messages": [{"role": "user", "content": "What does the README say?"}],
-                "tools": BOUNDED_TOOLS, "max_tokens": 400, "seed": seed,
+                "tools": BOUNDED_TOOLS, "max_tokens": 400, "seed": seed, "parallel_tool_calls": False,
                 "tool_choice": {"type": "allowed_tools",
                                 "allowed_tools": {"mode": "auto", "tools": only_bash}}}  # fmt: skip
         answer = httpx.post(f"{agent_gateway.base_url}/v1/chat/completions", json=body, timeout=120).json()
@@ -366,7 +367,7 @@ def test_allowed_tools_in_auto_mode_narrows_the_calls(agent_gateway: RunningGate
         message = choice["message"]
         assert choice["finish_reason"] == "tool_calls", choice
         calls = message.get("tool_calls") or []
-        assert calls and all(call["function"]["name"] == "bash" for call in calls), message
+        assert [call["function"]["name"] for call in calls] == ["bash"], message
         assert "<tool_call>" not in (message.get("content") or "")
     unknown = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function",
                "function": {"name": "nope"}}]}}  # fmt: skip

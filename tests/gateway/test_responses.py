@@ -135,22 +135,20 @@ def test_a_function_call_loop_is_one_token_exact_chain(
 def test_allowed_tools_in_the_responses_form_narrow_the_calls(agent_gateway: RunningGateway) -> None:
     """``tool_choice: {type: allowed_tools, mode, tools: [{type: function, name}]}``, the Responses
     API's flat form (openai 3.57's ``ToolChoiceAllowed``): the script calls ``read`` given the choice;
-    allowed only ``write``, the grammar refuses ``read`` and every call names ``write`` with its
-    declared arguments (how many calls the untrained model goes on to write after the first is its
-    own, ``required`` allows one or more); a name that is not among the tools is a 400 naming the field."""
-    path = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    allowed only ``write``, the grammar refuses ``read`` and the one call (``parallel_tool_calls``
+    false; its path bounded, so the untrained model's call always fits) names ``write`` with its
+    declared arguments; a name that is not among the tools is a 400 naming the field."""
+    path = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 12}}, "required": ["path"]}
     write = {"type": "function", "name": "write", "description": "Write a file.", "parameters": path}
     allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "write"}]}
     with _client(agent_gateway) as client:
         free = client.responses.create(model="tiny-agent", input="What does the README say?", tools=[READ, write])
         assert [item.name for item in free.output if item.type == "function_call"] == ["read"]
-        # Greedy, so what the untrained model writes after the refused token is the same every run;
-        # it may go on writing calls (``required`` allows several) up to ``max_output_tokens``.
         asked = client.responses.create(model="tiny-agent", input="What does the README say?", tools=[READ, write],
-                                        tool_choice=allowed, temperature=0, max_output_tokens=64)  # type: ignore[arg-type]  # fmt: skip
+                                        tool_choice=allowed, parallel_tool_calls=False, max_output_tokens=64)  # type: ignore[arg-type]  # fmt: skip
         calls = [item for item in asked.output if item.type == "function_call"]
-        assert calls and {c.name for c in calls} == {"write"}
-        assert all(set(json.loads(c.arguments)) == {"path"} for c in calls)
+        assert asked.status == "completed" and [c.name for c in calls] == ["write"]
+        assert set(json.loads(calls[0].arguments)) == {"path"}
         unknown = {**allowed, "tools": [{"type": "function", "name": "delete"}]}
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model="tiny-agent", input="x", tools=[READ, write], tool_choice=unknown)  # type: ignore[arg-type]
