@@ -80,12 +80,13 @@ Deliberate choices:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -522,6 +523,14 @@ class _LoopThread:
         except BaseException:
             future.cancel()
             raise
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coroutine`` on the loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def call_soon(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` on the loop's thread."""
+        self._loop.call_soon_threadsafe(callback)
 
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -129,7 +129,7 @@ import logging
 import re
 import tempfile
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -308,15 +308,20 @@ class NatsCheckpointEngine(CheckpointEngine):
         self,
         weights: Weights | TrainingEngine,
         global_steps: int | None = None,
+        peft_config: Mapping[str, Any] | None = None,
     ) -> dict[str, float]:
         """Drain ``weights`` (every rank must); rank 0 then publishes them as version ``global_steps``.
 
         ``weights`` is what verl's ``update_weights`` hands over: the per-tensor iterable, or with
         :data:`ENGINE_MODE` the training engine, asked here for its weights (with an adapter, for the
         LoRA tensors and config: ``base_sync_done=True``). With an adapter, rank 0 publishes the
-        adapter (:func:`publish_adapter`). Returns metrics for the trainer (``stream/*``; empty on other ranks).
+        adapter (:func:`publish_adapter`). ``peft_config`` is the adapter's config when ``weights``
+        are an adapter's tensors handed over directly (verl's naive path, :mod:`consumers.verl_rollout`).
+        Nothing is published when no tensor arrives (a rollout worker's empty receive). Returns
+        metrics for the trainer (``stream/*``; empty on other ranks).
         """
-        items, peft_config = self._exported(weights)
+        items, exported_config = self._exported(weights)
+        peft_config = exported_config if exported_config is not None else peft_config
         if not self.is_master:
             async for _ in _items(items):
                 pass  # the collectives inside the generator need every rank
@@ -326,6 +331,9 @@ class NatsCheckpointEngine(CheckpointEngine):
         if global_steps is None:
             raise ValueError("send_weights needs global_steps: it is the policy version")
         collect_s = time.monotonic() - started
+        if not tensors:
+            log.info("version %d: no weights arrived here, nothing published", global_steps)
+            return {}
         if self.settings.adapter is not None:
             tensors = _adapter_tensors(tensors, self.settings.adapter)
             event = await publish_adapter(self.settings, tensors, peft_config, global_steps)
@@ -355,9 +363,17 @@ class NatsCheckpointEngine(CheckpointEngine):
         )
         return cast("Weights", items), peft_config
 
-    async def receive_weights(self, global_steps: int | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """Not a receiver: gateways follow ``policy.updated`` on NATS."""
-        raise NotImplementedError(f"the {BACKEND!r} checkpoint engine only sends; gateways receive from NATS")
+    async def receive_weights(  # type: ignore[override]  # verl's stub says coroutine; its callers iterate
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Nothing: the actor's rank 0 published to NATS, and gateways follow ``policy.updated`` there.
+
+        verl's v1 separate-async trainer still runs its receive step on the rollout replica's
+        worker (``CheckpointEngineWorker.update_weights``, ``verl/checkpoint_engine/base.py``): the
+        stream-gateway replica's worker receives nothing and passes nothing on.
+        """
+        for _ in ():
+            yield _
 
 
 class StreamCheckpointManager:

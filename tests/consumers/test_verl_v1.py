@@ -1,0 +1,266 @@
+"""verl 0.9.1's v1 trainers (sync and separate-async) fed by a gateway, through verl's own code.
+
+The pipeline is real: a nats-server, a gateway (the scripted engine on the untrained tiny model,
+sampling at temperature 1, so that a forward pass of the same weights reproduces its logprobs), the
+assembler and the batcher. Sessions are driven with the official client, scored with
+``POST /sessions/{id}/feedback`` and closed. The trainer is verl's: the configuration is the block
+in docs/batches.md, ``TaskRunnerV1.run`` builds TransferQueue, the trainer, and the manager through
+``init_agent_loop_manager``, and ``fit`` runs its steps: the replay buffer, GRPO advantages, rollout
+correction and metrics are verl's. Only the GPU worker groups are replaced, by the CPU actor of
+tests/support/verl_cpu.py (the real tiny model: a forward pass for log-probs, an SGD step, its
+weights handed on as verl's actor worker hands them).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+from openai import OpenAI
+
+from consumers.assembler import AssemblerConfig, run_assembler
+from consumers.batcher import BatcherConfig, run_batcher
+from consumers.trajectory import Trajectory
+from pipeline.embedded import EmbeddedNatsServer
+from stream_gateway import Settings
+from stream_gateway.engines import build_engine
+
+from ..support.capture import read_trajectories
+from ..support.replicas import close_session
+from ..support.servers import RunningGateway, run_gateway
+from ..support.verl_cpu import CpuActor, cpu_trainers
+from ..support.waiting import wait_until
+
+# verl's and Ray's own import-time warnings (optional engines, deprecations) are not ours to judge.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:verl"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-v1"
+GROUPS = 4  # two batches of two groups of two
+SCORES = (0.0, 1.0)  # each group: one session rated 0, one rated 1
+
+
+def docs_block(marker: str) -> str:
+    """The fenced YAML block that follows ``<!-- marker -->`` in docs/batches.md."""
+    text = (ROOT / "docs" / "batches.md").read_text()
+    found = re.search(rf"<!-- {marker} -->\n```yaml\n(.*?)```", text, re.S)
+    assert found, f"docs/batches.md has no {marker} block"
+    return found.group(1)
+
+
+@dataclass
+class Stack:
+    nats: str
+    gateway: RunningGateway
+    batches: Path
+
+    def session(self, name: str, question: str) -> None:
+        """One real session: two turns, feedback, close."""
+        client = OpenAI(base_url=f"{self.gateway.base_url}/v1", api_key=KEY, max_retries=0,
+                        default_headers={"x-session-id": name})  # fmt: skip
+        messages: list[Any] = [{"role": "user", "content": question}]
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And again?"}]  # fmt: skip
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0)
+        score = SCORES[name.endswith("-b")]
+        httpx.post(f"{self.gateway.base_url}/sessions/{name}/feedback", json={"score": score},
+                   headers={"authorization": f"Bearer {KEY}"}).raise_for_status()  # fmt: skip
+        close_session(self.gateway.base_url, KEY, name)
+
+
+@pytest.fixture
+def stack(tmp_path: Path, tiny_model_path: Path) -> Iterator[Stack]:
+    with EmbeddedNatsServer() as nats, anyio.from_thread.start_blocking_portal() as portal:
+        assembler = AssemblerConfig(servers=(nats.url,), idle_timeout_s=30, close_grace_s=0.5)
+        batcher = BatcherConfig.of(servers=(nats.url,), batch_size=4, group_size=2, prompt_length=2048,
+                                   response_length=2048, output_dir=tmp_path / "batches")  # fmt: skip
+        tasks = [portal.start_task_soon(run_assembler, assembler), portal.start_task_soon(run_batcher, batcher)]
+        settings = Settings(model=str(tiny_model_path), served_model_name="tiny", engine="scripted",
+                            nats_url=nats.url, outbox_dir=tmp_path / "outbox", replica_id="g1",
+                            api_keys=(KEY,))  # fmt: skip
+        with run_gateway(build_engine(settings), settings) as gateway:
+            yield Stack(nats.url, gateway, tmp_path / "batches")
+        for task in tasks:
+            task.cancel()
+
+
+@pytest.fixture
+def ray_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    import ray
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # Ray's workers import consumers.* and tests.*
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=f"v1-{uuid.uuid4().hex[:8]}")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def trainer_config(stack: Stack, model: Path, tmp: Path, *, steps: int, separate_async: bool = False) -> DictConfig:
+    """The docs' block (and the separate-async one), composed over verl's ppo_trainer, with this test's
+    model, NATS server, step count and checkpoint directory."""
+    from hydra import compose, initialize_config_dir
+
+    (tmp / "trainer.yaml").write_text(docs_block("verl-v1-config"))
+    overrides = [
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.nats.servers=[{stack.nats}]",
+        f"actor_rollout_ref.rollout.custom.stream_gateway.nats_url={stack.nats}",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={tmp / 'checkpoints'}",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # a 2-core machine
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with initialize_config_dir(config_dir=str(tmp), version_base=None):
+            config = compose(config_name="trainer", overrides=overrides)
+    if separate_async:
+        config = OmegaConf.merge(config, OmegaConf.create(docs_block("verl-v1-separate-async")))
+    return config
+
+
+def run_task_runner(config: DictConfig) -> Any:
+    """``TaskRunnerV1.run`` (verl/trainer/main_ppo.py) in this process, as its Ray actor runs it."""
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    runner = TaskRunnerV1.__ray_metadata__.modified_class()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # verl's, torchdata's and Ray's deprecations are not ours to judge
+        runner.run(config)
+    return runner
+
+
+def _emitted(stack: Stack) -> list[Trajectory]:
+    return [t for t in read_trajectories(stack.nats) if t.reward is not None]
+
+
+def test_the_sync_trainer_trains_on_the_gateways_groups_token_exactly(
+    stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    for g in range(GROUPS):
+        for side in ("a", "b"):
+            stack.session(f"q{g}-{side}", f"Question number {g}?")
+    wait_until(lambda: len(list(stack.batches.glob("*.parquet"))) == 2, timeout=60, what="two batches")
+    trajectories = {t.trajectory_id: t for t in _emitted(stack)}
+    assert len(trajectories) == 2 * GROUPS
+
+    config = trainer_config(stack, tiny_model_path, tmp_path, steps=2)
+    with cpu_trainers():
+        runner = run_task_runner(config)
+    manager = runner.agent_loop_manager
+    assert (manager.groups_placed, manager.samples_placed) == (GROUPS, 2 * GROUPS)
+
+    # Each step trained on one stream batch's groups: whole, once, token for token.
+    assert len(CpuActor.seen) == 2
+    seen_ids: list[str] = []
+    for update in CpuActor.seen:
+        data, padding = update["data"], update["padding"]
+        rows = [i for i, pad in enumerate(padding) if not pad]
+        assert len(rows) == 4
+        by_uid: dict[str, list[str]] = {}
+        for i in rows:
+            trajectory = trajectories[data["trajectory_id"][i]]
+            seen_ids.append(trajectory.trajectory_id)
+            by_uid.setdefault(data["uid"][i], []).append(trajectory.trajectory_id)
+            p = trajectory.prompt_length
+            assert data["input_ids"][i].tolist() == trajectory.token_ids
+            assert data["responses"][i].tolist() == trajectory.token_ids[p:]
+            assert data["response_mask"][i].tolist() == trajectory.loss_mask[p:]
+            recorded = [
+                lp if m else 0.0 for lp, m in zip(trajectory.logprobs[p:], trajectory.loss_mask[p:], strict=True)
+            ]
+            assert data["rollout_log_probs"][i].tolist() == pytest.approx(recorded, abs=0)
+            rewards = data["rm_scores"][i].tolist()
+            assert rewards[-1] == trajectory.reward and not any(rewards[:-1])
+            # The actor's forward pass of the gateway's weights gives the recorded logprobs.
+            sampled = torch.tensor(trajectory.loss_mask[p:], dtype=torch.bool)
+            assert torch.allclose(data["old_log_probs"][i][sampled], data["rollout_log_probs"][i][sampled], atol=2e-4)
+            # Rollout correction ran on them: importance weights of one.
+            assert torch.allclose(data["rollout_is_weights"][i][sampled], torch.ones(int(sampled.sum())), atol=1e-3)
+            # GRPO: rewards 0 and 1 in a group of two give -/+ 0.7071 on every sampled token.
+            advantage = data["advantages"][i][sampled]
+            assert torch.allclose(
+                advantage, torch.full_like(advantage, 0.7071 if trajectory.reward else -0.7071), atol=1e-3
+            )
+        assert sorted(len(group) for group in by_uid.values()) == [2, 2]
+        for group in by_uid.values():  # a slot holds one of the stream's groups, whole
+            assert len({_prompt(trajectories[t]) for t in group}) == 1
+    assert sorted(seen_ids) == sorted(trajectories)  # every trajectory, none twice
+
+    # Weights back: each step's weights were published, and the gateway labels new turns with them.
+    assert CpuActor.published == [1, 2]
+    wait_until(lambda: stack.gateway.engine.policy_version == 2, timeout=60, what="version 2 applied")
+    stack.session("after-b", "Question after training?")
+    wait_until(lambda: any(t.session_id == "after-b" for t in read_trajectories(stack.nats)), timeout=30,
+               what="the next session's trajectory")  # fmt: skip
+    [after] = [t for t in read_trajectories(stack.nats) if t.session_id == "after-b"]
+    assert after.min_policy_version == 2 == after.max_policy_version
+
+
+def _prompt(trajectory: Trajectory) -> str:
+    return str(trajectory.token_ids[: trajectory.prompt_length])
+
+
+def test_generate_sequences_returns_at_once_and_fills_slots_as_batches_come(
+    stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    import transfer_queue as tq
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    from consumers.verl_v1 import StreamAgentLoopManagerTQ
+
+    config = trainer_config(stack, tiny_model_path, tmp_path, steps=1)
+    OmegaConf.resolve(config)
+    tq.init(config.transfer_queue)
+    manager = StreamAgentLoopManagerTQ.create(config=config)
+    try:
+        uids = [str(uuid.uuid4()) for _ in range(2)]
+        tq.kv_batch_put(keys=uids, partition_id="train",
+                        tags=[{"is_prompt": True, "status": "pending", "global_steps": 1} for _ in uids])  # fmt: skip
+        prompts = TensorDict({"uid": NonTensorStack.from_list([NonTensorData(u) for u in uids]),
+                              "global_steps": NonTensorData(1)}, batch_size=[2])  # fmt: skip
+        done = threading.Event()
+        threading.Thread(target=lambda: (manager.generate_sequences(prompts), done.set()), daemon=True).start()
+        assert done.wait(30), "generate_sequences blocked with no batch in the stream"
+        tags = tq.kv_list("train")["train"]
+        assert [tags[u]["status"] for u in uids] == ["running", "running"]
+
+        for g in range(2):
+            for side in ("a", "b"):
+                stack.session(f"late{g}-{side}", f"Late question {g}?")
+        wait_until(lambda: all(tq.kv_list("train")["train"][u]["status"] == "finished" for u in uids), timeout=60,
+                   what="both slots filled")  # fmt: skip
+        tags = tq.kv_list("train")["train"]
+        samples = sorted(k for k in tags if "_" in k)
+        assert samples == sorted(f"{u}_{i}_0" for u in uids for i in range(2))
+        assert all(tags[u]["global_steps"] == 1 for u in uids)  # version 0 sampled them: step 1's
+        assert {tags[k]["min_global_steps"] for k in samples} == {0}
+    finally:
+        manager.close()
+        tq.close()
+
+
+def test_another_rollout_name_is_refused(tiny_model_path: Path, tmp_path: Path) -> None:
+    from consumers.verl_v1 import StreamAgentLoopManagerTQ
+
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
+    with pytest.raises(ValueError, match=r"rollout\.name=stream_gateway"):
+        StreamAgentLoopManagerTQ.create(config=config)
