@@ -70,9 +70,10 @@ Deliberate choices:
   the gateway's, and a trainer cannot leave one row out of a batch whose groups are fixed.
 * **No validation from the stream**: a ``validate`` request raises (set ``trainer.test_freq=-1``
   and ``trainer.val_before_train=False``); stream batches are training data.
-* **Which trainers.** verl's main PPO/GRPO trainer (``RayPPOTrainer``, ``verl.trainer.main_ppo``)
-  is the one this serves. verl's v1 trainers want the outputs put into TransferQueue, and the
-  one-step-off-policy and fully-async recipes ``await`` the call or use other methods
+* **Which trainers.** verl's legacy PPO/GRPO trainer (``RayPPOTrainer``, ``verl.trainer.main_ppo``
+  with ``trainer.use_v1=false``) is the one this serves. verl's v1 trainers (its default) are
+  served by :class:`consumers.verl_v1.StreamAgentLoopManagerTQ`, which puts the stream's groups into
+  TransferQueue. The one-step-off-policy and fully-async recipes ``await`` the call or use other methods
   (``generate_sequences_single``): not supported. ``start_profile``/``stop_profile`` exist as
   no-ops for the trainers that call them.
 """

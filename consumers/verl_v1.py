@@ -147,6 +147,7 @@ class StreamAgentLoopManagerTQ(StreamAgentLoopManager):
         self._slots_lock = threading.Lock()
         self.groups_placed = 0
         self.samples_placed = 0
+        self.skipped_again = 0  # manifests that came again after being placed
 
     @classmethod
     def create(cls, *args: Any, **kwargs: Any) -> StreamAgentLoopManagerTQ:
@@ -247,6 +248,7 @@ class StreamAgentLoopManagerTQ(StreamAgentLoopManager):
             )
             with contextlib.suppress(Exception):
                 await _acknowledge(msg)
+            self.skipped_again += 1
             return None
         if len(data) != manifest.size or hashlib.sha256(data).hexdigest() != manifest.sha256:
             raise ValueError(f"batch {manifest.batch_id}: the object does not match its manifest")

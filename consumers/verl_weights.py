@@ -116,8 +116,10 @@ Deliberate choices:
   worker thread when the calling thread already runs a loop; a coroutine can ``await`` them. The
   actor group's ``ObjectRef``s are awaited rather than ``ray.get``: nothing blocks a running loop.
 * **Which trainers.** In verl 0.9.1 only ``RayPPOTrainer`` (``verl.trainer.main_ppo``) reads
-  ``checkpoint_manager_class``. The v1 trainers (``verl/trainer/ppo/v1/trainer_base.py``) and the
-  fully-async recipe (``FullyAsyncTrainer._setup_checkpoint_manager``) build verl's own manager.
+  ``checkpoint_manager_class``. The v1 trainers (``verl/trainer/ppo/v1/trainer_base.py``) build
+  verl's own manager: there the weights reach NATS through :mod:`consumers.verl_rollout` (sync: the
+  rollout verl hands them to) and :class:`NatsCheckpointEngine` (separate-async: the actor ranks'
+  engine, as here). The fully-async recipe (``FullyAsyncTrainer._setup_checkpoint_manager``) builds its own.
 """
 
 from __future__ import annotations

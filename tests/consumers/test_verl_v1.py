@@ -13,8 +13,10 @@ weights handed on as verl's actor worker hands them).
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -65,6 +67,7 @@ def docs_block(marker: str) -> str:
 
 @dataclass
 class Stack:
+    server: EmbeddedNatsServer
     nats: str
     gateway: RunningGateway
     batches: Path
@@ -95,26 +98,32 @@ def stack(tmp_path: Path, tiny_model_path: Path) -> Iterator[Stack]:
                             nats_url=nats.url, outbox_dir=tmp_path / "outbox", replica_id="g1",
                             api_keys=(KEY,))  # fmt: skip
         with run_gateway(build_engine(settings), settings) as gateway:
-            yield Stack(nats.url, gateway, tmp_path / "batches")
+            yield Stack(nats, nats.url, gateway, tmp_path / "batches")
         for task in tasks:
             task.cancel()
 
 
 @pytest.fixture
-def ray_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def ray_cpu() -> Iterator[None]:
+    """A local Ray per test: verl's trainer names its actors (``reward_loop_worker_0``...), one trainer
+    per Ray. num_cpus is a scheduling count, not cores: verl's reward worker, TransferQueue's actors
+    and the replica's worker each take one."""
     import ray
 
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # Ray's workers import consumers.* and tests.*
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=f"v1-{uuid.uuid4().hex[:8]}")
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(ROOT))  # Ray's workers import consumers.* and tests.*
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
+            ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=f"v1-{uuid.uuid4().hex[:8]}")
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
-def trainer_config(stack: Stack, model: Path, tmp: Path, *, steps: int, separate_async: bool = False) -> DictConfig:
+def trainer_config(
+    stack: Stack, model: Path, tmp: Path, *, steps: int, separate_async: bool = False, extra: tuple[str, ...] = ()
+) -> DictConfig:
     """The docs' block (and the separate-async one), composed over verl's ppo_trainer, with this test's
     model, NATS server, step count and checkpoint directory."""
     from hydra import compose, initialize_config_dir
@@ -127,6 +136,7 @@ def trainer_config(stack: Stack, model: Path, tmp: Path, *, steps: int, separate
         f"trainer.total_training_steps={steps}",
         f"trainer.default_local_dir={tmp / 'checkpoints'}",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # a 2-core machine
+        *extra,
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -215,6 +225,49 @@ def test_the_sync_trainer_trains_on_the_gateways_groups_token_exactly(
     assert after.min_policy_version == 2 == after.max_policy_version
 
 
+def test_the_separate_async_trainer_trains_while_users_talk(
+    stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """The off-policy mode: the trainer starts before any traffic and waits without blocking; step 1's
+    weights reach the gateway through verl's own non-naive weight sync (the nats engine, the
+    stream_gateway replica's CPU worker), and the sessions that follow are sampled by them and train step 2."""
+    config = trainer_config(stack, tiny_model_path, tmp_path, steps=2, separate_async=True)
+    failures: list[BaseException] = []
+    runners: list[Any] = []
+
+    def train() -> None:
+        try:
+            runners.append(run_task_runner(config))
+        except BaseException as exc:
+            logging.getLogger(__name__).exception("the trainer failed")
+            failures.append(exc)
+
+    with cpu_trainers():
+        trainer = threading.Thread(target=train, daemon=True)
+        trainer.start()
+        for g in range(2):
+            for side in ("a", "b"):
+                stack.session(f"early{g}-{side}", f"Early question {g}?")
+        wait_until(lambda: stack.gateway.engine.policy_version == 1 or bool(failures), timeout=120,
+                   what="step 1's weights applied")  # fmt: skip
+        assert not failures, failures
+        for g in range(2):
+            for side in ("a", "b"):
+                stack.session(f"later{g}-{side}", f"Later question {g}?")
+        trainer.join(timeout=180)
+        assert not trainer.is_alive() and not failures, failures
+    runners[0].agent_loop_manager.close()
+
+    assert len(CpuActor.seen) == 2 and CpuActor.published == [1, 2]
+    for step, update in enumerate(CpuActor.seen, start=1):
+        rows = [i for i, pad in enumerate(update["padding"]) if not pad]
+        versions = {v for i in rows for v in update["data"]["policy_versions"][i].tolist() if v >= 0}
+        assert versions == {step - 1}, (step, versions)  # step 2 trained what step 1's weights sampled
+        assert {update["tags"][i]["min_global_steps"] for i in rows} == {step - 1}
+        assert len({update["data"]["uid"][i] for i in rows}) == 2
+    wait_until(lambda: stack.gateway.engine.policy_version == 2, timeout=60, what="version 2 applied")
+
+
 def _prompt(trajectory: Trajectory) -> str:
     return str(trajectory.token_ids[: trajectory.prompt_length])
 
@@ -256,6 +309,90 @@ def test_generate_sequences_returns_at_once_and_fills_slots_as_batches_come(
     finally:
         manager.close()
         tq.close()
+
+
+def _prompts(uids: list[str], step: int) -> Any:
+    """What the trainer's ``_submit_batch_to_rollout`` hands over: the slots, registered as pending."""
+    import transfer_queue as tq
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    tags = [{"is_prompt": True, "status": "pending", "global_steps": step} for _ in uids]
+    tq.kv_batch_put(keys=uids, partition_id="train", tags=tags)
+    stack = NonTensorStack.from_list([NonTensorData(u) for u in uids])
+    return TensorDict({"uid": stack, "global_steps": NonTensorData(step)}, batch_size=[len(uids)])
+
+
+def test_a_nats_restart_mid_batch_loses_and_duplicates_nothing(
+    stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A batch half placed (one slot of two), NATS restarted, the rest asked for: every group lands
+    in exactly one slot; a manifest whose acknowledgement was lost comes again and is skipped."""
+    import nats as nats_client
+    import transfer_queue as tq
+
+    from consumers.verl_v1 import StreamAgentLoopManagerTQ
+
+    for g in range(GROUPS):
+        for side in ("a", "b"):
+            stack.session(f"r{g}-{side}", f"Restart question {g}?")
+    wait_until(lambda: len(list(stack.batches.glob("*.parquet"))) == 2, timeout=60, what="two batches")
+    ack_wait = "+actor_rollout_ref.rollout.custom.stream_gateway.ack_wait_s=4"
+    config = trainer_config(stack, tiny_model_path, tmp_path, steps=1, extra=(ack_wait,))
+    OmegaConf.resolve(config)
+    tq.init(config.transfer_queue)
+    manager = StreamAgentLoopManagerTQ.create(config=config)
+    try:
+        first = [str(uuid.uuid4())]
+        manager.generate_sequences(_prompts(first, 1))
+        wait_until(lambda: manager.groups_placed == 1, timeout=60, what="one group placed")
+        stack.server.restart()
+        rest = [str(uuid.uuid4()) for _ in range(GROUPS - 1)]
+        manager.generate_sequences(_prompts(rest, 2))
+        wait_until(lambda: manager.groups_placed == GROUPS, timeout=90, what="every group placed")
+        time.sleep(6)  # past ack_wait: a manifest not acknowledged would come again now
+        assert manager.groups_placed == GROUPS and manager.samples_placed == 2 * GROUPS
+
+        # A manifest that comes again (as after an acknowledgement lost to a restart) is skipped.
+        anyio.run(_announce_again, stack.nats)
+        spare = [str(uuid.uuid4())]
+        manager.generate_sequences(_prompts(spare, 3))
+        wait_until(lambda: manager.skipped_again == 1, timeout=30, what="the repeated manifest skipped")
+        assert manager.groups_placed == GROUPS
+        assert tq.kv_list("train")["train"][spare[0]]["status"] == "running"  # waits for a new batch
+
+        tags = tq.kv_list("train")["train"]
+        assert all(tags[u]["status"] == "finished" for u in first + rest)
+        keys = sorted(k for k in tags if "_" in k)
+        data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["trajectory_id"])
+        placed = list(data["trajectory_id"])
+        emitted = {t.trajectory_id for t in read_trajectories(stack.nats)}
+        assert sorted(placed) == sorted(emitted) and len(set(placed)) == 2 * GROUPS
+    finally:
+        manager.close()
+        tq.close()
+
+    async def consumer() -> Any:
+        nc = await nats_client.connect(stack.nats)
+        try:
+            return await nc.jetstream().consumer_info("SG_BATCHES", "verl-trainer")
+        finally:
+            await nc.close()
+
+    info = anyio.run(consumer)
+    assert (info.num_ack_pending, info.num_pending) == (0, 0)
+
+
+async def _announce_again(url: str) -> None:
+    """Publish the first batch's manifest once more (under another message id, past deduplication)."""
+    import nats as nats_client
+
+    nc = await nats_client.connect(url)
+    try:
+        js = nc.jetstream()
+        first = await js.get_msg("SG_BATCHES", 1)
+        await js.publish(first.subject, first.data or b"", headers={"Nats-Msg-Id": "again"})
+    finally:
+        await nc.close()
 
 
 def test_another_rollout_name_is_refused(tiny_model_path: Path, tmp_path: Path) -> None:
