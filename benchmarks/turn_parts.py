@@ -33,6 +33,7 @@ from stream_gateway.completion import (
     ChatCompletionRequest,
     ChatTemplate,
     Histories,
+    KeptHistory,
     conversation_keys,
     message_fingerprint,
     prefix_keys,
@@ -99,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
             histories = Histories(1 << 34, decode_body)
             earlier = histories.parse(before, ChatCompletionRequest)
             conversation_keys(earlier)
-            link = earlier._history
-            link.current.template = [template_message(m) for m in earlier.messages]
-            link.current.record = template.render_recorded(link.current.template, None, True, None)
+            history = KeptHistory.of(earlier)
+            rendered = history.each("templated", earlier.messages, template_message)
+            history.recorded_render(lambda _: template.render_recorded(rendered, None, True, None))
             return histories, earlier
 
         def continued(work: Callable[[ChatCompletionRequest], object], raw: bytes = raw) -> Callable[[], object]:
@@ -111,10 +112,9 @@ def main(argv: list[str] | None = None) -> None:
             return lambda: work(bodies.pop())
 
         def replayed(body: ChatCompletionRequest) -> object:
-            link = body._history
-            previous = link.previous
-            rendered = [*previous.template[: link.reused], *(template_message(m) for m in body.messages[link.reused :])]
-            return template.render_recorded(rendered, None, True, previous.record)
+            history = KeptHistory.of(body)
+            rendered = history.each("templated", body.messages, template_message)
+            return history.recorded_render(lambda earlier: template.render_recorded(rendered, None, True, earlier))
 
         def fingerprints(req: ChatCompletionRequest = request) -> object:
             return prefix_keys(tools_fingerprint(None), [message_fingerprint(m) for m in req.messages])

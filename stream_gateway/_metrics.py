@@ -132,7 +132,8 @@ class GatewayMetrics:
         self.registry.register(_SessionsCollector(store))
 
     def watch_histories(self, histories: Any) -> None:
-        """Export the request histories kept in memory (``completion/_history.py``; read at scrape time)."""
+        """Export the request histories kept in memory and the reads through them
+        (``completion/_history.py``, ``completion/_kept.py``; read at scrape time)."""
         self.registry.register(_HistoriesCollector(histories))
 
     def publisher_statistics(self) -> Any:
@@ -243,31 +244,49 @@ class _SessionsCollector(Collector):
 
 
 class _HistoriesCollector(Collector):
-    """The request histories kept for continuing conversations, at scrape time."""
+    """The request histories kept for continuing conversations, and the reads through them, at
+    scrape time (``Histories.statistics()``)."""
 
     def __init__(self, histories: Any) -> None:
         self._histories = histories
 
     def collect(self) -> Iterator[Metric]:
-        histories = self._histories
+        stats = self._histories.statistics()
         yield GaugeMetricFamily(
             "gateway_history_cache_bytes",
             "Bytes of request histories kept so a continuing turn reads only what it adds (--history-cache-bytes)",
-            histories.held_bytes,
+            stats.held_bytes,
         )
         yield GaugeMetricFamily(
-            "gateway_history_cache_entries", "Request histories kept (one per conversation)", len(histories)
+            "gateway_history_cache_entries", "Request histories kept (one per conversation)", stats.entries
         )
         yield CounterMetricFamily(
             "gateway_history_cache_hits",
             "Bodies (chat, Messages, Responses, token-in) that continued a kept history: only what they add read",
-            histories.hits,
+            stats.hits,
         )
         yield CounterMetricFamily(
             "gateway_history_cache_misses",
             "Bodies over 4 KiB that continued no kept history (read whole)",
-            histories.misses,
+            stats.misses,
         )
+        reads = CounterMetricFamily(
+            "gateway_history_reads",
+            "Requests that derived a fact (parsed, translated, keyed, templated, rendered...) through their kept "
+            "history: read=delta took the kept part and derived only what they add, read=whole derived it all",
+            labels=["fact", "read"],
+        )
+        for (fact, read), count in sorted(stats.reads.items()):
+            reads.add_metric([fact, read], count)
+        yield reads
+        items = CounterMetricFamily(
+            "gateway_history_read_items",
+            "Items (messages, token ids; rendered: template loop iterations) a fact was derived for anew",
+            labels=["fact"],
+        )
+        for fact, count in sorted(stats.items.items()):
+            items.add_metric([fact], count)
+        yield items
 
 
 class _PublisherCollector(Collector):

@@ -127,7 +127,6 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         recorder,
         spend=limiter.spend,
         adapter_owner=keyring.adapter_owner,
-        histories=histories,
     )
     edges = protocol_edges(service)
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"

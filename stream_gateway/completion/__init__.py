@@ -4,7 +4,7 @@ The request's path through it: :class:`Admission` (model, ``n``, sizes, context 
 defaults) → :class:`Preparer` (the session it continues, the prompt the chat template renders
 around the reused ids: :mod:`._context`, :mod:`._prompt`, :mod:`._fingerprint`; what an earlier
 request of the conversation left, so a continuation reads and renders only what it adds:
-:mod:`._history`, :mod:`._replay`) →
+:mod:`._history`, :mod:`._kept`, :mod:`._replay`) →
 :class:`CompletionService` (one engine request per choice; the token loop assembles text
 (:mod:`._text`) and tool calls into :class:`ChoiceUpdate` objects; the service decides how a
 response is produced: a one-choice stream in the writer's own task, several choices through an
@@ -18,12 +18,14 @@ from stream_gateway.completion._channel import UpdateChannel, coalesce, fold_too
 from stream_gateway.completion._context import Context, ContextBuilder
 from stream_gateway.completion._fingerprint import (
     assistant_fingerprint,
+    conversation_keys,
     extend_key,
     message_fingerprint,
     prefix_keys,
     tools_fingerprint,
 )
-from stream_gateway.completion._history import Histories, History, HistoryLink, conversation_keys
+from stream_gateway.completion._history import Histories, HistoryStatistics
+from stream_gateway.completion._kept import KeptHistory
 from stream_gateway.completion._prepare import PreparedCompletion, Preparer, TokenInRequest
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import (
@@ -51,8 +53,8 @@ __all__ = [
     "ContextBuilder",
     "FrameEncoder",
     "Histories",
-    "History",
-    "HistoryLink",
+    "HistoryStatistics",
+    "KeptHistory",
     "MAX_STOP_SEQUENCES",
     "Message",
     "PreparedCompletion",

@@ -58,8 +58,8 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from stream_gateway._errors import InvalidRequest
-from stream_gateway.completion._history import HistoryLink
 from stream_gateway.completion._images import RequestImages, expand_placeholders, placeholder_spans
+from stream_gateway.completion._kept import KeptHistory, RenderReuse
 from stream_gateway.completion._prompt import template_message
 from stream_gateway.completion._request import Message, Tool
 from stream_gateway.completion._template import ChatTemplate
@@ -81,7 +81,7 @@ class Context:
     predecessor: Turn | None = None  # that parent (the new root is linked to it)
     continues: Turn | None = None  # a root after the client compacted its history: the turn it carries on
     anchor: RenderAnchor | None = None  # for this turn's continuations (None: they build cold)
-    anchor_state: Any = None  # the anchor's hash state at its ``chars`` (kept in memory: see _history.py)
+    anchor_state: Any = None  # the anchor's hash state at its ``chars`` (kept in memory: see _kept.py)
     cold: bool = True  # the whole render was tokenized (False: only what the turn adds)
     tokenized_chars: int = 0  # characters the build tokenized (gateway_context_tokenized_chars_total)
     rendered_messages: int = -1  # messages a recorded render ran the template for (-1: not recorded)
@@ -144,7 +144,7 @@ class ContextBuilder:
         lineage: Mapping[int, Turn] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         images: RequestImages | None = None,
-        history: HistoryLink | None = None,
+        history: KeptHistory | None = None,
     ) -> Context:
         """The prompt for ``messages``, continuing ``parent`` (a turn they extend) when possible.
 
@@ -152,9 +152,9 @@ class ContextBuilder:
         (the parent and its ancestors), whose thinking the history is rendered with. ``images``:
         the messages' processed images; each placeholder the template renders is expanded to its
         image's tokens (the parent's, already expanded in its ids, are not expanded again).
-        ``history``: what reading an earlier request of this conversation left (``_history.py``):
-        its messages as the template takes them and its recorded render are reused, and this
-        request's are kept for the next.
+        ``history``: the request's kept history (``_kept.py``): the messages as the template takes
+        them and the recorded render of the request it continues are reused, and this request's
+        are kept for the next.
         """
         specs = _tool_specs(tools)
         kept = history if history is not None and self._reasoning is None and images is None else None
@@ -218,46 +218,33 @@ class ContextBuilder:
                 return Context(prompt, parent, reused, warm[0].exact, anchor=warm[0], anchor_state=warm[1], cold=False)
         return replace(self._cold(full, full_ids, prompt), parent=parent, reused_prompt_tokens=reused)
 
-    def _template_messages(self, messages: Sequence[Message], history: HistoryLink | None) -> list[dict[str, Any]]:
-        """The messages as the template takes them: those an earlier request's reading left are
-        reused, the very objects (a recorded render replays only for those)."""
-        previous = history.previous if history is not None else None
-        if previous is not None and previous.template is not None:
-            reused = history.reused if history is not None else 0
-            rendered = previous.template[:reused]
-            rendered += [template_message(m) for m in messages[reused:]]
-        else:
-            rendered = [template_message(m) for m in messages]
-        if history is not None and history.current is not None:
-            history.current.template = rendered
-        return rendered
+    def _template_messages(self, messages: Sequence[Message], history: KeptHistory | None) -> list[dict[str, Any]]:
+        """The messages as the template takes them: those of the request ``history`` continues
+        are reused, the very objects (a recorded render replays only for those)."""
+        if history is None:
+            return [template_message(m) for m in messages]
+        return history.each("templated", messages, template_message)
 
     def _full_render(
-        self, rendered: list[dict[str, Any]], specs: Any, kwargs: dict[str, Any], history: HistoryLink | None
-    ) -> tuple[str, tuple[Any, Any, str, int] | None]:
+        self, rendered: list[dict[str, Any]], specs: Any, kwargs: dict[str, Any], history: KeptHistory | None
+    ) -> tuple[str, RenderReuse | None]:
         """The whole conversation rendered with the generation prompt; with ``history``, recorded
         (replaying the earlier request's render where the template allows, ``_replay.py``), and
         what :meth:`_anchored` needs to check the parent's anchor without hashing the history."""
-        current = history.current if history is not None else None
-        if current is None:
-            return self._render(rendered, specs, generation=True, **kwargs), None
-        previous = history.previous if history is not None else None
-        try:
-            record = self._template.render_recorded(
-                rendered, specs, True, previous.record if previous is not None else None, **kwargs
-            )
-        except TemplateError as exc:
-            raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        record, reuse = None, None
+        if history is not None:
+            try:
+                record, reuse = history.recorded_render(
+                    lambda earlier: self._template.render_recorded(rendered, specs, True, earlier, **kwargs)
+                )
+            except TemplateError as exc:
+                raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
         if record is None:
             return self._render(rendered, specs, generation=True, **kwargs), None
         self._counted.rendered = record.rendered
-        current.record = record
-        reuse = None
-        if previous is not None and previous.anchor is not None and record.same_prefix:
-            reuse = (*previous.anchor, previous.record.text, record.same_prefix)
         return record.text, reuse
 
-    def _anchored(self, full: str, anchor: RenderAnchor, reuse: tuple[Any, Any, str, int] | None) -> Any:
+    def _anchored(self, full: str, anchor: RenderAnchor, reuse: RenderReuse | None) -> Any:
         """A hasher fed ``full[:anchor.chars]`` when that text is the one ``anchor`` covers (None: it
         is not). With ``reuse`` (the earlier request's anchor, its hash state, its render, and how
         far this render is known to equal it) only the text after the known part is compared."""
@@ -270,7 +257,7 @@ class ContextBuilder:
         return hasher if hasher.digest() == anchor.digest else None
 
     def _continue_from_anchor(
-        self, full: str, parent: Turn, assistant: Mapping[str, Any], reuse: tuple[Any, Any, str, int] | None = None
+        self, full: str, parent: Turn, assistant: Mapping[str, Any], reuse: RenderReuse | None = None
     ) -> Context | None:
         """The continuation from one render, when ``parent``'s anchor allows (``None``: it does not,
         and the caller takes the general path, which renders the shorter conversations too).

@@ -27,7 +27,8 @@ from typing import Any
 
 import orjson
 
-from stream_gateway.completion._request import Message
+from stream_gateway.completion._kept import KeptHistory
+from stream_gateway.completion._request import ChatCompletionRequest, Message
 
 Fingerprint = bytes
 
@@ -79,6 +80,17 @@ def prefix_keys(seed: Fingerprint, fingerprints: Sequence[Fingerprint]) -> list[
 def extend_key(key: bytes, fingerprint: Fingerprint) -> bytes:
     """The key of the conversation ``key`` identifies, followed by one more message."""
     return hashlib.blake2b(key + fingerprint, digest_size=16).digest()
+
+
+def conversation_keys(body: ChatCompletionRequest) -> list[bytes]:
+    """``keys[i]`` identifies the conversation ``body.messages[:i + 1]`` under its tools: the kept
+    history's keys for the messages it repeats (``_kept.py``), one hash per message for the rest."""
+    seed = tools_fingerprint(body.tools)
+    return KeptHistory.of(body).running("keyed", body.messages, seed, _extended, under=seed)
+
+
+def _extended(key: bytes, message: Message) -> bytes:
+    return extend_key(key, message_fingerprint(message))
 
 
 def _digest(value: Any) -> Fingerprint:

@@ -2,17 +2,17 @@
 
 An agent's next request is its last one with a message or two appended: the same JSON bytes up to
 the end of the last message, then ``,`` and the new messages. :class:`Histories` keeps, per
-conversation, the last body's bytes, where each of its messages ends, and what reading them cost
-(the validated messages, their fingerprints and conversation keys, the messages as the template
-takes them, the recorded render, the render anchor's hash state; for an edge that translates,
-the chat messages each message became). A body whose bytes start with a kept one's through one of
-its last four messages (a client may move a cache mark to its new last message, or edit it), then
-``,``, parses only what follows: the kept messages are cut out of the ``messages`` array
-(``{..."messages":[`` + the new messages + the rest of the body), that is parsed and validated, and
-the kept messages are put back in front. Byte-equal JSON means equal messages, so nothing is
-re-read; anything else (another key order, a re-serialised history, an edit further back) is a
-miss and the body is read whole, as without this. Chat and Anthropic Messages bodies go through it
-by their ``messages``, Responses bodies by their ``input`` (``Edge.history_field``).
+conversation, the last body (``_kept.py`` ``KeptBody``): its bytes, where each of its messages
+ends, the validated messages, and what requests derived from them. A body whose bytes start with a
+kept one's through one of its last four messages (a client may move a cache mark to its new last
+message, or edit it), then ``,``, parses only what follows: the kept messages are cut out of the
+``messages`` array (``{..."messages":[`` + the new messages + the rest of the body), that is parsed
+and validated, and the kept messages are put back in front. Byte-equal JSON means equal messages,
+so nothing is re-read; anything else (another key order, a re-serialised history, an edit further
+back) is a miss and the body is read whole, as without this. Chat and Anthropic Messages bodies go
+through it by their ``messages``, Responses bodies by their ``input`` (``Edge.history_field``).
+The request gets a ``KeptHistory`` (``_kept.py``): the one owner of everything it derives from
+its messages after the parse, each fact read only for what it adds.
 
 Guards, each falling back to the whole read: the body's ``messages`` key must be unique (a later
 duplicate would be what a JSON parser keeps); the legacy ``functions`` shape, whose translation
@@ -24,13 +24,15 @@ skipped by one regular expression each).
 Token-in bodies (``/v1/completions`` with ``prompt`` a list of ids, ``Edge.history_field`` "prompt")
 go through it the same way with one boundary, the array's end: a rollout's next prompt is its last
 one, the ids it sampled and the new message's ids, so the kept ids are put back in front of the new
-ones and only those are parsed and validated; the entry also names the turn the kept prompt made
-(``turn``), which the new prompt continues if it repeats that turn's sampled ids
+ones and only those are parsed and validated; the kept history also names the turn the kept prompt
+made, which the new prompt continues if it repeats that turn's sampled ids
 (``completion/_prepare.py``), with no pass over the ids it carries.
 
 Entries are found by the request model and the body's first 256 bytes, then by the bytes before
 each candidate boundary; they are bounded by ``--history-cache-bytes`` (least recently used first
-out), and a continued entry is replaced by its continuation, so a conversation holds one.
+out), and a continued entry is replaced by its continuation, so a conversation holds one. The store
+counts every read through them (:meth:`Histories.statistics`): the parse here (fact ``parsed``),
+and each fact a request derives through its ``KeptHistory``.
 """
 
 from __future__ import annotations
@@ -38,19 +40,19 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
 from stream_gateway._errors import GatewayError
-from stream_gateway.completion._fingerprint import extend_key, message_fingerprint, prefix_keys, tools_fingerprint
-from stream_gateway.completion._request import ChatCompletionRequest, Message
+from stream_gateway.completion._kept import KeptBody, KeptHistory
+from stream_gateway.completion._replay import RenderRecord
 
-__all__ = ["Histories", "History", "HistoryLink", "conversation_keys", "imageless_prefix", "text_characters"]
+__all__ = ["Histories", "HistoryStatistics"]
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -60,57 +62,33 @@ _HEAD = 256  # bytes of the body that pick the bucket of candidate histories
 _TAIL = 64  # the bytes before a candidate boundary, compared before the whole prefix
 _BACK = 4  # message boundaries tried per candidate, from its last message back
 
-_ID_BYTES = 36  # a kept token id: a Python int (28 bytes) and the list's pointer to it
-
 _TOKENS = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|[\[\]{},:]')
 _MESSAGES_KEY = b'"messages"'
 _WHITESPACE = b" \t\r\n"
 
 
-@dataclass(slots=True, eq=False)
-class History:
-    """One body's messages as read, and what reading them cost, for the body that continues it."""
+@dataclass(frozen=True, slots=True)
+class HistoryStatistics:
+    """The kept histories now, and what requests read through them (:meth:`Histories.statistics`).
 
-    body: bytes
-    ends: list[int]  # body[:ends[i]]: through message i's closing brace
-    opened: int  # body[opened:] starts just inside the messages array
-    messages: list[Any]  # the validated messages (the edge's own model: chat's or Anthropic's)
-    # Filled as the request is prepared (completion/_prepare.py, completion/_context.py), for the
-    # chat messages the request became (the same as ``messages`` on the chat edge):
-    seed: bytes | None = None  # the tools' fingerprint the keys below were computed under
-    fingerprints: list[bytes] | None = None
-    keys: list[bytes] | None = None
-    template: list[dict[str, Any]] | None = None  # the messages as the template takes them
-    record: Any = None  # the recorded render (completion/_replay.py RenderRecord)
-    anchor: Any = None  # (RenderAnchor, hash state at its chars) of the turn built from ``record``
-    chat: list[Message] | None = None  # a translating edge's chat messages, and what they came from:
-    chat_from: list[int] | None = None  # chat_from[i]: how many chat messages messages[:i] became
-    system: Any = None  # the translating edge's system prompt, as given
-    imageless: bool = False  # the chat messages hold no image
-    chars: list[int] | None = None  # chars[i]: the text characters of chat messages[:i + 1]
-    dumps: list[dict[str, Any]] | None = None  # the chat messages as a response store keeps them
-    bucket: bytes = b""
-    ids: bool = False  # a token-in prompt: ``messages`` are its ids, ``ends`` the array's end alone
-    turn: str | None = None  # token-in: the turn this prompt made (a single choice), once finished
-    checked: int = 0  # token-in: leading ids found in the vocabulary (0: its request failed before)
+    ``reads[(fact, read)]``: requests that derived ``fact`` (``parsed``, ``translated``, ``keyed``,
+    ...: ``_kept.py``) taking the kept body's part (``read`` ``delta``) or none of it (``whole``);
+    ``items[fact]``: the items (messages, token ids) they derived it for anew."""
+
+    entries: int
+    held_bytes: int
+    reads: Mapping[tuple[str, str], int]
+    items: Mapping[str, int]
 
     @property
-    def size(self) -> int:
-        """Bytes this history holds, about: the body, its strings once parsed (a token id's int
-        and its pointer), and the render."""
-        record = self.record
-        parsed = _ID_BYTES * len(self.messages) if self.ids else len(self.body)
-        return len(self.body) + parsed + (len(record.text) if record is not None else 0)
+    def hits(self) -> int:
+        """Bodies that continued a kept one: only what they add parsed."""
+        return self.reads.get(("parsed", "delta"), 0)
 
-
-@dataclass(frozen=True, slots=True)
-class HistoryLink:
-    """A request's place among kept histories: ``previous`` (or None), whose first ``reused``
-    messages it repeats, and ``current``, its own (None: not kept)."""
-
-    previous: History | None
-    reused: int
-    current: History | None = field(default=None)
+    @property
+    def misses(self) -> int:
+        """Bodies over 4 KiB that continued none (read whole)."""
+        return self.reads.get(("parsed", "whole"), 0)
 
 
 class Histories:
@@ -119,12 +97,12 @@ class Histories:
     def __init__(self, budget: int, read: Callable[[bytes, type[Any]], Any]) -> None:
         self.budget = budget
         self._read = read  # a whole body read (http/_body.py decode_body: its error wording)
-        self._entries: OrderedDict[int, History] = OrderedDict()  # by id, least recently used first
-        self._buckets: dict[bytes, list[History]] = {}
+        self._entries: OrderedDict[int, KeptBody] = OrderedDict()  # by id, least recently used first
+        self._buckets: dict[bytes, list[KeptBody]] = {}
         self._held = 0
         self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._reads: Counter[tuple[str, str]] = Counter()
+        self._items: Counter[str] = Counter()
 
     @property
     def held_bytes(self) -> int:
@@ -132,6 +110,17 @@ class Histories:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def statistics(self) -> HistoryStatistics:
+        """A snapshot of the kept histories and the reads through them."""
+        with self._lock:
+            return HistoryStatistics(len(self._entries), self._held, dict(self._reads), dict(self._items))
+
+    def count(self, fact: str, delta: bool, items: int) -> None:
+        """A request derived ``fact`` for ``items`` items anew, taking the kept body's part (``delta``) or not."""
+        with self._lock:
+            self._reads[(fact, "delta" if delta else "whole")] += 1
+            self._items[fact] += items
 
     def parse(self, raw: bytes, model: type[BodyT], field: str = "messages") -> BodyT:
         """``raw`` as a ``model`` request whose top-level ``field`` array holds the conversation,
@@ -142,23 +131,24 @@ class Histories:
         found = self._match(raw, bucket)
         body = self._continue(raw, model, field, *found) if found is not None else None
         if body is not None:
-            self.hits += 1
             return body
-        self.misses += 1
         whole: Any = self._read(raw, model)
         items = getattr(whole, field)
         ids = _token_ids(items)
         span = _messages_span(raw, 0, 0, _key(field), ids)
         if span is None or not isinstance(items, list) or len(span[1]) != (1 if ids else len(items)):
+            self.count("parsed", False, 0)
             return cast(BodyT, whole)
         if getattr(whole, "legacy_functions", False) or (not ids and isinstance(items[0], (list, int, str))):
+            self.count("parsed", False, 0)
             return cast(BodyT, whole)  # (a batch of prompts: not a conversation)
         messages = list(items)
-        current = History(raw, span[1], span[0], messages, bucket=bucket, ids=ids)
-        whole._history = HistoryLink(None, 0, self._keep(current, None))
+        self.count("parsed", False, len(messages))
+        current = KeptBody(raw, span[1], span[0], messages, bucket, ids)
+        KeptHistory(self, None, 0, self._keep(current, None)).attach(whole)
         return cast(BodyT, whole)
 
-    def _match(self, raw: bytes, bucket: bytes) -> tuple[History, int] | None:
+    def _match(self, raw: bytes, bucket: bytes) -> tuple[KeptBody, int] | None:
         """The kept history ``raw`` continues and how many of its messages it repeats byte for
         byte (the last few may differ: clients move cache marks and edit the latest message)."""
         with self._lock:
@@ -175,7 +165,7 @@ class Histories:
                         return entry, count
         return None
 
-    def _continue(self, raw: bytes, model: type[BodyT], field: str, previous: History, count: int) -> BodyT | None:
+    def _continue(self, raw: bytes, model: type[BodyT], field: str, previous: KeptBody, count: int) -> BodyT | None:
         """The request, its kept messages not parsed again (None: this body cannot be spliced)."""
         cut = previous.ends[count - 1]
         span = _messages_span(raw, cut + 1, 2, _key(field), previous.ids)
@@ -201,12 +191,13 @@ class Histories:
             messages, ends, count = previous.messages + items, span[1], len(previous.messages)
         else:
             messages, ends = [*previous.messages[:count], *items], [*previous.ends[:count], *span[1]]
+        self.count("parsed", True, len(items))
         body: Any = added.model_copy(update={field: messages})
-        current = History(raw, ends, previous.opened, messages, bucket=previous.bucket, ids=previous.ids)
-        body._history = HistoryLink(previous, count, self._keep(current, previous))
+        current = KeptBody(raw, ends, previous.opened, messages, previous.bucket, previous.ids)
+        KeptHistory(self, previous, count, self._keep(current, previous)).attach(body)
         return cast(BodyT, body)
 
-    def _keep(self, entry: History, replaces: History | None) -> History:
+    def _keep(self, entry: KeptBody, replaces: KeptBody | None) -> KeptBody:
         with self._lock:
             if replaces is not None and self._entries.pop(id(replaces), None) is not None:
                 self._forget(replaces)
@@ -216,9 +207,11 @@ class Histories:
             self._evict()
         return entry
 
-    def account(self, entry: History, before: int) -> None:
-        """``entry`` grew from ``before`` bytes (its render was recorded): evict what no longer fits."""
+    def hold_render(self, entry: KeptBody, record: RenderRecord) -> None:
+        """``entry``'s recorded render (``_kept.py``): its bytes counted, what no longer fits evicted."""
         with self._lock:
+            before = entry.size
+            entry.record = record
             if id(entry) in self._entries:
                 self._held += entry.size - before
                 self._evict()
@@ -228,7 +221,7 @@ class Histories:
             _, oldest = self._entries.popitem(last=False)
             self._forget(oldest)
 
-    def _forget(self, entry: History) -> None:
+    def _forget(self, entry: KeptBody) -> None:
         self._held -= entry.size
         bucket = self._buckets.get(entry.bucket)
         if bucket is not None:
@@ -320,55 +313,3 @@ def _plain_messages(data: dict[str, Any], field: str, added: int) -> bool:
     if "functions" in data or "function_call" in data:
         return False
     return not any(isinstance(m, dict) and ("function_call" in m or m.get("role") == "function") for m in messages)
-
-
-def conversation_keys(body: ChatCompletionRequest) -> list[bytes]:
-    """``keys[i]`` identifies the conversation ``body.messages[:i + 1]`` (``_fingerprint.py``), the
-    kept history's fingerprints and keys reused for the messages it repeats."""
-    seed = tools_fingerprint(body.tools)
-    link: HistoryLink | None = body._history
-    messages = body.messages
-    previous = link.previous if link is not None else None
-    if link is not None and previous is not None and previous.seed == seed and previous.keys is not None:
-        reused = link.reused
-        fingerprints = (previous.fingerprints or [])[:reused]
-        keys = previous.keys[:reused]
-        key = keys[-1] if keys else seed
-        for message in messages[reused:]:
-            fingerprint = message_fingerprint(message)
-            fingerprints.append(fingerprint)
-            key = extend_key(key, fingerprint)
-            keys.append(key)
-    else:
-        fingerprints = [message_fingerprint(m) for m in messages]
-        keys = prefix_keys(seed, fingerprints)
-    current = link.current if link is not None else None
-    if current is not None:
-        current.seed, current.fingerprints, current.keys = seed, fingerprints, keys
-    return keys
-
-
-def imageless_prefix(body: ChatCompletionRequest) -> int:
-    """How many leading messages of ``body`` a kept history says hold no image."""
-    link: HistoryLink | None = body._history
-    previous = link.previous if link is not None else None
-    return link.reused if link is not None and previous is not None and previous.imageless else 0
-
-
-def text_characters(body: ChatCompletionRequest) -> int:
-    """The characters of ``body``'s message texts, the kept history's counted already (and this
-    request's kept for the next)."""
-    link: HistoryLink | None = body._history
-    previous = link.previous if link is not None else None
-    reused = link.reused if link is not None else 0
-    if previous is not None and previous.chars is not None and reused:
-        chars = previous.chars[:reused]
-    else:
-        chars, reused = [], 0
-    total = chars[-1] if chars else 0
-    for message in body.messages[reused:]:
-        total += len(message.text())
-        chars.append(total)
-    if link is not None and link.current is not None:
-        link.current.chars = chars
-    return total

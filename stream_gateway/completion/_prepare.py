@@ -27,16 +27,10 @@ from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._admission import Admission, SamplingRequest
 from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build, template_variables
-from stream_gateway.completion._history import (
-    Histories,
-    History,
-    HistoryLink,
-    conversation_keys,
-    imageless_prefix,
-    text_characters,
-)
+from stream_gateway.completion._fingerprint import conversation_keys
 from stream_gateway.completion._images import ImageResolver, PromptImage, RequestImages, prompt_images
-from stream_gateway.completion._request import ChatCompletionRequest
+from stream_gateway.completion._kept import KeptHistory
+from stream_gateway.completion._request import ChatCompletionRequest, Message
 from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
 from stream_gateway.constraints import check as check_grammar
 from stream_gateway.engines import Engine, SamplingParams
@@ -88,7 +82,7 @@ class PreparedCompletion:
     warnings: tuple[str, ...] = ()  # what the client should know (the template dropped its tools...)
     head: bytes | None = None  # key of (tools, system message): a conversation's identity across compaction
     max_tokens_requested: int | None = None  # what the client asked for (None: nothing); params.max_tokens fits it
-    kept: History | None = None  # token-in: the kept prompt, told the turn it makes (completion/_history.py)
+    kept: KeptHistory | None = None  # token-in: the kept prompt, told the turn it makes (completion/_kept.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +101,7 @@ class TokenInRequest:
     return_routes: bool = False  # vLLM's and SGLang's ``return_routed_experts``
     routes_from: int = 0  # their ``routed_experts_prompt_start`` / ``routed_experts_start_len``
     routes_param: str = "routed_experts_start_len"  # the name the client gave it (for errors)
-    history: HistoryLink | None = None  # the kept prompt this one repeats (completion/_history.py)
+    history: KeptHistory | None = None  # the kept prompt this one repeats (completion/_kept.py)
 
 
 class Preparer:
@@ -120,10 +114,8 @@ class Preparer:
         metrics: GatewayMetrics,
         sessions: SessionDirectory,
         recorder: EventRecorder,
-        histories: Histories | None = None,
     ) -> None:
         self._engine = engine
-        self._histories = histories
         self._settings = settings
         self._metrics = metrics
         self._sessions = sessions
@@ -173,9 +165,9 @@ class Preparer:
         adapter = self.admission.check_model_and_n(body.model, body.n, tenant=tenant, bound=adapter)
         body.check_supported()
         await self._check_size(body)
-        images = await self.images.resolve(body.messages, imageless_prefix(body))
-        if body._history is not None and body._history.current is not None:
-            body._history.current.imageless = images is None
+        history = KeptHistory.of(body)
+        images = await self.images.resolve(body.messages, history.known("imageless"))
+        history.keep_known("imageless", len(body.messages) if images is None else 0)
         constraint = None
         if body.response_format is not None or isinstance(body.tool_choice, dict) or body.tool_choice == "required":
             constraint = await anyio.to_thread.run_sync(self._constraint, body)
@@ -263,19 +255,14 @@ class Preparer:
         builder = self._context_builder
         kwargs = self._template_kwargs(body)
         lineage = _lineage(session, parent) if self.reasoning is not None else None
-        history = body._history
-        kept = history.current if history is not None else None
-        before = kept.size if kept is not None else 0
+        history = KeptHistory.of(body)
         if images is None and cheap_to_build(body.messages, body.tools, parent):
             context = builder.build(body.messages, body.tools, parent, lineage, kwargs, None, history)
         else:
             context = await anyio.to_thread.run_sync(
                 builder.build, body.messages, body.tools, parent, lineage, kwargs, images, history
             )
-        if kept is not None and self._histories is not None:
-            if kept.record is not None and context.anchor is not None and context.anchor_state is not None:
-                kept.anchor = (context.anchor, context.anchor_state)
-            self._histories.account(kept, before)
+        history.keep_anchor(context.anchor, context.anchor_state)
         kind = "cold" if context.cold else "warm"
         self._metrics.context_builds.labels(kind).inc()
         self._metrics.context_tokenized_chars.labels(kind).inc(context.tokenized_chars)
@@ -339,7 +326,7 @@ class Preparer:
     async def _check_size(self, body: ChatCompletionRequest) -> None:
         """Refuse at once what cannot fit, before fingerprinting, rendering or tokenizing all of it."""
         self.admission.check_message_count(len(body.messages))
-        budget = self.admission.characters_need_counting(text_characters(body))
+        budget = self.admission.characters_need_counting(_text_characters(body))
         if budget is not None:
             texts = [m.text() for m in body.messages]
             # Suspiciously long: count the tokens of a prefix whose size the context bounds (not
@@ -390,13 +377,13 @@ class Preparer:
         adapter = self.admission.check_model_and_n(request.model, request.n, tenant=tenant, bound=adapter)
         if len(request.prompts) > MAX_BATCH:
             raise InvalidRequest(f"At most {MAX_BATCH} prompts per request.", param="prompt")
-        # A prompt read through a kept one (completion/_history.py): the ids its request checked
+        # A prompt read through a kept one (completion/_kept.py): the ids its request checked
         # (none if that request failed first: a kept body is not a checked one) are not checked again.
         link = request.history if len(request.prompts) == 1 else None
-        checked = min(link.reused, link.previous.checked) if link is not None and link.previous is not None else 0
+        checked = link.known("checked") if link is not None else 0
         token_lists = [self._prompt_ids(p, request.add_special_tokens, checked) for p in request.prompts]
-        if link is not None and link.current is not None:
-            link.current.checked = len(token_lists[0])
+        if link is not None:
+            link.keep_known("checked", len(token_lists[0]))
         if request.return_routes:
             self._check_routes(request, token_lists)
         named: Session | None = None
@@ -442,7 +429,7 @@ class Preparer:
                     split_reasoning=False,
                     return_routes=request.return_routes,
                     routes_from=request.routes_from,
-                    kept=link.current if link is not None and request.n == 1 else None,
+                    kept=link if link is not None and link.kept and request.n == 1 else None,
                 )
             )
         return batch
@@ -470,7 +457,7 @@ class Preparer:
         session_id: str | None,
         named: Session | None,
         captured: bool,
-        link: HistoryLink | None = None,
+        link: KeptHistory | None = None,
     ) -> tuple[Session | None, Turn | None]:
         """The session the prompt belongs to (``None``: a new one), and the turn it continues.
 
@@ -505,7 +492,7 @@ class Preparer:
         if bad is not None:
             raise InvalidRequest(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param="prompt")
         # Not copied: nothing writes into a prompt's ids (engines take immutable TokenIds too), and
-        # a kept prompt's list (completion/_history.py) is only read, to build the next one.
+        # a kept prompt's list (completion/_kept.py) is only read, to build the next one.
         return prompt
 
     # -- both --------------------------------------------------------------------------------------
@@ -554,14 +541,14 @@ def _lineage(session: Session | None, parent: Turn | None) -> dict[int, Turn]:
     return out
 
 
-def _linked_turn(session: Session, ids: list[int], link: HistoryLink | None) -> Turn | None:
+def _linked_turn(session: Session, ids: list[int], link: KeptHistory | None) -> Turn | None:
     """The turn a token-in prompt continues, found through the kept prompt it repeats (None: look
     it up by ids): the turn that prompt made, if this one goes on with that turn's sampled ids and
     the session holds no longer sequence that could be a deeper match. The repeated prompt is that
     turn's prompt, byte for byte, so only the sampled ids are compared."""
-    if link is None or link.previous is None or link.previous.turn is None:
+    if link is None or link.kept_turn is None:
         return None
-    turn = session.turns.get(link.previous.turn)
+    turn = session.turns.get(link.kept_turn)
     if turn is None or turn.finish_reason is None:
         return None
     size = len(turn.prompt_ids)
@@ -569,6 +556,16 @@ def _linked_turn(session: Session, ids: list[int], link: HistoryLink | None) -> 
     if size != link.reused or end > len(ids) or max(session.token_lengths, default=0) > end:
         return None
     return turn if turn.output_ids == ids[size:end] else None
+
+
+def _text_characters(body: ChatCompletionRequest) -> int:
+    """The characters of ``body``'s message texts, the kept history's counted already."""
+    counts = KeptHistory.of(body).running("counted", body.messages, 0, _add_text)
+    return counts[-1] if counts else 0
+
+
+def _add_text(total: int, message: Message) -> int:
+    return total + len(message.text())
 
 
 def _session_adapter(session: Session | None, requested: str | None) -> str | None:

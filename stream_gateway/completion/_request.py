@@ -215,7 +215,7 @@ class ChatCompletionRequest(_Wire):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
-    # What reading an earlier body of this conversation left (completion/_history.py HistoryLink).
+    # The body's kept history (completion/_kept.py KeptHistory), set by the store that read it.
     _history: Any = PrivateAttr(default=None)
 
     @model_validator(mode="before")

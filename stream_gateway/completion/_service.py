@@ -37,7 +37,6 @@ from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._channel import UpdateChannel, coalesce, fold_tool_calls
-from stream_gateway.completion._history import Histories
 from stream_gateway.completion._prepare import PreparedCompletion, Preparer
 from stream_gateway.completion._text import TextAssembler
 from stream_gateway.completion._thinking import ThinkingStream
@@ -128,12 +127,11 @@ class CompletionService:
         *,
         spend: Spend | None = None,
         adapter_owner: Callable[[str], str | None] | None = None,
-        histories: Histories | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._spend = spend
-        self._preparer = Preparer(engine, settings, metrics, sessions, recorder, histories)
+        self._preparer = Preparer(engine, settings, metrics, sessions, recorder)
         if adapter_owner is not None:
             self._preparer.admission.adapter_owner = adapter_owner  # another tenant's adapter is a 404
         self.prepare = self._preparer.chat

@@ -176,7 +176,7 @@ class TurnLifecycle:
         )
         shared = of.sessions.record_turn(prepared.session, turn)
         if prepared.kept is not None and turn.finish_reason is not None:
-            prepared.kept.turn = turn.turn_id  # the next prompt of this rollout continues it (_prepare.py)
+            prepared.kept.keep_turn(turn.turn_id)  # the next prompt of this rollout continues it (_prepare.py)
         if abort_reason is None:
             if durable is not None:
                 with anyio.move_on_after(of.durable_wait_s):

@@ -72,7 +72,7 @@ from stream_gateway.completion import (
     ChoiceResult,
     ChoiceUpdate,
     CompletionService,
-    HistoryLink,
+    KeptHistory,
     PreparedCompletion,
 )
 from stream_gateway.protocols._edge import Call, EdgeBase, SideRoute, StreamStart
@@ -200,7 +200,7 @@ class CountTokensRequest(_In):
     system: str | list[SystemBlock] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
-    # What reading an earlier body of this conversation left (completion/_history.py HistoryLink).
+    # The body's kept history (completion/_kept.py KeptHistory), set by the store that read it.
     _history: Any = PrivateAttr(default=None)
 
 
@@ -423,44 +423,15 @@ def to_chat_request(
     """The chat completion request that ``body`` means (``thinking_switch``: the served model's
     template reads ``enable_thinking``, so ``thinking: {"type": "disabled"}`` turns thinking off).
 
-    A body read through a kept history (``completion/_history.py``) translates only the messages it
-    adds: the chat messages the repeated ones became are the kept history's, the very objects, and
-    the chat request links to that history (its fingerprints, template messages and render are
-    reused the same way). Anything the kept translation cannot serve is translated whole."""
-    link = body._history
-    if link is not None and link.previous is not None and link.current is not None:
-        chat = _continued_chat(body, signer, thinking_switch, link)
-        if chat is not None:
-            return chat
-    offsets: list[int] = []
-    chat = _chat_request(body, _messages(body, signer, 0, offsets), thinking_switch)
-    if link is not None and link.current is not None:  # kept: the chat messages each message became
-        current = link.current
-        current.chat, current.chat_from, current.system = chat.messages, offsets, body.system
-        chat._history = HistoryLink(None, 0, current)
-    return chat
+    Translated through the body's kept history (``completion/_kept.py``): a continuing body
+    translates only the messages it adds, the chat messages of the repeated ones are the kept
+    history's, the very objects, and the chat request's own facts (fingerprints, template
+    messages, render) are read the same way."""
 
+    def translate(start: int, starts: list[int]) -> ChatCompletionRequest:
+        return _chat_request(body, _messages(body, signer, start, starts), thinking_switch)
 
-def _continued_chat(
-    body: CountTokensRequest, signer: ThinkingSigner | None, thinking_switch: bool, link: HistoryLink
-) -> ChatCompletionRequest | None:
-    previous, current = link.previous, link.current
-    assert previous is not None and current is not None
-    if previous.chat is None or previous.chat_from is None or previous.system != body.system:
-        return None
-    offsets = previous.chat_from[: link.reused + 1]
-    kept = offsets[-1]  # the chat messages the repeated messages became
-    counts: list[int] = []  # where each added message's chat messages start, and their end
-    try:
-        chat = _chat_request(body, _messages(body, signer, link.reused, counts), thinking_switch)
-    except (InvalidRequest, ValueError):
-        return None  # translated whole, its error names the message's place in the whole array
-    offsets += [kept + n for n in counts[1:]]
-    messages = [*previous.chat[:kept], *chat.messages]
-    chat = chat.model_copy(update={"messages": messages})
-    current.chat, current.chat_from, current.system = messages, offsets, body.system
-    chat._history = HistoryLink(previous, kept, current)
-    return chat
+    return KeptHistory.of(body).translated(translate, body.system)
 
 
 def _chat_request(

@@ -95,7 +95,7 @@ class Edge(Protocol[BodyT]):
     name: str  # the route's name
     request: type[BaseModel]  # the body it parses
     # The body's top-level array that a continuation repeats (``messages``, ``input``; None: none):
-    # read through the kept histories (completion/_history.py), a next turn parses what it adds.
+    # read through the kept histories (completion/_history.py, _kept.py), a next turn reads what it adds.
     history_field: str | None
 
     @property

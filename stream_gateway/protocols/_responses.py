@@ -69,7 +69,8 @@ from stream_gateway.completion import (
     ChoiceResult,
     ChoiceUpdate,
     CompletionService,
-    HistoryLink,
+    KeptHistory,
+    Message,
     PreparedCompletion,
 )
 from stream_gateway.protocols._edge import Call, EdgeBase, StreamStart
@@ -221,45 +222,17 @@ def to_chat_request(
 ) -> ChatCompletionRequest:
     """The chat completion request that ``body`` means (after ``history``, a previous response's).
 
-    A body read through a kept history (``completion/_history.py``) translates only the items it
-    adds after a boundary nothing crosses: the chat messages the repeated items became are the kept
-    history's, the very objects, and the chat request links to that history. A continued response
-    (``history``), or anything the kept translation cannot serve, is translated whole."""
-    link = body._history
-    if link is not None and link.previous is not None and link.current is not None and not history:
-        chat = _continued_chat(body, signer, link)
-        if chat is not None:
-            return chat
-    offsets: list[int] = []
-    chat = _chat_request(body, _messages(body, history or [], signer, 0, offsets))
-    if link is not None and link.current is not None and not history:
-        current = link.current
-        current.chat, current.chat_from, current.system = chat.messages, offsets, body.instructions
-        chat._history = HistoryLink(None, 0, current)
-    return chat
+    Translated through the body's kept history (``completion/_kept.py``): a continuing body
+    translates only the items it adds after a boundary nothing crosses (the chat messages of the
+    repeated items are the kept history's, the very objects). A continued response (``history``)
+    is translated whole and not kept."""
+    if history:
+        return _chat_request(body, _messages(body, history, signer))
 
+    def translate(start: int, starts: list[int]) -> ChatCompletionRequest:
+        return _chat_request(body, _messages(body, [], signer, start, starts))
 
-def _continued_chat(
-    body: ResponsesRequest, signer: ThinkingSigner | None, link: HistoryLink
-) -> ChatCompletionRequest | None:
-    previous, current = link.previous, link.current
-    assert previous is not None and current is not None
-    if previous.chat is None or previous.chat_from is None or previous.system != body.instructions:
-        return None
-    kept = previous.chat_from[link.reused]
-    if kept < 0:
-        return None
-    counts: list[int] = []  # where each added item's chat messages start (-1: joined), and their end
-    try:
-        chat = _chat_request(body, _messages(body, [], signer, link.reused, counts))
-    except (InvalidRequest, ValueError):
-        return None  # translated whole, its error names the item's place in the whole input
-    offsets = [*previous.chat_from[: link.reused + 1], *(kept + n if n >= 0 else -1 for n in counts[1:])]
-    messages = [*previous.chat[:kept], *chat.messages]
-    chat = chat.model_copy(update={"messages": messages})
-    current.chat, current.chat_from, current.system = messages, offsets, body.instructions
-    chat._history = HistoryLink(previous, kept, current)
-    return chat
+    return KeptHistory.of(body).translated(translate, body.instructions)
 
 
 def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -744,16 +717,12 @@ class ResponsesEdge(EdgeBase):
 
 
 def _conversation(chat: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The chat messages as the response store keeps them, the kept history's already dumped
-    (and this request's kept for the next)."""
-    link = chat._history
-    previous = link.previous if link is not None else None
-    reused = link.reused if link is not None and previous is not None and previous.dumps is not None else 0
-    dumps = previous.dumps[:reused] if previous is not None and previous.dumps is not None else []
-    dumps += [m.model_dump(exclude_none=True) for m in chat.messages[reused:]]
-    if link is not None and link.current is not None:
-        link.current.dumps = dumps
-    return dumps
+    """The chat messages as the response store keeps them, the kept history's already dumped."""
+    return KeptHistory.of(chat).each("stored", chat.messages, _stored)
+
+
+def _stored(message: Message) -> dict[str, Any]:
+    return message.model_dump(exclude_none=True)
 
 
 def _allowed_tools(choice: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ class TextConfig(_In):
 class ResponsesRequest(_In):
     model: str
     input: str | list[dict[str, Any]]
-    # What reading an earlier body of this conversation left (completion/_history.py HistoryLink).
+    # The body's kept history (completion/_kept.py KeptHistory), set by the store that read it.
     _history: Any = PrivateAttr(default=None)
     instructions: str | None = None
     tools: list[FunctionTool] | None = None

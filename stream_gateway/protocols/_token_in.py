@@ -46,6 +46,7 @@ from stream_gateway.completion import (
     MAX_STOP_SEQUENCES,
     ChoiceResult,
     ChoiceUpdate,
+    KeptHistory,
     PreparedCompletion,
     SamplingRequest,
     StreamOptions,
@@ -115,7 +116,7 @@ class CompletionRequest(BaseModel):
     min_tokens: int | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
-    # What reading an earlier body of this rollout left (completion/_history.py HistoryLink): its
+    # The body's kept history (completion/_kept.py KeptHistory), set by the store that read it: its
     # prompt ids, kept, and the turn they made.
     _history: Any = PrivateAttr(default=None)
 
@@ -431,7 +432,7 @@ class TokenInEdge(EdgeBase):
             return_routes=body.return_routed_experts,
             routes_from=routes_from,
             routes_param=routes_param,
-            history=body._history,
+            history=KeptHistory.of(body),
         )
         batch = await self._service.prepare_tokens(request, **call.placement())
         return TokenInExchange(batch, body, self._service.token_text)

@@ -348,21 +348,37 @@ def _counter(gateway: RunningGateway, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+# The kept history's reads of a token-in prompt (completion/_kept.py): its ids parsed, and checked
+# against the vocabulary, each for the new ids alone (delta) or all of them (whole).
+_FACT_READS = [f'reads_total{{fact="{f}",read="{how}"}}' for f in ("parsed", "checked") for how in ("delta", "whole")]
+_FACT_READS += [f'read_items_total{{fact="{f}"}}' for f in ("parsed", "checked")]
+
+
 def test_a_rollout_continues_through_its_kept_prompt_without_a_pass_over_its_ids(gateway: RunningGateway) -> None:
     """Issue 41, token-in: a rollout's next prompt (the last one, its sampled ids, new ids) is read
     through the kept last body (only the new ids parsed and checked) and placed on the turn that
-    body made by comparing the sampled ids alone, counted by the gateway's own counters; the chain
-    is the one a lookup by ids gives. A prompt that changes a sampled id is not that turn's child."""
+    body made by comparing the sampled ids alone, counted by the gateway's own counters (the kept
+    history's reads: each fact derived through it for the new ids alone); the chain is the one a
+    lookup by ids gives. A prompt that changes a sampled id is not that turn's child."""
     session = f"roll{secrets.token_hex(4)}"
     path = f"/sessions/{session}/v1/completions"
     prompt = [(37 * i) % 1900 + 20 for i in range(1500)]  # over the 4 KiB a body needs to be kept
     hits = _counter(gateway, "gateway_history_cache_hits_total")
     kept = _counter(gateway, 'gateway_token_in_matches_total{how="kept"}')
     turns = 4
+    sent = 0
     for turn in range(turns):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "return_token_ids": True, "seed": turn}
+        reads = {f: _counter(gateway, f"gateway_history_{f}") for f in _FACT_READS}
         answer = _post(gateway, body, path)
         assert answer.status_code == 200, answer.text
+        read = {f: _counter(gateway, f"gateway_history_{f}") - reads[f] for f in _FACT_READS}
+        delta = 1 if turn else 0  # the first prompt is read whole, every later one for its new ids alone
+        expected = {f'reads_total{{fact="{f}",read="{how}"}}': n for f in ("parsed", "checked")
+                    for how, n in (("delta", delta), ("whole", 1 - delta))}  # fmt: skip
+        expected |= {f'read_items_total{{fact="{f}"}}': len(prompt) - sent for f in ("parsed", "checked")}
+        assert read == expected, read
+        sent = len(prompt)
         prompt = prompt + answer.json()["choices"][0]["token_ids"] + [5 + turn, 6, 7]
     assert _counter(gateway, "gateway_history_cache_hits_total") - hits == turns - 1
     assert _counter(gateway, 'gateway_token_in_matches_total{how="kept"}') - kept == turns - 1

@@ -1,7 +1,8 @@
-"""Kept request histories (completion/_history.py): a chat body that repeats a kept one's bytes and
-appends messages reads only those, and the request it gives is the one a whole read gives; every
-other body (re-serialised, edited, a duplicate key, the legacy shape, an error) is read whole, with
-the whole read's errors; the kept bytes stay under their bound."""
+"""Kept request histories (completion/_history.py, completion/_kept.py): a chat body that repeats a
+kept one's bytes and appends messages reads only those, and the request it gives is the one a whole
+read gives; every other body (re-serialised, edited, a duplicate key, the legacy shape, an error) is
+read whole, with the whole read's errors; the kept bytes stay under their bound. What a request
+derives through its ``KeptHistory`` is read for the messages it adds alone, counted by the store."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ import orjson
 import pytest
 
 from stream_gateway._errors import GatewayError
-from stream_gateway.completion import ChatCompletionRequest, Histories, message_fingerprint, prefix_keys
+from stream_gateway.completion import (
+    ChatCompletionRequest,
+    Histories,
+    KeptHistory,
+    conversation_keys,
+    message_fingerprint,
+    prefix_keys,
+)
 from stream_gateway.completion import tools_fingerprint as tools_key
-from stream_gateway.completion._history import conversation_keys
 from stream_gateway.http import decode_body
 
 _READ = partial(decode_body, model=ChatCompletionRequest)
@@ -47,20 +54,29 @@ def test_a_continuing_body_reads_only_what_it_adds() -> None:
     histories = Histories(1 << 30, decode_body)
     messages = _messages(3)
     first = histories.parse(_body(messages, tools=_TOOLS), _PARSE)
-    assert first._history is not None and first._history.previous is None and histories.misses == 1
+    history = KeptHistory.of(first)
+    assert history.kept and not history.continued and histories.statistics().misses == 1
     conversation_keys(first)
+    earlier = first
     for turn in range(3, 8):
         messages = _messages(turn + 1)
         raw = _body(messages, tools=_TOOLS)
         body = histories.parse(raw, _PARSE)
         _same(body, _READ(raw))
-        link = body._history
-        assert link is not None and link.previous is not None and link.reused == 2 + 2 * turn
-        assert body.messages[: link.reused] == link.previous.messages  # the very objects, not parsed again
-        assert all(a is b for a, b in zip(body.messages, link.previous.messages, strict=False))
+        history = KeptHistory.of(body)
+        assert history.continued and history.reused == 2 + 2 * turn
+        # The very objects, not parsed again (all the earlier body's: its last message repeated too).
+        assert all(a is b for a, b in zip(body.messages[: history.reused], earlier.messages, strict=False))
+        before = histories.statistics()
         keys = conversation_keys(body)  # the kept keys extended: the same as computing them all
         assert keys == prefix_keys(tools_key(body.tools), [message_fingerprint(m) for m in body.messages])
-    assert histories.hits == 5 and len(histories) == 1  # one conversation, one history kept
+        after = histories.statistics()  # ... and only the two new messages fingerprinted
+        assert after.reads[("keyed", "delta")] - before.reads.get(("keyed", "delta"), 0) == 1
+        assert after.items["keyed"] - before.items["keyed"] == 2
+        earlier = body
+    stats = histories.statistics()
+    assert stats.hits == 5 and stats.entries == len(histories) == 1  # one conversation, one history kept
+    assert ("keyed", "whole") in stats.reads and stats.reads[("keyed", "whole")] == 1  # the first body's
 
 
 @pytest.mark.parametrize(
@@ -83,7 +99,7 @@ def test_any_layout_a_client_keeps_from_turn_to_turn_continues(layout: str) -> N
     raw = dump(_messages(4))
     body = histories.parse(raw, _PARSE)
     _same(body, _READ(raw))
-    assert histories.hits == 1
+    assert histories.statistics().hits == 1
 
 
 def test_a_re_serialised_or_edited_history_is_read_whole() -> None:
@@ -97,8 +113,8 @@ def test_a_re_serialised_or_edited_history_is_read_whole() -> None:
     ):
         body = histories.parse(raw, _PARSE)
         _same(body, _READ(raw))
-        assert body._history is None or body._history.previous is None
-    assert histories.hits == 0
+        assert not KeptHistory.of(body).continued
+    assert histories.statistics().hits == 0
 
 
 def test_the_latest_messages_may_differ() -> None:
@@ -109,13 +125,13 @@ def test_the_latest_messages_may_differ() -> None:
     histories.parse(_body(messages), _PARSE)
     retry = histories.parse(_body(messages), _PARSE)
     _same(retry, _READ(_body(messages)))
-    assert retry._history is not None and retry._history.reused == len(messages) - 1
+    assert KeptHistory.of(retry).reused == len(messages) - 1
     marked = [*messages[:-1], {**messages[-1], "cache_control": {"type": "ephemeral"}}, *_messages(4)[-2:]]
     raw = _body(marked)
     body = histories.parse(raw, _PARSE)
     _same(body, _READ(raw))
-    assert body._history is not None and body._history.reused == len(messages) - 1
-    assert histories.hits == 2
+    assert KeptHistory.of(body).reused == len(messages) - 1
+    assert histories.statistics().hits == 2
 
 
 def test_a_later_duplicate_messages_key_is_what_the_parser_keeps() -> None:
@@ -139,7 +155,7 @@ def test_the_legacy_functions_shape_is_read_whole() -> None:
     raw = _body(longer, functions=functions)
     body = histories.parse(raw, _PARSE)
     _same(body, _READ(raw))
-    assert body.legacy_functions and histories.hits == 0
+    assert body.legacy_functions and histories.statistics().hits == 0
 
 
 def test_a_bad_new_message_gets_the_whole_reads_error() -> None:
@@ -160,7 +176,7 @@ def test_small_bodies_and_a_zero_budget_keep_nothing() -> None:
     for budget, messages in ((1 << 30, [{"role": "user", "content": "hi"}]), (0, _messages(4))):
         histories = Histories(budget, decode_body)
         body = histories.parse(_body(messages), _PARSE)
-        assert body._history is None and len(histories) == 0
+        assert not KeptHistory.of(body).kept and len(histories) == 0
 
 
 def test_kept_bytes_stay_under_the_budget() -> None:
@@ -175,7 +191,7 @@ def test_kept_bytes_stay_under_the_budget() -> None:
     messages = _messages(3)
     messages[1] = {"role": "user", "content": "task 5"}
     longer = [*messages, *_messages(4)[-2:]]
-    assert histories.parse(_body(longer), _PARSE)._history.previous is not None  # the latest is still kept
+    assert KeptHistory.of(histories.parse(_body(longer), _PARSE)).continued  # the latest is still kept
 
 
 def _anthropic(turns: int) -> list[dict[str, Any]]:
@@ -209,18 +225,22 @@ def test_an_anthropic_conversation_translates_only_what_it_adds() -> None:
 
     first = to_chat_request(histories.parse(raw(2), MessagesRequest))
     conversation_keys(first)
+    earlier = first
     for turns in range(3, 7):
         body = histories.parse(raw(turns), MessagesRequest)
         chat = to_chat_request(body)
         whole = to_chat_request(decode_body(raw(turns), MessagesRequest))
         assert chat.model_dump() == whole.model_dump()
-        link = chat._history
-        assert link is not None and link.previous is not None
-        assert link.reused == len(whole.messages) - 3  # all but the marked message and the two added
-        assert all(a is b for a, b in zip(chat.messages[: link.reused], link.previous.chat or [], strict=False))
+        history = KeptHistory.of(chat)
+        assert history.continued
+        assert history.reused == len(whole.messages) - 3  # all but the marked message and the two added
+        assert all(a is b for a, b in zip(chat.messages[: history.reused], earlier.messages, strict=False))
         keys = conversation_keys(chat)
         assert keys == prefix_keys(tools_key(chat.tools), [message_fingerprint(m) for m in chat.messages])
-    assert histories.hits == 4
+        earlier = chat
+    stats = histories.statistics()
+    assert stats.hits == 4 and stats.reads[("translated", "delta")] == 4 and stats.reads[("keyed", "delta")] == 4
+    assert stats.items["translated"] == len(_anthropic(2)) + 4 * 3  # the first body whole, then three a turn
 
 
 def _codex(turns: int) -> list[dict[str, Any]]:
@@ -257,20 +277,23 @@ def test_a_responses_conversation_translates_only_what_it_adds() -> None:
     first = to_chat_request(histories.parse(raw(2), ResponsesRequest, "input"))
     conversation_keys(first)
     _conversation(first)
+    earlier = first
     for turns in range(3, 7):
         body = histories.parse(raw(turns), ResponsesRequest, "input")
         chat = to_chat_request(body)
         whole = to_chat_request(decode_body(raw(turns), ResponsesRequest))
         assert chat.model_dump() == whole.model_dump()
-        link = chat._history
-        assert link is not None and link.previous is not None
-        assert link.reused == len(whole.messages) - 3  # all but the added turn: an assistant and two tool results
-        assert all(a is b for a, b in zip(chat.messages[: link.reused], link.previous.chat or [], strict=False))
+        history = KeptHistory.of(chat)
+        assert history.continued
+        assert history.reused == len(whole.messages) - 3  # all but the added turn: an assistant and two tool results
+        assert all(a is b for a, b in zip(chat.messages[: history.reused], earlier.messages, strict=False))
         assert conversation_keys(chat) == prefix_keys(
             tools_key(chat.tools), [message_fingerprint(m) for m in chat.messages]
         )
         assert _conversation(chat) == [m.model_dump(exclude_none=True) for m in whole.messages]
-    assert histories.hits == 4
+        earlier = chat
+    stats = histories.statistics()
+    assert stats.hits == 4 and stats.reads[("translated", "delta")] == 4 and stats.reads[("stored", "delta")] == 4
 
 
 def _prompt_body(ids: list[int], *, spaced: bool = False, **fields: Any) -> bytes:
@@ -289,16 +312,17 @@ def test_a_token_in_rollout_reads_only_the_ids_it_adds() -> None:
         histories = Histories(1 << 30, decode_body)
         ids = [(7 * i) % 1999 for i in range(3000)]
         first = histories.parse(_prompt_body(ids, spaced=spaced), CompletionRequest, "prompt")
-        assert first._history is not None and first._history.current is not None and first._history.current.ids
+        assert KeptHistory.of(first).kept
         for turn in range(4):
             ids = ids + [(11 * turn + j) % 1999 for j in range(500)]
             raw = _prompt_body(ids, spaced=spaced, seed=turn)  # fields after the prompt may change
             body = histories.parse(raw, CompletionRequest, "prompt")
             assert body.model_dump() == read(raw).model_dump()
-            link = body._history
-            assert link is not None and link.previous is not None and link.reused == len(ids) - 500
-            assert link.current is not None and link.current.messages is body.prompt
-        assert (histories.hits, histories.misses) == (4, 1)
+            history = KeptHistory.of(body)
+            assert history.continued and history.kept and history.reused == len(ids) - 500
+        stats = histories.statistics()
+        assert (stats.hits, stats.misses) == (4, 1)
+        assert stats.items["parsed"] == 3000 + 4 * 500  # the first prompt's ids, then each turn's 500 alone
 
 
 def test_token_in_bodies_that_cannot_be_spliced_are_read_whole() -> None:
@@ -319,9 +343,9 @@ def test_token_in_bodies_that_cannot_be_spliced_are_read_whole() -> None:
     assert histories.parse(raw, CompletionRequest, "prompt").prompt == [3]
     # A batch of prompts is never kept; a text prompt neither.
     batch = histories.parse(orjson.dumps({"model": "m", "prompt": [ids, ids]}), CompletionRequest, "prompt")
-    assert batch._history is None
+    assert not KeptHistory.of(batch).kept
     text = histories.parse(orjson.dumps({"model": "m", "prompt": "word " * 2000}), CompletionRequest, "prompt")
-    assert text._history is None
+    assert not KeptHistory.of(text).kept
     # And the kept rollout still continues afterwards.
     body = histories.parse(_prompt_body([*ids, 9, 8]), CompletionRequest, "prompt")
-    assert body.prompt == [*ids, 9, 8] and body._history.previous is not None
+    assert body.prompt == [*ids, 9, 8] and KeptHistory.of(body).continued
