@@ -5,8 +5,11 @@
 request:
 
 * **Affinity first.** A request with an affinity key (the gateway passes the session id) goes to
-  the server that served that key last, as long as that server is healthy: its prefix cache holds
-  the conversation. Affinities are kept for the ``affinity_size`` most recently used keys.
+  the server that served that key last, as long as that server is healthy and not saturated
+  (``STICKY_SLACK`` or more requests in flight beyond the least busy server's): its prefix cache
+  holds the conversation, which is worth a queue. Affinities are kept for the ``affinity_size``
+  most recently used keys. The same key rides upstream as ``X-Session-ID``
+  (:func:`~.remote._stream_http.session_hints`) for the servers' KV events and any router between.
 * **A key's first request goes to its home**: the healthy server that ranks highest for the key
   by rendezvous hashing (blake2b of key and URL), unless that server has ``HOME_SLACK`` or more
   requests in flight beyond the least busy one's. Every process computes the same home, so with
@@ -53,6 +56,8 @@ log = logging.getLogger(__name__)
 
 HOME_SLACK = 4
 """A key's home takes its first request unless it has this many more in flight than the least busy server."""
+STICKY_SLACK = 16
+"""A key stays on its server unless that server has this many more in flight than the least busy one."""
 
 
 def normalize_url(url: str) -> str:
@@ -169,6 +174,7 @@ class UpstreamPool:
                 and not sticky.removed
                 and sticky not in exclude
                 and (adapter is None or adapter in sticky.adapters)
+                and not self._saturated(sticky, exclude, adapter)
             ):
                 self._affinity.move_to_end(affinity)
                 sticky.picks["sticky"] += 1
@@ -202,6 +208,20 @@ class UpstreamPool:
         while len(self._affinity) > self._affinity_size:
             self._affinity.popitem(last=False)
         return best
+
+    def _saturated(self, upstream: Upstream, exclude: frozenset[Upstream], adapter: str | None) -> bool:
+        """``upstream`` has ``STICKY_SLACK`` or more in flight beyond the least busy eligible server."""
+        if upstream.outstanding < STICKY_SLACK:
+            return False  # cheap answer first: nobody has fewer than 0
+        least = min(
+            (
+                u.outstanding
+                for u in self._upstreams.values()
+                if u.healthy and u not in exclude and (adapter is None or adapter in u.adapters)
+            ),
+            default=upstream.outstanding,
+        )
+        return upstream.outstanding >= least + STICKY_SLACK
 
     def _unavailable_message(self, adapter: str | None = None) -> str:
         if not self._upstreams:

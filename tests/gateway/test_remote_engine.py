@@ -217,6 +217,11 @@ def test_a_tool_loop_through_vllm_http_is_token_exact_and_sticks_to_one_server(
     # Affinity: every turn of the session went to one server.
     delta = [after - b for after, b in zip(_served(upstreams), before, strict=True)]
     assert sorted(delta) == [0, len(turns)], delta
+    # The session and each turn rode upstream as X-Session-ID and X-Request-ID (what vLLM and session
+    # routers read): the serving server, a gateway itself, recorded the turns under that session.
+    serving = upstreams[delta.index(len(turns))]
+    upstream_turns = httpx.get(f"{serving.url}/sessions/{session_id}", timeout=10).json()["turns"]
+    assert [t["output_ids"] for t in upstream_turns] == [t["output_ids"] for t in turns]
 
 
 def test_token_ids_and_logprobs_stream_through_unchanged(front: RunningGateway, upstreams: list[Upstream]) -> None:

@@ -275,3 +275,15 @@ def test_a_reader_that_falls_behind_holds_the_server_back() -> None:
             await http.aclose()
 
     asyncio.run(run())
+
+
+def test_session_hints_name_the_session_and_the_turn_in_plain_ascii() -> None:
+    from stream_gateway.engines.remote._stream_http import session_hints
+
+    assert session_hints("agent-7", "chatcmpl-1") == b"X-Session-ID: agent-7\r\nX-Request-ID: chatcmpl-1\r\n"
+    assert session_hints(None, "r") == b"X-Request-ID: r\r\n"
+    # Any other session id goes hashed: stable (it still groups the session), never a header injection.
+    odd = session_hints("a b\r\nX-Evil: 1", "r")
+    assert odd == session_hints("a b\r\nX-Evil: 1", "r") and b"Evil" not in odd
+    assert odd.startswith(b"X-Session-ID: sha256:") and odd.count(b"\r\n") == 2
+    assert session_hints("é", "r") != session_hints("e", "r")

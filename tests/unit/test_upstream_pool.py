@@ -80,3 +80,19 @@ def test_a_check_missed_while_streaming_or_reloading_is_forgiven_and_one_missed_
     assert _forgive_slow_check(streaming, 1.0)
     stalled = Upstream("http://d", outstanding=2, streamed_at=time.monotonic() - 3600)
     assert not _forgive_slow_check(stalled, 1.0)
+
+
+def test_a_session_stays_on_its_server_through_a_queue_and_moves_when_it_is_saturated() -> None:
+    from stream_gateway.engines._pool import STICKY_SLACK
+
+    p = pool()
+    first = p.pick("sess_b")
+    first.outstanding = STICKY_SLACK - 1  # a queue, but its cache holds the conversation
+    assert p.pick("sess_b") is first and first.picks["sticky"] == 1
+    first.outstanding = STICKY_SLACK  # saturated: STICKY_SLACK beyond the idle servers
+    moved = p.pick("sess_b")
+    assert moved is not first and moved.picks["moved"] == 1
+    assert p.pick("sess_b") is moved  # and it stays on its new server
+    for upstream in p:
+        upstream.outstanding = STICKY_SLACK + 3  # everyone equally busy: nobody is saturated
+    assert p.pick("sess_b") is moved

@@ -76,7 +76,7 @@ from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._grammar import GrammarCheck, end_ids
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_config
 from stream_gateway.engines.remote._sglang import SglangDialect
-from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse
+from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse, session_hints
 from stream_gateway.engines.remote._vllm import VllmDialect
 from stream_gateway.engines.remote._vllm_generate import VllmGenerateDialect
 from stream_gateway.engines.remote._wire import describe, error_message, error_param, sse_batches
@@ -399,6 +399,7 @@ class RemoteEngine:
         if params.constraint is not None:  # what the server samples is checked against it (._grammar)
             ends = self._end_ids | params.stop_token_ids
             grammar = await anyio.to_thread.run_sync(GrammarCheck, params.constraint, self.tokenizer, ends)
+        hints = session_hints(affinity, request_id)
         self._active += 1
         self._total_requests += 1
         tried: set[Upstream] = set()
@@ -415,7 +416,7 @@ class RemoteEngine:
                     fleet.acquire(upstream, model)
                 started = False
                 try:
-                    stream = self._stream(upstream, request_id, prompt_ids, params, model, version)
+                    stream = self._stream(upstream, request_id, prompt_ids, params, model, version, hints)
                     async with aclosing(stream) as steps:
                         async for step in steps:
                             started = True
@@ -457,10 +458,11 @@ class RemoteEngine:
         params: SamplingParams,
         model: str | None = None,
         version: int | None = None,
+        hints: bytes = b"",
     ) -> AsyncGenerator[EngineStep, None]:
         wanted = self._route_check.wanted(upstream.url, len(prompt_ids), params.routes_from)
         path = self.dialect.generate_path
-        response = await self._send(upstream, request_id, prompt_ids, params, wanted, model)
+        response = await self._send(upstream, request_id, prompt_ids, params, wanted, model, hints)
         finished = False
         try:
             if response.status_code == 400 and wanted is not None:
@@ -471,7 +473,7 @@ class RemoteEngine:
                                 upstream.url, error_message(response.content))  # fmt: skip
                     await response.aclose()
                     wanted = None
-                    response = await self._send(upstream, request_id, prompt_ids, params, None, model)
+                    response = await self._send(upstream, request_id, prompt_ids, params, None, model, hints)
             if response.status_code != 200:
                 await response.aread()
                 message = error_message(response.content) or f"HTTP {response.status_code}"
@@ -516,6 +518,7 @@ class RemoteEngine:
         params: SamplingParams,
         wanted: Wanted | None,
         model: str | None = None,
+        hints: bytes = b"",
     ) -> StreamResponse:
         assert self._streams is not None
         dialect = self.dialect
@@ -524,7 +527,7 @@ class RemoteEngine:
         if wanted is not None:
             dialect.want_routes(body, wanted.start)
         return await self._streams.post(
-            upstream.url + dialect.generate_path, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+            upstream.url + dialect.generate_path, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), headers=hints
         )  # the prompt ids: sessions.wire_ids
 
     # -- LoRA adapters --------------------------------------------------------------------------

@@ -36,6 +36,8 @@ checks, model info, adapters):
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import re
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +65,34 @@ class _Origin:
     @property
     def where(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+SESSION_HEADER = "X-Session-ID"  # vLLM >= 0.32 reads it (entrypoints/generate/base/serving.py) into its KV events
+REQUEST_HEADER = "X-Request-ID"
+_HINT = re.compile(r"[!-~]{1,200}")  # visible ASCII: no space, no control character, bounded
+
+
+def session_hints(session: str | None, request_id: str) -> bytes:
+    """The header lines that tell an inference server, and any router before it, which session and
+    which turn a request belongs to: ``X-Session-ID`` (vLLM attaches it to the KV-cache events it
+    publishes; a session-affine router, e.g. vLLM production-stack's ``--routing-logic session
+    --session-key X-Session-ID``, keeps the session on one server) and ``X-Request-ID``.
+
+    A value that is not plain visible ASCII (a session id may be any string) goes as
+    ``sha256:<hex>`` of itself: stable, so the hint still groups the session's requests.
+    """
+    lines = b""
+    if session:
+        lines += f"{SESSION_HEADER}: {_hint(session)}\r\n".encode("ascii")
+    if request_id:
+        lines += f"{REQUEST_HEADER}: {_hint(request_id)}\r\n".encode("ascii")
+    return lines
+
+
+def _hint(value: str) -> str:
+    if _HINT.fullmatch(value):
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @lru_cache(maxsize=1024)
@@ -371,8 +401,13 @@ class StreamClient:
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
-    async def post(self, url: str, body: bytes, content_type: str = "application/json") -> StreamResponse:
-        """Send ``body`` to ``url``; the answer once its headers are in (its body streams after)."""
+    async def post(
+        self, url: str, body: bytes, content_type: str = "application/json", headers: bytes = b""
+    ) -> StreamResponse:
+        """Send ``body`` to ``url``; the answer once its headers are in (its body streams after).
+
+        ``headers``: this request's own header lines, ``name: value\r\n`` each (:func:`header_lines`).
+        """
         if self._closed:
             raise ConnectFailed("the client is closed")
         origin, target = _target(url)
@@ -382,6 +417,7 @@ class StreamClient:
                 f"accept-encoding: identity\r\ncontent-length: {len(body)}\r\n"
             ).encode("latin-1")
             + self._extra
+            + headers
             + b"\r\n"
             + body
         )
