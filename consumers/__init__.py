@@ -4,6 +4,9 @@
 * :mod:`consumers.trajectories`: building trajectories from one session's events (pure);
 * :mod:`consumers.assembler`: the durable consumer that emits trajectories exactly once;
 * :mod:`consumers.rewards`: programmatic rewards (``--reward-function``), run by the assembler;
+* :mod:`consumers.reward_worker`: the reward worker (``stream-gateway reward``): scorers
+  (:mod:`consumers.scorers`, :mod:`consumers.judge`) run once per trajectory each, on replicas;
+* :mod:`consumers.scores`: their records, and the batcher's reward formula over them;
 * :mod:`consumers.batcher`: groups trajectories into training batches (parquet + manifest);
 * :mod:`consumers.grouping`: the batcher's policies and grouping, without I/O (:class:`GroupPlanner`);
 * :mod:`consumers.batch_record`: the batcher's durable record of a batch, and why it makes exactly once;
@@ -27,6 +30,8 @@ from .batch_record import BatchRecord
 from .batcher import Batcher, BatcherConfig, BatcherStatistics, run_batcher
 from .errors import ConsumerError, ImagesRefused
 from .grouping import GroupingPolicy, GroupPlanner
+from .reward_worker import RewardWorker, RewardWorkerConfig, RewardWorkerStatistics, run_reward_worker
+from .scores import RewardFormula, ScoreRecord
 from .streams import ConsumerStreams
 from .trajectories import SessionEvents, build_trajectories
 from .trajectory import Trajectory, TurnSummary, trajectory_id
@@ -47,6 +52,11 @@ __all__ = [
     "GroupPlanner",
     "GroupingPolicy",
     "ImagesRefused",
+    "RewardFormula",
+    "RewardWorker",
+    "RewardWorkerConfig",
+    "RewardWorkerStatistics",
+    "ScoreRecord",
     "SessionEvents",
     "StreamCheckpointManager",
     "Trajectory",
@@ -54,6 +64,7 @@ __all__ = [
     "build_trajectories",
     "run_assembler",
     "run_batcher",
+    "run_reward_worker",
     "trajectory_id",
 ]
 

@@ -65,6 +65,7 @@ from consumers.errors import ImagesRefused
 
 from ._batch_writer import BatchWriter, open_state_bucket
 from ._runner import DurableRunner, PullSpec
+from ._score_gate import ScoreGate
 from .batch_record import BatchRecord
 from .grouping import (
     AdapterFilter,
@@ -77,6 +78,7 @@ from .grouping import (
 )
 from .images import ImageStore
 from .parquet import require_pyarrow
+from .scores import RewardFormula
 from .streams import ConsumerStreams
 from .trajectory import UNFINISHED, Trajectory, erased
 
@@ -113,11 +115,24 @@ class BatcherConfig:
     fetch_batch: int = 256
     policy_poll_s: float = 2.0
     progress_interval_s: float = 10.0
+    # Scores (consumers._score_gate): the reward formula over the reward worker's scorers (--reward),
+    # and how long a trajectory waits for each of the awaited ones after it was published (--await-scorer).
+    reward: str | None = None
+    await_scorers: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_pending < self.grouping.batch_size:
             raise ValueError(f"max_pending {self.max_pending} must be at least batch_size {self.grouping.batch_size}")
         _ = self.adapters  # checks the adapter filter
+        formula = self.formula
+        awaited = {name for name, _ in self.await_scorers}
+        if awaited and (formula is None or not awaited <= formula.scorers):
+            raise ValueError(f"--await-scorer {', '.join(sorted(awaited))}: await only scorers --reward names")
+
+    @property
+    def formula(self) -> RewardFormula | None:
+        """``reward`` parsed (``ValueError`` if it does not parse); ``None``: scores are not used."""
+        return None if self.reward is None else RewardFormula.parse(self.reward)
 
     @classmethod
     def of(cls, **values: Any) -> BatcherConfig:
@@ -164,12 +179,15 @@ class BatcherStatistics:
     masked_unfinished: int = 0  # an unfinished last turn taken out of the loss, under --unfinished mask
     revised: int = 0  # held trajectories replaced by a late-reward revision before their batch
     late_rewards: int = 0  # late-reward revisions of trajectories already in a published batch (recorded on it)
+    awaiting_scores: int = 0  # held aside now, waiting for awaited scorers (--await-scorer)
+    score_waits_expired: int = 0  # admitted after the bound with an awaited scorer still missing
     end_reasons: dict[str, int] = field(default_factory=dict)  # received trajectories per end reason
     adapter_versions: dict[str | None, int] = field(default_factory=dict)  # newest known per adapter (None: base)
 
 
 # The counters a Batcher keeps itself; the rest of its statistics are read off its state.
-_STATE = ("held", "open_groups", "policy_version", "adapter_versions", "end_reasons")
+_STATE = ("held", "open_groups", "policy_version", "adapter_versions", "end_reasons", "awaiting_scores",
+          "score_waits_expired")  # fmt: skip
 _COUNTERS = tuple(f.name for f in fields(BatcherStatistics) if f.name not in _STATE)
 
 
@@ -177,7 +195,8 @@ _COUNTERS = tuple(f.name for f in fields(BatcherStatistics) if f.name not in _ST
 class _Held:
     msg: Msg
     sequence: int  # stream sequence: a redelivery has the same, a republished copy another
-    trajectory: Trajectory
+    trajectory: Trajectory  # as it goes into the batch
+    raw: Trajectory  # as received (with its scores): what a later score is applied to
 
 
 @dataclass(slots=True)
@@ -230,6 +249,11 @@ class Batcher:
         self._tombstones.on_forgotten = self._forgotten
         self._images: ImageStore | None = None
         self._flushes: list[Msg] = []  # flush requests (``stream-gateway flush``), answered after the next fetch
+        formula = config.formula
+        self._scores = None if formula is None else ScoreGate.of(
+            formula, dict(config.await_scorers), names=config.names, consumer=config.consumer_name,
+            servers=config.servers, auth=config.auth, ack_wait_s=config.ack_wait_s, ack_soon=self._ack_soon,
+        )  # fmt: skip
 
     def statistics(self) -> BatcherStatistics:
         """A snapshot of the counters."""
@@ -241,6 +265,8 @@ class Batcher:
             policy_version=self._planner.version_of(adapter),
             adapter_versions=self._planner.versions(),
             end_reasons=dict(self._end_reasons),
+            awaiting_scores=0 if self._scores is None else len(self._scores.messages()),
+            score_waits_expired=0 if self._scores is None else self._scores.expired,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -256,12 +282,16 @@ class Batcher:
             self._images = ImageStore(js, config.names.image_bucket)  # checks only: nothing processed, nothing cached
             self._writer = BatchWriter(nc, js, kv, names=config.names, output_dir=config.output_dir, log=log)
             await self._tombstones.load(js)
+            if self._scores is not None:
+                await self._scores.open(js)
             flushes = await nc.subscribe(config.names.flush_subject, cb=self._on_flush_request)
             pending = await nc.subscribe(config.names.pending_subject, cb=self._on_pending)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._tombstones.follow, js)
                 tg.start_soon(self._heartbeat_loop)
                 tg.start_soon(self._policy_loop)
+                if self._scores is not None:
+                    tg.start_soon(self._scores.follow)
                 if config.output_dir is not None and config.parquet_max_age_s:
                     tg.start_soon(self._retention_loop, config.output_dir, config.parquet_max_age_s)
                 if self._progress is not None:
@@ -285,8 +315,10 @@ class Batcher:
             await anyio.sleep(min(3600.0, max(1.0, max_age_s / 10)))
 
     def _room(self) -> int:
-        """How many messages the next fetch may bring: held ones count against ``max_pending``."""
-        return max(1, min(self._config.fetch_batch, self._config.max_pending - len(self._held)))
+        """How many messages the next fetch may bring: held ones (and those awaiting scores) count against
+        ``max_pending``."""
+        held = len(self._held) + (0 if self._scores is None else len(self._scores.messages()))
+        return max(1, min(self._config.fetch_batch, self._config.max_pending - held))
 
     async def _on_fetch(self, messages: list[Msg]) -> None:
         import nats.errors
@@ -296,6 +328,11 @@ class Batcher:
                 await self._receive(msg)
             except (nats.errors.Error, TimeoutError) as exc:  # neither held nor acked: redelivered later
                 log.warning("batcher: message %s put aside (%r)", msg.metadata.sequence.stream, exc)
+        if self._scores is not None:
+            try:
+                await self._take_scores(self._scores)
+            except (nats.errors.Error, TimeoutError) as exc:  # the scores not acknowledged come again
+                log.warning("batcher: scores put aside (%r)", exc)
         flushes, self._flushes = self._flushes, []
         before = self._counts["batches"]
         await self._emit_ready(partial=bool(flushes))
@@ -312,6 +349,8 @@ class Batcher:
         policy = self._config.grouping
         answer = {"role": "batcher", "held": s.held, "open_groups": s.open_groups, "batch_size": policy.batch_size,
                   "group_size": policy.group_size, "batches": s.batches}  # fmt: skip
+        if self._scores is not None:
+            answer["scores"] = self._scores.summary()
         if msg.reply:
             await msg.respond(orjson.dumps(answer))
 
@@ -344,6 +383,13 @@ class Batcher:
             self._ack_soon(msg)
             return
         tid, sequence = trajectory.trajectory_id, msg.metadata.sequence.stream
+        gate, scored = self._scores, None
+        if gate is not None:  # the --reward formula over the scores recorded so far
+            scored = await gate.apply(trajectory)
+            trajectory = scored.trajectory
+            if gate.holding(tid):  # held aside for scores: this copy replaces that one
+                gate.hold(msg, sequence, scored)
+                return
         held = self._held.get(tid)
         if held is not None:
             if held.sequence == sequence:  # redelivered while held: answer the newest delivery
@@ -370,6 +416,8 @@ class Batcher:
                 return
             self._hold_bound(batch, msg, sequence, trajectory)
             return
+        if gate is not None and scored is not None and gate.hold(msg, sequence, scored):
+            return  # waits for an awaited scorer (--await-scorer)
         self._admit(msg, sequence, trajectory, await self._check_images(trajectory))
 
     async def _check_images(self, trajectory: Trajectory) -> Drop | None:
@@ -411,10 +459,11 @@ class Batcher:
         )
         if isinstance(prepared, str):  # the policies are pure functions of the record: cannot happen
             raise RuntimeError(f"trajectory {raw.trajectory_id} of assigned batch {batch.batch_id} now {prepared}")
-        self._held[raw.trajectory_id] = _Held(msg, sequence, prepared)
+        self._held[raw.trajectory_id] = _Held(msg, sequence, prepared, raw)
 
     def _revise(self, held: _Held, msg: Msg, sequence: int, trajectory: Trajectory) -> None:
-        """A held trajectory's late-reward revision replaces it (same id, same group)."""
+        """A held trajectory's late-reward revision replaces it (same id, same group): a revision
+        published by the assembler, or (``msg`` the held one's) the held one given a score that came."""
         policy = self._planner.policy
         prepared = prepare_trajectory(
             trajectory, prompt_length=policy.prompt_length, response_length=policy.response_length,
@@ -424,10 +473,12 @@ class Batcher:
         if isinstance(prepared, str):  # a revision only adds rewards: what was admitted stays admissible
             log.warning("batcher: revision %d of %s now %s; the held copy stays", trajectory.revision,
                         trajectory.trajectory_id, prepared)  # fmt: skip
-            self._ack_soon(msg)
+            if msg is not held.msg:
+                self._ack_soon(msg)
             return
-        self._ack_soon(held.msg)
-        held.msg, held.sequence, held.trajectory = msg, sequence, prepared
+        if msg is not held.msg:
+            self._ack_soon(held.msg)
+        held.msg, held.sequence, held.trajectory, held.raw = msg, sequence, prepared, trajectory
         self._counts["revised"] += 1
 
     def _admit(self, msg: Msg, sequence: int, raw: Trajectory, refused: Drop | None = None) -> None:
@@ -444,7 +495,7 @@ class Batcher:
             self._counts["masked_unfinished"] += (
                 self._planner.policy.unfinished == "mask" and raw.end_reason in UNFINISHED and bool(raw.turns)
             )
-            self._held[raw.trajectory_id] = _Held(msg, sequence, outcome)
+            self._held[raw.trajectory_id] = _Held(msg, sequence, outcome, raw)
         if admission.released is not None:
             self._release(admission.released)
 
@@ -455,6 +506,21 @@ class Batcher:
             held = self._held.pop(tid, None)
             if held is not None:
                 self._ack_soon(held.msg)
+
+    async def _take_scores(self, gate: ScoreGate) -> None:
+        """Scores that came since the last fetch (``consumers._score_gate``), then the trajectories whose
+        wait for scores is over."""
+        for record in gate.take_arrived():
+            tid = record.trajectory_id
+            if (held := self._held.get(tid)) is not None:  # before its batch: held with it (a revision)
+                self._revise(held, held.msg, held.sequence, (await gate.apply(held.raw)).trajectory)
+            elif gate.holding(tid) or self._writer is None or (batch := await self._binding(tid)) is None:
+                continue  # waiting (released below), or not here yet: its scores are looked up on receipt
+            elif batch.record.state == "published":  # after its batch: a late reward on that batch
+                self._counts["late_rewards"] += await gate.record_late(self._writer, batch.batch_id, record)
+        for waited in await gate.released():
+            self._admit(waited.msg, waited.sequence, waited.trajectory, await self._check_images(waited.trajectory))
+        await gate.acknowledge_taken()
 
     def _ack_soon(self, msg: Msg) -> None:
         # Dropping happens in synchronous code; the acks go out before the next fetch.
@@ -469,6 +535,10 @@ class Batcher:
             if erased(self._tombstones, held.trajectory.tenant, held.trajectory.session_id)
             and tid not in self._bound_member  # a batch assigned before a restart is the forget's to rewrite
         }  # fmt: skip
+        if self._scores is not None:
+            self._counts["dropped_erased"] += self._scores.drop(
+                lambda t: erased(self._tombstones, t.tenant, t.session_id)
+            )
         for group in self._planner.drop(gone):
             self._counts["dropped_erased"] += len(group.members)
             for tid in group.members:
@@ -555,9 +625,10 @@ class Batcher:
                     len(group.members),
                 )
                 self._release(group)
-            for held in list(self._held.values()):
+            aside = [] if self._scores is None else self._scores.messages()
+            for msg in [*(held.msg for held in self._held.values()), *aside]:
                 try:
-                    await held.msg.in_progress()
+                    await msg.in_progress()
                 except nats.errors.Error as exc:  # disconnected: the redelivery is handled anyway
                     log.debug("batcher: in_progress failed: %r", exc)
                     break

@@ -1,10 +1,12 @@
-"""The consumers' commands: ``assemble`` (events → trajectories), ``batch`` (→ verl batches),
-``flush`` (the running batcher emits what it holds) and ``pending`` (what each session waits for).
+"""The consumers' commands: ``assemble`` (events → trajectories), ``reward`` (trajectories → scores),
+``batch`` (→ verl batches), ``flush`` (the running batcher emits what it holds) and ``pending``
+(what each session waits for).
 
 :func:`add_commands` registers them on the ``stream-gateway`` command (:mod:`stream_stack.cli`);
 ``python -m consumers.cli`` runs them alone. Both take the shared NATS options of
-:mod:`pipeline.connection` (URLs, credentials, TLS). :func:`add_batch_flags` and
-:func:`batcher_config` also serve ``stream-gateway up``, which runs both consumers in-process.
+:mod:`pipeline.connection` (URLs, credentials, TLS). :func:`add_batch_flags`, :func:`batcher_config`,
+:func:`add_scorer_flags` and :func:`reward_worker_config` also serve ``stream-gateway up``, which runs
+the consumers in-process.
 """
 
 from __future__ import annotations
@@ -24,8 +26,17 @@ from .streams import ConsumerStreams
 
 if TYPE_CHECKING:
     from .batcher import BatcherConfig
+    from .reward_worker import RewardWorkerConfig
 
-__all__ = ["add_batch_flags", "add_commands", "add_trajectories_max_age_flag", "batcher_config", "main"]
+__all__ = [
+    "add_batch_flags",
+    "add_commands",
+    "add_scorer_flags",
+    "add_trajectories_max_age_flag",
+    "batcher_config",
+    "main",
+    "reward_worker_config",
+]
 
 
 def _assemble(args: argparse.Namespace) -> int:
@@ -102,6 +113,8 @@ def batcher_config(
         only_base=args.base,
         output_dir=output_dir,
         parquet_max_age_s=args.parquet_max_age_seconds or 0.0,
+        reward=args.reward,
+        await_scorers=tuple(args.await_scorer or ()),
     )
 
 
@@ -125,7 +138,86 @@ def _batch(args: argparse.Namespace) -> int:
         f"batcher: batches of {config.grouping.batch_size} (groups of {config.grouping.group_size}){only} "
         f"from {args.nats_url}{where}"
     )
+    if config.reward is not None:
+        awaited = ", ".join(f"{name} up to {seconds:g} s" for name, seconds in config.await_scorers) or "none"
+        progress(f"batcher: reward = {config.reward} (the reward worker's scores); awaited: {awaited}")
+        if not config.await_scorers and config.grouping.no_reward == "drop":
+            progress("batcher: a trajectory with no reward of its own (feedback, --default-reward) that comes "
+                     "before its scores is dropped: add --await-scorer NAME:SECONDS to wait for them")  # fmt: skip
     return _run_consumer("batch", run_batcher, config)
+
+
+def reward_worker_config(
+    args: argparse.Namespace,
+    servers: tuple[str, ...],
+    auth: NatsAuth,
+    names: ConsumerStreams,
+    *,
+    tokenizers: dict[str, str] | None = None,
+    **more: Any,
+) -> RewardWorkerConfig:
+    """The reward worker's configuration from :func:`add_scorer_flags`' flags (``ValueError`` if they
+    do not make one); ``tokenizers`` (``up``'s model) when ``--tokenizer`` gives none."""
+    from dataclasses import replace
+
+    from .reward_worker import RewardWorkerConfig
+    from .scorers import Scorer, parse_scorer
+
+    specs = [parse_scorer(text) for text in args.scorer or ()]
+    for spec in specs:  # a Python scorer that cannot be imported is refused now, not at the first trajectory
+        if spec.kind == "python":
+            try:
+                Scorer.python(spec)
+            except ImportError as exc:
+                raise ValueError(f"--scorer {spec.name}: {exc}") from None
+    known = {spec.name for spec in specs}
+    limits: dict[str, dict[str, Any]] = {spec.name: {} for spec in specs}
+    for flag, field, kind in (("scorer_timeout", "timeout_s", float), ("scorer_concurrency", "concurrency", int),
+                              ("scorer_retries", "retries", int)):  # fmt: skip
+        for text in getattr(args, flag) or ():
+            name, equals, value = text.rpartition("=")
+            if equals and name not in known:
+                raise ValueError(f"--{flag.replace('_', '-')} {text!r}: no scorer {name!r}")
+            for target in [name] if equals else known:
+                limits[target][field] = kind(value)
+    given = dict(_tokenizer(text) for text in args.tokenizer or ())
+    return RewardWorkerConfig(
+        servers=servers,
+        auth=auth,
+        names=names,
+        scorers=tuple(replace(spec, **limits[spec.name]) for spec in specs),
+        tokenizers=given or dict(tokenizers or {}),
+        judge_template=args.judge_template,
+        judge_api_key=args.judge_api_key,
+        **more,
+    )
+
+
+def _tokenizer(text: str) -> tuple[str, str]:
+    """``[MODEL=]DIR``: the model it serves (``""``: every model) and the directory."""
+    model, equals, where = text.partition("=")
+    return (model, where) if equals else ("", text)
+
+
+def _reward(args: argparse.Namespace) -> int:
+    """``stream-gateway reward``: one replica of the reward worker."""
+    from .reward_worker import run_reward_worker
+
+    if (nats := nats_from_args(args, "reward")) is None:
+        return 2
+    servers, auth = nats
+    names = ConsumerStreams(prefix=args.subject_prefix, events=args.events_stream, replicas=args.stream_replicas)
+    try:
+        config = reward_worker_config(
+            args, servers, auth, names, durable=args.durable, ack_wait_s=args.ack_wait,
+            max_in_flight=args.max_in_flight, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        )  # fmt: skip
+    except (ValueError, OSError) as exc:
+        print(f"stream-gateway reward: {exc}", file=sys.stderr)
+        return 2
+    scorers = ", ".join(f"{spec.name} ({spec.spec})" for spec in config.scorers)
+    progress(f"rewarder {config.durable!r} ({config.worker}) on {names.trajectories} at {args.nats_url}: {scorers}")
+    return _run_consumer("reward", run_reward_worker, config)
 
 
 def _flush(args: argparse.Namespace) -> int:
@@ -204,6 +296,10 @@ def _pending(args: argparse.Namespace) -> int:
             print(f"batcher: {answer['held']} trajectories held ({answer['open_groups']} groups not yet whole, "
                   f"groups of {answer['group_size']}); a batch takes {answer['batch_size']} "
                   f"(stream-gateway flush makes one now); {answer['batches']} batches so far")  # fmt: skip
+            if (scores := answer.get("scores")) is not None:
+                waits = ", ".join(f"{name}: {n}" for name, n in scores["scorers"].items())
+                print(f"batcher: reward = {scores['reward']}; {scores['trajectories']} trajectories waiting for "
+                      f"scores" + (f" ({waits}; at most {scores['due_in_s']:g} s more)" if waits else ""))  # fmt: skip
     return 0
 
 
@@ -246,6 +342,14 @@ def add_batch_flags(command: argparse.ArgumentParser) -> None:
         type=_seconds,
         help="retention: parquet files in --output-dir older than this are deleted (unset or 0: never)",
     )
+    command.add_argument("--reward", metavar="FORMULA",
+                         help="a trajectory's reward from the reward worker's scores: a scorer (judge), a part of one "
+                         "(tests.passed) or a weighted sum (0.7*judge+0.3*tests); reward_source names it. A "
+                         "trajectory without every score keeps its own reward (feedback, default) flagged unscored; "
+                         "a user's feedback wins (docs/rewards.md)")  # fmt: skip
+    command.add_argument("--await-scorer", action="append", type=_awaited, metavar="NAME:SECONDS",
+                         help="hold a trajectory for this scorer's record at most SECONDS after it was published "
+                         "(repeatable; stream-gateway pending says what waits)")  # fmt: skip
     only = command.add_mutually_exclusive_group()
     only.add_argument("--adapter", metavar="NAME", help="only this LoRA adapter's trajectories (a consumer of its own)")
     only.add_argument("--base", action="store_true", help="only the base model's trajectories, none of an adapter's")
@@ -260,6 +364,45 @@ def add_trajectories_max_age_flag(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _awaited(text: str) -> tuple[str, float]:
+    name, colon, seconds = text.rpartition(":")
+    if not colon or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:SECONDS")
+    return name, _seconds(seconds)
+
+
+def add_scorer_flags(command: argparse.ArgumentParser) -> None:
+    """The reward worker's scorers and their limits (``reward`` and ``up``)."""
+    command.add_argument("--scorer", action="append", metavar="NAME=SPEC",
+                         help="a scorer (repeatable): NAME=python:MODULE:FUNCTION, NAME=command:CMD (the trajectory "
+                         "as JSON on stdin, a JSON number or object on stdout) or NAME=judge:URL#MODEL (an "
+                         "OpenAI-compatible /v1 asked for a score); docs/rewards.md")  # fmt: skip
+    command.add_argument("--scorer-timeout", action="append", metavar="[NAME=]SECONDS",
+                         help="time limit of one try (default 30 s; NAME=: that scorer only; repeatable)")  # fmt: skip
+    command.add_argument(
+        "--scorer-concurrency",
+        action="append",
+        metavar="[NAME=]N",
+        help="tries of a scorer running at once (default 8)",
+    )
+    command.add_argument(
+        "--scorer-retries",
+        action="append",
+        metavar="[NAME=]N",
+        help="tries after a failed or timed-out one (default 1)",
+    )
+    command.add_argument("--judge-template", metavar="FILE",
+                         help="a judge's prompt, with {transcript}, {prompt}, {last_answer}, {metadata} "
+                         "(default: a score from 0 to 1 as JSON)")  # fmt: skip
+    command.add_argument("--judge-api-key", help="the judges' API key (sent as a Bearer token)")
+    command.add_argument(
+        "--tokenizer",
+        action="append",
+        metavar="[MODEL=]DIR",
+        help="a model's tokenizer, to give scorers the trajectory's text (a judge needs one)",
+    )
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if value < 0 or value != value:
@@ -268,7 +411,7 @@ def _seconds(text: str) -> float:
 
 
 def add_commands(commands: Any) -> None:
-    """Register ``assemble`` and ``batch`` on an ``add_subparsers()`` object."""
+    """Register ``assemble``, ``reward``, ``batch``, ``flush`` and ``pending`` on an ``add_subparsers()`` object."""
     assemble = commands.add_parser("assemble", help="turn session events into trajectories (a durable consumer)")
     add_nats_arguments(assemble)
     assemble.add_argument("--durable", default="assembler", help="consumer name; instances with one name share work")
@@ -290,6 +433,22 @@ def add_commands(commands: Any) -> None:
     add_trajectories_max_age_flag(assemble)
     add_stream_replicas_flag(assemble, "the streams and buckets it provisions")
     assemble.set_defaults(run=_assemble)
+
+    reward = commands.add_parser(
+        "reward", help="score trajectories with programs, verifiers and LLM judges (replicas share the work)"
+    )
+    add_nats_arguments(reward)
+    add_scorer_flags(reward)
+    reward.add_argument("--durable", default="rewarder", help="consumer name; replicas with one name share work")
+    reward.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (default SG_EVENTS)")
+    reward.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
+    reward.add_argument("--ack-wait", type=float, default=30.0,
+                        help="a crashed replica's trajectories go to another after this long (default 30)")  # fmt: skip
+    reward.add_argument("--max-in-flight", type=int, default=32, help="trajectories in hand at once (default 32)")
+    reward.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port (0: any free one)")
+    reward.add_argument("--metrics-host", default="127.0.0.1", help="the address /metrics listens on")
+    add_stream_replicas_flag(reward, "the streams and buckets it provisions")
+    reward.set_defaults(run=_reward)
 
     batch = commands.add_parser("batch", help="group trajectories into verl training batches (a durable consumer)")
     add_nats_arguments(batch)
@@ -317,7 +476,7 @@ def add_commands(commands: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m consumers.cli assemble|batch ...``."""
+    """``python -m consumers.cli assemble|reward|batch ...``."""
     return standalone(__doc__.split("\n\n")[0], add_commands, argv)
 
 

@@ -5,6 +5,8 @@
     sg.trajectories.<tenant>.<session>   SG_TRAJECTORIES   one message per trajectory (Nats-Msg-Id = its id)
     sg.batches.ready                     SG_BATCHES        one manifest per training batch (Nats-Msg-Id = batch id)
     object store sg_batches              <batch id>.parquet, the batch itself
+    KV sg_scores                         <tenant>.<session>.<trajectory id>.<scorer>: the reward worker's scores
+                                         (consumers.scores; kept as long as the trajectories stream keeps one)
     object store sg_images               read only: images/<sha256> and processors/<fingerprint>, the
                                          gateway's (consumers.images); never created here
 
@@ -23,7 +25,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeline.events import subject_token
-from pipeline.streams import StreamSpec, ensure_bucket, ensure_key_value, ensure_named_stream, ensure_stream
+from pipeline.streams import (
+    StreamSpec,
+    ensure_bucket,
+    ensure_key_value,
+    ensure_named_stream,
+    ensure_stream,
+    keep_for,
+)
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -44,6 +53,7 @@ class ConsumerStreams:
     payload_bucket: str = "sg_payloads"  # oversized messages (shared with the gateway's events)
     batch_bucket: str = "sg_batches"
     state_bucket: str = "sg_assembler"  # the assembler's per-session state (JetStream KV)
+    score_bucket: str = "sg_scores"  # the reward worker's scores, one key per trajectory and scorer (JetStream KV)
     image_bucket: str = "sg_images"  # the gateway's images and their processors (pipeline.streams.StreamSpec)
     replicas: int | None = None  # None: one for what is created, what exists keeps its own (module docstring)
     duplicate_window_s: float = 600.0
@@ -102,3 +112,6 @@ async def ensure_consumer_streams(js: JetStreamContext, names: ConsumerStreams) 
     await ensure_bucket(js, names.payload_bucket, replicas=names.replicas)
     await ensure_bucket(js, names.batch_bucket, replicas=names.replicas, max_age_s=names.batches_max_age_s)
     await ensure_key_value(js, names.state_bucket, replicas=names.replicas)
+    await ensure_key_value(js, names.score_bucket, replicas=names.replicas)
+    if names.trajectories_max_age_s is not None:  # a trajectory's scores are kept as long as it is
+        await keep_for(js, f"KV_{names.score_bucket}", names.trajectories_max_age_s)

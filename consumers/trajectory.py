@@ -219,6 +219,8 @@ HEALTH_FLAGS: dict[str, str] = {
     "forked": "another trajectory of its session shares its first turns (a retry, an edit, n > 1)",
     "new-root": "its first turn re-rendered a history the gateway had recorded (a fork cause is on the turn): "
     "assistant text in its prompt was not sampled in this chain",
+    "unscored": "a scorer of the batcher's --reward gave no score (timed out, failed, or not in time): its reward is "
+    "the assembler's (feedback, default, or none); set by the batcher (consumers.scores), never by the assembler",
 }
 """Every record-health flag a trajectory can carry, and what it means (docs/trajectories.md)."""
 
@@ -247,6 +249,7 @@ def health_flags(trajectory: Trajectory, *, forked: bool, unrouted: bool, new_ro
         "no-routes": unrouted,
         "forked": forked,
         "new-root": new_root,
+        "unscored": False,  # the batcher's to set (consumers.scores.apply_scores)
     }
     return [flag for flag in HEALTH_FLAGS if found[flag]]
 

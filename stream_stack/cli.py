@@ -2,10 +2,10 @@
 
 * ``up``: everything on one machine: an embedded ``nats-server`` (JetStream, local data dir),
   the gateway capturing every turn into it, the assembler and the batcher writing batches to
-  ``<data dir>/batches``.
+  ``<data dir>/batches``; with ``--scorer``, the reward worker too.
 * ``serve``, ``prepare-model``: the gateway's (:mod:`stream_gateway.cli`).
 * ``tail``, ``publish-weights``: the pipeline's (:mod:`pipeline.cli`).
-* ``assemble``, ``batch``, ``flush``, ``pending``: the consumers' (:mod:`consumers.cli`).
+* ``assemble``, ``reward``, ``batch``, ``flush``, ``pending``: the consumers' (:mod:`consumers.cli`).
 * ``forget`` (erasure), ``console`` (the trajectory console), ``verify`` (recorded logprobs
   against a forward pass): this package's own.
 """
@@ -43,6 +43,7 @@ from stream_gateway.engines import build_engine, default_name
 if TYPE_CHECKING:
     from consumers.assembler import AssemblerConfig
     from consumers.batcher import BatcherConfig
+    from consumers.reward_worker import RewardWorkerConfig
     from consumers.streams import ConsumerStreams
     from pipeline.embedded import EmbeddedNatsServer
     from stream_stack.console import ConsoleConfig
@@ -82,12 +83,17 @@ def _up_command(args: argparse.Namespace) -> int:
     if (reason := refusal(settings)) is not None:
         print(f"stream-gateway: {reason}", file=sys.stderr)
         return 2
+    try:
+        _up_rewards(args)
+    except ValueError as exc:
+        print(f"stream-gateway up: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings)
     return up(settings, args)
 
 
-def up(settings: Settings, args: argparse.Namespace) -> int:
-    """Embedded NATS, the gateway, the assembler and the batcher, in this process.
+def up(settings: Settings, args: argparse.Namespace) -> int:  # noqa: PLR0915  (the start-up in order, one place)
+    """Embedded NATS, the gateway, the assembler, the batcher (and the reward worker), in this process.
 
     Ctrl-C stops the gateway first (its events are drained to NATS or its outbox), then the
     consumers (their unacknowledged input is redelivered next time), then NATS.
@@ -97,7 +103,8 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
 
     from consumers.assembler import AssemblerConfig, run_assembler
     from consumers.batcher import run_batcher
-    from consumers.cli import batcher_config
+    from consumers.cli import batcher_config, reward_worker_config
+    from consumers.reward_worker import run_reward_worker
     from consumers.streams import ConsumerStreams
     from pipeline.connection import NatsAuth
     from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
@@ -142,8 +149,18 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
             model_name = engine.model_id
         if console is not None:
             console = replace(console, tokenizers=console_tokenizers(settings, model_name))
+        rewarder = None
+        if args.scorer:
+            try:
+                rewarder = reward_worker_config(
+                    args, servers, NatsAuth(), assembler.names, tokenizers=console_tokenizers(settings, model_name),
+                    metrics_host=settings.host, metrics_port=args.reward_metrics_port or None,
+                )  # fmt: skip
+            except (ValueError, OSError) as exc:
+                say(f"stream-gateway up: {exc}")
+                return 2
         say("ready:")
-        for line in _ready(settings, model_name, nats_server, names, assembler, batcher, batch_dir, console):
+        for line in _ready(settings, model_name, nats_server, names, assembler, batcher, batch_dir, console, rewarder):
             say(line)
 
         async def gateway() -> None:
@@ -157,6 +174,8 @@ def up(settings: Settings, args: argparse.Namespace) -> int:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_assembler, assembler, say)
                 tg.start_soon(run_batcher, batcher, say)
+                if rewarder is not None:
+                    tg.start_soon(run_reward_worker, rewarder, say)
                 if console is not None:
                     tg.start_soon(_console_beside, console, say)
                 try:
@@ -184,6 +203,36 @@ async def _console_beside(console: ConsoleConfig, say: Callable[[str], None]) ->
         errors = [e if isinstance(e, OSError) else e.__context__ for e in group.exceptions]
         reason = next((e for e in errors if isinstance(e, OSError)), group.exceptions[0])
         say(f"console: not started on port {console.port} ({reason}); the rest of up runs without it")
+
+
+UP_AWAIT_S = 60.0
+"""How long ``up`` holds a trajectory for the scores its ``--reward`` needs, unless ``--await-scorer`` says."""
+
+
+def _up_rewards(args: argparse.Namespace) -> None:
+    """``up``'s choices about rewards, made explicit in ``args`` (``ValueError``: flags that do not fit,
+    said before anything starts).
+
+    With scorers: the reward is the one scorer, or what ``--reward`` says (several need it), and
+    every scorer it names is awaited :data:`UP_AWAIT_S` seconds unless ``--await-scorer`` says.
+    """
+    from consumers.batcher import BatcherConfig
+    from consumers.scorers import parse_scorer
+    from consumers.scores import RewardFormula
+
+    names = [parse_scorer(text).name for text in args.scorer or ()]
+    if args.reward is None and names:
+        if len(names) > 1:
+            raise ValueError(f"scorers {', '.join(names)}: say how they make a reward with --reward, "
+                             f"e.g. --reward 0.5*{names[0]}+0.5*{names[1]}")  # fmt: skip
+        args.reward = names[0]
+    if args.reward is not None:  # without --scorer: scored by workers of its own (stream-gateway reward)
+        missing = RewardFormula.parse(args.reward).scorers - set(names)
+        if names and missing:
+            raise ValueError(f"--reward {args.reward}: no --scorer {', '.join(sorted(missing))}")
+        if not args.await_scorer:
+            args.await_scorer = [(name, UP_AWAIT_S) for name in sorted(RewardFormula.parse(args.reward).scorers)]
+    BatcherConfig(reward=args.reward, await_scorers=tuple(args.await_scorer or ()))  # its checks, now
 
 
 def _up_console(
@@ -215,6 +264,7 @@ def _ready(
     batcher: BatcherConfig,
     batch_dir: Path,
     console: ConsoleConfig | None = None,
+    rewarder: RewardWorkerConfig | None = None,
 ) -> list[str]:
     """``up``'s banner: where each part listens or writes, and the commands to use them."""
     url, monitor = nats_server.url, nats_server.monitor_url
@@ -240,6 +290,7 @@ def _ready(
         *([f"  NATS monitor   {monitor}"] if monitor else []),
         f"  trajectories   stream {names.trajectories} (a session's, once it is closed or idle "
         f"{assembler.idle_timeout_s:g} s; without feedback: {reward})",
+        *_reward_lines(assembler, batcher, rewarder, settings.host),
         f"  batches        {batch_dir}   (batches of {size}, groups of {groups})",
         "  retention      "
         + ", ".join(
@@ -257,6 +308,30 @@ def _ready(
         f"  flush a batch  {command} flush --nats-url {url}   (what is held now, fewer than {size})",
         f"  new weights    {command} publish-weights --nats-url {url} --policy-version N DIR",
         f"  watch events:  {command} tail --nats-url {url}",
+    ]
+
+
+def _reward_lines(
+    assembler: AssemblerConfig, batcher: BatcherConfig, rewarder: RewardWorkerConfig | None, host: str
+) -> list[str]:
+    """The banner's rewards: which scorers run, the reward made of them, and what a trajectory
+    that has neither feedback nor a score trains with, said rather than left a silent 0."""
+    default = assembler.default_reward
+    fallback = "dropped (--default-reward none)"
+    if default is not None:
+        fallback = f'reward {default:g} (--default-reward: a placeholder, not a judgement; reward_source "default")'
+    if batcher.reward is None:
+        return [f"  rewards        feedback only: no scorer runs (--scorer NAME=SPEC); without feedback: {fallback}"]
+    if rewarder is None:
+        worker = "none here: scores from stream-gateway reward processes of your own on this NATS"
+    else:
+        worker = ", ".join(f"{spec.name} ({spec.spec})" for spec in rewarder.scorers)
+        worker += "" if rewarder.metrics_port is None else f"; metrics http://{host}:{rewarder.metrics_port}/metrics"
+    awaited = ", ".join(f"{name} up to {seconds:g} s" for name, seconds in batcher.await_scorers) or "none"
+    return [
+        f"  rewards        reward worker: {worker}",
+        f"                 reward = {batcher.reward} (a user's feedback wins); awaited: {awaited}",
+        f"                 without feedback or every score: {fallback}, flagged unscored",
     ]
 
 
@@ -436,6 +511,15 @@ def console_tokenizers(settings: Settings, model_name: str) -> dict[str, str]:
     return {model_name: path} if Path(path).is_dir() else {}
 
 
+def _reward_or_none(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number, or none") from None
+
+
 def _moment(text: str) -> float:
     """A point in time: ISO 8601 (a time without a zone is UTC) or Unix seconds."""
     from datetime import datetime
@@ -470,14 +554,18 @@ def parser() -> argparse.ArgumentParser:
     up_command.add_argument("--idle-timeout", type=float, default=120.0,
                             help="assembler: a session not closed ends its trajectories after this long idle "
                             "(default 120 s here; assemble's is 900)")  # fmt: skip
-    up_command.add_argument("--default-reward", type=float, default=0.0,
+    up_command.add_argument("--default-reward", type=_reward_or_none, default=0.0,
                             help="assembler: reward of sessions with no feedback (default 0.0 here, so plain "
-                            "traffic becomes batches; assemble's default drops them)")  # fmt: skip
+                            "traffic becomes batches; 'none' drops them, as assemble does); the banner says "
+                            "which applies")  # fmt: skip
     up_command.add_argument("--reward-function", help="assembler: module:function computing a reward per trajectory")
     up_command.add_argument("--console-port", type=int, default=8001,
                             help="the trajectory console's port (default 8001; 0: no console)")  # fmt: skip
     consumers.cli.add_batch_flags(up_command)
     consumers.cli.add_trajectories_max_age_flag(up_command)
+    consumers.cli.add_scorer_flags(up_command)  # with --scorer, up runs the reward worker (docs/rewards.md)
+    up_command.add_argument("--reward-metrics-port", type=int, default=8002,
+                            help="the reward worker's /metrics port, with --scorer (default 8002; 0: off)")  # fmt: skip
     up_command.set_defaults(run=_up_command)
 
     forget_command = commands.add_parser(

@@ -11,7 +11,8 @@ running it again:
    it, the images its turns showed, oversized payloads) and its trajectories (their ids).
 3. **Purge** by subject: the events (``sg.events.<tenant>.<session>.>``), the trajectories
    (``sg.trajectories.<tenant>.<session>``); their oversized payloads; the shared session
-   records, close markers and turn index entries; the assembler's state. Stream purges, not
+   records, close markers and turn index entries; the assembler's state; the reward worker's
+   scores (``$KV.sg_scores.<tenant>.<session>.>``). Stream purges, not
    deletes: a key-value delete would leave a marker named after the session.
 4. **Images** its turns showed that no remaining event refers to (a scan of the other turns'
    events, only when it had images).
@@ -101,6 +102,7 @@ class Receipt:
     payload_objects: int = 0
     session_records: int = 0  # records, close markers and turn index entries of the shared sessions
     assembler_states: int = 0
+    scores: int = 0  # the reward worker's records (a judge's answer quotes the session)
     images: int = 0
     batches_rewritten: int = 0
     batches_removed: int = 0
@@ -188,6 +190,8 @@ async def _erase(
             receipt.trajectories += await _purge(nc, names.trajectories, subject)
             state = f"$KV.{names.state_bucket}.s.{tenant}.{scope}"
             receipt.assembler_states += await _purge(nc, f"KV_{names.state_bucket}", state)
+            scores = f"$KV.{names.score_bucket}.{tenant}.{scope}.>"
+            receipt.scores += await _purge(nc, f"KV_{names.score_bucket}", scores)
         receipt.session_records += await _purge_sessions(nc, js, target, seen.sessions, whole_tenant=scopes == ["*"])
 
     await sweep()

@@ -249,7 +249,7 @@ def test_up_runs_the_whole_pipeline_and_stops_cleanly(tiny_model_path: Path, tmp
     assert f"{said}, parquet files 30 d" in output, output
     assert _kept_for(data_dir / "nats") == {
         "SG_EVENTS": 30.0, "sg_payloads": 30.0, "sg_sessions": 7.0, "SG_TRAJECTORIES": 30.0, "SG_BATCHES": 30.0,
-        "sg_batches": 30.0,
+        "sg_batches": 30.0, "sg_scores": 30.0,
     }  # fmt: skip
 
 

@@ -75,8 +75,8 @@ _HINT = re.compile(r"[!-~]{1,200}")  # visible ASCII: no space, no control chara
 def session_hints(session: str | None, request_id: str) -> bytes:
     """The header lines that tell an inference server, and any router before it, which session and
     which turn a request belongs to: ``X-Session-ID`` (vLLM attaches it to the KV-cache events it
-    publishes; a session-affine router, e.g. vLLM production-stack's ``--routing-logic session
-    --session-key X-Session-ID``, keeps the session on one server) and ``X-Request-ID``.
+    publishes; a session-affine router, e.g. vLLM production-stack's router in its session mode keyed by
+    this header, keeps the session on one server) and ``X-Request-ID``.
 
     A value that is not plain visible ASCII (a session id may be any string) goes as
     ``sha256:<hex>`` of itself: stable, so the hint still groups the session's requests.
