@@ -37,6 +37,10 @@ direct's at the same concurrency; turn latency p50/p90/p99 (request to ``[DONE]`
 per turn of the front (all its processes), the upstream, nats-server and the client, from ``/proc``;
 the front's RSS after the run; its prompts built ``cold`` (the whole render tokenized) out of all,
 from its ``/metrics``; ``err``: failed turns.
+
+``agent_replay.py cache [...]`` measures something else: the share of each turn's prompt that two real vLLM
+servers serve from their prefix caches when agent sessions are spread over two gateway replicas, with session
+hints and affinity beside a round-robin arm (``benchmarks/_prefix_cache.py`` says how).
 """
 
 from __future__ import annotations
@@ -372,4 +376,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["cache"]:  # prefix-cache reuse across two real vLLM servers (_prefix_cache.py)
+        from _prefix_cache import main as cache_main
+
+        cache_main(sys.argv[2:])
+    else:
+        main()
