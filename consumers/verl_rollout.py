@@ -26,8 +26,11 @@ standalone) that a trainer fed by the stream never asks for a token. Under the n
 
 Both are registered under :data:`ROLLOUT_NAME` when this module is imported. verl imports it
 itself: the package declares it as a ``verl.plugins`` entry point, which ``verl/__init__.py``
-loads in every process that imports verl (unless ``VERL_USE_EXTERNAL_PLUGINS=none``).
-:func:`register` is idempotent, for a process that imported verl first.
+loads in every process that imports verl (unless ``VERL_USE_EXTERNAL_PLUGINS=none``), and the
+documented configuration also names it in ``actor_rollout_ref.model.external_lib``, which
+``HFModelConfig.__post_init__`` imports wherever verl builds the model config, before any replica
+is looked up; unlike a plugin (logged at debug level when it fails), that import fails loudly.
+:func:`register` is idempotent.
 """
 
 from __future__ import annotations
