@@ -7,6 +7,8 @@
 * :mod:`consumers.reward_worker`: the reward worker (``stream-gateway reward``): scorers
   (:mod:`consumers.scorers`, :mod:`consumers.judge`) run once per trajectory each, on replicas;
 * :mod:`consumers.scores`: their records, and the batcher's reward formula over them;
+* :mod:`consumers.signals`: each turn's implicit signals (retried, edited, a failed tool call,
+  abandoned, accepted), folded from its session's events, and the ``signals`` scorer's weights;
 * :mod:`consumers.batcher`: groups trajectories into training batches (parquet + manifest);
 * :mod:`consumers.grouping`: the batcher's policies and grouping, without I/O (:class:`GroupPlanner`);
 * :mod:`consumers.batch_record`: the batcher's durable record of a batch, and why it makes exactly once;

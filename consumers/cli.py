@@ -375,8 +375,10 @@ def add_scorer_flags(command: argparse.ArgumentParser) -> None:
     """The reward worker's scorers and their limits (``reward`` and ``up``)."""
     command.add_argument("--scorer", action="append", metavar="NAME=SPEC",
                          help="a scorer (repeatable): NAME=python:MODULE:FUNCTION, NAME=command:CMD (the trajectory "
-                         "as JSON on stdin, a JSON number or object on stdout) or NAME=judge:URL#MODEL (an "
-                         "OpenAI-compatible /v1 asked for a score); docs/rewards.md")  # fmt: skip
+                         "as JSON on stdin, a JSON number or object on stdout), NAME=judge:URL#MODEL (an "
+                         "OpenAI-compatible /v1 asked for a score) or NAME=signals[:SIGNAL=WEIGHT,...] (the turns' "
+                         "implicit signals: retried, edited, tool_error, abandoned, accepted); "
+                         "docs/rewards.md")  # fmt: skip
     command.add_argument("--scorer-timeout", action="append", metavar="[NAME=]SECONDS",
                          help="time limit of one try (default 30 s; NAME=: that scorer only; repeatable)")  # fmt: skip
     command.add_argument(

@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RewardWorker", "RewardWorkerConfig", "RewardWorkerStatistics", "ScorerStatistics", "run_reward_worker"]
 
+_SCORERS = {"python": Scorer.python, "command": Scorer.command, "signals": Scorer.signals}  # judges: opened
+
 log = logging.getLogger(__name__)
 
 _FETCH_WAIT_S = 1.0
@@ -184,7 +186,7 @@ class RewardWorker:
                                         max_tokens=config.judge_max_tokens)  # fmt: skip
                     scorers.append(await stack.enter_async_context(judge.open()))
                 else:
-                    scorers.append(Scorer.python(spec) if spec.kind == "python" else Scorer.command(spec))
+                    scorers.append(_SCORERS[spec.kind](spec))
             _, js = await stack.enter_async_context(self._runner.connected())
             kv = await js.key_value(config.names.score_bucket)  # provisioned with the consumers' streams
             subscription = await self._runner.bind(js)

@@ -11,7 +11,9 @@ Kinds of ``SPEC``:
   an error (the end of its standard error says why). On its time limit the process and every process
   it started (its own session) are killed;
 * ``judge:URL#MODEL``: an OpenAI-compatible chat completions API asked with a prompt
-  (:mod:`consumers.judge`).
+  (:mod:`consumers.judge`);
+* ``signals`` or ``signals:SIGNAL=WEIGHT,...``: built in, the turns' implicit signals (retried,
+  edited, a failed tool call, abandoned, accepted) weighed into a reward (:mod:`consumers.signals`).
 
 **The document** is the trajectory as published on the trajectories stream (a dict: ids, masks,
 ``turns``, ``metadata``, ``reward`` ...), and, when the worker has a tokenizer for its model
@@ -49,6 +51,7 @@ import anyio
 import orjson
 
 from .scores import SCORER_NAME
+from .signals import parse_weights, signals_answer
 
 __all__ = [
     "Scorer",
@@ -61,7 +64,7 @@ __all__ = [
     "score_value",
 ]
 
-Kind = Literal["python", "command", "judge"]
+Kind = Literal["python", "command", "judge", "signals"]
 Attempt = Callable[[dict[str, Any]], Awaitable["ScoreValue"]]
 
 _RETRY_FIRST_S = 0.5
@@ -75,7 +78,7 @@ class ScorerSpec:
 
     name: str
     kind: Kind
-    target: str  # MODULE:FUNCTION, the command line, or URL#MODEL
+    target: str  # MODULE:FUNCTION, the command line, URL#MODEL, or signal weights
     timeout_s: float = 30.0
     concurrency: int = 8
     retries: int = 1
@@ -83,17 +86,23 @@ class ScorerSpec:
     @property
     def spec(self) -> str:
         """``KIND:TARGET`` as given."""
-        return f"{self.kind}:{self.target}"
+        return f"{self.kind}:{self.target}" if self.target or self.kind != "signals" else self.kind
 
 
 def parse_scorer(text: str) -> ScorerSpec:
-    """``NAME=python:MODULE:FUNCTION``, ``NAME=command:CMD`` or ``NAME=judge:URL#MODEL``."""
+    """``NAME=python:MODULE:FUNCTION``, ``NAME=command:CMD``, ``NAME=judge:URL#MODEL`` or
+    ``NAME=signals[:SIGNAL=WEIGHT,...]``."""
     name, equals, spec = text.partition("=")
     if not equals or SCORER_NAME.fullmatch(name) is None:
         raise ValueError(f"--scorer {text!r}: expected NAME=SPEC, NAME letters, digits and _ (not first a digit)")
     kind, _, target = spec.partition(":")
+    if kind == "signals":
+        parse_weights(target)  # a bad weight fails at start
+        return ScorerSpec(name, "signals", target)
     if kind not in ("python", "command", "judge") or not target:
-        raise ValueError(f"--scorer {text!r}: SPEC is python:MODULE:FUNCTION, command:CMD or judge:URL#MODEL")
+        raise ValueError(
+            f"--scorer {text!r}: SPEC is python:MODULE:FUNCTION, command:CMD, judge:URL#MODEL or signals[:WEIGHTS]"
+        )
     if kind == "python" and not all(target.partition(":")[::2]):
         raise ValueError(f"--scorer {text!r}: expected python:MODULE:FUNCTION")
     if kind == "command" and not shlex.split(target):
@@ -198,6 +207,16 @@ class Scorer:
             except orjson.JSONDecodeError:
                 raise ValueError(f"standard output is not JSON: {output[:200]!r}") from None
             return score_value(answer, len(document["turns"]))
+
+        return cls(spec, attempt)
+
+    @classmethod
+    def signals(cls, spec: ScorerSpec) -> Scorer:
+        """The built-in ``signals`` scorer (:func:`consumers.signals.signals_answer`), its weights from the spec."""
+        weights = parse_weights(spec.target)
+
+        async def attempt(document: dict[str, Any]) -> ScoreValue:
+            return score_value(signals_answer(document, weights), len(document["turns"]))
 
         return cls(spec, attempt)
 

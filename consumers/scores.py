@@ -70,7 +70,7 @@ class ScoreRecord(BaseModel):
     session_id: str
     tenant: str
     scorer: str = Field(description="the scorer's name (--scorer NAME=SPEC)")
-    kind: Literal["python", "command", "judge"]
+    kind: Literal["python", "command", "judge", "signals"]
     status: Literal["scored", "timeout", "error"]
     score: float | None = Field(None, allow_inf_nan=False, description="the scorer's score; null: none given")
     parts: dict[str, float] = Field(default_factory=dict, description="named numbers the scorer gave besides")

@@ -45,6 +45,7 @@ from pipeline.events import Event, FeedbackRecorded, SessionOpened, TurnAborted,
 from pipeline.routes import chain_routes_rows
 
 from .errors import ImagesRefused
+from .signals import turn_signals
 from .trajectory import (
     EndReason,
     ExpertRoutes,
@@ -112,6 +113,7 @@ def build_trajectories(
     if not records:
         return []
     turn_rewards = {e.turn_id: e.score for e in events if isinstance(e, FeedbackRecorded) and e.turn_id is not None}
+    signals = turn_signals(events)  # every turn event's, aborted ones included: they name earlier turns
     session_rewards = session.session_feedback
     reward = session_rewards[-1].score if session_rewards else default_reward
     reward_source = "feedback" if session_rewards else ("default" if default_reward is not None else None)
@@ -149,6 +151,7 @@ def build_trajectories(
                 chain,
                 opened,
                 turn_rewards,
+                signals,
                 reward,
                 reward_source,
                 emitted_because,
@@ -200,6 +203,7 @@ def _trajectory(
     chain: list[TurnRecord],
     opened: SessionOpened | None,
     turn_rewards: dict[str, float],
+    signals: dict[str, list[str]],
     reward: float | None,
     reward_source: str | None,
     emitted_because: Literal["closed", "idle", "cap"],
@@ -239,6 +243,7 @@ def _trajectory(
             reasoning_tokens=turn.reasoning_tokens,
             answer_start=turn.answer_start,
             reward=turn_rewards.get(turn.turn_id),
+            signals=signals.get(turn.turn_id, []),
             trained=True,
             time_to_first_token_s=turn.time_to_first_token_s,
             duration_s=turn.duration_s,

@@ -46,6 +46,9 @@ A trajectory is one chain of turns of a session (root to leaf of its turn tree),
   within ``token_ids``, each run ``tokens`` copies of one placeholder id that appears nowhere else
   (a sampled placeholder would leave the vision tower's features and the prompt's slots unequal).
   Empty: a text-only chain, or a trajectory written before schema 5.
+* each turn's implicit signals (schema 6): ``turns[].signals``, what the session said about it
+  (:mod:`consumers.signals`: ``accepted``, ``retried``, ``edited``, ``tool_error``, ``abandoned``),
+  from every event of its session, later turns' included. Empty before schema 6.
 
 A turn that did not extend its parent (a new root) starts a trajectory of its own; the gateway
 never splices, so neither does the assembler. The trajectory id is a digest of the session id
@@ -89,8 +92,9 @@ __all__ = [
 ]
 
 # 2: per-token policy versions (turns' policy_versions); 3: thinking (reasoning_mask, turns' reasoning_tokens);
-# 4: routed experts (routed_experts) and the LoRA adapter (adapter); 5: images (images)
-TRAJECTORY_SCHEMA_VERSION: Literal[5] = 5
+# 4: routed experts (routed_experts) and the LoRA adapter (adapter); 5: images (images); 6: turns' implicit
+# signals (turns[].signals)
+TRAJECTORY_SCHEMA_VERSION: Literal[6] = 6
 
 
 def erased(tombstones: Tombstones, tenant: str, session_id: str) -> bool:
@@ -277,6 +281,11 @@ class TurnSummary(BaseModel):
         description="index in the turn's output of its first answer id; null: it ended while thinking",
     )
     reward: float | None = Field(None, description="turn-level feedback (the latest), if any")
+    signals: list[str] = Field(
+        default_factory=list,
+        description="implicit signals on this turn (consumers.signals.SIGNALS: accepted, retried, edited, "
+        "tool_error, abandoned; docs/rewards.md); empty: none, or written before schema 6",
+    )
     trained: bool = Field(
         True,
         description="its sampled ids are in this trajectory's loss_mask; false: another trajectory of the "
@@ -291,7 +300,7 @@ class Trajectory(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1, 2, 3, 4, 5] = TRAJECTORY_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5, 6] = TRAJECTORY_SCHEMA_VERSION
     trajectory_id: str
     session_id: str
     tenant: str

@@ -58,6 +58,12 @@ Deliberate choices:
   processor's fingerprint (``processors/<fingerprint>`` in the same bucket holds its
   configuration). A consumer rebuilds the vision inputs from those and checks the pixel digest
   (docs/images.md). Older events and text-only turns have none.
+* **Signals about earlier turns** (schema 7). What a request says about turns before it is known
+  only when it arrives, and an event is never rewritten: so the *later* turn's record carries it,
+  naming the earlier turn, in ``signals`` (``retried``: this request repeats that turn's request;
+  ``edited``: it replaces the user message that led to that turn; ``tool_error``: a tool result in
+  it reports the failure of a call that turn made). Consumers fold them onto the turn they name
+  (:mod:`consumers.signals`). Older events carry none.
 * Models are frozen; the gateway builds them with ``model_construct`` (its data is already
   valid), consumers decode them with full validation (:func:`decode_event`).
 """
@@ -91,6 +97,7 @@ __all__ = [
     "SessionClosed",
     "SessionOpened",
     "RoutedExperts",
+    "SignalRecord",
     "ToolCallRecord",
     "TurnAborted",
     "TurnCompleted",
@@ -107,7 +114,7 @@ __all__ = [
     "tenant_id",
 ]
 
-SCHEMA_VERSION: Literal[6] = 6
+SCHEMA_VERSION: Literal[7] = 7
 
 _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Serialization-mode JSON Schemas mark defaulted fields required: the wire always carries them.
@@ -138,11 +145,11 @@ class Event(BaseModel):
 
     model_config = _MODEL_CONFIG
 
-    schema_version: Literal[1, 2, 3, 4, 5, 6] = Field(
+    schema_version: Literal[1, 2, 3, 4, 5, 6, 7] = Field(
         SCHEMA_VERSION,
         description="bumped when the contract changes (2: per-token policy versions; 3: thinking spans and "
         "predecessor links; 4: routed experts and LoRA adapters; 5: images; 6: compaction links, cached prompt "
-        "tokens, length causes)",
+        "tokens, length causes; 7: signals about earlier turns, feedback authors)",
     )
     kind: str = Field(description="what happened, e.g. `turn.completed`; also the last two subject tokens")
     event_id: str = Field(description="unique; published as Nats-Msg-Id, so replays are deduplicated")
@@ -285,6 +292,20 @@ class ImageRecord(BaseModel):
     processor: str = Field(description="fingerprint of the image processor: `processors/<fingerprint>` in the bucket")
 
 
+class SignalRecord(BaseModel):
+    """What a turn's request says about an earlier turn of its session (schema 7, docs/rewards.md)."""
+
+    model_config = _MODEL_CONFIG
+
+    turn_id: str = Field(description="the earlier turn the signal is about")
+    signal: Literal["retried", "edited", "tool_error"] = Field(
+        description="`retried`: this request repeats that turn's request (a regenerate); `edited`: it replaces "
+        "the user message that led to that turn; `tool_error`: a tool result in it reports the failure of a call "
+        "that turn made"
+    )
+    detail: str | None = Field(None, description="for `tool_error`: the tool call's id and the result's first words")
+
+
 class TurnRecord(Event):
     """A generation, token-exact: what ``turn.completed`` and ``turn.aborted`` share."""
 
@@ -347,6 +368,11 @@ class TurnRecord(Event):
     )
     continues_cause: Literal["compacted"] | None = Field(
         None, description="why it continues that turn: `compacted` (same system prompt and tools, a shorter history)"
+    )
+    signals: list[SignalRecord] = Field(
+        default_factory=list,
+        description="what this turn's request says about earlier turns of the session: retried, edited, a failed "
+        "tool call (schema 7; empty: nothing)",
     )
     routed_experts: RoutedExperts | None = Field(
         None,
@@ -434,7 +460,14 @@ class FeedbackRecorded(Event):
     score: float = Field(allow_inf_nan=False, description="the reward: any finite number, higher is better")
     label: str | None = Field(None, description="a short category chosen by whoever gave the feedback")
     comment: str | None = Field(None, description="free text from whoever gave the feedback")
-    source: str = Field("user", description="who gave it: 'user' (a live user) or a program's name")
+    source: str = Field(
+        "user", description="who gave it: 'user' (a live user), 'console' (a person) or a program's name"
+    )
+    author: str | None = Field(
+        None,
+        description="the person who gave it, as the giver names them (the console: the signed-in tenant); "
+        "null: not said (schema 7)",
+    )
 
 
 class PolicyObject(BaseModel):

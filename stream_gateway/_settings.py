@@ -12,6 +12,7 @@ settings that have no flag at all are in :data:`WITHOUT_FLAG`, each with its rea
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -160,6 +161,11 @@ class Settings(BaseSettings):
 
     tool_parser: Annotated[str, Flag(choices=_tool_parser_names)] = Field(
         "hermes", description="how tool calls are read from model output (see docs/http-api.md)"
+    )
+    tool_error_pattern: str = Field(
+        r"^\s*Error",
+        description="a tool result whose text matches this regular expression (from its start) reports a failed "
+        "call: the `tool_error` signal on the turn that made it (Anthropic's is_error counts too; docs/rewards.md)",
     )
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
         "auto",
@@ -365,6 +371,15 @@ class Settings(BaseSettings):
     def lora_adapters(self) -> dict[str, str]:
         """``--lora``: adapter name -> its directory."""
         return dict(item.split("=", 1) for item in self.lora)
+
+    @field_validator("tool_error_pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"--tool-error-pattern {value!r}: not a regular expression ({exc})") from None
+        return value
 
     @field_validator("tool_parser")
     @classmethod

@@ -248,10 +248,12 @@ def _up_console(
         return None
     from stream_stack.console import ConsoleConfig
 
+    local = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     return ConsoleConfig(
         servers=servers, index_path=data_dir / "console.sqlite", host=settings.host, port=args.console_port,
         names=names, api_keys=settings.api_keys, api_key_file=settings.api_key_file,
         admin_api_keys=settings.admin_api_keys, batch_dirs=(batch_dir,),
+        gateway_url=f"http://{local}:{settings.port}",  # ratings go to up's own gateway
     )  # fmt: skip
 
 
@@ -442,6 +444,7 @@ def _console_command(args: argparse.Namespace) -> int:
         admin_api_keys=tuple(args.admin_api_key or ()),
         tokenizers=tokenizers,
         batch_dirs=tuple(Path(d).expanduser() for d in args.batches_dir or ()),
+        gateway_url=args.gateway_url,
     )
     try:
         run_until_interrupted(lambda: run_console(config, progress))
@@ -606,6 +609,9 @@ def parser() -> argparse.ArgumentParser:
     console_command.add_argument("--batches-dir", action="append", metavar="DIR",
                                  help="parquet batch files a forget from the console rewrites too "
                                  "(repeatable)")  # fmt: skip
+    console_command.add_argument("--gateway-url", metavar="URL",
+                                 help="a gateway (http://host:port) whose feedback route takes the ratings people "
+                                 "give in the console, with their own keys (unset: no rating)")  # fmt: skip
     console_command.add_argument("--events-stream", default="SG_EVENTS", help="the events stream (default SG_EVENTS)")
     console_command.add_argument("--subject-prefix", default="sg", help="first token of subjects (default sg)")
     console_command.set_defaults(run=_console_command)

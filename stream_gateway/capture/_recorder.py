@@ -291,6 +291,7 @@ class EventRecorder:
         label: str | None,
         comment: str | None,
         source: str,
+        author: str | None = None,
     ) -> tuple[str, int | None]:
         """Record a reward; returns the event id (also when capture is off, for the response) and its seq."""
         publish = self._publish if session.captured else None
@@ -302,6 +303,7 @@ class EventRecorder:
             label=label,
             comment=comment,
             source=source,
+            author=author,
         )
         if publish is not None:
             publish(event)

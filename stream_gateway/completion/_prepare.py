@@ -11,6 +11,7 @@ same :class:`~._admission.Admission` and open sessions the same way, and both en
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -31,11 +32,12 @@ from stream_gateway.completion._fingerprint import conversation_keys
 from stream_gateway.completion._images import ImageResolver, PromptImage, RequestImages, prompt_images
 from stream_gateway.completion._kept import KeptHistory
 from stream_gateway.completion._request import ChatCompletionRequest, Message
+from stream_gateway.completion._signals import edit_key, request_signals
 from stream_gateway.constraints import Constraint, response_format_constraint, tool_choice_constraint
 from stream_gateway.constraints import check as check_grammar
 from stream_gateway.engines import Engine, SamplingParams
 from stream_gateway.reasoning import ReasoningFormat, resolve_reasoning_format
-from stream_gateway.sessions import Session, SessionDirectory, Turn, scope_of
+from stream_gateway.sessions import Session, SessionDirectory, Turn, TurnSignal, scope_of
 
 __all__ = ["PreparedCompletion", "Preparer", "TokenInRequest"]
 
@@ -83,6 +85,8 @@ class PreparedCompletion:
     head: bytes | None = None  # key of (tools, system message): a conversation's identity across compaction
     max_tokens_requested: int | None = None  # what the client asked for (None: nothing); params.max_tokens fits it
     kept: KeptHistory | None = None  # token-in: the kept prompt, told the turn it makes (completion/_kept.py)
+    signals: tuple[TurnSignal, ...] = ()  # what the request says about earlier turns (completion/_signals.py)
+    edit_key: bytes | None = None  # key of the messages before a last user message (an edit keeps them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,10 @@ class Preparer:
     def _context_builder(self) -> ContextBuilder:
         # Lazily: the engine's tokenizer exists only once the engine has started.
         return ContextBuilder(self._engine.tokenizer, self.reasoning, self._settings.reasoning_history)
+
+    @cached_property
+    def _tool_error(self) -> re.Pattern[str]:
+        return re.compile(self._settings.tool_error_pattern)
 
     @cached_property
     def images(self) -> ImageResolver:
@@ -174,6 +182,7 @@ class Preparer:
         keys = conversation_keys(body)
         session, parent, unavailable = await self._find_conversation(body, keys, tenant, session_id, captured)
         adapter = _session_adapter(session, adapter)
+        signals = request_signals(session, parent, body.messages, keys, self._tool_error)
         context = await self._build_context(body, session, parent, unavailable, session_id, images)
         head = keys[0] if body.messages and body.messages[0].role in ("system", "developer") else None
         if parent is None and session is not None and context.fallback_reason is None and head is not None:
@@ -222,6 +231,8 @@ class Preparer:
             warnings=(_TOOLS_DROPPED,) if body.tools and self.template_drops_tools else (),
             head=head,
             max_tokens_requested=requested,
+            signals=signals,
+            edit_key=edit_key(body.messages, keys),
         )
 
     async def _find_conversation(

@@ -170,7 +170,7 @@ class TurnLifecycle:
         of.metrics.inter_token_latency.observe_many(self._gaps)
         if self._deltas is not None:
             self._deltas.flush(ids, result.logprobs)
-        turn = self._record(result, spans or [(self.policy_version, 0)])
+        turn = self._record(result, spans or [(self.policy_version, 0)], abort_reason)
         durable = of.recorder.turn_finished(
             prepared.session, turn, prepared.completion_id, self.index, self.params, abort_reason, abort_detail
         )
@@ -193,7 +193,7 @@ class TurnLifecycle:
             return "context"
         return "max_tokens"
 
-    def _record(self, result: ChoiceResult, policy_versions: list[tuple[int, int]]) -> Turn:
+    def _record(self, result: ChoiceResult, policy_versions: list[tuple[int, int]], abort_reason: str | None) -> Turn:
         prepared = self.prepared
         content = "".join(result.text_parts)
         calls = tuple(result.tool_calls())
@@ -235,6 +235,10 @@ class TurnLifecycle:
             adapter=self.params.adapter,
             images=tuple(_turn_image(placed) for placed in prepared.images),
             render_anchor=context.anchor,
+            signals=prepared.signals,
+            abort_reason=abort_reason if result.finish_reason is None else None,
+            request_key=None if prepared.token_in else prepared.conversation_key,
+            edit_key=prepared.edit_key,
         )
         if turn.routes is not None and context.parent is not None:
             self._compare_prefill(result, context.parent)

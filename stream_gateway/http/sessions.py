@@ -27,6 +27,7 @@ class FeedbackBody(BaseModel):
     comment: str | None = Field(None, max_length=16_384)
     turn_id: str | None = Field(None, max_length=128)
     source: str = Field("user", min_length=1, max_length=128)
+    author: str | None = Field(None, max_length=256)  # who gave it (the console: the signed-in tenant)
 
 
 session_bodies: dict[str, type[BaseModel]] = {
@@ -91,7 +92,7 @@ async def _record_feedback(request: Request, session_id: str, turn_id: str | Non
         raise NotFound(f"No turn `{turn_id}` in session `{session_id}`.", param="turn_id", code="turn_not_found")
     await sessions.prepare_to_write(session)
     event_id, seq = state.recorder.feedback(
-        session, state.engine.policy_version, turn_id, body.score, body.label, body.comment, body.source
+        session, state.engine.policy_version, turn_id, body.score, body.label, body.comment, body.source, body.author
     )
     record = {"id": event_id, "object": "session.feedback", "session_id": session_id, "turn_id": turn_id}
     record |= body.model_dump(exclude={"turn_id"})

@@ -28,6 +28,7 @@ Requests (as Anthropic documents them, read for this from its API reference):
 * ``tool_result`` content: a string or ``text`` blocks → the tool message's text (joined, as
   before); once it holds an ``image`` block (Claude Code returns screenshots so) → the tool
   message's content as text and image parts in order. Other blocks in it: a 400.
+  ``is_error: true`` stays on the tool message, for the ``tool_error`` signal (docs/rewards.md).
 * ``role: "system"`` messages inside ``messages`` (Claude Code sends them) → system messages
   there (text only).
 * ``tools`` (``name``, ``description``, ``input_schema``) → function tools; Anthropic's server
@@ -371,7 +372,10 @@ def _user_messages(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     for j, block in enumerate(blocks):
         if isinstance(block, ToolResultBlock):
             content = _tool_result_content(block.content, f"{where}.{j}")
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+            result: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}
+            if block.is_error:  # read by the tool_error signal (completion/_signals.py), never rendered
+                result["is_error"] = True
+            out.append(result)
         elif isinstance(block, TextBlock):
             parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ImageBlock):

@@ -24,6 +24,7 @@ from pipeline.events import (
     ImageRecord,
     RoutedExperts,
     SamplingRecord,
+    SignalRecord,
     ToolCallRecord,
     TurnAborted,
     TurnCompleted,
@@ -32,7 +33,7 @@ from pipeline.events import (
 
 from stream_gateway.moe import decode_routes, encode_routes
 from stream_gateway.sessions._ids import Logprobs, TokenIds
-from stream_gateway.sessions._store import Turn, TurnImage, prompt_after
+from stream_gateway.sessions._store import Turn, TurnImage, TurnSignal, prompt_after
 from stream_gateway.tool_parsers import ToolCall
 
 __all__ = ["TurnEvent", "turn_from_event", "turn_to_event"]
@@ -84,10 +85,15 @@ def turn_to_event(
         "routed_experts": _routes_record(turn),
         "adapter": turn.adapter,
         "images": [ImageRecord.model_construct(**_image_fields(image)) for image in turn.images],
+        "signals": [
+            SignalRecord.model_construct(turn_id=s.turn_id, signal=s.signal, detail=s.detail) for s in turn.signals
+        ],
     }
     if turn.finish_reason is not None:
         return TurnCompleted.model_construct(**fields, finish_reason=turn.finish_reason)
-    return TurnAborted.model_construct(**fields, reason=abort_reason or "cancelled", detail=abort_detail)
+    return TurnAborted.model_construct(
+        **fields, reason=abort_reason or turn.abort_reason or "cancelled", detail=abort_detail
+    )
 
 
 def turn_from_event(
@@ -131,6 +137,8 @@ def turn_from_event(
         **_routes_of(event.routed_experts),
         adapter=event.adapter,
         images=tuple(TurnImage(**record.model_dump()) for record in event.images),
+        signals=tuple(TurnSignal(s.turn_id, s.signal, s.detail) for s in event.signals),
+        abort_reason=event.reason if isinstance(event, TurnAborted) else None,
     )
 
 

@@ -66,6 +66,20 @@ class TurnImage:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnSignal:
+    """What a request said about an earlier turn of its session (``retried``, ``edited``,
+    ``tool_error``), recorded on the turn that request made (docs/rewards.md)."""
+
+    turn_id: str  # the earlier turn it is about
+    signal: str  # "retried", "edited" or "tool_error"
+    detail: str | None = None
+
+
+SIGNAL_ORDER = ("accepted", "retried", "edited", "tool_error", "abandoned")
+"""Every implicit signal a turn can carry, in the order they are listed."""
+
+
+@dataclass(frozen=True, slots=True)
 class RenderAnchor:
     """Where a turn's render and its prompt ids line up, for its continuations to start from.
 
@@ -122,6 +136,13 @@ class Turn:
     routes_start: int = 0
     adapter: str | None = None  # the LoRA adapter that sampled it (docs/adapters.md); None: the base model
     images: tuple[TurnImage, ...] = ()  # every image of the prompt, in order (the reused prefix's too)
+    signals: tuple[TurnSignal, ...] = ()  # what its request said about earlier turns (a retry, an edit ...)
+    abort_reason: str | None = None  # why it did not finish (turn.aborted's reason); None: it finished
+    # The keys of its request's messages and, when the request ended with a user message, of those
+    # before it: a later request with the same (a regenerate) or the same before and another last
+    # message (an edit) says so (completion._signals). In memory only, like ``head``.
+    request_key: bytes | None = field(default=None, compare=False)
+    edit_key: bytes | None = field(default=None, compare=False)
     # Where its render and prompt line up, for continuations to tokenize only what they add
     # (completion._context); in memory only: a turn loaded from the shared store has none.
     render_anchor: RenderAnchor | None = field(default=None, compare=False)
@@ -606,7 +627,25 @@ def _image_view(image: TurnImage) -> dict[str, Any]:
     return {name: getattr(image, name) for name in TurnImage.__dataclass_fields__}
 
 
+def session_signals(session: Session) -> dict[str, list[str]]:
+    """Every turn's implicit signals (:data:`SIGNAL_ORDER`): ``accepted`` when a later turn continues
+    its conversation (a child, or a new root naming it), ``abandoned`` when its client left during
+    the stream, and what later requests said about it (their turns' ``signals``)."""
+    found: dict[str, set[str]] = {turn_id: set() for turn_id in session.turns}
+    for turn in session.turns.values():
+        if turn.abort_reason == "client_disconnected":
+            found[turn.turn_id].add("abandoned")
+        for earlier in (turn.parent_id, turn.predecessor_id, turn.continues_id):
+            if earlier in found:
+                found[earlier].add("accepted")
+        for said in turn.signals:
+            if said.turn_id in found:
+                found[said.turn_id].add(said.signal)
+    return {turn_id: [s for s in SIGNAL_ORDER if s in names] for turn_id, names in found.items()}
+
+
 def _session_body(session: Session) -> dict[str, Any]:
+    signals = session_signals(session)
     return {
         "session_id": session.session_id,
         "created_at": session.created_at,
@@ -645,6 +684,7 @@ def _session_body(session: Session) -> dict[str, Any]:
                 "answer_start": t.answer_start,
                 "adapter": t.adapter,
                 "images": [_image_view(image) for image in t.images],
+                "signals": signals[t.turn_id],
             }
             for t in session.turns.values()
         ],

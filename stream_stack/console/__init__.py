@@ -4,7 +4,8 @@
 stores through NATS, never a gateway's memory, so it shows every replica's sessions and is whole
 after a restart: :mod:`._index` keeps a SQLite projection of the events, trajectories and batches
 streams (:mod:`._feed` follows them), :mod:`._tokens` lays a trajectory's ids out as text with
-their kinds, :mod:`._app` serves the page and its JSON, tenant-scoped by API key.
+their kinds, :mod:`._app` serves the page and its JSON, tenant-scoped by API key, and
+:mod:`._ratings` sends a person's rating to the gateway's feedback route.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ConsoleConfig:
     admin_api_keys: tuple[str, ...] = ()
     tokenizers: dict[str, str] = field(default_factory=dict)  # served model name -> tokenizer directory
     batch_dirs: tuple[Path, ...] = ()  # parquet directories a forget rewrites (up's batches)
+    gateway_url: str | None = None  # a gateway whose feedback route takes ratings (None: the console cannot rate)
 
     @property
     def url(self) -> str:
@@ -91,7 +93,7 @@ async def run_console(config: ConsoleConfig, progress: Callable[[str], None] | N
         feed = Feed(nc, index, config.names)
         keyring = KeyRing(config.api_keys, config.api_key_file, Limits())
         api = ConsoleApi(index, feed, Tokenizers(config.tokenizers), keyring, config.admin_api_keys,
-                         batch_dirs=config.batch_dirs)  # fmt: skip
+                         batch_dirs=config.batch_dirs, gateway_url=config.gateway_url)  # fmt: skip
         app = create_console_app(api)
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="off"))
         async with anyio.create_task_group() as tg:
@@ -102,6 +104,8 @@ async def run_console(config: ConsoleConfig, progress: Callable[[str], None] | N
                 await server.serve()
             finally:
                 server.should_exit = True
+                for listening in getattr(server, "servers", ()):  # cancelled in its main loop: not shut down
+                    listening.close()
                 tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(2):

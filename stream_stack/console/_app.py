@@ -19,7 +19,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from pipeline.events import decode_event, subject_token, tenant_id
 
 from ._feed import Feed, read_message
 from ._index import PAGE_LIMIT, ConsoleIndex, SessionFilter
+from ._ratings import RatingBody, RatingError, send_rating
 from ._tokens import KINDS, Tokenizers, TokenView
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class _Login:
     label: str  # what the page shows: the tenant id, or "admin"
     csrf: str
     expires: float
+    key: str = field(default="", repr=False)  # kept here only, to rate through the gateway (_ratings.py)
 
 
 class ConsoleApi:
@@ -90,6 +92,7 @@ class ConsoleApi:
         admin_keys: Collection[str],
         *,
         batch_dirs: tuple[Path, ...] = (),
+        gateway_url: str | None = None,
     ) -> None:
         self.index = index
         self.feed = feed
@@ -99,6 +102,7 @@ class ConsoleApi:
         self._logins: dict[str, _Login] = {}
         self._views: OrderedDict[str, TokenView] = OrderedDict()
         self.batch_dirs = batch_dirs
+        self.gateway_url = gateway_url  # where ratings go (its feedback route); None: the console cannot rate
 
     # -- signing in ------------------------------------------------------------------------------
 
@@ -108,7 +112,8 @@ class ConsoleApi:
         if entry is None and not admin:
             raise _unauthorized("Incorrect API key provided.")
         tenant = None if admin else tenant_id(entry.tenant if entry is not None else key)
-        login = _Login(tenant, "admin" if admin else str(tenant), secrets.token_urlsafe(24), time.time() + _LOGIN_TTL_S)
+        login = _Login(tenant, "admin" if admin else str(tenant), secrets.token_urlsafe(24), time.time() + _LOGIN_TTL_S,
+                       key=key)  # fmt: skip
         token = secrets.token_urlsafe(32)
         now = time.time()
         self._logins = {t: v for t, v in self._logins.items() if v.expires > now}
@@ -180,6 +185,17 @@ def _number(request: Request, name: str, default: float | None = None, *, intege
     return value
 
 
+def _asked(tokenizers: Tokenizers, model: str | None, turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each turn with ``asked``: what was appended to its prompt before it (the user's message, tool
+    results; a root: its whole prompt's tail), decoded as text without the template's special
+    tokens; null without the model's tokenizer."""
+    tokenizer = tokenizers.get(model) if model else None
+    for turn in turns:
+        ids = turn.pop("asked_ids")
+        turn["asked"] = tokenizer.decode(ids, skip_special_tokens=True).strip() if tokenizer is not None else None
+    return turns
+
+
 def _tenant_of(login: _Login, request: Request) -> str | None:
     """The tenant a request reads: the login's own; an admin may name one (``tenant=``) or see all."""
     if login.tenant is not None:
@@ -249,6 +265,7 @@ def _signing_in(app: FastAPI, api: ConsoleApi) -> None:
         return {
             "tenant": who.label, "admin": who.tenant is None, "csrf": who.csrf,
             "flags": HEALTH_FLAGS | {"aborted-turn": "a turn of the session did not finish"}, "kinds": KINDS,
+            "can_rate": api.gateway_url is not None and who.tenant is not None,
         }  # fmt: skip
 
 
@@ -303,9 +320,10 @@ def _sessions(app: FastAPI, api: ConsoleApi) -> None:
             raise _not_found(f"session `{session_id}`")
         offset = _number(request, "offset", 0, integer=True)
         limit = _number(request, "limit", 500, integer=True)
-        found["turns_page"] = await anyio.to_thread.run_sync(
+        turns = await anyio.to_thread.run_sync(
             lambda: api.index.turns(found["tenant"], session_id, offset=offset, limit=limit)
         )
+        found["turns_page"] = await anyio.to_thread.run_sync(_asked, api.tokenizers, found.get("model"), turns)
         found["turns_offset"] = offset
         return found
 
@@ -375,6 +393,26 @@ def _actions(app: FastAPI, api: ConsoleApi) -> None:
             *(f'sg_console_trajectories_dropped{{reason="{r}"}} {n}' for r, n in sorted(counts["dropped"].items())),
         ]  # fmt: skip
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.post("/api/sessions/{session_id}/feedback")
+    async def rate(request: Request, session_id: str) -> dict[str, Any]:
+        who = api.who(request, changes=True)
+        if who.tenant is None:
+            raise ConsoleError(403, "Rate with the session's own tenant key: an admin key reads every tenant but "
+                               "rates none.", "permission_error", "tenant_key_needed")  # fmt: skip
+        if api.gateway_url is None:
+            raise ConsoleError(503, "This console has no gateway to send ratings to (--gateway-url).", "server_error",
+                               "no_gateway")  # fmt: skip
+        try:
+            rating = RatingBody.model_validate_json(await request.body())
+        except ValueError as exc:
+            raise ConsoleError(400, f"A rating is {{score, note?, turn_id?}}: {exc}", "invalid_request_error") from None
+        if await anyio.to_thread.run_sync(api.index.session, who.tenant, session_id) is None:
+            raise _not_found(f"session `{session_id}`")
+        try:
+            return await send_rating(api.gateway_url, who.key, session_id, rating, who.label)
+        except RatingError as exc:
+            raise ConsoleError(exc.status, str(exc), "invalid_request_error", exc.code) from exc
 
     @app.post("/api/sessions/{session_id}/forget")
     async def forget(request: Request, session_id: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from consumers.signals import SIGNALS
 from pipeline.events import (
     Event,
     FeedbackRecorded,
@@ -60,7 +61,8 @@ CREATE TABLE IF NOT EXISTS turns (
     predecessor_turn_id TEXT, fallback_reason TEXT, state TEXT NOT NULL, end_reason TEXT, detail TEXT,
     started_at REAL NOT NULL, prompt_tokens INTEGER, reused_prompt_tokens INTEGER, output_tokens INTEGER,
     policy_version INTEGER, adapter TEXT, preview TEXT, tool_calls TEXT, request_id TEXT,
-    choice_index INTEGER, seq INTEGER, continues_turn_id TEXT, cached_prompt_tokens INTEGER
+    choice_index INTEGER, seq INTEGER, continues_turn_id TEXT, cached_prompt_tokens INTEGER, asked_ids TEXT,
+    signals TEXT
 );
 CREATE INDEX IF NOT EXISTS turns_session ON turns (tenant, session_id, started_at);
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -86,6 +88,7 @@ CREATE TABLE IF NOT EXISTS forgotten (tenant TEXT NOT NULL, session_id TEXT NOT 
 """
 
 _PREVIEW_CHARS = 160
+_ASKED_IDS = 2048  # the last prompt ids a turn appended, kept to show what was asked before its answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +164,8 @@ class ConsoleIndex:
     def _migrate(self) -> None:
         """Columns added since an index file was made (the index is a projection: nothing else changes)."""
         added = (("turns", "continues_turn_id", "TEXT"), ("turns", "cached_prompt_tokens", "INTEGER"),
-                 ("trajectories", "end_reason", "TEXT"))  # fmt: skip
+                 ("trajectories", "end_reason", "TEXT"), ("turns", "asked_ids", "TEXT"),
+                 ("turns", "signals", "TEXT"))  # fmt: skip
         for table, column, kind in added:
             have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in have:
@@ -278,20 +282,26 @@ class ConsoleIndex:
             "INSERT INTO turns (turn_id, tenant, session_id, parent_turn_id, predecessor_turn_id, fallback_reason, "
             "state, end_reason, detail, started_at, prompt_tokens, reused_prompt_tokens, output_tokens, "
             "policy_version, adapter, preview, tool_calls, request_id, choice_index, seq, continues_turn_id, "
-            f"cached_prompt_tokens) VALUES ({', '.join('?' * 22)}) ON CONFLICT (turn_id) DO UPDATE SET "
+            f"cached_prompt_tokens, asked_ids) VALUES ({', '.join('?' * 23)}) ON CONFLICT (turn_id) DO UPDATE SET "
             "predecessor_turn_id = excluded.predecessor_turn_id, fallback_reason = excluded.fallback_reason, "
             "state = excluded.state, end_reason = excluded.end_reason, detail = excluded.detail, "
             "started_at = excluded.started_at, "
             "prompt_tokens = excluded.prompt_tokens, output_tokens = excluded.output_tokens, "
             "adapter = excluded.adapter, preview = excluded.preview, tool_calls = excluded.tool_calls, "
             "seq = excluded.seq, continues_turn_id = excluded.continues_turn_id, "
-            "cached_prompt_tokens = excluded.cached_prompt_tokens",
+            "cached_prompt_tokens = excluded.cached_prompt_tokens, asked_ids = excluded.asked_ids",
             (event.turn_id, event.tenant, event.session_id, event.parent_turn_id, event.predecessor_turn_id,
              event.fallback_reason, state, end, detail, event.started_at, event.usage.prompt_tokens,
              event.reused_prompt_tokens, len(event.output_ids), event.policy_version, event.adapter, preview,
              calls, event.request_id, event.choice_index, seq, event.continues_turn_id,
-             event.cached_prompt_tokens),
+             event.cached_prompt_tokens, orjson.dumps(event.prompt_ids[-_ASKED_IDS:]).decode()),
         )  # fmt: skip
+        for said in event.signals:  # what this turn's request said about an earlier turn: on that turn
+            self._db.execute(
+                "UPDATE turns SET signals = trim(coalesce(signals, '') || ' ' || ?) WHERE turn_id = ? AND "
+                "instr(' ' || coalesce(signals, '') || ' ', ' ' || ? || ' ') = 0",
+                (said.signal, said.turn_id, said.signal),
+            )
         if event.adapter is not None:
             self._db.execute(
                 "UPDATE sessions SET adapter = ? WHERE tenant = ? AND session_id = ?",
@@ -445,9 +455,23 @@ class ConsoleIndex:
                 "SELECT * FROM turns WHERE tenant = ? AND session_id = ? ORDER BY started_at, turn_id LIMIT ? OFFSET ?",
                 (tenant, session_id, min(limit, PAGE_LIMIT * 5), offset),
             ).fetchall()
+            continued = {
+                r[0]
+                for r in self._db.execute(
+                    "SELECT parent_turn_id FROM turns WHERE tenant = ? AND session_id = ? UNION "
+                    "SELECT predecessor_turn_id FROM turns WHERE tenant = ? AND session_id = ? UNION "
+                    "SELECT continues_turn_id FROM turns WHERE tenant = ? AND session_id = ?",
+                    (tenant, session_id) * 3,
+                )
+            }
         turns = [dict(r) for r in rows]
         for t in turns:
             t["tool_calls"] = orjson.loads(t["tool_calls"]) if t["tool_calls"] else []
+            t["asked_ids"] = orjson.loads(t["asked_ids"]) if t["asked_ids"] else []
+            names = set((t["signals"] or "").split())
+            names |= {"accepted"} if t["turn_id"] in continued else set()
+            names |= {"abandoned"} if t["end_reason"] == "client_disconnected" else set()
+            t["signals"] = [name for name in SIGNALS if name in names]  # consumers.signals' order
         return turns
 
     def turn(self, turn_id: str) -> dict[str, Any] | None:

@@ -220,7 +220,7 @@ def _thinking_session() -> list[Event]:
 def test_thinking_turns_mark_the_trajectorys_reasoning_mask() -> None:
     """Each turn's first ``reasoning_tokens`` sampled ids are 1 in ``reasoning_mask``; they stay in the loss mask."""
     [trajectory] = build_trajectories(SessionEvents.of(_thinking_session()), emitted_because="closed")
-    assert trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION == 5
+    assert trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION == 6
     assert trajectory.token_ids == [1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 13, 14, 15]
     assert trajectory.loss_mask == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]
     assert trajectory.reasoning_mask == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]

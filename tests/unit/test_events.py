@@ -50,6 +50,7 @@ def test_public_names() -> None:
         "SamplingRecord",
         "SessionClosed",
         "SessionOpened",
+        "SignalRecord",
         "ToolCallRecord",
         "TurnAborted",
         "TurnCompleted",
@@ -83,7 +84,7 @@ def test_every_kind_round_trips(event: Event) -> None:
     assert decode_event(data.decode()) == event
     # The wire form is plain JSON: any JSON library reads it.
     assert json.loads(data)["kind"] == event.kind
-    assert json.loads(data)["schema_version"] == 6
+    assert json.loads(data)["schema_version"] == 7
 
 
 @pytest.mark.parametrize("event", one_of_each(), ids=lambda e: e.kind)
@@ -112,7 +113,7 @@ def _wire(event: Event, **changes: Any) -> bytes:
     ("changes", "problem"),
     [
         ({"kind": "turn.exploded"}, "kind"),
-        ({"schema_version": 7}, "schema_version"),
+        ({"schema_version": 8}, "schema_version"),
         ({"seq": -1}, "seq"),
         ({"policy_version": "latest"}, "policy_version"),
         ({"event_id": _DROP}, "event_id"),

@@ -9,6 +9,7 @@ record replaced (``_legacy_merge``, kept here as the oracle).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -21,6 +22,7 @@ from stream_gateway.sessions import (
     SessionRecord,
     Turn,
     TurnEntry,
+    TurnSignal,
     merge_record,
     turn_from_event,
     turn_to_event,
@@ -265,7 +267,8 @@ def _turn(turn_id: str, parent: Turn | None, finish_reason: str | None) -> Turn:
 
 def test_a_turn_survives_its_event_form() -> None:
     root = _turn("r", None, "stop")
-    child = _turn("c", root, None)
+    said = (TurnSignal("r0", "retried"), TurnSignal("r", "tool_error", "call_1: Error: no such file"))
+    child = replace(_turn("c", root, None), abort_reason="client_disconnected", signals=said)
     completed = turn_to_event(root, _COMMON, request_id="chatcmpl-1", choice_index=0, sampling=_SAMPLING)
     aborted = turn_to_event(
         child,
@@ -286,6 +289,11 @@ def test_a_turn_survives_its_event_form() -> None:
     # The thinking marks and the predecessor link reach a replica that replays the turn.
     assert (completed.reasoning_tokens, completed.answer_start, completed.predecessor_turn_id) == (2, 2, "p0")
     assert (aborted.reasoning_tokens, aborted.answer_start) == (3, None)
+    # What its request said about earlier turns travels on its event (schema 7).
+    assert [(s.turn_id, s.signal, s.detail) for s in aborted.signals] == [
+        ("r0", "retried", None),
+        ("r", "tool_error", "call_1: Error: no such file"),
+    ]
 
 
 def test_an_aborted_turn_is_cancelled_unless_told_why() -> None:

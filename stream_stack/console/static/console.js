@@ -166,6 +166,29 @@ function cause(turn, parent, siblings) {
   return null;
 }
 
+// A person's rating (a number and a note) of a turn or of the whole session, sent as feedback through
+// the gateway (stream_stack/console/_ratings.py); a trajectory already emitted gets a revision.
+function rating(sessionId, turnId, label) {
+  const score = el("input", { type: "number", step: "any", class: "score", "aria-label": "score", placeholder: "score" });
+  const note = el("input", { type: "text", class: "note", "aria-label": "note", placeholder: "note (optional)" });
+  const said = el("span", { class: "dim", role: "status" });
+  const form = el("form", { class: "rating", "data-rate": turnId || "session" }, el("span", { class: "dim", text: label }),
+    score, note, el("button", { type: "submit", text: "Rate" }), said);
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    said.textContent = "";
+    const value = Number(score.value);
+    if (score.value === "" || !Number.isFinite(value)) { said.textContent = "a score is a number"; return; }
+    try {
+      await api(`/api/sessions/${encodeURIComponent(sessionId)}/feedback`, { method: "POST",
+        body: JSON.stringify({ score: value, note: note.value || null, turn_id: turnId }) });
+      said.textContent = `rated ${value}`;
+      said.dataset.rated = String(value);
+    } catch (error) { said.textContent = error.message; }
+  });
+  return form;
+}
+
 async function sessionView(view, sessionId, params) {
   const tenant = params.get("tenant") || "";
   const s = await api(`/api/sessions/${encodeURIComponent(sessionId)}?` + q({ tenant }));
@@ -190,7 +213,10 @@ async function sessionView(view, sessionId, params) {
       t.adapter ? el("span", { class: "badge", text: `adapter ${t.adapter}` }) : null,
       t.tool_calls.length ? el("span", { class: "badge", text: `tool call: ${t.tool_calls.join(", ")}` }) : null,
       why ? el("span", { class: "badge cause", "data-cause": why, text: why }) : null,
-      t.preview ? el("div", { class: "preview", text: t.preview }) : null),
+      t.signals.map((name) => el("span", { class: `badge signal s-${name}`, "data-signal": name, text: name })),
+      t.asked ? el("div", { class: "asked", text: t.asked }) : null,
+      t.preview ? el("div", { class: "preview", text: t.preview }) : null,
+      me.can_rate && t.state !== "live" ? rating(sessionId, t.turn_id, "Rate this turn") : null),
       kids.length ? el("ul", {}, kids.map((k) => node(k, kids.length))) : null);
   };
   const roots = children.get(null) || [];
@@ -212,6 +238,7 @@ async function sessionView(view, sessionId, params) {
       el("td", { text: t.reward ?? "none" }), el("td", { text: t.min_version === t.max_version ? `v${t.min_version}` : `v${t.min_version}–v${t.max_version}` }),
       el("td", {}, flags(t.health)), el("td", { class: "mono", text: t.batch_id ? short(t.batch_id) : t.dropped ? `dropped: ${t.dropped.replace("_", " ")}` : "not yet in a batch" })))));
   const liveBox = el("div", { class: "live-box", id: "live" });
+  const rateSession = me.can_rate ? rating(sessionId, null, "Rate the session (every trajectory of it)") : null;
   const receipt = el("pre", { class: "receipt", id: "receipt", hidden: true });
   const forget = me.admin ? el("button", { type: "button", class: "danger", id: "forget", text: "Forget this session", onclick: async () => {
     if (!confirm(`Erase session ${sessionId} from every store, for good?`)) return;
@@ -233,7 +260,7 @@ async function sessionView(view, sessionId, params) {
     el("h2", { text: `Turns (${s.turns}${s.live ? `, ${s.live} live` : ""})` }), tree,
     turns.length >= 500 ? el("p", {}, el("a", { href: `#/session/${encodeURIComponent(sessionId)}?` + q({ tenant, offset: s.turns_offset + 500 }), text: "Next 500 turns" })) : null,
     el("h2", { text: "Live" }), liveBox,
-    el("h2", { text: "Trajectories" }), trajectories, compare,
+    el("h2", { text: "Trajectories" }), trajectories, compare, rateSession,
     forget ? el("h2", { text: "Data rights" }) : null, forget, receipt);
   live = new EventSource(`/api/sessions/${encodeURIComponent(sessionId)}/live?` + q({ tenant: s.tenant }));
   live.addEventListener("ready", () => { liveBox.dataset.ready = "1"; });
