@@ -164,6 +164,43 @@ class ConsoleApi:
         self._views.move_to_end(trajectory_id)
         return row, view
 
+    async def scores(self, row: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
+        """The reward worker's verdicts on a trajectory (``sg_scores``: score, timeout or error, per
+        scorer, a judge's answer kept); empty without NATS, a bucket or a verdict."""
+        if self.feed is None:
+            return []
+        from nats.errors import Error as NatsError
+        from nats.js.errors import BucketNotFoundError
+
+        from consumers.scores import ScoreRecord, score_key
+
+        prefix = score_key(row["tenant"], data["session_id"], data["trajectory_id"], "")
+        records: list[ScoreRecord] = []
+        try:
+            kv = await self.feed.js.key_value(self.feed.names.score_bucket)
+            # A watch of the trajectory's keys: their current values, then None (nats-py's keys(filters=)
+            # finds nothing on this server).
+            watcher = await kv.watch(prefix + "*", ignore_deletes=True)
+            try:
+                with anyio.fail_after(10):
+                    async for entry in watcher:
+                        if entry is None:
+                            break
+                        if entry.value:
+                            records.append(ScoreRecord.decode(entry.value))
+            finally:
+                await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it unannotated
+        except BucketNotFoundError:
+            return []
+        except (NatsError, TimeoutError, ValueError) as exc:
+            log.warning("scores of %s: %r", data["trajectory_id"], exc)
+            return []
+        records.sort(key=lambda r: r.scorer)
+        return [
+            r.model_dump(include={"scorer", "kind", "status", "score", "parts", "turns", "answer", "error", "attempts"})
+            for r in records
+        ]
+
 
 def _error_response(exc: ConsoleError) -> JSONResponse:
     body = {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.code}}
@@ -341,7 +378,7 @@ def _trajectories(app: FastAPI, api: ConsoleApi) -> None:
             **row, "model": data["model"], "prompt_length": data["prompt_length"], "turns": data["turns"],
             "images": data.get("images") or [], "routes": data.get("routed_experts") is not None,
             "abort_reason": data.get("abort_reason"), "reward_source": data.get("reward_source"),
-            "decoded": view.tokenizer is not None,
+            "decoded": view.tokenizer is not None, "scores": await api.scores(row, data),
         }  # fmt: skip
         return page
 

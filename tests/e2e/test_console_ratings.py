@@ -193,3 +193,58 @@ def _has_session(stack: Stack, session: str) -> bool:
     with httpx.Client(base_url=stack.console) as http:
         http.post("/api/login", json={"key": ALICE}).raise_for_status()
         return http.get(f"/api/sessions/{session}").status_code == 200
+
+
+async def _record_scores(url: str, tenant: str, session: str, trajectory_id: str) -> None:
+    """Two verdicts as the reward worker records them (``sg_scores``, one create per key): a judge's
+    score with its answer, and a verifier that timed out."""
+    import nats
+    from nats.js.errors import BucketNotFoundError
+
+    from consumers.scores import ScoreRecord, score_key
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        try:
+            kv = await js.key_value("sg_scores")
+        except BucketNotFoundError:
+            kv = await js.create_key_value(bucket="sg_scores")
+        common = {"trajectory_id": trajectory_id, "session_id": session, "tenant": tenant, "attempts": 1,
+                  "duration_s": 0.1, "worker": "test:1", "at": 0.0}  # fmt: skip
+        judge = ScoreRecord(scorer="judge", kind="judge", status="scored", score=0.8,
+                            answer='{"score": 0.8} <b>sound</b>', **common)  # fmt: skip
+        tests = ScoreRecord(scorer="tests", kind="command", status="timeout", error="no verdict in 5 s",
+                            **common | {"attempts": 2})  # fmt: skip
+        for record in (judge, tests):
+            await kv.create(score_key(tenant, session, trajectory_id, record.scorer), record.encode())
+    finally:
+        await nc.close()
+
+
+def test_a_trajectorys_scores_show_with_the_judges_answer(stack: Stack, browser: Any) -> None:
+    session = "scored"
+    with stack.client(session) as client:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=4)
+    close_session(stack.gateway, ALICE, session)
+    wait_until(lambda: _console_trajectories(stack, session) == 1, timeout=60, what="the trajectory emitted")
+    with httpx.Client(base_url=stack.console) as http:
+        http.post("/api/login", json={"key": ALICE}).raise_for_status()
+        [trajectory] = http.get(f"/api/sessions/{session}").json()["trajectories"]
+        trajectory_id = trajectory["trajectory_id"]
+        before = http.get(f"/api/trajectories/{trajectory_id}/tokens").json()["trajectory"]["scores"]
+        assert before == []
+        with ThreadPoolExecutor(1) as pool:  # Playwright's sync API holds this thread's event loop
+            pool.submit(anyio.run, _record_scores, stack.nats, stack.alice, session, trajectory_id).result()
+        scores = http.get(f"/api/trajectories/{trajectory_id}/tokens").json()["trajectory"]["scores"]
+    assert [(s["scorer"], s["status"], s["score"], s["attempts"]) for s in scores] == [
+        ("judge", "scored", 0.8, 1),
+        ("tests", "timeout", None, 2),
+    ]
+    with signed_in(browser, stack, ALICE, session) as page:
+        page.goto(f"{stack.console}/#/trajectory/{trajectory_id}")
+        page.wait_for_selector("#scores li[data-scorer=judge]")
+        judge = page.locator("#scores li[data-scorer=judge]").inner_text()
+        assert "judge (judge): 0.8" in judge and '{"score": 0.8} <b>sound</b>' in judge  # the answer, as text
+        tests = page.locator("#scores li[data-scorer=tests]").inner_text()
+        assert "timeout: no verdict in 5 s after 2 tries" in tests

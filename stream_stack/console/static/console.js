@@ -336,10 +336,21 @@ async function trajectoryView(view, trajectoryId, params) {
       el("dt", { text: "tokens" }), el("dd", { text: `${t.tokens} (prompt ${t.prompt_length}, sampled ${t.sampled})` }),
       el("dt", { text: "policy versions" }), el("dd", { text: t.min_version === t.max_version ? `v${t.min_version}` : `v${t.min_version}–v${t.max_version}` }),
       el("dt", { text: "reward" }), el("dd", { text: t.reward === null ? "none" : `${t.reward} (${t.reward_source})` }),
+      el("dt", { text: "scores" }), el("dd", { id: "scores" }, scoreList(t.scores || [])),
       el("dt", { text: "routes · images" }), el("dd", { text: `${t.routes ? "routes recorded" : "no routes"} · ${t.images.length} images` }),
       el("dt", { text: "batch" }), el("dd", { class: "mono", text: t.batch_id || "not in a batch yet" })),
     t.decoded ? legend() : el("p", { class: "dim", text: "No tokenizer for this model: ids are shown as numbers." }),
     pager, el("p", {}, picked, " ", copy), box);
+}
+
+// The reward worker's verdicts: one line per scorer (score, timeout or error), a judge's answer beside it.
+function scoreList(scores) {
+  if (!scores.length) return "none recorded";
+  return el("ul", { class: "scores" }, ...scores.map((s) => el("li", { "data-scorer": s.scorer },
+    el("span", { class: "mono", text: `${s.scorer} (${s.kind}): ` }),
+    s.status === "scored" ? `${s.score}` : `${s.status}${s.error ? ": " + s.error : ""}`,
+    s.attempts > 1 ? ` after ${s.attempts} tries` : "",
+    s.answer ? el("div", { class: "dim", text: s.answer }) : null)));
 }
 
 async function compareView(view, a, b) {
