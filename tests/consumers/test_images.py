@@ -27,7 +27,7 @@ from consumers.grouping import prepare_trajectory
 from consumers.images import ImageStore
 from consumers.parquet import decode_batch, encode_batch
 from consumers.trajectories import SessionEvents, build_trajectories
-from consumers.trajectory import Trajectory, TrajectoryImage, images_problem
+from consumers.trajectory import TRAJECTORY_SCHEMA_VERSION, Trajectory, TrajectoryImage, images_problem
 from pipeline.embedded import EmbeddedNatsServer
 from pipeline.events import ImageRecord, TurnCompleted
 from pipeline.streams import ensure_bucket
@@ -91,7 +91,7 @@ def test_a_chains_images_are_its_leafs_placed_in_its_token_ids() -> None:
     [trajectory] = build_trajectories(
         SessionEvents.of(_image_session()), emitted_because="closed", on_refused_images=refused.append
     )
-    assert not refused and trajectory.schema_version == 5
+    assert not refused and trajectory.schema_version == TRAJECTORY_SCHEMA_VERSION
     assert trajectory.token_ids == [1, START, PAD, PAD, PAD, END, 5, 7, 8, 9, START, PAD, PAD, END, 10, 11, 12]
     assert [TrajectoryImage.model_validate(i.model_dump()) for i in (A, B)] == trajectory.images
     for image in trajectory.images:
@@ -145,7 +145,7 @@ def test_image_fields_are_checked_and_older_trajectories_decode_without() -> Non
     old = {k: v for k, v in orjson.loads(plain.encode()).items() if k != "images"} | {"schema_version": 4}
     decoded = Trajectory.decode(orjson.dumps(old))
     assert decoded.schema_version == 4 and decoded.images == []
-    assert decoded.model_copy(update={"schema_version": 5}) == plain
+    assert decoded.model_copy(update={"schema_version": TRAJECTORY_SCHEMA_VERSION}) == plain
 
 
 def test_images_round_trip_the_parquet_and_old_files_read_without() -> None:
@@ -174,7 +174,8 @@ def test_images_round_trip_the_parquet_and_old_files_read_without() -> None:
     sink = io.BytesIO()
     pq.write_table(old, sink)
     [old_plain] = decode_batch(sink.getvalue())[0][1:]
-    assert old_plain.images == [] and old_plain.model_copy(update={"schema_version": 5}) == plain
+    assert old_plain.images == []
+    assert old_plain.model_copy(update={"schema_version": TRAJECTORY_SCHEMA_VERSION}) == plain
 
 
 def test_the_batchers_cut_never_splits_an_image() -> None:
