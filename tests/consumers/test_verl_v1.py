@@ -272,45 +272,6 @@ def _prompt(trajectory: Trajectory) -> str:
     return str(trajectory.token_ids[: trajectory.prompt_length])
 
 
-def test_generate_sequences_returns_at_once_and_fills_slots_as_batches_come(
-    stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
-) -> None:
-    import transfer_queue as tq
-    from tensordict import NonTensorData, NonTensorStack, TensorDict
-
-    from consumers.verl_v1 import StreamAgentLoopManagerTQ
-
-    config = trainer_config(stack, tiny_model_path, tmp_path, steps=1)
-    OmegaConf.resolve(config)
-    tq.init(config.transfer_queue)
-    manager = StreamAgentLoopManagerTQ.create(config=config)
-    try:
-        uids = [str(uuid.uuid4()) for _ in range(2)]
-        tq.kv_batch_put(keys=uids, partition_id="train",
-                        tags=[{"is_prompt": True, "status": "pending", "global_steps": 1} for _ in uids])  # fmt: skip
-        prompts = TensorDict({"uid": NonTensorStack.from_list([NonTensorData(u) for u in uids]),
-                              "global_steps": NonTensorData(1)}, batch_size=[2])  # fmt: skip
-        done = threading.Event()
-        threading.Thread(target=lambda: (manager.generate_sequences(prompts), done.set()), daemon=True).start()
-        assert done.wait(30), "generate_sequences blocked with no batch in the stream"
-        tags = tq.kv_list("train")["train"]
-        assert [tags[u]["status"] for u in uids] == ["running", "running"]
-
-        for g in range(2):
-            for side in ("a", "b"):
-                stack.session(f"late{g}-{side}", f"Late question {g}?")
-        wait_until(lambda: all(tq.kv_list("train")["train"][u]["status"] == "finished" for u in uids), timeout=60,
-                   what="both slots filled")  # fmt: skip
-        tags = tq.kv_list("train")["train"]
-        samples = sorted(k for k in tags if "_" in k)
-        assert samples == sorted(f"{u}_{i}_0" for u in uids for i in range(2))
-        assert all(tags[u]["global_steps"] == 1 for u in uids)  # version 0 sampled them: step 1's
-        assert {tags[k]["min_global_steps"] for k in samples} == {0}
-    finally:
-        manager.close()
-        tq.close()
-
-
 def _prompts(uids: list[str], step: int) -> Any:
     """What the trainer's ``_submit_batch_to_rollout`` hands over: the slots, registered as pending."""
     import transfer_queue as tq
@@ -322,20 +283,18 @@ def _prompts(uids: list[str], step: int) -> Any:
     return TensorDict({"uid": stack, "global_steps": NonTensorData(step)}, batch_size=[len(uids)])
 
 
-def test_a_nats_restart_mid_batch_loses_and_duplicates_nothing(
+def test_slots_wait_without_blocking_and_a_nats_restart_mid_batch_loses_and_duplicates_nothing(
     stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
 ) -> None:
-    """A batch half placed (one slot of two), NATS restarted, the rest asked for: every group lands
-    in exactly one slot; a manifest whose acknowledgement was lost comes again and is skipped."""
+    """A slot asked for on an empty stream: ``generate_sequences`` returns at once, the slot waits
+    (``running``) and is filled when sessions come, with one group of the first batch; the batch is
+    then half placed, NATS restarts, the rest is asked for: every group lands in exactly one slot,
+    and a manifest that comes again is skipped."""
     import nats as nats_client
     import transfer_queue as tq
 
     from consumers.verl_v1 import StreamAgentLoopManagerTQ
 
-    for g in range(GROUPS):
-        for side in ("a", "b"):
-            stack.session(f"r{g}-{side}", f"Restart question {g}?")
-    wait_until(lambda: len(list(stack.batches.glob("*.parquet"))) == 2, timeout=60, what="two batches")
     ack_wait = "+actor_rollout_ref.rollout.custom.stream_gateway.ack_wait_s=4"
     config = trainer_config(stack, tiny_model_path, tmp_path, steps=1, extra=(ack_wait,))
     OmegaConf.resolve(config)
@@ -343,8 +302,23 @@ def test_a_nats_restart_mid_batch_loses_and_duplicates_nothing(
     manager = StreamAgentLoopManagerTQ.create(config=config)
     try:
         first = [str(uuid.uuid4())]
-        manager.generate_sequences(_prompts(first, 1))
+        done = threading.Event()
+        threading.Thread(
+            target=lambda: (manager.generate_sequences(_prompts(first, 1)), done.set()), daemon=True
+        ).start()
+        assert done.wait(30), "generate_sequences blocked with no batch in the stream"
+        assert tq.kv_list("train")["train"][first[0]]["status"] == "running"
+
+        for g in range(GROUPS):
+            for side in ("a", "b"):
+                stack.session(f"r{g}-{side}", f"Restart question {g}?")
         wait_until(lambda: manager.groups_placed == 1, timeout=60, what="one group placed")
+        tags = tq.kv_list("train")["train"]
+        assert tags[first[0]]["status"] == "finished"
+        assert tags[first[0]]["global_steps"] == 1  # version 0 sampled the group: step 1's
+        assert sorted(k for k in tags if "_" in k) == [f"{first[0]}_{i}_0" for i in range(2)]
+        assert {tags[f"{first[0]}_{i}_0"]["min_global_steps"] for i in range(2)} == {0}
+        wait_until(lambda: len(list(stack.batches.glob("*.parquet"))) == 2, timeout=60, what="two batches")
         stack.server.restart()
         rest = [str(uuid.uuid4()) for _ in range(GROUPS - 1)]
         manager.generate_sequences(_prompts(rest, 2))
