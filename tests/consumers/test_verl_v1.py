@@ -176,6 +176,7 @@ def test_the_sync_trainer_trains_on_the_gateways_groups_token_exactly(
     with cpu_trainers():
         runner = run_task_runner(config)
     manager = runner.agent_loop_manager
+    manager.close()  # verl's TaskRunnerV1 never closes it: its process ends instead
     assert (manager.groups_placed, manager.samples_placed) == (GROUPS, 2 * GROUPS)
 
     # Each step trained on one stream batch's groups: whole, once, token for token.
