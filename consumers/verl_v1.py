@@ -130,15 +130,9 @@ class _Batch:
 class StreamAgentLoopManagerTQ(StreamAgentLoopManager):
     """verl v1's ``agent_loop_manager_class`` for the stream (module docstring)."""
 
-    def __init__(
-        self,
-        config: Any = None,
-        llm_client: Any = None,
-        teacher_client: Any = None,
-        reward_loop_worker_handles: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(config, llm_client, teacher_client, reward_loop_worker_handles, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As :class:`~consumers.verl_adapter.StreamAgentLoopManager` (verl's ``create`` arguments, settings)."""
+        super().__init__(*args, **kwargs)
         self._slots: deque[tuple[str, int]] = deque()  # (uid, the trainer's step) waiting for a group
         self._wake: asyncio.Event | None = None
         self._filler: Any = None  # concurrent.futures.Future of the filling task

@@ -157,17 +157,21 @@ async def test_two_replicas_one_killed_score_every_trajectory_once_per_scorer(tm
 
 
 async def _count(js: JetStreamContext, names: ConsumerStreams, at_least: int) -> bool:
+    from nats.js.errors import NotFoundError
+
     try:
         info = await js.stream_info(f"KV_{names.score_bucket}")
-    except Exception:
+    except NotFoundError:  # the bucket not there yet
         return False
     return info.state.messages >= at_least
 
 
 async def _recorded_by(js: JetStreamContext, names: ConsumerStreams, pid: int, at_least: int) -> bool:
+    from nats.js.errors import BucketNotFoundError
+
     try:
         found = await records(js, names)
-    except Exception:  # the bucket not there yet
+    except BucketNotFoundError:  # the bucket not there yet
         return False
     return sum(r.worker.endswith(f":{pid}") for r in found.values()) >= at_least
 

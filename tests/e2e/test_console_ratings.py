@@ -36,7 +36,8 @@ from ..support.capture import read_stream
 from ..support.replicas import close_session
 from ..support.servers import free_port, run_gateway
 from ..support.waiting import wait_until
-from .test_console import CHROMIUM, _up
+from .test_console import CHROMIUM, _up, visit
+from .test_console import signed_in as console_signed_in
 
 ALICE, BOB, ADMIN = "sk-alice", "sk-bob", "sk-admin"
 QUESTION = "What is the capital of France?"
@@ -92,20 +93,11 @@ def browser() -> Iterator[Any]:
 
 @contextlib.contextmanager
 def signed_in(browser: Any, stack: Stack, key: str, session: str) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(stack.console + "/")
-    page.fill("#key", key)
-    page.click("#signin button[type=submit]")
-    page.wait_for_selector("#sessions")
-    page.goto(f"{stack.console}/#/session/{session}")
-    page.reload()
-    page.wait_for_selector("#tree .node")
-    yield page
-    assert not errors, errors
-    context.close()
+    """test_console's sign-in (no page errors allowed), on the session's view."""
+    with console_signed_in(browser, stack, key) as page:  # it reads stack.console only
+        visit(page, f"{stack.console}/#/session/{session}")
+        page.wait_for_selector("#tree .node")
+        yield page
 
 
 def _batch(stack: Stack) -> list[Trajectory]:
