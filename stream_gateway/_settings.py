@@ -121,6 +121,12 @@ class Settings(BaseSettings):
         "repeatable; clients select it with model=NAME, or a key file's adapter=NAME binds a tenant to it)",
     )
     max_loras: int = Field(8, ge=1, le=64, description="transformers engine: most LoRA adapters loaded at once")
+    prefix_cache_mb: int = Field(
+        1024,
+        ge=0,
+        description="transformers engine: MiB of recent prompts' keys and values kept, so a prompt continuing "
+        "one (an agent's next turn) prefills only its new tokens; 0: off",
+    )
     synthetic_tokens_per_second: float = Field(0.0, ge=0.0, description="synthetic engine rate, 0: unthrottled")
     script: Path | None = Field(
         None,

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicLayer
 from stream_gateway._errors import AdapterRefused, EngineUnavailable
 from stream_gateway.constraints import TokenMask, eos_ids
 from stream_gateway.engines._base import EngineStep, ExpertShape, SamplingParams
+from stream_gateway.engines._prefix_cache import PrefixCache
 from stream_gateway.lora import LoraBank, read_adapter
 from stream_gateway.moe import RouterCapture
 
@@ -62,6 +63,7 @@ class Row:
     # The scripted engine's answer (engines/scripted.py): output token i is script[i] while the
     # grammar, if any, allows it; then the model samples. None: the model samples every token.
     script: Sequence[int] | None = None
+    cached: int = 0  # prompt tokens whose keys and values the prefix cache lent (engines/_prefix_cache.py)
 
 
 @dataclass(slots=True)
@@ -89,6 +91,9 @@ class HfModel:
     routes: RouterCapture | None = None  # hooks on the routers of a mixture of experts
     vision: VisionProcessor | None = None  # a vision-language model's image processor
     rope_index: Any = None  # its multimodal rotary positions (Qwen2-VL's get_rope_index)
+    # Recent prompts' keys and values (None: off, or a model whose prompts it cannot lend: images
+    # position by the whole prompt, and a mixture of experts records the prompt's routes).
+    prefixes: PrefixCache | None = None
 
     @classmethod
     def load(
@@ -102,6 +107,7 @@ class HfModel:
         loras: Mapping[str, str],
         max_loras: int,
         routed_experts: bool,
+        prefix_cache_bytes: int = 0,
     ) -> HfModel:
         """Load the tokenizer and the model (a causal LM, or a vision-language model with its image
         processor), its adapters and its router hooks. Blocking: run it off the event loop."""
@@ -160,6 +166,9 @@ class HfModel:
             routes=routes,
             vision=vision,
             rope_index=rope_index,
+            prefixes=PrefixCache(prefix_cache_bytes)
+            if prefix_cache_bytes and vision is None and routes is None
+            else None,
         )
 
     @property
@@ -174,20 +183,26 @@ class HfModel:
     # -- the batch's passes ----------------------------------------------------------------
 
     def prefill(self, row: Row) -> tuple[torch.Tensor, DynamicCache, list[np.ndarray] | None]:
-        """Run ``row``'s prompt alone: the last position's logits, its cache, and its routes
-        (``[prompt, layers, top_k]``, a mixture of experts)."""
+        """Run ``row``'s prompt alone, after whatever prefix of it the prefix cache lends: the last
+        position's logits, the prompt's cache, and its routes (``[prompt, layers, top_k]``, a
+        mixture of experts)."""
         if self.routes is not None:
             self.routes.discard()  # a forward pass that failed part-way left some behind
         if self.bank is not None:
             self.bank.set_rows((row.params.adapter,))
-        cache = DynamicCache()
-        ids = torch.tensor([row.prompt_ids], device=self.device)
+        prefixes = self.prefixes
+        lent, cache = prefixes.lend(row.prompt_ids, row.params.adapter) if prefixes is not None else (0, None)
+        if cache is None:
+            cache = DynamicCache()
+        ids = torch.tensor([row.prompt_ids[lent:]], device=self.device)
         vision: dict[str, Any] = {}
         if self.vision is not None:
             vision = self._vision_inputs([row], ids)
             row.mrope = vision["position_ids"][:, 0, :] if row.images else None
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **vision, **self.last_logits)
-        row.length = len(row.prompt_ids)
+        row.length, row.cached = len(row.prompt_ids), lent
+        if prefixes is not None:
+            prefixes.keep(row.prompt_ids, cache, row.params.adapter)
         routes = [self.routes.take()[0]] if self.routes is not None else None
         return out.logits[:, -1, :], cache, routes
 
@@ -251,11 +266,18 @@ class HfModel:
     # -- new weights -----------------------------------------------------------------------
 
     def copy_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy checked tensors into the parameters (done, not queued, when this returns)."""
+        """Copy checked tensors into the parameters (done, not queued, when this returns); the prefix
+        cache is emptied, its keys being the old weights'."""
+        self.forget_prefixes()
         with torch.no_grad():
             for name, tensor in tensors.items():
                 self.targets[name].data.copy_(tensor)
         self.synchronize()
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache (weights changed: what it kept is not theirs)."""
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

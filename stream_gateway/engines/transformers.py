@@ -12,6 +12,9 @@ attention kernels. The loop here is small:
 * New requests are prefilled one at a time, then merged into the running batch. The batch's
   KV cache is left-padded to a common length; each row has its own attention mask and
   position ids, exactly as batched ``generate`` does with left padding.
+* A prefill borrows the longest prefix a recent prompt shares with it from the prefix cache
+  (:mod:`._prefix_cache`, ``--prefix-cache-mb``): an agent's next turn runs the forward pass over
+  its new tokens only.
 * Every step decodes one token for every row, samples with per-row parameters
   (:mod:`._sampling`), and hands all steps to the event loop with one ``call_soon_threadsafe``.
 * Finished or aborted rows are dropped from the cache, and padding columns no row needs any
@@ -136,6 +139,7 @@ class TransformersEngine:
         routed_experts: bool = True,
         loras: Mapping[str, str] | None = None,
         max_loras: int = 8,
+        prefix_cache_mb: int = 1024,
     ) -> None:
         self._model_path = str(model)
         self.model_id = served_model_name or Path(self._model_path).name or self._model_path
@@ -148,6 +152,7 @@ class TransformersEngine:
         self._record_routes = routed_experts
         self._lora_dirs = dict(loras or {})
         self._max_loras = max_loras
+        self._prefix_cache_bytes = prefix_cache_mb << 20
         self.policy_version = 0
         self.max_model_len = max_model_len or 0
         self.tokenizer: PreTrainedTokenizerBase
@@ -196,6 +201,7 @@ class TransformersEngine:
             loras=self._lora_dirs,
             max_loras=self._max_loras,
             routed_experts=self._record_routes,
+            prefix_cache_bytes=self._prefix_cache_bytes,
         )
         self.tokenizer, self.max_model_len = m.tokenizer, m.max_model_len
         self.experts, self.vision = m.experts, m.vision
@@ -505,7 +511,7 @@ class TransformersEngine:
                 self._adapter_versions[adapter] if adapter is not None else self.policy_version,
                 None,
                 routes[i] if routes is not None else None,
-                cached_prompt_tokens=0 if reason is not None else None,  # it prefills every prompt whole
+                cached_prompt_tokens=row.cached if reason is not None else None,
             )
             finished.append(reason is not None)
             if reason is not None:
@@ -557,6 +563,7 @@ class TransformersEngine:
         bank = self._m.bank
         assert bank is not None
         try:
+            self._m.forget_prefixes()
             bank.load(update.name, update.weights)
             copied = time.perf_counter()
             previous = self._adapter_versions.get(update.name, 0)
@@ -655,6 +662,7 @@ def engine_options(name: str, settings: Settings) -> dict[str, Any]:
         "routed_experts": settings.routed_experts,
         "loras": settings.lora_adapters(),
         "max_loras": settings.max_loras,
+        "prefix_cache_mb": settings.prefix_cache_mb,
     }
 
 

@@ -22,11 +22,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stream_gateway.engines import build_engine
 from stream_gateway.models import AGENT_AFTER_TOOL, AGENT_TOOL_CALL
 
 from ..support.agents import ensure_agents_installed, openclaw_workspace, run_openclaw, run_pi
 from ..support.fidelity import assert_chain_logprobs
-from ..support.servers import RunningGateway
+from ..support.servers import ANSWER_AFTER_ANY_TOOL_RESULT, RunningGateway, run_gateway, script_file, scripted_settings
 
 pytestmark = pytest.mark.timeout(900)  # the first test may install the agents (about a minute)
 
@@ -88,41 +89,39 @@ def test_pi_tool_loop_and_follow_up_form_one_token_exact_chain(
 
 
 def test_openclaw_tool_loop_is_recorded_token_exactly(
-    agents: Path, agent_gateway: RunningGateway, agent_model_path: Path, reference: Any, tmp_path: Path
+    agents: Path, agent_model_path: Path, reference: Any, tmp_path: Path
 ) -> None:
     """OpenClaw executes the model's ``read`` call and sends the result back; every turn is exact.
 
-    The script answers "Done" when the conversation ends with a tool result. OpenClaw moves its
-    internal-context user message behind the tool result, so the model sees a user message last
-    and calls ``read`` again: the run goes on until OpenClaw's own time limit (kept short here).
-    Every follow-up turn carries the tool output OpenClaw produced, and every turn is recorded
-    token-exactly.
+    OpenClaw moves its internal-context user message behind the tool result, so the default script
+    (which answers when a tool result is last) would call ``read`` until OpenClaw's time limit. This
+    gateway's script answers once a tool result is anywhere in the prompt: one call, one answer.
     """
+    settings = scripted_settings(
+        agent_model_path, script=script_file(tmp_path / "script.json", ANSWER_AFTER_ANY_TOOL_RESULT)
+    )
     session = f"claw{secrets.token_hex(4)}"
     workspace = openclaw_workspace(tmp_path)
     workspace.mkdir(parents=True, exist_ok=True)
     (workspace / "README.md").write_text("The secret word is lighthouse.\n")
-    base = f"{agent_gateway.base_url}/sessions/{session}"
-    run = run_openclaw(base, "tiny-agent", "What does the README say?", tmp_path, agent_timeout=30, timeout=180)
-    assert run.returncode == 0 or "timed out" in run.stdout, run.describe()
-    body = _session(agent_gateway, session)
+    with run_gateway(build_engine(settings), settings) as gateway:
+        base = f"{gateway.base_url}/sessions/{session}"
+        run = run_openclaw(base, "tiny-agent", "What does the README say?", tmp_path, agent_timeout=60, timeout=180)
+        assert run.returncode == 0, run.describe()
+        body = _session(gateway, session)
     turns = body["turns"]
-    # That OpenClaw really executed the model's call is read from what the gateway received next
-    # (the README's text in the following request's tool result, below), not from OpenClaw's receipt.
-    assert len(turns) >= 2, run.describe()
-    finished = [t for t in turns if t["finish_reason"] is not None]  # the time limit may cut the last one
-    assert [t["finish_reason"] for t in finished] == ["tool_calls"] * len(finished), run.describe()
-    assert len(finished) >= len(turns) - 1
-    calls = [t["message"]["tool_calls"] for t in finished]
-    assert all([c["function"] for c in call] == [{"name": "read", "arguments": '{"path":"README.md"}'}]
-               for call in calls), calls  # fmt: skip
+    assert [t["finish_reason"] for t in turns] == ["tool_calls", "stop"], run.describe()
+    assert [c["function"] for c in turns[0]["message"]["tool_calls"]] == [
+        {"name": "read", "arguments": '{"path":"README.md"}'}
+    ]
     tokenizer = AutoTokenizer.from_pretrained(agent_model_path)
-    # The README's text reached the model only through the tool result OpenClaw sent back.
+    assert tokenizer.decode(turns[1]["output_ids"], skip_special_tokens=True) == AGENT_AFTER_TOOL
+    # That OpenClaw really executed the model's call is read from what the gateway received next
+    # (the README's text in the following request's tool result), not from OpenClaw's receipt.
     assert "lighthouse" not in tokenizer.decode(turns[0]["prompt_ids"])
-    for turn in turns[1:]:
-        follow_up = tokenizer.decode(turn["prompt_ids"])
-        responses = re.findall(r"<tool_response>(.*?)</tool_response>", follow_up, flags=re.DOTALL)
-        assert any("lighthouse" in r for r in responses), follow_up[-2000:]
+    follow_up = tokenizer.decode(turns[1]["prompt_ids"])
+    responses = re.findall(r"<tool_response>(.*?)</tool_response>", follow_up, flags=re.DOTALL)
+    assert any("lighthouse" in r for r in responses), follow_up[-2000:]
     # OpenClaw moves its internal-context message to the end of every request, so no request's
     # messages start with an earlier turn's conversation: every turn is a root of its own chain.
     assert len(body["chains"]) == len(turns)

@@ -32,6 +32,7 @@ def _per_token(steps: list[EngineStep]) -> list[EngineStep]:
             (step.top_logprobs[j],) if step.top_logprobs is not None else None,
             step.finish_reason if j == len(step.token_ids) - 1 else None,
             step.policy_version,
+            cached_prompt_tokens=step.cached_prompt_tokens if j == len(step.token_ids) - 1 else None,
         )
         for step in steps
         for j, token in enumerate(step.token_ids)
@@ -211,3 +212,33 @@ async def test_keeping_the_cache_pauses_for_the_copy_alone(tiny_model_path: Path
     recorded = torch.tensor([s.logprobs[0] for s in steps])
     new = torch.tensor([v == 1 for v in versions])
     assert (predicted[new] - recorded[new]).abs().max() > 1e-3  # what recompute exists for
+
+
+async def test_a_prompt_continuing_an_earlier_one_prefills_only_its_new_tokens(tiny_model_path: Path) -> None:
+    """An agent's next turn (the last prompt, its answer, a tool result) borrows the last prompt's
+    keys and values from the prefix cache; its logprobs are still a forward pass over the whole
+    sequence, and a weight update leaves nothing to borrow."""
+    generator = torch.Generator().manual_seed(3)
+    first = torch.randint(10, 2000, (300,), generator=generator).tolist()
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    async with TransformersEngine(tiny_model_path, prefix_cache_mb=64) as engine:
+        turn = await _collect(engine, "t1", first, params)
+        assert turn[-1].cached_prompt_tokens == 0
+        answer = [s.token_ids[0] for s in turn]
+        second = [*first, *answer, *torch.randint(10, 2000, (40,), generator=generator).tolist()]
+        turn = await _collect(engine, "t2", second, params)
+        assert turn[-1].cached_prompt_tokens == len(first)
+        output = [s.token_ids[0] for s in turn]
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([second + output])).logits[0, len(second) - 1 : -1]
+        predicted = torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([s.logprobs[0] for s in turn]), predicted, atol=2e-4, rtol=0)
+        # New weights (the same values, a new version): the kept keys are not theirs.
+        state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        await engine.update_weights(state, policy_version=1)
+        again = await _collect(engine, "t3", [*second, *output, 7], params)
+        assert again[-1].cached_prompt_tokens == 0
+    async with TransformersEngine(tiny_model_path, prefix_cache_mb=0) as engine:  # --prefix-cache-mb 0: off
+        await _collect(engine, "o1", first, params)
+        assert (await _collect(engine, "o2", second, params))[-1].cached_prompt_tokens == 0

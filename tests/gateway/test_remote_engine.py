@@ -80,7 +80,10 @@ class Upstream:
     def start(self) -> None:
         command = [sys.executable, "-m", "stream_gateway.cli", "serve", "--model", str(self.model),
                    "--engine", self.engine, "--served-model-name", self.served, "--port", str(self.port),
-                   "--log-level", "warning"]  # fmt: skip
+                   "--log-level", "warning",
+                   # The same request straight and through the front must give the same float bits:
+                   # a borrowed prefix sums attention in another order (docs/engines.md).
+                   "--prefix-cache-mb", "0"]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAM_GATEWAY_")}
         with self.log.open("a") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)

@@ -21,6 +21,7 @@ import uvicorn
 
 from stream_gateway import Settings, create_app
 from stream_gateway.engines import Engine
+from stream_gateway.engines.scripted import DEFAULT_SCRIPT, Script
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,24 @@ def wait_healthy(process: subprocess.Popen[str], port: int, timeout: float = 120
             pass
         assert time.monotonic() < deadline, "the gateway did not become healthy"
         time.sleep(0.2)
+
+
+# A rule ahead of the default script's for agents that put a message of their own after the tool
+# result (OpenClaw moves its internal context last): once any tool result is in the prompt, answer,
+# so the agent's loop ends after one call instead of at its time limit.
+ANSWER_AFTER_ANY_TOOL_RESULT = {
+    "when": {"matches": "<tool_response>"},
+    "think": "The result is in, now answer.",
+    "say": "Done: I read the file.",
+}
+
+
+def script_file(path: Path, *first: dict[str, Any]) -> Path:
+    """The default script with the rules ``first`` ahead of its own, as the JSON file ``path``
+    (for ``script=path``; docs/engines.md#scripted)."""
+    rules = [*first, *DEFAULT_SCRIPT.model_dump()["rules"]]
+    path.write_text(Script.model_validate({"rules": rules}).model_dump_json())
+    return path
 
 
 def scripted_settings(model: Path | str, served_model_name: str = "tiny-agent", **options: Any) -> Settings:
