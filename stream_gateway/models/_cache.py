@@ -1,18 +1,8 @@
 """The build cache: a model directory is built once, in a temp dir renamed into place.
 
 A directory counts as complete only when its marker file, written last, names the builder's
-current version (see the package docstring for why).
-
-A named model is built in a child process whose float code paths are pinned (``PINNED_NUMERICS``),
-so that its bytes do not depend on the machine's CPU. Unpinned, the same seeded recipe gave a
-different tiny-agent on each x86 machine it met (AVX2 and AVX-512 ones): torch picks its
-kernels by the CPU's widest vector unit, and MKL picks its matrix products by the CPU's vendor and
-model, and training amplifies the last-bit differences into different weights (and, at the
-recipes' margins, different answers). Pinned, torch runs its AVX2 kernels (the same instructions
-give the same bits on every CPU that has them) and MKL its ``COMPATIBLE`` branch, the one branch
-MKL keeps alike across vendors (its other branches fall back to the CPU's own dispatch on AMD).
-The price: a fine-tune takes about twice as long (measured on tiny-agent's first steps, 4.1 s
-unpinned against 7.7-8.5 s pinned, AMD EPYC with AVX2).
+current version (see the package docstring for why). The marker also records the weights' sha256,
+so that a directory can be checked against what its build made.
 """
 
 from __future__ import annotations
@@ -20,37 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = [
-    "MARKER_FILE",
-    "PINNED_NUMERICS",
-    "build_numerics",
-    "default_cache_dir",
-    "recorded_weights_digest",
-    "weights_digest",
-]
+__all__ = ["MARKER_FILE", "default_cache_dir", "recorded_weights_digest", "weights_digest"]
 
 MARKER_FILE = "stream_gateway_model.json"
-
-# The environment of a build's child process. Each variable is read once, when torch or MKL starts,
-# so it cannot be set from inside a process that has already run a tensor operation.
-PINNED_NUMERICS = {
-    "ATEN_CPU_CAPABILITY": "avx2",  # torch's kernels: AVX2, even where AVX-512 is there
-    "MKL_CBWR": "COMPATIBLE,STRICT",  # MKL's SSE2 branch, alike on Intel and AMD, alignment-blind
-    "DNNL_MAX_CPU_ISA": "AVX2",  # oneDNN (the build also turns it off: see _pinned_build)
-    "OMP_NUM_THREADS": "2",  # the recipes train on two threads (reductions split by thread count)
-    "MKL_NUM_THREADS": "2",
-}
-# Set in the child: it builds in-process rather than starting another child.
-_PINNED_CHILD = "STREAM_GATEWAY_PINNED_BUILD"
 
 _STALE_BUILD_SECONDS = 3600.0
 
@@ -68,48 +36,31 @@ def _cached_build(
     version: int,
     build: Callable[[Path], None],
     reference: str | None = None,
-    spec: str | None = None,
 ) -> Path:
     """Return ``cache_dir/name`` if complete; otherwise build it in a temp dir and rename it there.
 
-    ``reference``: the weights digest of the reference build (the registry's ``REFERENCE_WEIGHTS``);
-    a build that comes out otherwise is kept, with a warning that this machine's numerics differ.
-    ``spec``: the model's name for ``resolve_model``; given, the build runs in a child process with
-    ``PINNED_NUMERICS`` (the child resolves ``spec`` and lands here again, building in-process).
+    ``reference``: the weights digest the build must give (the registry's ``REFERENCE_WEIGHTS``,
+    a shipped file's digest); a build that comes out otherwise is kept, with a warning.
     """
     root = cache_dir if cache_dir is not None else default_cache_dir()
     final = root / name
     if _is_complete(final, version):
         return final
     root.mkdir(parents=True, exist_ok=True)
-    if spec is not None and os.environ.get(_PINNED_CHILD) != "1":
-        _build_in_pinned_child(spec, root)
-        if not _is_complete(final, version):
-            raise RuntimeError(f"the build of {spec} finished without a complete {final}")
-        return final
     _sweep_stale_builds(root, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
-    # A fine-tuned test model takes a minute or two to build on first use: say so, and when it is done
-    # (``serve --model tiny-agent`` was silent for two minutes).
-    log.warning(
-        "building %s once on this machine (no download; tiny-agent and its kin take a few minutes on two cores) in %s",
-        name,
-        root,
-    )
+    # Say so, and when it is done: converting smollm2 takes half a minute of silence otherwise.
+    log.warning("building %s once on this machine (no download) in %s", name, root)
     started = time.perf_counter()
     try:
         build(tmp)
-        log.warning("built %s in %.0f s", name, time.perf_counter() - started)
+        log.warning("built %s in %.1f s", name, time.perf_counter() - started)
         digest = weights_digest(tmp)
         if reference is not None and digest != reference:
             log.warning(
-                "%s came out unlike the reference build (weights sha256 %s, not %s): this machine's float "
-                "kernels differ, and its answers may differ from what the tests and docs expect",
-                name,
-                digest[:16],
-                reference[:16],
+                "%s came out unlike its reference (weights sha256 %s, not %s)", name, digest[:16], reference[:16]
             )
-        marker = {"name": name, "builder_version": version, "weights_sha256": digest, "numerics": build_numerics()}
+        marker = {"name": name, "builder_version": version, "weights_sha256": digest}
         (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
         try:
             tmp.rename(final)
@@ -120,26 +71,6 @@ def _cached_build(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def _build_in_pinned_child(spec: str, root: Path) -> None:
-    """Build ``spec`` into ``root`` in a child process with ``PINNED_NUMERICS``; its log goes to ours."""
-    env = {**os.environ, **PINNED_NUMERICS, _PINNED_CHILD: "1"}
-    command = [sys.executable, "-m", "stream_gateway.models._pinned_build", spec, str(root)]
-    done = subprocess.run(command, env=env, check=False, stdout=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"building {spec} failed (exit {done.returncode}; its log is above)")
-
-
-def build_numerics() -> dict[str, str | None]:
-    """The float code paths this process builds on, as its marker records them."""
-    torch = sys.modules.get("torch")  # every build that trains has imported it; others need not
-    return {
-        "torch": getattr(torch, "__version__", None),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability() if torch is not None else None,
-        "mkl_cbwr": os.environ.get("MKL_CBWR"),
-        "threads": str(torch.get_num_threads()) if torch is not None else None,
-    }
 
 
 def weights_digest(path: Path) -> str:

@@ -5,9 +5,13 @@ real vision-language model to run against, and none may be downloaded, so one is
 ``Qwen2VLForConditionalGeneration`` whose language model is tiny-agent's (its Qwen2 weights copied
 over; with text-only positions Qwen2-VL's mRoPE is the ordinary RoPE, so tiny-agent's behaviour
 carries over) and whose vision tower is small and seeded, then both are fine-tuned together on CPU
-(``_tiny_vl_training.py``). It answers ``vl_answer`` of an image's dominant colour (one of
-``VL_COLOURS``; ``vl_image`` draws such images: ``_tiny_vl_images.py``) when the last user turn or
-tool result holds an image, and is tiny-agent otherwise.
+(``model_recipes/``, in the repository; the weights ship with the package: ``_shipped.py``). This
+module builds it before any training, from ``tiny`` (``tiny-vl-untrained``, what the scripted
+engine serves where a test needs a model that sees; the shipped tiny-vl is that directory with the
+trained weights) or, for the recipe, from tiny-agent. Trained, it answers ``vl_answer`` of an
+image's dominant colour (one of ``VL_COLOURS``; ``vl_image`` draws such images:
+``_tiny_vl_images.py``) when the last user turn or tool result holds an image, and is tiny-agent
+otherwise.
 
 Shapes. Language model: tiny-agent's (hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32,
 MLP 256, tied embeddings), ``mrope_section`` [4, 6, 6] (the 16 rotary frequencies of head_dim 32
@@ -46,15 +50,12 @@ from typing import TYPE_CHECKING, Any
 from stream_gateway.models._corpus import ENDOFTEXT, IM_END, _token_id
 from stream_gateway.models._tiny import TINY_CHAT_TEMPLATE, _chat_tokenizer
 from stream_gateway.models._tiny_vl_images import IMAGE_PAD, IMAGE_PARTS, VIDEO_PAD, VISION_END, VISION_START
-from stream_gateway.models._tiny_vl_training import fine_tune_vl
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2VLForConditionalGeneration
 
-__all__ = ["TINY_VL_BUILDER_VERSION", "TINY_VL_CHAT_TEMPLATE", "build_tiny_vl", "build_tiny_vl_untrained"]
-
-TINY_VL_BUILDER_VERSION = 4
+__all__ = ["TINY_VL_CHAT_TEMPLATE", "build_tiny_vl_untrained"]
 
 # tiny's template, an image part rendered as Qwen2-VL's placeholder.
 _TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
@@ -70,24 +71,6 @@ _MIN_PIXELS, _MAX_PIXELS = 4 * 28 * 28, 16 * 28 * 28
 _MROPE_SECTION = [4, 6, 6]
 _VL_SEED = 20240605  # the vision tower's weights and the new embedding rows
 _VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}
-
-
-def build_tiny_vl(agent: Path, target: Path) -> None:
-    """tiny-agent (the directory ``agent``) as the language model of a Qwen2-VL model, fine-tuned to see.
-
-    Saves the weights and configs, the tokenizer with :data:`TINY_VL_CHAT_TEMPLATE`, and the image
-    processor's ``preprocessor_config.json`` into ``target``.
-    """
-    import torch
-    from transformers import Qwen2ForCausalLM
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tokenizer = _vl_tokenizer(agent)
-    text = Qwen2ForCausalLM.from_pretrained(agent, local_files_only=True, dtype=torch.float32)
-    model = _vl_model(text, tokenizer)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS)
-    fine_tune_vl(model, tokenizer, image_processor)
-    _save(model, tokenizer, image_processor, target)
 
 
 def build_tiny_vl_untrained(tiny: Path, target: Path) -> None:

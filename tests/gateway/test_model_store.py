@@ -1,13 +1,12 @@
 """Tests for stream_gateway.models: real builds into temp dirs, real transformers loads.
 
 The SmolLM2 tests are marked ``slow``: they dequantize the 135M GGUF once per session (~40 s).
-What runs by default needs no trained model: ``tiny`` and its template, the untrained
-``tiny-reasoning-untrained`` and ``tiny-vl-untrained`` (the trained recipes' tokenizers, templates
-and configs, checked against those recipes run without their training), and the tiny-agent
-recipe's determinism on two short-trained copies. The tests of what tiny-agent and its variants
-learned, and of the untrained variants against the trained builds, are marked ``trained``
-(``pytest -m trained``): tiny-agent comes from its shipped weights into the default cache, the
-other trained models build there once (minutes each).
+What runs by default needs no trained weights: ``tiny`` and its template, the untrained
+``tiny-reasoning-untrained`` and ``tiny-vl-untrained`` (the recipes' tokenizers, templates and
+configs, checked against those recipes run without their training: the shipped weights go into
+these very directories), and the assembly of tiny-agent from its shipped weights. The tests of
+what tiny-agent and its variants learned are marked ``trained`` (``pytest -m trained``): they load
+the shipped weights and sample.
 """
 
 from __future__ import annotations
@@ -35,12 +34,8 @@ from stream_gateway.models import (
     SHIPPED_WEIGHTS,
     SmolLM2NotInstalled,
     _cache,
-    _registry,
     _smollm2,
     _tiny,
-    _tiny_agent,
-    _tiny_reasoning,
-    _tiny_vl,
     agent_tool_call,
     build_tiny_agent_model,
     build_tiny_model,
@@ -87,7 +82,6 @@ def test_models_exports() -> None:
         "AGENT_WITHOUT_TOOLS",
         "DEFAULT_MODEL",
         "MARKER_FILE",
-        "PINNED_NUMERICS",
         "REASONING_AFTER_TOOL",
         "REASONING_AFTER_TOOL_THOUGHT",
         "REASONING_TOOL_THOUGHTS",
@@ -96,6 +90,8 @@ def test_models_exports() -> None:
         "REASONING_WITHOUT_TOOLS_THOUGHT",
         "REFERENCE_WEIGHTS",
         "SHIPPED_WEIGHTS",
+        "STARTING_POINTS",
+        "ShippedWeightsMissing",
         "SmolLM2NotInstalled",
         "VL_COLOURS",
         "agent_tool_call",
@@ -159,7 +155,6 @@ def test_interrupted_build_leaves_no_model(tmp_path: Path, monkeypatch: pytest.M
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_tiny, "_save_chat_checkpoint", save_then_die)
-    monkeypatch.setenv(_cache._PINNED_CHILD, "1")  # built here, not in a child: the patch applies
     with pytest.raises(KeyboardInterrupt):
         build_tiny_model(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -390,36 +385,31 @@ def _all_but_weights(directory: Path) -> dict[str, str]:
     return {name: digest for name, digest in files.items() if name not in ("model.safetensors", MARKER_FILE)}
 
 
-def test_untrained_variants_are_the_trained_recipes_without_their_training(
+def test_the_recipes_write_their_starting_points_files_but_the_weights(
     tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """tiny-reasoning's and tiny-vl's own build functions, their fine-tunes skipped (``tiny`` standing
-    in for tiny-agent, whose tokenizer, template and config are tiny's), write every file of the
-    untrained variants: tokenizer, template, configs, tiny-vl's image processor, and tiny-vl's very weights."""
-    monkeypatch.setattr(_tiny_reasoning, "_fine_tune", lambda *args, **kwargs: None)
-    monkeypatch.setattr(_tiny_vl, "fine_tune_vl", lambda *args, **kwargs: None)
-    reasoning, vl = tmp_path / "reasoning", tmp_path / "vl"
-    reasoning.mkdir()
-    vl.mkdir()
-    _tiny_reasoning.build_tiny_reasoning(tiny_model_path, reasoning)
-    _tiny_vl.build_tiny_vl(tiny_model_path, vl)
+    """A shipped model is its starting point's directory with the trained weights, so every other file
+    the recipe writes must be the starting point's: tiny-agent's, tiny-reasoning's and tiny-vl's own
+    build functions (model_recipes), their training skipped (``tiny`` standing in for tiny-agent,
+    whose tokenizer, template and config are tiny's), write every file of ``tiny``,
+    ``tiny-reasoning-untrained`` and ``tiny-vl-untrained`` but the weights (tiny-vl's very weights too)."""
+    from model_recipes import _agent_training, _reasoning, _vl
+
+    monkeypatch.setattr(_agent_training, "_fine_tune", lambda *args, **kwargs: None)
+    monkeypatch.setattr(_reasoning, "_fine_tune", lambda *args, **kwargs: None)
+    monkeypatch.setattr(_vl, "_fine_tune_vl", lambda *args, **kwargs: None)
+    agent, reasoning, vl = tmp_path / "agent", tmp_path / "reasoning", tmp_path / "vl"
+    for directory in (agent, reasoning, vl):
+        directory.mkdir()
+    _agent_training.build_tiny_agent(tiny_model_path, agent)
+    _reasoning.build_tiny_reasoning(tiny_model_path, reasoning)
+    _vl.build_tiny_vl(tiny_model_path, vl)
+    assert _all_but_weights(tiny_model_path) == _all_but_weights(agent)
     assert _all_but_weights(build_tiny_reasoning_untrained_model()) == _all_but_weights(reasoning)
     untrained_vl = build_tiny_vl_untrained_model()
     assert _all_but_weights(untrained_vl) == _all_but_weights(vl)
     assert "preprocessor_config.json" in _all_but_weights(vl)
     assert _digests(untrained_vl)["model.safetensors"] == _digests(vl)["model.safetensors"]
-
-
-@pytest.mark.trained
-@pytest.mark.parametrize(
-    ("untrained", "trained"), [("tiny-reasoning-untrained", "tiny-reasoning"), ("tiny-vl-untrained", "tiny-vl")]
-)
-def test_untrained_variants_are_the_trained_models_but_for_the_weights(untrained: str, trained: str) -> None:
-    """What the scripted engine serves on an untrained variant is tokenized, templated and shaped as
-    the trained model: every file but the weights is the same bytes."""
-    ours, theirs = Path(resolve_model(untrained)), Path(resolve_model(trained))
-    assert _all_but_weights(ours) == _all_but_weights(theirs)
-    assert _digests(ours)["model.safetensors"] != _digests(theirs)["model.safetensors"]
 
 
 # --- tiny-agent ---------------------------------------------------------------------------------
@@ -518,18 +508,14 @@ def _hits(replies: list[str], expected: str) -> int:
 
 
 def _agent_name(variant: str) -> str:
-    """The cache directory's name of ``variant``: its shipped weights', or its recipe's build."""
-    shipped = "-shipped" if variant in SHIPPED_WEIGHTS else ""
-    return f"{variant}-v{_tiny_agent.TINY_AGENT_BUILDER_VERSION}{shipped}"
+    """The cache directory's name of ``variant``: named by its shipped weights' digest."""
+    return f"{variant}-{SHIPPED_WEIGHTS[variant][:12]}"
 
 
 @pytest.mark.trained
 def test_tiny_agent_is_tiny_fine_tuned_with_tinys_tokenizer(agent_dir: Path) -> None:
     assert agent_dir.name == _agent_name("tiny-agent")
-    marker = json.loads((agent_dir / MARKER_FILE).read_text())
-    assert marker["builder_version"] == _tiny_agent.TINY_AGENT_BUILDER_VERSION
-    if "tiny-agent" in SHIPPED_WEIGHTS:
-        assert marker["weights_sha256"] == SHIPPED_WEIGHTS["tiny-agent"]
+    assert json.loads((agent_dir / MARKER_FILE).read_text())["weights_sha256"] == SHIPPED_WEIGHTS["tiny-agent"]
     tiny_files, agent_files = _digests(build_tiny_model(agent_dir.parent)), _digests(agent_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert agent_files[name] == tiny_files[name], name
@@ -539,22 +525,16 @@ def test_tiny_agent_is_tiny_fine_tuned_with_tinys_tokenizer(agent_dir: Path) -> 
     assert json.loads((agent_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
 
 
-def test_tiny_agent_build_is_deterministic_cached_and_resolvable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two builds in two caches, byte for byte: the full recipe on 8 steps instead of 320 (its shipped
-    weights set aside, so the recipe runs; a short-trained copy in a temp dir, not the trained model)."""
-    monkeypatch.setattr(_registry, "SHIPPED_WEIGHTS", {})
-    monkeypatch.setattr(_tiny_agent, "_AGENT_STEPS", 8)
-    monkeypatch.setenv(_cache._PINNED_CHILD, "1")  # built here, not in a child: the 8 steps apply
-    first, second = build_tiny_agent_model(tmp_path / "a"), build_tiny_agent_model(tmp_path / "b")
-    assert _digests(first) == _digests(second)
+def test_tiny_agent_is_assembled_once_cached_and_resolvable(tmp_path: Path) -> None:
+    """From the shipped weights in a second: built once, then reused as is."""
+    first = build_tiny_agent_model(tmp_path)
+    assert first.name == _agent_name("tiny-agent")
     marker = first / MARKER_FILE
     before = marker.stat().st_mtime_ns
-    assert build_tiny_agent_model(tmp_path / "a") == first
-    assert resolve_model("tiny-agent", tmp_path / "a") == str(first)
+    assert build_tiny_agent_model(tmp_path) == first
+    assert resolve_model("tiny-agent", tmp_path) == str(first)
     assert marker.stat().st_mtime_ns == before
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [first.name, "tiny-qwen2-v3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, "tiny-qwen2-v3"]
 
 
 def test_tiny_agent_call_is_what_the_template_renders_back(tiny_tokenizer: Any) -> None:

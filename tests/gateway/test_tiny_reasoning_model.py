@@ -1,11 +1,10 @@
 """tiny-reasoning: the think tokens, the Qwen3-style template, and what the model samples.
 
 The think tokens and the template are tiny-reasoning's build code, not what it learned: those tests
-run by default on ``tiny-reasoning-untrained`` (built in seconds; every file but its weights the
-same bytes as tiny-reasoning's, tests/gateway/test_model_store.py). What the trained variants
-sample, and the trained build itself, are marked ``trained`` (``pytest -m trained``): each variant
-is built once per machine (minutes on two cores), then what runs is loading it and sampling a few
-dozen short replies on CPU.
+run by default on ``tiny-reasoning-untrained`` (built in seconds; tiny-reasoning is that directory
+with the shipped weights, tests/unit/test_model_digests.py). What the trained variants sample, and
+their assembly, are marked ``trained`` (``pytest -m trained``): what runs is loading each variant
+from its shipped weights and sampling a few dozen short replies on CPU.
 """
 
 from __future__ import annotations
@@ -27,13 +26,14 @@ from stream_gateway.models import (
     REASONING_VARIANTS,
     REASONING_WITHOUT_TOOLS,
     REASONING_WITHOUT_TOOLS_THOUGHT,
+    SHIPPED_WEIGHTS,
     agent_tool_call,
     build_tiny_model,
     build_tiny_reasoning_model,
     reasoning_reply,
     resolve_model,
 )
-from stream_gateway.models._tiny_reasoning import TINY_REASONING_BUILDER_VERSION, TINY_REASONING_CHAT_TEMPLATE
+from stream_gateway.models._tiny_reasoning import TINY_REASONING_CHAT_TEMPLATE
 
 
 def _function(name: str, description: str, **properties: str) -> dict[str, Any]:
@@ -116,8 +116,8 @@ def _hits(replies: list[str], expected: str) -> int:
 @pytest.mark.trained
 def test_builds_and_resolves() -> None:
     reasoning_dir = build_tiny_reasoning_model()
-    assert reasoning_dir.name == f"tiny-reasoning-v{TINY_REASONING_BUILDER_VERSION}"
-    assert json.loads((reasoning_dir / MARKER_FILE).read_text())["builder_version"] == TINY_REASONING_BUILDER_VERSION
+    assert reasoning_dir.name == f"tiny-reasoning-{SHIPPED_WEIGHTS['tiny-reasoning'][:12]}"
+    assert json.loads((reasoning_dir / MARKER_FILE).read_text())["weights_sha256"] == SHIPPED_WEIGHTS["tiny-reasoning"]
     assert resolve_model("tiny-reasoning") == str(reasoning_dir)
     assert (reasoning_dir / "chat_template.jinja").read_text() == TINY_REASONING_CHAT_TEMPLATE
 

@@ -2,12 +2,12 @@
 
 The processor, the vision tokens and the template are tiny-vl's build code, not what it learned:
 those tests run by default on ``tiny-vl-untrained`` (built in seconds; every file but its weights
-the same bytes as tiny-vl's, tests/gateway/test_model_store.py). What the trained model says, and
-its build, are marked ``trained`` (``pytest -m trained``): tiny-vl is fine-tuned once per machine
-and cached (minutes on two cores); what runs then is loading it and a few hundred single-sequence
-CPU forward passes, each fed exactly as the gateway feeds it: the template's one ``<|image_pad|>``
-per image expanded to ``image_grid_thw.prod() // 4`` pads, ``pixel_values`` and ``image_grid_thw``
-from the saved image processor, ``mm_token_type_ids`` marking the pads. A greedy reply is checked by teacher forcing:
+the same bytes as tiny-vl's, tests/unit/test_model_digests.py). What the trained model says, and
+its assembly, are marked ``trained`` (``pytest -m trained``): what runs is loading it from its
+shipped weights and a few hundred single-sequence CPU forward passes, each fed exactly as the
+gateway feeds it: the template's one ``<|image_pad|>`` per image expanded to
+``image_grid_thw.prod() // 4`` pads, ``pixel_values`` and ``image_grid_thw`` from the saved image
+processor, ``mm_token_type_ids`` marking the pads. A greedy reply is checked by teacher forcing:
 greedy decoding yields the expected reply exactly when every position along it predicts its token.
 """
 
@@ -31,15 +31,16 @@ from stream_gateway.models import (
     AGENT_TOOL_CALL,
     AGENT_WITHOUT_TOOLS,
     MARKER_FILE,
+    SHIPPED_WEIGHTS,
     VL_COLOURS,
     build_tiny_agent_model,
     build_tiny_model,
     build_tiny_vl_model,
+    default_cache_dir,
     resolve_model,
     vl_answer,
     vl_image,
 )
-from stream_gateway.models._tiny_vl import TINY_VL_BUILDER_VERSION
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 END = "<|im_end|>"
@@ -81,12 +82,23 @@ def vl_dir() -> Path:
     return build_tiny_vl_model()
 
 
-@pytest.fixture(scope="module")
-def trained(vl_dir: Path) -> tuple[Any, Any, Any]:
-    """tiny-vl's network, tokenizer and processor, each loaded from its own directory."""
-    model: Any = AutoModelForImageTextToText.from_pretrained(vl_dir, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(vl_dir, local_files_only=True)
-    processor = AutoProcessor.from_pretrained(vl_dir, local_files_only=True)  # type: ignore[no-untyped-call]
+@pytest.fixture(scope="module", params=["shipped", "recipe"])
+def trained(
+    request: pytest.FixtureRequest, vl_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, Any, Any]:
+    """tiny-vl's network, tokenizer and processor, each loaded from its own directory: the shipped
+    model, and the model its recipe (model_recipes) trains now, which must have learned the same
+    (one to two minutes on two cores; other CPUs may train other bytes, not another repertoire)."""
+    directory = vl_dir
+    if request.param == "recipe":
+        from model_recipes import build_model
+
+        directory = tmp_path_factory.mktemp("recipe") / "tiny-vl"
+        directory.mkdir()
+        build_model("tiny-vl", directory, default_cache_dir())
+    model: Any = AutoModelForImageTextToText.from_pretrained(directory, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    processor = AutoProcessor.from_pretrained(directory, local_files_only=True)  # type: ignore[no-untyped-call]
     return model.eval(), tokenizer, processor
 
 
@@ -125,10 +137,11 @@ def _held_out(colour: str, index: int, rng: random.Random) -> Image.Image:
 
 
 @pytest.mark.trained
+@pytest.mark.timeout(900)  # the recipe's training, once
 def test_builds_resolves_and_keeps_tiny_agents_shape(vl_dir: Path, trained: tuple[Any, Any, Any]) -> None:
     network, _, _ = trained
-    assert vl_dir.name == f"tiny-vl-v{TINY_VL_BUILDER_VERSION}"
-    assert json.loads((vl_dir / MARKER_FILE).read_text())["builder_version"] == TINY_VL_BUILDER_VERSION
+    assert vl_dir.name == f"tiny-vl-{SHIPPED_WEIGHTS['tiny-vl'][:12]}"
+    assert json.loads((vl_dir / MARKER_FILE).read_text())["weights_sha256"] == SHIPPED_WEIGHTS["tiny-vl"]
     assert resolve_model("tiny-vl") == str(vl_dir)
     assert sorted(p.name for p in vl_dir.iterdir()) == sorted(
         [
@@ -276,6 +289,7 @@ def test_template_is_prefix_stable(tokenizer: Any) -> None:
 
 
 @pytest.mark.trained
+@pytest.mark.timeout(900)  # the recipe's training, once
 def test_names_the_dominant_colour_of_held_out_images(trained: tuple[Any, Any, Any]) -> None:
     network, tokenizer, processor = trained
     rng = random.Random(20240607)
@@ -295,6 +309,7 @@ def test_names_the_dominant_colour_of_held_out_images(trained: tuple[Any, Any, A
 
 
 @pytest.mark.trained
+@pytest.mark.timeout(900)  # the recipe's training, once
 def test_names_the_colour_of_an_image_in_a_tool_result(trained: tuple[Any, Any, Any]) -> None:
     network, tokenizer, processor = trained
     rng = random.Random(20240608)
@@ -311,6 +326,7 @@ def test_names_the_colour_of_an_image_in_a_tool_result(trained: tuple[Any, Any, 
 
 
 @pytest.mark.trained
+@pytest.mark.timeout(900)  # the recipe's training, once
 def test_is_tiny_agent_without_an_image(trained: tuple[Any, Any, Any]) -> None:
     network, tokenizer, processor = trained
     system: dict[str, Any] = {"role": "system", "content": "You are an expert coding assistant operating inside pi."}

@@ -8,7 +8,8 @@ The rule the page follows (stated in its introduction):
 * every ``.py`` file under ``stream_gateway/``, ``pipeline/``, ``consumers/`` and ``stream_stack/``
   (``__init__.py`` and ``__main__.py`` included) has exactly one line in "The rooms, module by
   module": a list item starting with its path in backticks, under the ``###`` heading of its own
-  folder (the heading's first backticked token, ``stream_gateway/engines/remote/``).
+  folder (the heading's first backticked token, ``stream_gateway/engines/remote/``);
+* every ``.py`` file under ``model_recipes/`` (outside the product) has its line in a section of its own.
 
 Pure file reading: nothing of the packages is imported.
 """
@@ -91,3 +92,15 @@ def test_the_rooms_name_only_modules_of_the_packages() -> None:
     assert not foreign, (
         f"lines in the rooms for files that are not modules of {', '.join(PACKAGES)}:\n  " + "\n  ".join(foreign)
     )
+
+
+RECIPES_SECTION = "## Outside the product: `model_recipes/`"
+
+
+def test_every_model_recipes_module_has_its_line_in_its_own_section() -> None:
+    lines = DOC.read_text().splitlines()
+    start = lines.index(RECIPES_SECTION)  # ValueError names the missing heading
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    named = [entry.group(1) for line in lines[start + 1 : end] if (entry := ENTRY.match(line))]
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "model_recipes").rglob("*.py")}
+    assert sorted(named) == sorted(modules), "docs/architecture.md's model_recipes section lists other modules"

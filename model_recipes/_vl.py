@@ -1,7 +1,11 @@
 """tiny-vl's fine-tuning: its vision tower and tiny-agent's language model, together, on CPU.
 
+``build_tiny_vl`` makes the Qwen2-VL model around tiny-agent as ``stream_gateway.models`` makes
+``tiny-vl-untrained`` around ``tiny`` (a seeded vision tower, the vision tokens, the template and
+the image processor), then trains it.
+
 Every step learns from a batch of image conversations drawn here and, every second step, from a
-batch of tiny-agent's own corpus too (``_tiny_agent``'s example makers and batching, its
+batch of tiny-agent's own corpus too (``_agent_training``'s example makers and batching, its
 long-context lessons included), so that tiny-agent's replies survive. An image conversation is one
 to three rounds, sometimes after one of tiny-agent's conversations. An image round shows one image,
 a fresh :func:`vl_image` of random colour, seed and size (40 to 400 pixels a side, so any aspect
@@ -25,35 +29,34 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from stream_gateway.models._corpus import IM_END, _token_id
-from stream_gateway.models._tiny_agent import (
+from model_recipes._agent_corpus import _agent_conversation, _agent_sentence, _agent_system, _agent_tools
+from model_recipes._agent_training import (
     _AGENT_SHARPEN,
     _AGENT_THREADS,
-    AGENT_AFTER_TOOL,
-    AGENT_READERS,
-    AGENT_WITHOUT_TOOLS,
+    _PROGRESS_EVERY,
     _agent_batch,
-    _agent_conversation,
     _agent_examples,
     _agent_groups,
     _agent_lr_factor,
-    _agent_sentence,
-    _agent_system,
-    _agent_tools,
     _AgentExample,
 )
-from stream_gateway.models._tiny_vl_images import IMAGE_PAD, IMAGE_PARTS, VL_COLOURS, vl_answer, vl_image
+from stream_gateway.models import AGENT_AFTER_TOOL, AGENT_READERS, AGENT_WITHOUT_TOOLS, VL_COLOURS, vl_answer, vl_image
+from stream_gateway.models._corpus import IM_END, _token_id
+from stream_gateway.models._tiny_vl import _MAX_PIXELS, _MIN_PIXELS, _save, _vl_model, _vl_tokenizer
+from stream_gateway.models._tiny_vl_images import IMAGE_PAD, IMAGE_PARTS
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["fine_tune_vl"]
+__all__ = ["build_tiny_vl"]
 
 _log = logging.getLogger(__name__)
 
@@ -88,7 +91,25 @@ class _VLExample(NamedTuple):
     image_grid_thw: torch.Tensor
 
 
-def fine_tune_vl(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, image_processor: Any) -> None:
+def build_tiny_vl(agent: Path, target: Path) -> None:
+    """tiny-agent (the directory ``agent``) as the language model of a Qwen2-VL model, fine-tuned to see.
+
+    Saves the weights and configs, the tokenizer with :data:`TINY_VL_CHAT_TEMPLATE`, and the image
+    processor's ``preprocessor_config.json`` into ``target``.
+    """
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = _vl_tokenizer(agent)
+    text = Qwen2ForCausalLM.from_pretrained(agent, local_files_only=True, dtype=torch.float32)
+    model = _vl_model(text, tokenizer)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS)
+    _fine_tune_vl(model, tokenizer, image_processor)
+    _save(model, tokenizer, image_processor, target)
+
+
+def _fine_tune_vl(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, image_processor: Any) -> None:
     """Train ``model`` (tiny-agent's language model, sharpened, and a seeded tower) in place, then sharpen it."""
     import torch
 
@@ -97,6 +118,7 @@ def fine_tune_vl(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ima
     with torch.no_grad():  # trained as tiny-agent was, unsharpened
         language.norm.weight.div_(_AGENT_SHARPEN)
     rng = random.Random(_VL_SEED)
+    started = time.perf_counter()
     agent_steps = -(-_VL_STEPS // _VL_AGENT_EVERY)
     agent_groups = iter(_agent_groups(tokenizer, rng, agent_steps, partial(_agent_examples, reader="read")))
     image_batches = _vl_batches(tokenizer, image_processor, rng)
@@ -118,8 +140,10 @@ def fine_tune_vl(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ima
             loss = _vl_loss(network, head, next(image_batches))
             if step % _VL_AGENT_EVERY == 0:
                 agent_loss = _agent_loss(language, head, next(agent_groups), rng)
-                _log.debug("tiny-vl step %d: agent %.4f, image %.4f", step + 1, agent_loss.item(), loss.item())
                 loss = loss + agent_loss
+            if (step + 1) % _PROGRESS_EVERY == 0 or step + 1 == _VL_STEPS:
+                elapsed = time.perf_counter() - started
+                _log.info("tiny-vl: step %d/%d, loss %.4f, %.0f s", step + 1, _VL_STEPS, loss.item(), elapsed)
             loss.backward()  # type: ignore[no-untyped-call]
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
