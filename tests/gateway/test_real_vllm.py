@@ -350,8 +350,10 @@ def test_failover_when_one_of_two_real_servers_is_killed(
     settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(victim.url, vllm.url),
                         served_model_name="tiny", upstream_health_interval_seconds=0.5)  # fmt: skip
     with run_gateway(build_engine(settings), settings) as running:
+        # LONG_ANSWER: beside a CPU hog, a 3,000-token answer was all in the gateway's hands before
+        # the client had read its third frame, and the kill came too late to cut it.
         body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "stream": True,
-                "max_tokens": 3000, "ignore_eos": True}  # fmt: skip
+                "max_tokens": LONG_ANSWER, "ignore_eos": True}  # fmt: skip
         frames: list[str] = []
         on_victim: bool | None = None
         with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=60) as response:
