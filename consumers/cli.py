@@ -25,6 +25,8 @@ from pipeline.errors import NatsRefused
 from .streams import ConsumerStreams
 
 if TYPE_CHECKING:
+    import anyio
+
     from .batcher import BatcherConfig
     from .reward_worker import RewardWorkerConfig
 
@@ -333,7 +335,7 @@ def _run_consumer(command: str, run: Any, config: Any) -> int:
     return 0
 
 
-async def _stop_on_signal(scope: Any, command: str) -> None:
+async def _stop_on_signal(scope: anyio.CancelScope, command: str) -> None:
     """Cancel ``scope`` at the first SIGINT or SIGTERM; exit the process if winding down hangs."""
     import os
     import signal

@@ -190,8 +190,10 @@ class HfModel:
             self.routes.discard()  # a forward pass that failed part-way left some behind
         if self.bank is not None:
             self.bank.set_rows((row.params.adapter,))
-        prefixes = self.prefixes
-        lent, cache = prefixes.lend(row.prompt_ids, row.params.adapter) if prefixes is not None else (0, None)
+        prefixes, prompt, lent, cache = self.prefixes, None, 0, None
+        if prefixes is not None:
+            prompt = np.asarray(row.prompt_ids, dtype=np.int64)  # once, for the lending and the keeping
+            lent, cache = prefixes.lend(prompt, row.params.adapter)
         if cache is None:
             cache = DynamicCache()
         ids = torch.tensor([row.prompt_ids[lent:]], device=self.device)
@@ -201,8 +203,8 @@ class HfModel:
             row.mrope = vision["position_ids"][:, 0, :] if row.images else None
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **vision, **self.last_logits)
         row.length, row.cached = len(row.prompt_ids), lent
-        if prefixes is not None:
-            prefixes.keep(row.prompt_ids, cache, row.params.adapter)
+        if prefixes is not None and prompt is not None:
+            prefixes.keep(prompt, cache, row.params.adapter)
         routes = [self.routes.take()[0]] if self.routes is not None else None
         return out.logits[:, -1, :], cache, routes
 

@@ -29,7 +29,6 @@ the whole prompt) or routed experts (the prompt's routes would be missing for th
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,12 +71,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def lend(self, prompt_ids: Sequence[int], adapter: str | None) -> tuple[int, DynamicCache | None]:
-        """The longest kept prefix of ``prompt_ids`` (at most all but its last token) as a cache of
-        views, and its length; ``(0, None)`` when nothing is kept that starts the same way."""
-        if not self._kept or len(prompt_ids) < 2:
+    def lend(self, ids: np.ndarray, adapter: str | None) -> tuple[int, DynamicCache | None]:
+        """The longest kept prefix of the prompt ``ids`` (at most all but its last token) as a cache
+        of views, and its length; ``(0, None)`` when nothing is kept that starts the same way."""
+        if not self._kept or len(ids) < 2:
             return 0, None
-        ids = np.asarray(prompt_ids, dtype=np.int64)
         best_key, best = -1, 0
         for key, kept in self._kept.items():
             if kept.adapter != adapter or kept.ids[0] != ids[0]:
@@ -97,8 +95,8 @@ class PrefixCache:
         self.lent_tokens += best
         return best, cache
 
-    def keep(self, prompt_ids: Sequence[int], cache: DynamicCache, adapter: str | None) -> None:
-        """Keep ``prompt_ids``' keys and values (``cache``: exactly that prompt's, one row)."""
+    def keep(self, ids: np.ndarray, cache: DynamicCache, adapter: str | None) -> None:
+        """Keep the prompt ``ids``' keys and values (``cache``: exactly that prompt's, one row)."""
         kept_layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in cache.layers:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -110,7 +108,6 @@ class PrefixCache:
         nbytes = sum(k.nbytes + v.nbytes for k, v in kept_layers)
         if nbytes > self.capacity_bytes:
             return
-        ids = np.asarray(prompt_ids, dtype=np.int64)
         # A kept prompt this one continues (or repeats) holds nothing this one does not.
         for key in [
             key
