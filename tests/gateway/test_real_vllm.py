@@ -174,26 +174,34 @@ def test_sequential_turns_keep_their_connection(front: RunningGateway, vllm: Vll
 
 
 def test_a_client_that_leaves_stops_the_request_on_vllm(front: RunningGateway, vllm: VllmServer) -> None:
-    """The client reads the first frame of a long answer, waits until vLLM streams it (its access
-    log) and goes: vLLM's own counters show the request stopped (nothing running, generated tokens
-    no longer growing, far short of its budget).
+    """vLLM holds a long answer's request (paused, keeping it) while the client reads the first
+    frame, sees vLLM stream the answer (its access log) and goes; vLLM then resumes, and its own
+    counters show the request stopped (nothing running, generated tokens no longer growing, far
+    short of its budget).
 
-    The client waits for no text (issue 54): the gateway sends a frame only for tokens with
-    something to show, and an answer of tokens whose text is empty once kept a client that waited
-    for its third frame until vLLM had sampled all 30,000. The role frame comes first whatever is
-    sampled. (Not vLLM's gauge of running requests: its ``/metrics`` waits on an API server busy
-    writing thousands of frames a second, 10 s and more on two cores.)"""
+    Why held: a loaded machine starves vLLM's API server, not its engine. In a fresh-clone run
+    beside a CPU hog the engine sampled all 30,000 tokens while the API server, seconds behind
+    writing their frames, had yet to notice the connection the gateway closed. Held, the engine
+    samples nothing until the gateway's side of the connection is already gone, and what the test
+    measures is the gateway's part: it closed that connection. The client waits for no text (issue
+    54): the gateway sends a frame only for tokens with something to show; the role frame comes
+    first whatever is sampled. (Not vLLM's gauge of running requests to see it start: its
+    ``/metrics`` waits on an API server busy writing thousands of frames a second.)"""
     generated = vllm.metric("vllm:generation_tokens_total")
     streams = len(vllm.completion_connections())
     body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "stream": True,
             "max_tokens": LONG_ANSWER, "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", f"{front.base_url}/v1/chat/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        lines = response.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
-        # (A busy machine starves vLLM's API server: seen taking over 30 s to answer a request.)
-        wait_until(lambda: len(vllm.completion_connections()) > streams, "vLLM to stream the answer", timeout=120)
+    httpx.post(f"{vllm.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    try:
+        with httpx.stream("POST", f"{front.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+            wait_until(lambda: len(vllm.completion_connections()) > streams, "vLLM to stream the answer", timeout=120)
+        assert vllm.metric("vllm:generation_tokens_total") == generated  # held: nothing sampled yet
+    finally:
+        httpx.post(f"{vllm.url}/resume", timeout=60).raise_for_status()
     _assert_stopped_on_vllm(vllm, generated, budget=LONG_ANSWER)
 
 
