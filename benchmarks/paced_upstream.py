@@ -136,7 +136,11 @@ class TokenCycle:
 class _Turn(Protocol):
     """One streamed answer: the frames of its tokens and what follows the last one, each one or more HTTP chunks."""
 
+    stride: int  # tokens a frame (vLLM's stream_interval): the first frame holds one, the last what is left
+
     def frame(self, i: int) -> bytes: ...
+
+    def frames(self, i: int, n: int) -> bytes: ...
 
     def tail(self) -> bytes: ...
 
@@ -279,34 +283,47 @@ class _CompletionTurn:
         self._as_ids = data.get("return_tokens_as_token_ids") is True
         self._head = _head("text_completion", f"cmpl-{ask.rid}", upstream.created, ask.model)
         self._bodies = upstream.completion_bodies(ask.model, self._k, self._token_ids, self._as_ids)
+        stride = data.get("stream_interval", 1)
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError("stream_interval must be a positive integer")
+        self.stride = stride
 
-    def _body(self, i: int, token: int, finish: str | None, prompt: list[int] | None) -> bytes:
-        cycle = self._upstream.cycle
-        text = cycle.text_of[token]
+    def _body(self, i: int, tokens: list[int], finish: str | None, prompt: list[int] | None) -> bytes:
+        """The body of the frame of ``tokens``, the first of them output token ``i``."""
+        cycle, upstream = self._upstream.cycle, self._upstream
+        texts = [cycle.text_of[token] for token in tokens]
         as_ids = self._as_ids
         logprobs = None
         if self._k is not None:
-            top = cycle.alternatives(token, max(self._k, 1))
-            logprobs = {"text_offset": [self._upstream.text_offset(i, as_ids)], "token_logprobs": [_TOP_FIRST],
-                        "tokens": [f"token_id:{token}" if as_ids else text],
+            k = max(self._k, 1)
+            logprobs = {"text_offset": [upstream.text_offset(i + j, as_ids) for j in range(len(tokens))],
+                        "token_logprobs": [_TOP_FIRST] * len(tokens),
+                        "tokens": [f"token_id:{t}" for t in tokens] if as_ids else texts,
                         "top_logprobs": [{(f"token_id:{t}" if as_ids else cycle.text_of[t]): lp
-                                          for t, lp in top}]}  # fmt: skip
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": None,
-                  "prompt_token_ids": prompt if self._token_ids else None,
-                  "token_ids": [token] if self._token_ids else None}  # fmt: skip
+                                          for t, lp in cycle.alternatives(token, k)} for token in tokens]}  # fmt: skip
+        choice = {"index": 0, "text": "".join(texts), "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": None, "prompt_token_ids": prompt if self._token_ids else None,
+                  "token_ids": tokens if self._token_ids else None}  # fmt: skip
         return b',"choices":[' + orjson.dumps(choice) + b'],"kv_transfer_params":null}\n\n'
+
+    def frames(self, i: int, n: int) -> bytes:
+        """One frame of output tokens ``i`` to ``i + n - 1`` (never the first: that one goes alone)."""
+        ask, upstream = self._ask, self._upstream
+        last = i + n == ask.tokens
+        body = self._body(i, [upstream.token(j, ask) for j in range(i, i + n)], ask.finish if last else None, None)
+        return b"%x\r\n%b%b\r\n" % (len(self._head) + len(body), self._head, body)
 
     def frame(self, i: int) -> bytes:
         ask = self._ask
         last = i == ask.tokens - 1
         if i == 0 or last:  # the prompt's ids, the finish reason: per request
             token = self._upstream.token(i, ask)
-            body = self._body(i, token, ask.finish if last else None, ask.prompt if i == 0 else None)
+            body = self._body(i, [token], ask.finish if last else None, ask.prompt if i == 0 else None)
         else:
             bodies = self._bodies
             while len(bodies) <= i:
                 j = len(bodies)
-                bodies.append(self._body(j, self._upstream.token(j, ask), None, None))
+                bodies.append(self._body(j, [self._upstream.token(j, ask)], None, None))
             body = bodies[i]
         return b"%x\r\n%b%b\r\n" % (len(self._head) + len(body), self._head, body)
 
@@ -314,7 +331,16 @@ class _CompletionTurn:
         return (_usage(self._head, self._ask) if self._ask.include_usage else b"") + _DONE
 
 
-class _ChatTurn:
+class _OneTokenFrames:
+    """A turn that writes every token in a frame of its own."""
+
+    stride = 1
+
+    def frames(self, i: int, n: int) -> bytes:
+        raise NotImplementedError("one token a frame")
+
+
+class _ChatTurn(_OneTokenFrames):
     """The same token stream as OpenAI chat chunks."""
 
     def __init__(self, upstream: PacedUpstream, ask: _Ask) -> None:
@@ -340,7 +366,7 @@ class _ChatTurn:
         return (_usage(self._head, self._ask) if self._ask.include_usage else b"") + _DONE
 
 
-class _GenerateTurn:
+class _GenerateTurn(_OneTokenFrames):
     """SGLang's ``/generate`` stream: cumulative frames (its default) or only the new part."""
 
     def __init__(self, upstream: PacedUpstream, ask: _Ask, data: dict[str, Any]) -> None:
@@ -514,14 +540,16 @@ class _Connection(asyncio.Protocol):
             return
         if self._paused:
             return  # resume_writing ticks again
-        i = self._sent
-        frame = turn.frame(i)
-        self._sent = i + 1
+        i, stride = self._sent, turn.stride
+        n = 1 if i == 0 or stride == 1 else min(stride, self._tokens - i)  # vLLM: the first frame at once
+        frame = turn.frame(i) if n == 1 else turn.frames(i, n)
+        self._sent = i + n
         if self._sent < self._tokens:
             transport.write(frame)
             interval = self._upstream.interval
-            if interval:
-                self._timer = self._loop.call_at(self._first_at + self._sent * interval, self._tick)
+            if interval:  # the next frame when its last token is due
+                last = self._sent + min(stride, self._tokens - self._sent) - 1
+                self._timer = self._loop.call_at(self._first_at + last * interval, self._tick)
             else:
                 self._timer = self._loop.call_soon(self._tick)
             return

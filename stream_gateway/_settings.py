@@ -164,6 +164,19 @@ class Settings(BaseSettings):
     upstream_max_connections: int = Field(
         512, ge=1, description="generation requests in flight to all servers together (each on its own connection)"
     )
+    upstream_stream_interval: int = Field(
+        1,
+        ge=1,
+        description="vllm-http: the fewest sampled tokens a server puts in each streamed frame (vLLM 0.32+'s "
+        "stream_interval per request; 1: every token its own frame, the first and last always at once)",
+    )
+    upstream_stream_interval_max: int = Field(
+        8,
+        ge=1,
+        description="vllm-http: the most, asked of new requests while this process's event loop runs late "
+        "(as many as a stream samples meanwhile, which the client would get merged anyway); equal to "
+        "--upstream-stream-interval: always that many",
+    )
 
     tool_parser: Annotated[str, Flag(choices=_tool_parser_names)] = Field(
         "hermes", description="how tool calls are read from model output (see docs/http-api.md)"

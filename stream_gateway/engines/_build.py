@@ -27,9 +27,13 @@ def build_engine(settings: Settings) -> Engine:
     from stream_gateway.models import resolve_model
 
     if settings.engine != "vllm-http" and (
-        settings.vllm_api != "completions" or settings.upstream_weights != "announce"
+        settings.vllm_api != "completions"
+        or settings.upstream_weights != "announce"
+        or settings.upstream_stream_interval != 1
     ):
-        raise SystemExit("stream-gateway: --vllm-api and --upstream-weights are for --engine vllm-http")
+        raise SystemExit(
+            "stream-gateway: --vllm-api, --upstream-weights and --upstream-stream-interval are for --engine vllm-http"
+        )
     if settings.engine != "scripted" and (settings.script is not None or settings.script_tokens_per_second):
         raise SystemExit("stream-gateway: --script and --script-tokens-per-second are for --engine scripted")
     model = resolve_model(settings.model, settings.model_cache_dir)

@@ -101,6 +101,9 @@ class CompletionRequest(BaseModel):
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
     session_id: str | None = None  # vLLM's session identity: here the session the turn joins
+    # vLLM 0.32+'s fewest tokens a streamed chunk: a front's hint (engines/remote/_interval.py) that
+    # changes no token; this gateway's chunks follow its own coalescing (docs/performance.md).
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
     # Change nothing here, or only when set to other than their no-op values (checked below).
     user: str | None = None
     request_id: str | None = None

@@ -160,6 +160,33 @@ def test_the_record_is_what_vllm_sampled(front: RunningGateway, vllm: VllmServer
     assert_chain_logprobs(model, chain["token_ids"], chain["mask"], chain["logprobs"], atol=1e-4)
 
 
+def test_vllm_streams_the_interval_the_front_asks_for(vllm: VllmServer, tiny_model_path: Path) -> None:
+    """A front with ``--upstream-stream-interval 5`` (fixed): vLLM 0.32 sends the first token alone,
+    then five a frame, so the client's chunks carry five tokens each (their logprobs say so); the
+    record is still exactly what vLLM samples for the same prompt ids and seed, token by token."""
+    settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,),
+                        served_model_name="tiny", upstream_stream_interval=5, upstream_stream_interval_max=5)  # fmt: skip
+    session = "real-vllm-interval"
+    with (
+        run_gateway(build_engine(settings), settings) as running,
+        OpenAI(base_url=f"{running.base_url}/sessions/{session}/v1", api_key="x", max_retries=0, timeout=60) as client,
+    ):
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go on"}],
+                                                stream=True, seed=3, max_tokens=31, temperature=1.0, logprobs=True,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+        per_chunk = [len(c.choices[0].logprobs.content) for c in stream if c.choices and c.choices[0].logprobs]
+        (turn,) = _session(running, session)["turns"]
+    # Chunks end where vLLM's frames end (1, then 5 each); a reader that fell behind merges frames, never splits one.
+    assert set(itertools.accumulate(per_chunk)) <= {1, 6, 11, 16, 21, 26, 31} and sum(per_chunk) == 31, per_chunk
+    direct = httpx.post(f"{vllm.url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": turn["prompt_ids"], "max_tokens": 31, "temperature": 1.0, "top_p": 1.0,
+        "top_k": -1, "seed": 3, "logprobs": 0, "ignore_eos": True, "return_token_ids": True,
+        "skip_special_tokens": False,
+    }).json()["choices"][0]  # fmt: skip
+    assert turn["output_ids"] == direct["token_ids"]
+    torch.testing.assert_close(turn["logprobs"], direct["logprobs"]["token_logprobs"], atol=1e-5, rtol=0)
+
+
 def test_sequential_turns_keep_their_connection(front: RunningGateway, vllm: VllmServer) -> None:
     """vLLM writes ``data: [DONE]`` as its own chunk: six turns one after another still use one
     or two connections (its access log), not six."""

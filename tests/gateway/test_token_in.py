@@ -213,6 +213,7 @@ def test_a_prompt_extending_a_turn_continues_its_session(gateway: RunningGateway
         ({"prompt": [1, 2], "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
         ({"prompt": [1, 2], "bogus": 1}, 400, "bogus", None),
         ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+        ({"prompt": [1, 2], "stream_interval": 0}, 400, "stream_interval", None),
     ],
 )
 def test_bad_token_in_requests_get_openai_errors(
@@ -222,6 +223,17 @@ def test_bad_token_in_requests_get_openai_errors(
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["code"] == code, error
+
+
+def test_a_front_asking_for_a_stream_interval_is_served(gateway: RunningGateway) -> None:
+    """A vllm-http front behind asks its servers for ``stream_interval`` (vLLM's): a stream-gateway
+    upstream takes it and streams its own chunks, every token there."""
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 9, "stream": True, "stream_interval": 4,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    with httpx.stream("POST", f"{gateway.base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        frames = [orjson.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert sum(len(f["choices"][0]["token_ids"] or ()) for f in frames if f["choices"]) == 9
 
 
 # -- routed experts (R3) on tiny-moe: vLLM's per-choice ``routed_experts`` (npy + base64)

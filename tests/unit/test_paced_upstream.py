@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import sys
 import threading
 from collections.abc import Iterator
@@ -101,6 +102,25 @@ def test_engines_read_one_token_per_step(tiny_model_path: Path, cycle: Any, upst
     top = [t for s in steps for t in s.top_logprobs or ()]
     assert len(top) == tokens and all(len(t) == 3 and t[0] == (i, -0.05) for t, i in zip(top, ids, strict=True))
     assert [s.finish_reason for s in steps] == [None] * (len(steps) - 1) + ["length"]
+
+
+def test_a_fixed_stream_interval_puts_that_many_tokens_in_a_frame(
+    tiny_model_path: Path, cycle: Any, upstream_url: str
+) -> None:
+    """``--upstream-stream-interval 4``: the engine asks for vLLM's ``stream_interval`` and the server
+    (as vLLM does) sends the first token alone, then four a frame, the rest in the last; every id,
+    logprob and alternative as one token a frame carries them."""
+    engine = RemoteEngine(tiny_model_path, protocol="vllm", upstreams=(upstream_url,), served_model_name="tiny",
+                          stream_interval=4, stream_interval_max=4)  # fmt: skip
+    steps = _generate(engine, SamplingParams(max_tokens=23, top_logprobs=2, ignore_eos=True))
+    ids = [t for s in steps for t in s.token_ids]
+    assert ids == [cycle.ids[i % len(cycle.ids)] for i in range(23)]
+    assert [lp for s in steps for lp in s.logprobs] == [-0.05] * 23
+    assert [len(t) for s in steps for t in s.top_logprobs or ()] == [2] * 23
+    # A step is what one read returned: frames may merge (a busy reader), never split.
+    ends = set(itertools.accumulate(len(s.token_ids) for s in steps))
+    assert ends <= {1, 5, 9, 13, 17, 21, 23}, ends
+    assert steps[-1].finish_reason == "length"
 
 
 def test_a_turn_without_ignore_eos_ends_with_eos(tiny_model_path: Path, cycle: Any, upstream_url: str) -> None:

@@ -74,3 +74,24 @@ def test_the_vllm_options_are_refused_on_other_engines() -> None:
     for engine in ("transformers", "sglang-http"):
         with pytest.raises(SystemExit, match="are for --engine vllm-http"):
             build_engine(Settings(engine=engine, upstreams=("http://x",), upstream_weights="reload"))
+        with pytest.raises(SystemExit, match="are for --engine vllm-http"):
+            build_engine(Settings(engine=engine, upstreams=("http://x",), upstream_stream_interval=2))
+    with pytest.raises(SystemExit, match="is below --upstream-stream-interval"):
+        build_engine(Settings(engine="vllm-http", upstreams=("http://x",), upstream_stream_interval=4,
+                              upstream_stream_interval_max=2))  # fmt: skip
+
+
+def test_the_interval_goes_where_each_api_reads_it() -> None:
+    from stream_gateway.engines.remote._sglang import SglangDialect
+    from stream_gateway.engines.remote._vllm import VllmDialect
+
+    params = SamplingParams(max_tokens=1)
+    completions = VllmDialect().body("r", [1], params, model="m", adapter=None)
+    VllmDialect().ask_interval(completions, 4)
+    assert completions["stream_interval"] == 4
+    generate = VllmGenerateDialect().body("r", [1], params, model="m", adapter=None)
+    VllmGenerateDialect().ask_interval(generate, 4)
+    assert generate["sampling_params"]["stream_interval"] == 4 and "stream_interval" not in generate
+    sglang = SglangDialect().body("r", [1], params, model="m", adapter=None)
+    SglangDialect().ask_interval(sglang, 4)
+    assert sglang == SglangDialect().body("r", [1], params, model="m", adapter=None)

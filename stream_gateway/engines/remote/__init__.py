@@ -58,9 +58,15 @@ def engine_options(name: str, settings: Settings) -> dict[str, Any]:
         "max_connections": settings.upstream_max_connections,
         "routed_experts": settings.routed_experts,
     }
+    least, most = settings.upstream_stream_interval, settings.upstream_stream_interval_max
     if name == "vllm-http":
         options["protocol"] = "vllm-generate" if settings.vllm_api == "generate" else "vllm"
         options["upstream_weights"] = settings.upstream_weights
+        if most < least:
+            raise SystemExit(
+                f"stream-gateway: --upstream-stream-interval-max ({most}) is below --upstream-stream-interval ({least})"
+            )
+        options["stream_interval"], options["stream_interval_max"] = least, most
     return options
 
 

@@ -46,6 +46,7 @@ class Dialect(ABC):
     routes_start_field: ClassVar[str]  # where a request says from which position it wants routes
     constrained: ClassVar[bool] = False  # the server follows a request's grammar (structured outputs)
     drives_weights: ClassVar[bool] = False  # the gateway can load a checkpoint into its servers (reload_weights)
+    interval_at: ClassVar[tuple[str, ...]] = ()  # the body's path to tokens a frame (vLLM's stream_interval)
 
     @abstractmethod
     def body(
@@ -59,6 +60,17 @@ class Dialect(ABC):
         self, batches: AsyncIterator[list[dict[str, Any]]], exchange: Exchange
     ) -> AsyncGenerator[EngineStep, None]:
         """The steps of a response, from the frames that arrived together (:func:`._wire.sse_batches`)."""
+
+    def ask_interval(self, body: dict[str, Any], tokens: int) -> None:
+        """Ask for ``tokens`` sampled tokens a frame (``body`` is :meth:`body`'s; :mod:`._interval`)
+        where :attr:`interval_at` says the request takes it; a server without such a setting per
+        request streams as it was started (SGLang: its ``--stream-interval``)."""
+        if not self.interval_at:
+            return
+        *path, field = self.interval_at
+        for key in path:
+            body = body[key]
+        body[field] = tokens
 
     def want_routes(self, body: dict[str, Any], start: int) -> None:
         """Ask for the routed experts of every position from ``start`` on (``body`` is :meth:`body`'s)."""

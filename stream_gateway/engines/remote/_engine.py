@@ -74,6 +74,7 @@ from stream_gateway.engines._pool import Upstream, UpstreamPool
 from stream_gateway.engines.remote._adapters import AdapterFleet
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._grammar import GrammarCheck, end_ids
+from stream_gateway.engines.remote._interval import StreamIntervals
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_config
 from stream_gateway.engines.remote._sglang import SglangDialect
 from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse, session_hints
@@ -150,6 +151,8 @@ class RemoteEngine:
         max_connections: int = 512,
         routed_experts: bool = False,
         upstream_weights: str = "announce",
+        stream_interval: int = 1,
+        stream_interval_max: int = 1,
     ) -> None:
         self.dialect: Dialect = DIALECTS[protocol]()
         if upstream_weights not in UPSTREAM_WEIGHTS:
@@ -187,6 +190,7 @@ class RemoteEngine:
         self._route_check = RouteCheck(None)
         self._fleet = AdapterFleet(self.pool, self.dialect)
         self._end_ids: frozenset[int] = frozenset()  # what a server ends a turn with (._grammar.end_ids)
+        self.intervals = StreamIntervals(stream_interval, stream_interval_max)  # tokens a frame (._interval)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -217,6 +221,8 @@ class RemoteEngine:
         self._fleet.attach(self._client, self._task_group)
         await self.check_all()  # the first requests find the healthy servers already known
         self._task_group.start_soon(self._health_loop)
+        if self.intervals.adaptive:
+            self._task_group.start_soon(self.intervals.lag.run)
         healthy = sum(u.healthy for u in self.pool)
         log.info("%s: %d of %d servers healthy: %s", self.name, healthy, len(self.pool), [u.url for u in self.pool])
         return self
@@ -415,16 +421,20 @@ class RemoteEngine:
                 if model is not None:
                     fleet.acquire(upstream, model)
                 started = False
+                first_at, tokens = 0.0, 0
                 try:
                     stream = self._stream(upstream, request_id, prompt_ids, params, model, version, hints)
                     async with aclosing(stream) as steps:
                         async for step in steps:
-                            started = True
-                            upstream.streamed_at = time.monotonic()
+                            upstream.streamed_at = now = time.monotonic()
+                            if not started:
+                                started, first_at = True, now
+                            tokens += len(step.token_ids)
                             self._total_tokens += len(step.token_ids)
                             if grammar is not None:
                                 grammar.take(step.token_ids, upstream.url)
                             yield step
+                    self.intervals.finished(tokens, upstream.streamed_at - first_at)
                     return
                 except _AdapterMissing as exc:  # the server lost it (restarted?): load it again, go elsewhere
                     assert model is not None
@@ -524,6 +534,8 @@ class RemoteEngine:
         dialect = self.dialect
         served = upstream.model or self.model_id
         body = dialect.body(request_id, prompt_ids, params, model=served, adapter=model)
+        if (interval := self.intervals.next()) > 1:
+            dialect.ask_interval(body, interval)
         if wanted is not None:
             dialect.want_routes(body, wanted.start)
         return await self._streams.post(

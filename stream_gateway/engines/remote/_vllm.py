@@ -21,7 +21,7 @@ import dataclasses
 import io
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import httpx
@@ -59,6 +59,8 @@ class VllmDialect(Dialect):
     # distribution, as this gateway's own engine records them (docs/http-api.md).
     constrained = True
     drives_weights = True
+    # vLLM 0.32+ (older servers ignore the field, with a warning)
+    interval_at: ClassVar[tuple[str, ...]] = ("stream_interval",)
 
     def body(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, model: str, adapter: str | None

@@ -17,7 +17,7 @@ after it, adapters served as models, structured outputs, the reload routes) is a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from stream_gateway.engines._base import SamplingParams
 from stream_gateway.engines.remote._vllm import Sampled, VllmDialect, optional_sampling
@@ -30,6 +30,7 @@ class VllmGenerateDialect(VllmDialect):
     """vLLM's ``/inference/v1/generate`` with token ids in and out, and the server's weight versions."""
 
     generate_path = "/inference/v1/generate"
+    interval_at: ClassVar[tuple[str, ...]] = ("sampling_params", "stream_interval")  # a sampling parameter here
 
     def body(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, model: str, adapter: str | None
