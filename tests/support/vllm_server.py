@@ -70,7 +70,9 @@ class VllmServer:
     def kill(self) -> None:
         """SIGKILL: the server is gone at once, streams and all (its engine processes too)."""
         _kill_group(self.process, signal.SIGKILL)
-        self.process.wait(30)
+        # (A killed process always exits, but on a loaded machine tearing down its gigabytes took
+        # over 30 s once: the wait is long because it costs nothing when the exit is prompt.)
+        self.process.wait(180)
 
 
 @contextmanager
