@@ -125,12 +125,17 @@ class KeptHistory:
     @staticmethod
     def of(body: Any) -> KeptHistory:
         """``body``'s kept history (a detached one where no store read it)."""
-        history: KeptHistory | None = getattr(body, "_history", None)
+        # The bodies' ``_history`` private attribute, read from pydantic's dict of private values:
+        # ``body._history`` goes through BaseModel.__getattr__, which first asks the attribute's
+        # default for ``__get__`` and so raises and catches an AttributeError with a formatted
+        # message on every read (pydantic 2.14, main.py and fields.py): about 4 us, four a request.
+        private = getattr(body, "__pydantic_private__", None)
+        history: KeptHistory | None = private.get("_history") if private else None
         return history if history is not None else _DETACHED
 
     def attach(self, body: Any) -> None:
         """Make this ``body``'s kept history (the store does, for a body it read)."""
-        body._history = self
+        body.__pydantic_private__["_history"] = self  # (not ``body._history = self``: see :meth:`of`)
 
     @property
     def reused(self) -> int:
