@@ -221,8 +221,7 @@ class RemoteEngine:
         self._fleet.attach(self._client, self._task_group)
         await self.check_all()  # the first requests find the healthy servers already known
         self._task_group.start_soon(self._health_loop)
-        if self.intervals.adaptive:
-            self._task_group.start_soon(self.intervals.lag.run)
+        self.intervals.start(self._task_group)
         healthy = sum(u.healthy for u in self.pool)
         log.info("%s: %d of %d servers healthy: %s", self.name, healthy, len(self.pool), [u.url for u in self.pool])
         return self
@@ -420,15 +419,13 @@ class RemoteEngine:
                 upstream.served += 1
                 if model is not None:
                     fleet.acquire(upstream, model)
-                started = False
-                first_at, tokens = 0.0, 0
+                first_at, tokens = 0.0, 0  # when the first step came (0.0: none yet); tokens so far
                 try:
                     stream = self._stream(upstream, request_id, prompt_ids, params, model, version, hints)
                     async with aclosing(stream) as steps:
                         async for step in steps:
                             upstream.streamed_at = now = time.monotonic()
-                            if not started:
-                                started, first_at = True, now
+                            first_at = first_at or now
                             tokens += len(step.token_ids)
                             self._total_tokens += len(step.token_ids)
                             if grammar is not None:
@@ -447,7 +444,7 @@ class RemoteEngine:
                                 request_id, upstream.url, exc)  # fmt: skip
                 except (httpx.HTTPError, HttpFailure) as exc:
                     self.pool.mark_failed(upstream, describe(exc))
-                    if started:
+                    if first_at:
                         raise UpstreamFailed(
                             f"The inference server {upstream.url} failed while streaming: {describe(exc)}"
                         ) from exc
@@ -494,7 +491,7 @@ class RemoteEngine:
                     raise _Retry(f"{upstream.url}{path} answered {response.status_code}: {message}")
                 raise InvalidRequest(f"The inference server refused the request: {message}")
             exchange = Exchange(upstream.url, params.top_logprobs, wanted, self._route_check, version,
-                                self._pool_version)  # fmt: skip
+                                lambda: self.policy_version)  # fmt: skip
             sent = False
             try:
                 async with aclosing(self.dialect.steps(sse_batches(response), exchange)) as steps:
@@ -516,9 +513,6 @@ class RemoteEngine:
         finally:
             # A finished request's answer ends in a moment ([DONE], a usage frame): keep the connection.
             await response.aclose(finish=finished)
-
-    def _pool_version(self) -> int:
-        return self.policy_version
 
     async def _send(
         self,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 import anyio
+from anyio.abc import TaskGroup
 
 __all__ = ["LoopLag", "StreamIntervals"]
 
@@ -62,6 +63,11 @@ class StreamIntervals:
     @property
     def adaptive(self) -> bool:
         return self.most > self.least
+
+    def start(self, group: TaskGroup) -> None:
+        """Measure the loop's lateness in ``group`` (the engine's) where the interval adapts to it."""
+        if self.adaptive:
+            group.start_soon(self.lag.run)
 
     def finished(self, tokens: int, seconds: float) -> None:
         """A turn streamed ``tokens`` over ``seconds``, from its first step to its last."""
