@@ -28,9 +28,9 @@ Set-up, all real processes on this machine, one token stream for all:
   one port, shared sessions), its CPU summed over them.
 * ``--baseline-tree DIR`` adds **baseline on**: the capturing front from another checkout (``git clone`` it at the
   commit before a change), for before/after figures taken side by side in one run. ``--only`` keeps some relays.
-* ``--one-a-frame`` adds **capture on 1/frame**: the capturing front with ``--upstream-stream-interval-max 1``, one
-  token a frame from the upstream however late its loop runs (the fronts otherwise ask for more while their loop is
-  late: ``stream_gateway/engines/remote/_interval.py``; the paced upstream honours ``stream_interval`` as vLLM does).
+* ``--adaptive-interval N`` adds **capture on <=N/frame**: the capturing front with ``--upstream-stream-interval-max
+  N``, asking the upstream for up to N tokens a frame while its loop runs late (``stream_gateway/engines/remote/
+  _interval.py``; the paced upstream honours ``stream_interval`` as vLLM does); the others ask for one.
 
 Load: ``benchmarks/loadgen.py`` in a process of its own (raw asyncio sockets on uvloop; it reads only the usage frame
 of each response), ``streams`` keep-alive connections, each sending streamed chat requests of ``turn`` tokens
@@ -265,9 +265,11 @@ def start_relays(args: argparse.Namespace, nats_url: str, tmp: Path, model_dir: 
         many = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-workers"), "--workers", str(args.workers)]
         relays.append(start_front(f"capture on x{args.workers}", model_dir, upstream_url, connections, many,
                                   workers=args.workers))  # fmt: skip
-    if args.one_a_frame:
-        one = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-one"), "--upstream-stream-interval-max", "1"]
-        relays.append(start_front("capture on 1/frame", model_dir, upstream_url, connections, one))
+    if args.adaptive_interval > 1:
+        most = str(args.adaptive_interval)
+        late = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-late")]
+        late += ["--upstream-stream-interval-max", most]
+        relays.append(start_front(f"capture on <={most}/frame", model_dir, upstream_url, connections, late))
     if args.baseline_tree is not None:
         base_capture = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-baseline")]
         relays.append(start_front("baseline on", model_dir, upstream_url, connections, base_capture,
@@ -296,9 +298,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--baseline-tree", type=Path,
                         help="another checkout (git worktree or clone): its front, capture on, runs beside as "
                              "'baseline on' (before/after a change, side by side)")  # fmt: skip
-    parser.add_argument("--one-a-frame", action="store_true",
-                        help="also run the capturing front with --upstream-stream-interval-max 1 ('capture on "
-                             "1/frame'): one token a frame from the upstream however late its loop runs")  # fmt: skip
+    parser.add_argument("--adaptive-interval", type=int, default=1, metavar="N",
+                        help="also run the capturing front with --upstream-stream-interval-max N ('capture on "
+                             "<=N/frame'): up to N tokens a frame from the upstream while its loop is late")  # fmt: skip
     parser.add_argument("--engine", choices=["vllm-http", "sglang-http"], default="vllm-http",
                         help="the fronts' engine: the upstream's /v1/completions or its /generate")  # fmt: skip
     parser.add_argument("--sglang-incremental", action="store_true",

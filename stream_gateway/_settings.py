@@ -171,11 +171,11 @@ class Settings(BaseSettings):
         "stream_interval per request; 1: every token its own frame, the first and last always at once)",
     )
     upstream_stream_interval_max: int = Field(
-        8,
+        1,
         ge=1,
         description="vllm-http: the most, asked of new requests while this process's event loop runs late "
-        "(as many as a stream samples meanwhile, which the client would get merged anyway); equal to "
-        "--upstream-stream-interval: always that many",
+        "(as many as a stream samples meanwhile, which the client would get merged anyway; 8 is a start); "
+        "equal to --upstream-stream-interval (the default): always that many",
     )
 
     tool_parser: Annotated[str, Flag(choices=_tool_parser_names)] = Field(
