@@ -300,7 +300,7 @@ def _arguments() -> argparse.Namespace:
                              "'baseline on' (before/after a change, side by side)")  # fmt: skip
     parser.add_argument("--adaptive-interval", type=int, default=1, metavar="N",
                         help="also run the capturing front with --upstream-stream-interval-max N ('capture on "
-                             "<=N/frame'): up to N tokens a frame from the upstream while its loop is late")  # fmt: skip
+                             "<=N/frame'): up to N tokens a frame while its loop is late")  # fmt: skip
     parser.add_argument("--engine", choices=["vllm-http", "sglang-http"], default="vllm-http",
                         help="the fronts' engine: the upstream's /v1/completions or its /generate")  # fmt: skip
     parser.add_argument("--sglang-incremental", action="store_true",
