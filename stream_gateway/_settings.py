@@ -170,12 +170,12 @@ class Settings(BaseSettings):
         description="vllm-http: the fewest sampled tokens a server puts in each streamed frame (vLLM 0.32+'s "
         "stream_interval per request; 1: every token its own frame, the first and last always at once)",
     )
-    upstream_stream_interval_max: int = Field(
-        1,
+    upstream_stream_interval_max: int | None = Field(
+        None,
         ge=1,
         description="vllm-http: the most, asked of new requests while this process's event loop runs late "
         "(as many as a stream samples meanwhile, which the client would get merged anyway; 8 is a start); "
-        "equal to --upstream-stream-interval (the default): always that many",
+        "unset or equal to --upstream-stream-interval: always that many",
     )
 
     tool_parser: Annotated[str, Flag(choices=_tool_parser_names)] = Field(

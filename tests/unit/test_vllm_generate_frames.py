@@ -76,6 +76,8 @@ def test_the_vllm_options_are_refused_on_other_engines() -> None:
             build_engine(Settings(engine=engine, upstreams=("http://x",), upstream_weights="reload"))
         with pytest.raises(SystemExit, match="are for --engine vllm-http"):
             build_engine(Settings(engine=engine, upstreams=("http://x",), upstream_stream_interval=2))
+    fixed = build_engine(Settings(engine="vllm-http", upstreams=("http://x",), upstream_stream_interval=4))
+    assert (fixed.intervals.least, fixed.intervals.most) == (4, 4)  # type: ignore[attr-defined]
     with pytest.raises(SystemExit, match="is below --upstream-stream-interval"):
         build_engine(Settings(engine="vllm-http", upstreams=("http://x",), upstream_stream_interval=4,
                               upstream_stream_interval_max=2))  # fmt: skip

@@ -58,7 +58,8 @@ def engine_options(name: str, settings: Settings) -> dict[str, Any]:
         "max_connections": settings.upstream_max_connections,
         "routed_experts": settings.routed_experts,
     }
-    least, most = settings.upstream_stream_interval, settings.upstream_stream_interval_max
+    least = settings.upstream_stream_interval
+    most = least if settings.upstream_stream_interval_max is None else settings.upstream_stream_interval_max
     if name == "vllm-http":
         options["protocol"] = "vllm-generate" if settings.vllm_api == "generate" else "vllm"
         options["upstream_weights"] = settings.upstream_weights
