@@ -21,7 +21,8 @@ Endpoints (HTTP/1.1, keep-alive, streamed responses in chunked transfer encoding
   ``logprobs: k`` (per token ``token_logprobs``, ``tokens``, ``text_offset`` and ``top_logprobs``: the sampled token
   first and most likely, then ``k - 1`` alternatives; with ``k = 0`` the sampled token alone, as vLLM writes it),
   ``return_token_ids`` (``token_ids`` per chunk, ``prompt_token_ids`` on the first), ``return_tokens_as_token_ids``
-  (``"token_id:N"`` for tokens and alternatives), ``stream_options.include_usage``. Chunks are vLLM 0.33's
+  (``"token_id:N"`` for tokens and alternatives), ``stream_options.include_usage``, ``stream_interval`` (vLLM
+  0.32's: that many tokens a frame, the first alone, the last what is left). Chunks are vLLM 0.33's
   (``stop_reason``, ``kv_transfer_params`` null); the last token's chunk has ``finish_reason``.
 * ``POST /generate``: SGLang's native protocol as the ``sglang-http`` engine speaks it: ``input_ids``,
   ``sampling_params.max_new_tokens`` (128 when absent), ``return_logprob``, ``top_logprobs_num``, ``rid``. Frames hold

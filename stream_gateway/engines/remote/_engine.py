@@ -426,8 +426,9 @@ class RemoteEngine:
                         async for step in steps:
                             upstream.streamed_at = now = time.monotonic()
                             first_at = first_at or now
-                            tokens += len(step.token_ids)
-                            self._total_tokens += len(step.token_ids)
+                            n = len(step.token_ids)
+                            tokens += n
+                            self._total_tokens += n
                             if grammar is not None:
                                 grammar.take(step.token_ids, upstream.url)
                             yield step

