@@ -11,10 +11,11 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import httpx
 import pytest
 
 from stream_gateway._errors import ConnectFailed, ConnectionLost, PoolTimeout, ReadTimeout
-from stream_gateway.engines.remote._stream_http import StreamClient
+from stream_gateway.engines.remote._stream_http import KEEPALIVE_S, StreamClient, control_transport
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[bool]]
 """Answers one request (its head and body read); ``False`` ends the connection."""
@@ -51,9 +52,12 @@ class Server:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    0,  # a GET
                 )
                 body = await reader.readexactly(length)
                 self.requests.append(head + body)
@@ -160,6 +164,45 @@ def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
                 assert (await body_of(http, url))[:2] == (200, b"ok")
             assert server.connections == 3 and len(server.requests) == 3
             await http.aclose()
+
+    asyncio.run(run())
+
+
+def test_the_control_client_sends_a_get_once_more_where_the_server_closed_its_connection_unanswered() -> None:
+    """The engines' httpx client (health checks): a server that reads a kept-alive connection's second
+    request and closes it unanswered (as uvicorn does when its 5-s keep-alive timer fires while the
+    request is on its way) costs a ``GET`` one more connection, not a failed check; a ``POST`` (a
+    weight load, an adapter) is never sent twice, and a server that never answers still fails."""
+    answered: dict[int, int] = {}
+
+    async def first_only(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> bool:
+        key = id(writer)
+        answered[key] = answered.get(key, 0) + 1
+        if answered[key] > 1:  # this connection's second request: closed, no answer
+            return False
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        return True
+
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> bool:
+        return False
+
+    async def run() -> None:
+        assert KEEPALIVE_S < 5.0  # under uvicorn's keep-alive
+        server = Server(first_only)
+        async with server as url, httpx.AsyncClient(transport=control_transport(8)) as http:
+            for _ in range(3):
+                assert (await http.get(f"{url}/health")).text == "ok"
+            # each GET after the first: sent on the kept connection, closed unanswered, sent on a new one
+            assert (server.connections, len(server.requests)) == (3, 5)
+            with pytest.raises(httpx.RemoteProtocolError):
+                await http.post(f"{url}/pause", content=b"{}")
+            assert (server.connections, len(server.requests)) == (3, 6)  # once only
+        silent = Server(never)
+        async with silent as url, httpx.AsyncClient(transport=control_transport(8)) as http:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await http.get(f"{url}/health")
+            assert (silent.connections, len(silent.requests)) == (2, 2)  # the check once more, then it fails
 
     asyncio.run(run())
 

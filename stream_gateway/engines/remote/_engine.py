@@ -77,7 +77,7 @@ from stream_gateway.engines.remote._grammar import GrammarCheck, end_ids
 from stream_gateway.engines.remote._interval import StreamIntervals
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_config
 from stream_gateway.engines.remote._sglang import SglangDialect
-from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse, session_hints
+from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse, control_transport, session_hints
 from stream_gateway.engines.remote._vllm import VllmDialect
 from stream_gateway.engines.remote._vllm_generate import VllmGenerateDialect
 from stream_gateway.engines.remote._wire import describe, error_message, error_param, sse_batches
@@ -178,7 +178,6 @@ class RemoteEngine:
         self._timeout = httpx.Timeout(
             connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=connect_timeout_s
         )
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(64, max_connections))
         self._max_connections = max_connections
         self._client: httpx.AsyncClient | None = None  # health checks, model info, adapters
         self._streams: StreamClient | None = None  # the generation requests (the per-token path)
@@ -205,7 +204,8 @@ class RemoteEngine:
             self._route_check = RouteCheck(config)
             if config is None:
                 log.info("%s: %s declares no experts: no routes asked for", self.name, self._tokenizer_path)
-        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self._headers)
+        transport = control_transport(self._max_connections)
+        self._client = httpx.AsyncClient(timeout=self._timeout, transport=transport, headers=self._headers)
         timeout = self._timeout
         assert timeout.connect is not None and timeout.read is not None and timeout.pool is not None
         self._streams = StreamClient(

@@ -31,6 +31,14 @@ checks, model info, adapters):
   come within ``_DRAIN_S``.
 * Not supported: proxies (``HTTP_PROXY`` and friends are not read), HTTP/2, redirects, content
   encodings (it asks for ``identity``), trailers.
+
+The engines' httpx client for the rest (:func:`control_transport`) keeps the same two rules for
+idle connections: it lets one go after ``KEEPALIVE_S``, under the servers' 5 s, and a ``GET`` (a
+health check) whose connection the server closed without answering is sent once more. Without
+them a check right at the 5 s (health checks pause while a server reloads weights, and a busy
+server's timer fires late) met a connection closing under it, ``RemoteProtocolError: Server
+disconnected without sending a response``, and took a healthy server out of the pool (CI, the
+weight-reload test against a real vLLM).
 """
 
 from __future__ import annotations
@@ -46,14 +54,43 @@ from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+import httpx
 
 from stream_gateway._errors import ConnectFailed, ConnectionLost, HttpFailure, PoolTimeout, ReadTimeout
 
-__all__ = ["ConnectFailed", "HttpFailure", "StreamClient", "StreamResponse"]
+__all__ = ["KEEPALIVE_S", "ConnectFailed", "HttpFailure", "StreamClient", "StreamResponse", "control_transport"]
 
 
 _HIGH_WATER = 256 * 1024  # unread body bytes at which a connection stops reading
 _DRAIN_S = 5.0  # how long a finished request's answer may take to end before its connection is closed
+KEEPALIVE_S = 4.0
+"""How long the engines' httpx client keeps an idle connection: under uvicorn's (vLLM's, SGLang's) 5 s."""
+
+
+class _RetryStaleGets(httpx.AsyncHTTPTransport):
+    """httpx's transport (0.29 with httpcore 1.0.9, read), sending a ``GET`` or ``HEAD`` once more
+    when the server closed its connection without answering: the connection was an idle one the
+    server was closing (httpcore checks an idle connection for the server's close before it takes
+    it, which a close in flight passes). Only those: a ``POST`` the server may have read is never
+    sent twice."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except httpx.RemoteProtocolError:
+            if request.method not in ("GET", "HEAD"):
+                raise
+            return await super().handle_async_request(request)  # the failed connection is gone: a new one
+
+
+def control_transport(max_connections: int) -> httpx.AsyncHTTPTransport:
+    """The transport for an engine's httpx client (health checks, model info, adapters, weights).
+
+    A client given it reads no proxy from the environment (``HTTP_PROXY``), as :class:`StreamClient`
+    reads none; ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` are still read."""
+    idle = min(64, max_connections)
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=idle, keepalive_expiry=KEEPALIVE_S)
+    return _RetryStaleGets(limits=limits)
 
 
 @dataclass(frozen=True, slots=True)
