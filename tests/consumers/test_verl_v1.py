@@ -112,6 +112,8 @@ def ray_cpu() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(ROOT))  # Ray's workers import consumers.* and tests.*
+        patch.setenv("RAY_worker_niceness", "0")  # not 15, Ray's default: beside the suite's other process
+        # its workers got next to no CPU (test_verl_weights.py measured 241 s against 25 s)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
             ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=f"v1-{uuid.uuid4().hex[:8]}")

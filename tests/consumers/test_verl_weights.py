@@ -508,6 +508,9 @@ def test_through_verls_ray_worker_group_on_cpu(
     config = _verl_config(tmp_path, nats_server.url)
     _, state = _model_state(tiny_model_path)
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))  # workers import tests.*
+    # Ray (2.60) starts its workers at niceness 15: beside the suite's other process they got so little of
+    # the CPU that this test took 150-240 s instead of 15 (beside two CPU hogs: 241 s at 15, 25 s at 0)
+    monkeypatch.setenv("RAY_worker_niceness", "0")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=f"vw-{secrets.token_hex(4)}")
