@@ -39,6 +39,7 @@ from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
 from ..support.capture import read_trajectories
+from ..support.ray_local import local_ray
 from ..support.replicas import close_session
 from ..support.servers import RunningGateway, run_gateway
 from ..support.verl_cpu import CpuActor, cpu_trainers
@@ -107,20 +108,9 @@ def stack(tmp_path: Path, tiny_model_path: Path) -> Iterator[Stack]:
 def ray_cpu() -> Iterator[None]:
     """A local Ray per test: verl's trainer names its actors (``reward_loop_worker_0``...), one trainer
     per Ray. num_cpus is a scheduling count, not cores: verl's reward worker, TransferQueue's actors
-    and the replica's worker each take one."""
-    import ray
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", str(ROOT))  # Ray's workers import consumers.* and tests.*
-        patch.setenv("RAY_worker_niceness", "0")  # not 15, Ray's default: beside the suite's other process
-        # its workers got next to no CPU (test_verl_weights.py measured 241 s against 25 s)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
-            ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=f"v1-{uuid.uuid4().hex[:8]}")
-        try:
-            yield
-        finally:
-            ray.shutdown()
+    and the replica's worker each take one. Its workers import consumers.* and tests.*."""
+    with local_ray(8, f"v1-{uuid.uuid4().hex[:8]}", ROOT):
+        yield
 
 
 def trainer_config(

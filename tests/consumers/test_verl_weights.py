@@ -56,6 +56,7 @@ from stream_gateway.engines import build_engine
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
 from stream_gateway.lora import read_adapter
 
+from ..support.ray_local import local_ray
 from ..support.servers import RunningGateway, run_gateway
 from ..support.waiting import wait_until
 
@@ -498,7 +499,7 @@ def test_nats_down_every_rank_drains_then_a_clear_error(tiny_model_path: Path, t
 
 
 def test_through_verls_ray_worker_group_on_cpu(
-    nats_server: EmbeddedNatsServer, tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nats_server: EmbeddedNatsServer, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """The real path minus FSDP: verl's ``RayWorkerGroup`` of two CPU Ray actors (gloo), verl's own
     ``update_weights`` bound with its ONE_TO_ALL non-blocking dispatch, our engine publishing from
@@ -507,14 +508,7 @@ def test_through_verls_ray_worker_group_on_cpu(
 
     config = _verl_config(tmp_path, nats_server.url)
     _, state = _model_state(tiny_model_path)
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))  # workers import tests.*
-    # Ray (2.60) starts its workers at niceness 15: beside the suite's other process they got so little of
-    # the CPU that this test took 150-240 s instead of 15 (beside two CPU hogs: 241 s at 15, 25 s at 0)
-    monkeypatch.setenv("RAY_worker_niceness", "0")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=f"vw-{secrets.token_hex(4)}")
-    try:
+    with local_ray(2, f"vw-{secrets.token_hex(4)}", Path(__file__).resolve().parents[2]):  # workers import tests.*
         pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
         worker = RayClassWithInitArgs(
             cls=ray.remote(_CpuActorWorker), config=config.actor_rollout_ref, model_path=str(tiny_model_path)
@@ -531,8 +525,6 @@ def test_through_verls_ray_worker_group_on_cpu(
         tensors = anyio.run(_download, nats_server.url, event, tmp_path)
         assert list(tensors) == sorted(state)
         assert all(torch.equal(tensors[name], state[name]) for name in state)
-    finally:
-        ray.shutdown()
 
 
 # -- LoRA: one adapter per trainer ---------------------------------------------------------------
