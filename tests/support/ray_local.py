@@ -12,12 +12,19 @@ head-node arguments are ``RayParams``) with ports chosen here, and the driver co
 one port Ray passes to the agent and not to the raylet is added to the raylet's command. With the
 25-s agent, the node is up in 7 s and runs a task.
 
+Ray's shutdown reaps the processes it tracks, but once in a fresh-clone run a subprocess it had
+started was left unwaited, and the next test failed on its ``ResourceWarning`` ("subprocess N is still
+running"): every ``Popen`` made during the block is reaped when it ends, killed first if still running.
+
 Ray also starts its workers at niceness 15, where beside the suite's other process they got so
 little of the CPU that the worker-group test took 150-240 s instead of 15: they run at 0 here.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
+import subprocess
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +36,8 @@ import pytest
 from .servers import free_port
 
 __all__ = ["local_ray"]
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -44,7 +53,8 @@ def local_ray(num_cpus: int, namespace: str, pythonpath: Path) -> Iterator[None]
         "dashboard_agent_listen_port": free_port(),
         "runtime_env_agent_port": free_port(),
     }
-    with pytest.MonkeyPatch.context() as patch:
+    before = {id(p) for p in _popens()}
+    with _reaped(before), pytest.MonkeyPatch.context() as patch:
         _tell_the_raylet(patch, ports["dashboard_agent_listen_port"])
         patch.setenv("PYTHONPATH", str(pythonpath))  # the raylet passes its environment to the workers
         patch.setenv("RAY_worker_niceness", "0")
@@ -84,3 +94,21 @@ def _tell_the_raylet(patch: pytest.MonkeyPatch, listen_port: int) -> None:
         return start(command, process_type, *args, **kwargs)
 
     patch.setattr(services, "start_ray_process", start_ray_process)
+
+
+def _popens() -> list[subprocess.Popen[bytes]]:
+    return [o for o in gc.get_objects() if issubclass(type(o), subprocess.Popen)]  # (type: no proxy's __class__)
+
+
+@contextmanager
+def _reaped(before: set[int]) -> Iterator[None]:
+    """On exit, wait for every ``Popen`` made since ``before`` (killing it if it still runs)."""
+    try:
+        yield
+    finally:  # (no gc.collect() first: a Popen in garbage would warn as it went; get_objects sees garbage)
+        for process in _popens():
+            if id(process) in before or process.poll() is not None:
+                continue
+            log.warning("Ray left a process running (%s): killing it", process.args)
+            process.kill()
+            process.wait(60)
