@@ -33,6 +33,8 @@ __all__ = ["local_ray"]
 
 log = logging.getLogger(__name__)
 
+_STARTS = 3  # Ray's node is started at most this many times
+
 
 @contextmanager
 def local_ray(num_cpus: int, namespace: str, pythonpath: Path) -> Iterator[None]:
@@ -41,45 +43,44 @@ def local_ray(num_cpus: int, namespace: str, pythonpath: Path) -> Iterator[None]
     import ray
 
     before = {id(p) for p in _popens()}
-    with _reaped(before), pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", str(pythonpath))  # the raylet passes its environment to the workers
-        patch.setenv("RAY_worker_niceness", "0")
-        for attempt in range(_STARTS):
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PYTHONPATH", str(pythonpath))  # the raylet passes its environment to the workers
+            patch.setenv("RAY_worker_niceness", "0")
+            _start(num_cpus, namespace, before)
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
-                    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace=namespace)
-                break
-            except Exception as exc:
-                _reap(before)  # the failed start's processes (gcs_server...), while exc still holds them
+                yield
+            finally:
                 ray.shutdown()
-                if "timed out during startup" not in str(exc) or attempt == _STARTS - 1:
-                    raise
-                log.warning("Ray's node did not start in time (%s); starting it again", exc)
+    finally:
+        _reap(before)
+
+
+def _start(num_cpus: int, namespace: str, before: set[int]) -> None:
+    """``ray.init``, again after Ray's own "timed out during startup" (at most ``_STARTS`` times)."""
+    import ray
+
+    for attempt in range(_STARTS):
         try:
-            yield
-        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace=namespace)
+            return
+        except Exception as exc:
+            _reap(before)  # the failed start's processes (gcs_server...), while exc still holds them
             ray.shutdown()
-
-
-_STARTS = 3
+            if "timed out during startup" not in str(exc) or attempt == _STARTS - 1:
+                raise
+            log.warning("Ray's node did not start in time (%s); starting it again", exc)
 
 
 def _popens() -> list[subprocess.Popen[bytes]]:
     return [o for o in gc.get_objects() if issubclass(type(o), subprocess.Popen)]  # (type: no proxy's __class__)
 
 
-@contextmanager
-def _reaped(before: set[int]) -> Iterator[None]:
-    """On exit, wait for every ``Popen`` made since ``before`` (killing it if it still runs)."""
-    try:
-        yield
-    finally:
-        _reap(before)
-
-
 def _reap(before: set[int]) -> None:
-    # (no gc.collect() first: a Popen in garbage would warn as it went; get_objects sees garbage)
+    """Wait for every ``Popen`` not in ``before``, killing it first if it still runs (no
+    ``gc.collect()`` first: a ``Popen`` in garbage would warn as it went, and get_objects sees garbage)."""
     for process in _popens():
         if id(process) in before or process.poll() is not None:
             continue
