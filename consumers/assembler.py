@@ -343,14 +343,10 @@ class Assembler:
             await self._emit_if_due(work, key, state, revision, timed_out=True)
 
     async def _load_deadlines(self, kv: KeyValue) -> None:
-        from nats.js.errors import NoKeysError
+        from pipeline.kv import current_entries
 
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return
-        for key in keys:
-            state = orjson.loads((await kv.get(key)).value or b"{}")
+        for entry in (await current_entries(kv)).values():  # not kv.keys(): it can miss keys (pipeline/kv.py)
+            key, state = entry.key, orjson.loads(entry.value or b"{}")
             if state and not state.get("emitted"):
                 self._deadlines[key] = self._deadline(state)
 

@@ -122,15 +122,11 @@ class Tombstones:
 
     async def load(self, js: JetStreamContext) -> None:
         """Read every tombstone (a publisher does before it replays its outbox)."""
-        from nats.js.errors import NoKeysError
+        from .kv import current_keys
 
         kv = await self.bucket(js)
         last = (await js.stream_info(f"KV_{self._bucket}")).state.last_seq
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            keys = []
-        for key in keys:
+        for key in await current_keys(kv):  # not kv.keys(): it can answer "none" too early (pipeline/kv.py)
             self.add(key)
         self._loaded = True
         self._seen = max(self._seen, last)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import anyio
 from pipeline.connection import NatsAuth, connect
 from pipeline.errors import NatsRefused
+from pipeline.kv import watch_entries
 
 from stream_gateway._errors import InvalidRequest
 
@@ -68,10 +69,11 @@ class UpstreamFollower:
         try:
             js = nc.jetstream()
             kv = await js.create_key_value(bucket=self._bucket, history=1)
-            watcher = await kv.watchall()
             current: dict[str, str] = {}
             initial = True
-            async for entry in watcher:
+            # Not kv.watchall(): its end-of-contents None can come before the contents (pipeline/kv.py),
+            # and a reconcile with half the bucket would take live servers out of the pool.
+            async for entry in watch_entries(kv):
                 if entry is None:  # the end of the bucket's current contents
                     if initial:
                         await self._reconcile(current)

@@ -173,23 +173,16 @@ class ConsoleApi:
         from nats.js.errors import BucketNotFoundError
 
         from consumers.scores import ScoreRecord, score_key
+        from pipeline.kv import current_entries
 
         prefix = score_key(row["tenant"], data["session_id"], data["trajectory_id"], "")
         records: list[ScoreRecord] = []
         try:
             kv = await self.feed.js.key_value(self.feed.names.score_bucket)
-            # A watch of the trajectory's keys: their current values, then None (nats-py's keys(filters=)
-            # finds nothing on this server).
-            watcher = await kv.watch(prefix + "*", ignore_deletes=True)
-            try:
-                with anyio.fail_after(10):
-                    async for entry in watcher:
-                        if entry is None:
-                            break
-                        if entry.value:
-                            records.append(ScoreRecord.decode(entry.value))
-            finally:
-                await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it unannotated
+            # The trajectory's keys, read whole (pipeline/kv.py: nats-py's own watch can end too early).
+            for entry in (await current_entries(kv, prefix + "*")).values():
+                if entry.value:
+                    records.append(ScoreRecord.decode(entry.value))
         except BucketNotFoundError:
             return []
         except (NatsError, TimeoutError, ValueError) as exc:

@@ -38,6 +38,7 @@ from consumers.scores import ScoreRecord, score_key
 from consumers.streams import ConsumerStreams
 from consumers.trajectory import Trajectory
 from pipeline.embedded import EmbeddedNatsServer
+from pipeline.kv import current_entries
 
 from ..support.scorers import length, verified
 from ..support.servers import free_port, wait_healthy
@@ -68,14 +69,8 @@ def worker_config(url: str, names: ConsumerStreams, *scorers: str, **options: An
 
 async def records(js: JetStreamContext, names: ConsumerStreams) -> dict[str, ScoreRecord]:
     """Every record in the scores' bucket, by key."""
-    from nats.js.errors import NoKeysError
-
     kv = await js.key_value(names.score_bucket)
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return {}
-    return {key: ScoreRecord.decode((await kv.get(key)).value or b"") for key in keys}
+    return {key: ScoreRecord.decode(entry.value or b"") for key, entry in (await current_entries(kv)).items()}
 
 
 @asynccontextmanager

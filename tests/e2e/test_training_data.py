@@ -26,6 +26,7 @@ from consumers.parquet import BatchManifest, decode_batch
 from consumers.trajectory import Trajectory
 from consumers.verl_batch import padded_batch
 from pipeline.embedded import EmbeddedNatsServer
+from pipeline.kv import current_entries
 
 from ..support.capture import read_trajectories
 from ..support.replicas import close_session, tiny_and_slow
@@ -216,8 +217,7 @@ async def _late_rewards(url: str) -> dict[str, dict[str, Any]]:
     nc = await nats.connect(url)
     try:
         kv = await nc.jetstream().key_value("sg_batcher")
-        keys = [k for k in await kv.keys() if k.startswith("l.")]
-        return {k: json.loads((await kv.get(k)).value or b"{}") for k in keys}
+        return {key: json.loads(entry.value or b"{}") for key, entry in (await current_entries(kv, "l.>")).items()}
     finally:
         await nc.close()
 

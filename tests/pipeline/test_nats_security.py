@@ -28,6 +28,7 @@ from consumers.verl_adapter import StreamSettings
 from pipeline.connection import NatsAuth, connect
 from pipeline.embedded import EmbeddedNatsServer, NatsServerConfig
 from pipeline.errors import NatsRefused
+from pipeline.kv import current_keys
 from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
@@ -213,7 +214,7 @@ def test_the_gateway_captures_through_tls_and_credentials(
             nc = await connect(secured.url, secured.auth())
             try:
                 kv = await nc.jetstream().key_value("sg_sessions")
-                return list(await kv.keys())
+                return await current_keys(kv)
             finally:
                 await nc.close()
 
