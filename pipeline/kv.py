@@ -8,12 +8,13 @@ busy machine ``keys()`` then answers "no keys" for a bucket that has some (nats-
 still open as pull request 995). A fresh-clone run of this suite hit it: the scores a test had just
 written were not listed.
 
-Here the end of a bucket's current contents is decided by sequence numbers instead. The consumer's
-own record on the server (its info) says how many messages are left to send and the stream sequence
-of the last one sent; once nothing is left and the watch has handled that last message, everything
-the bucket held when the info was taken has been seen. While messages are left, the info is asked
-again each time the watch catches up with it (an ordered consumer that restarts after a gap keeps
-stream sequences, so the rule holds across its restarts).
+Here the end of a bucket's current contents is decided by stream sequence numbers instead (an
+ordered consumer that restarts after a gap keeps them). The bucket's last sequence, read once the
+watch is made, is a fixed end: a message handled at or past it means everything before it has been
+(deliveries come in sequence order), however many writes follow. Where the last messages were other
+keys' (a watch of some keys), the consumer's own record on the server (its info) says how many
+messages are left to send and the sequence of the last one sent: nothing left and that one handled
+is the end too. The info is asked again each time the watch catches up with what it said.
 """
 
 from __future__ import annotations
@@ -43,26 +44,26 @@ async def watch_entries(
     # 5 minutes, let one-off reads pile up consumers until the server refused new ones).
     watcher = await kv.watch(keys, meta_only=meta_only, inactive_threshold=_LINGER_S)
     try:
+        # A fixed end: every message up to here is the bucket's contents at the start. Reaching it
+        # ends the wait even while writes keep coming (asking the consumer alone would chase them).
+        last = (await kv.status()).stream_info.state.last_seq or 0
         seen = 0  # the highest stream sequence yielded
-        caught_up = False
-        while True:
-            if not caught_up:
-                assert watcher._sub is not None  # set by kv.watch; nats-py has no public way to the consumer
-                info = await watcher._sub.consumer_info()
-                sent = info.delivered
-                if info.num_pending == 0 and (sent is None or sent.consumer_seq == 0 or sent.stream_seq <= seen):
-                    caught_up = True
-                    yield None
+        while seen < last:
+            assert watcher._sub is not None  # set by kv.watch; nats-py has no public way to the consumer
+            info = await watcher._sub.consumer_info()
+            sent = info.delivered
+            if info.num_pending == 0 and (sent is None or sent.consumer_seq == 0 or sent.stream_seq <= seen):
+                break  # nothing more matches (the last messages were other keys')
+            # up to the last message sent (no further than the end), and at least one more than now
+            goal = max(min(sent.stream_seq if sent is not None else 0, last), seen + 1)
+            while seen < goal:
+                entry = await _next(watcher, timeout_s)
+                if entry is None:  # nats-py's own marker: its timing is what this module replaces
                     continue
-                # up to the last message sent, and at least one more than now: more is coming
-                goal = max(sent.stream_seq if sent is not None else 0, seen + 1)
-                while seen < goal:
-                    entry = await _next(watcher, timeout_s)
-                    if entry is None:  # nats-py's own marker: its timing is what this module replaces
-                        continue
-                    seen = max(seen, entry.revision or 0)
-                    yield entry
-                continue
+                seen = max(seen, entry.revision or 0)
+                yield entry
+        yield None
+        while True:
             entry = await _next(watcher, None)
             if entry is not None:
                 yield entry

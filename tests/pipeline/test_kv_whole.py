@@ -55,9 +55,15 @@ async def _relay_lagging_deliveries(client: SocketStream, server: SocketStream) 
             await anyio.sleep(_HOLD_S)
             await send.send(frame)
 
+        writing = anyio.Lock()  # one writer at a time to the client's socket
+
+        async def to_client(frame: bytes) -> None:
+            async with writing:
+                await client.send(frame)
+
         async def deliver_held() -> None:
             async for frame in receive:
-                await client.send(frame)
+                await to_client(frame)
 
         tg.start_soon(upstream)
         tg.start_soon(deliver_held)
@@ -71,7 +77,7 @@ async def _relay_lagging_deliveries(client: SocketStream, server: SocketStream) 
                 if _delivery(frame):
                     tg.start_soon(later, frame)  # each sleeps the same time from arrival: order kept
                 else:
-                    await client.send(frame)
+                    await to_client(frame)
         tg.cancel_scope.cancel()
 
 
@@ -146,6 +152,21 @@ async def test_a_bucket_is_read_whole_where_nats_pys_keys_finds_nothing(nats_ser
                         break
             current = [("a", None), ("b.1", None), ("b.2", None), ("gone", "DEL"), ("purged", "PURGE")]
             assert seen == [*current, None, ("c", None)]
+
+            # Writes that never stop do not keep the read from ending (it ends at the bucket's last
+            # sequence as the read began, not when the consumer has nothing left to send).
+            async def keep_writing() -> None:
+                for n in range(100_000):
+                    await kv.put(f"w.{n}", b"w")
+                    await anyio.sleep(0.005)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(keep_writing)
+                await anyio.sleep(0.2)
+                with anyio.fail_after(20):
+                    during = await current_keys(kv)
+                tg.cancel_scope.cancel()
+            assert {"a", "b.1", "b.2", "c", "w.0"} <= set(during)
 
             empty = await js.create_key_value(bucket=f"{bucket}-empty")
             assert await current_keys(empty) == []
