@@ -40,16 +40,10 @@ async def _relay_lagging_deliveries(client: SocketStream, server: SocketStream) 
     async with send, receive, anyio.create_task_group() as tg:
 
         async def upstream() -> None:  # a consumer's info asked a moment late: its deliveries all sent by then
-            buffer = b""
-            async for data in client:
-                buffer += data
-                while True:
-                    frame, buffer = _cut(buffer, _PUB)
-                    if frame is None:
-                        break
-                    if frame.startswith((b"PUB $JS.API.CONSUMER.INFO.", b"HPUB $JS.API.CONSUMER.INFO.")):
-                        await anyio.sleep(_ASK_LATE_S)
-                    await server.send(frame)
+            async for frame in _frames(client, _PUB):
+                if frame.startswith((b"PUB $JS.API.CONSUMER.INFO.", b"HPUB $JS.API.CONSUMER.INFO.")):
+                    await anyio.sleep(_ASK_LATE_S)
+                await server.send(frame)
 
         async def later(frame: bytes) -> None:
             await anyio.sleep(_HOLD_S)
@@ -67,18 +61,24 @@ async def _relay_lagging_deliveries(client: SocketStream, server: SocketStream) 
 
         tg.start_soon(upstream)
         tg.start_soon(deliver_held)
-        buffer = b""
-        async for data in server:
-            buffer += data
-            while True:
-                frame, buffer = _cut(buffer, _MSG)
-                if frame is None:
-                    break
-                if _delivery(frame):
-                    tg.start_soon(later, frame)  # each sleeps the same time from arrival: order kept
-                else:
-                    await to_client(frame)
+        async for frame in _frames(server, _MSG):
+            if _delivery(frame):
+                tg.start_soon(later, frame)  # each sleeps the same time from arrival: order kept
+            else:
+                await to_client(frame)
         tg.cancel_scope.cancel()
+
+
+async def _frames(stream: SocketStream, framed: re.Pattern[bytes]) -> AsyncIterator[bytes]:
+    """The whole protocol frames read from ``stream``, one at a time."""
+    buffer = b""
+    async for data in stream:
+        buffer += data
+        while True:
+            frame, buffer = _cut(buffer, framed)
+            if frame is None:
+                break
+            yield frame
 
 
 def _cut(buffer: bytes, framed: re.Pattern[bytes]) -> tuple[bytes | None, bytes]:
