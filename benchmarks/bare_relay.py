@@ -326,9 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model_dir = Path(args.model)
     if not model_dir.is_dir():
-        from stream_gateway.models import ensure_model
+        from stream_gateway.models import resolve_model
 
-        model_dir = Path(ensure_model(args.model))
+        model_dir = Path(resolve_model(args.model))
     import uvloop
 
     relay = _Relay(model_dir, args.upstream, args.served_model_name, tasks=args.tasks)
