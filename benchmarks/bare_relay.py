@@ -22,7 +22,10 @@ nothing wakes a task: the upstream's callback writes to the client's transport; 
 back in, woken once per read as the front's reader is, to price that wake-up alone), ASGI (uvicorn's ``send``,
 middlewares), routing and validation of the request (pydantic), capture (events, NATS, session records), tool,
 reasoning and stop-string parsers, sampling-parameter checks, failover, backpressure (a client that stops reading
-has its frames buffered), error frames. It is not a product and must not become one: it is the measured floor
+has its frames buffered), error frames. What it keeps besides, so that it runs clean under a load generator:
+every request's task belongs to the server's task group, a malformed request gets a 400, a request that fails
+closes its client's connection, and a client that leaves aborts its upstream request (the upstream connection is
+closed, as a front closes it). It is not a product and must not become one: it is the measured floor
 under the product's design on this machine, the figure a compiled or callback-driven relay would be judged against.
 """
 
@@ -67,6 +70,7 @@ class _Relay:
         self.served = served
         self.idle: list[_Upstream] = []
         self.counter = 0
+        self.group: asyncio.TaskGroup | None = None  # the server's: it owns every request's task
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -198,7 +202,13 @@ class _Upstream(asyncio.Protocol):
         self.take(turn, body)
 
     def take(self, turn: _Turn, body: bytes) -> None:
-        """The body bytes of one read (or several, joined): their whole frames relayed."""
+        """The body bytes of one read (or several, joined): their whole frames relayed. A client
+        that has gone aborts the upstream request by closing its connection, as a front does."""
+        if turn.client.is_closing():
+            self.turn = None
+            assert self.transport is not None
+            self.transport.close()
+            return
         loads = orjson.loads
         if not self.buffer and body.startswith(b"data: {") and body.find(b"\n\n") == len(body) - 2:
             turn.upstream_frame(loads(body[6:]))  # one frame a read: the common case
@@ -217,24 +227,32 @@ class _Upstream(asyncio.Protocol):
                 self.waiter.set_result(None)
             return
         turn, self.turn = self.turn, None
-        if turn is not None:
+        if turn is not None and not turn.client.is_closing():
             turn.end()
         self.relay.idle.append(self)
 
     async def relay_in_task(self, turn: _Turn) -> None:
         """``--tasks``: the request's task waits for each read and relays it (a task wake-up per read)."""
         loop = asyncio.get_running_loop()
-        while True:
-            while not self.pending and not self.complete and not self.closed:
-                self.waiter = loop.create_future()
-                await self.waiter
-            if self.pending:
-                body = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
-                self.pending.clear()
-                self.take(turn, body)
-            if self.complete or self.closed:
-                break
-        self.turn = None
+        try:
+            while self.turn is turn:  # take() lets go of a turn whose client has gone
+                while not self.pending and not self.complete and not self.closed:
+                    self.waiter = loop.create_future()
+                    await self.waiter
+                if self.pending:
+                    body = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
+                    self.pending.clear()
+                    self.take(turn, body)
+                if self.complete or self.closed:
+                    break
+        except asyncio.CancelledError:  # the client left while the task waited: abort upstream
+            assert self.transport is not None
+            self.transport.close()
+            raise
+        finally:
+            self.turn = None
+        if turn.client.is_closing():
+            return
         turn.end()
         if not self.closed:
             self.relay.idle.append(self)
@@ -249,9 +267,14 @@ class _Client(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
         self.body: list[bytes] = []
+        self.task: asyncio.Task[None] | None = None  # the request in flight (in the server's task group)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast("asyncio.Transport", transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.task is not None:
+            self.task.cancel()  # a request still waiting for its upstream connection, or relaying (--tasks)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -275,9 +298,29 @@ class _Client(asyncio.Protocol):
         if self.url != b"/v1/chat/completions":
             self.transport.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             return
-        asyncio.get_running_loop().create_task(self.start(orjson.loads(body)))
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            request = None
+        if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
+            # refused here: a request's task must not fail the server's task group
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.close()
+            return
+        assert self.relay.group is not None
+        self.task = self.relay.group.create_task(self.start(request))
 
     async def start(self, request: dict[str, Any]) -> None:
+        """One request relayed. One that fails (an upstream out of reach, messages the template
+        refuses) closes its client's connection and says why on stderr; the server goes on."""
+        try:
+            await self._relay(request)
+        except Exception as exc:  # a measuring stick: the load generator counts the error
+            sys.stderr.write(f"bare_relay: a request failed: {exc!r}\n")
+            if self.transport is not None:
+                self.transport.close()
+
+    async def _relay(self, request: dict[str, Any]) -> None:
         relay, client = self.relay, self.transport
         assert client is not None
         relay.counter += 1
@@ -309,7 +352,9 @@ async def _serve(relay: _Relay, port: int) -> None:
     server = await loop.create_server(lambda: _Client(relay), "127.0.0.1", port, backlog=4096)
     sys.stdout.write(f"ready {server.sockets[0].getsockname()[1]}\n")
     sys.stdout.flush()
-    await server.serve_forever()
+    async with asyncio.TaskGroup() as group:  # every request's task; cancelled with the server
+        relay.group = group
+        await server.serve_forever()
 
 
 def main(argv: list[str] | None = None) -> None:
