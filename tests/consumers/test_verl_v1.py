@@ -8,12 +8,13 @@ in docs/batches.md, ``TaskRunnerV1.run`` builds TransferQueue, the trainer, and 
 ``init_agent_loop_manager``, and ``fit`` runs its steps: the replay buffer, GRPO advantages, rollout
 correction and metrics are verl's. Only the GPU worker groups are replaced, by the CPU actor of
 tests/support/verl_cpu.py (the real tiny model: a forward pass for log-probs, an SGD step, its
-weights handed on as verl's actor worker hands them).
+weights handed on as verl's actor worker hands them). The trainer is a Ray driver, so it runs in a
+child process with a Ray node of its own (tests/support/ray_child.py: a hang there is killed and
+told, not waited for); the gateway, NATS and the consumers stay in the test's process.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
@@ -39,7 +40,7 @@ from stream_gateway import Settings
 from stream_gateway.engines import build_engine
 
 from ..support.capture import read_trajectories
-from ..support.ray_local import local_ray
+from ..support.ray_child import RayChild, call_parent
 from ..support.replicas import close_session
 from ..support.servers import RunningGateway, run_gateway
 from ..support.verl_cpu import CpuActor, cpu_trainers
@@ -74,18 +75,21 @@ class Stack:
     batches: Path
 
     def session(self, name: str, question: str) -> None:
-        """One real session: two turns, feedback, close."""
-        client = OpenAI(base_url=f"{self.gateway.base_url}/v1", api_key=KEY, max_retries=0,
-                        default_headers={"x-session-id": name})  # fmt: skip
-        messages: list[Any] = [{"role": "user", "content": question}]
-        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "And again?"}]  # fmt: skip
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0)
-        score = SCORES[name.endswith("-b")]
-        httpx.post(f"{self.gateway.base_url}/sessions/{name}/feedback", json={"score": score},
-                   headers={"authorization": f"Bearer {KEY}"}).raise_for_status()  # fmt: skip
-        close_session(self.gateway.base_url, KEY, name)
+        session(self.gateway.base_url, name, question)
+
+
+def session(base_url: str, name: str, question: str) -> None:
+    """One real session: two turns, feedback, close."""
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, default_headers={"x-session-id": name})
+    messages: list[Any] = [{"role": "user", "content": question}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And again?"}]  # fmt: skip
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0)
+    score = SCORES[name.endswith("-b")]
+    httpx.post(f"{base_url}/sessions/{name}/feedback", json={"score": score},
+               headers={"authorization": f"Bearer {KEY}"}).raise_for_status()  # fmt: skip
+    close_session(base_url, KEY, name)
 
 
 @pytest.fixture
@@ -104,13 +108,11 @@ def stack(tmp_path: Path, tiny_model_path: Path) -> Iterator[Stack]:
             task.cancel()
 
 
-@pytest.fixture
-def ray_cpu() -> Iterator[None]:
-    """A local Ray per test: verl's trainer names its actors (``reward_loop_worker_0``...), one trainer
+def ray_child(target: Any, *args: Any) -> RayChild:
+    """A Ray child per test: verl's trainer names its actors (``reward_loop_worker_0``...), one trainer
     per Ray. num_cpus is a scheduling count, not cores: verl's reward worker, TransferQueue's actors
     and the replica's worker each take one. Its workers import consumers.* and tests.*."""
-    with local_ray(8, f"v1-{uuid.uuid4().hex[:8]}", ROOT):
-        yield
+    return RayChild(target, *args, num_cpus=8, namespace=f"v1-{uuid.uuid4().hex[:8]}", pythonpath=ROOT)
 
 
 def trainer_config(
@@ -150,12 +152,24 @@ def run_task_runner(config: DictConfig) -> Any:
     return runner
 
 
+def train(config: DictConfig) -> dict[str, Any]:
+    """In the Ray child: the trainer with the CPU worker groups, run to its end; what the tests read
+    of it (every update's batch, the steps published, what the manager placed)."""
+    with cpu_trainers():
+        runner = run_task_runner(config)
+    manager = runner.agent_loop_manager
+    manager.close()  # verl's TaskRunnerV1 never closes it: its process ends instead
+    return {"seen": CpuActor.seen, "published": CpuActor.published,
+            "placed": (manager.groups_placed, manager.samples_placed)}  # fmt: skip
+
+
 def _emitted(stack: Stack) -> list[Trajectory]:
     return [t for t in read_trajectories(stack.nats) if t.reward is not None]
 
 
+@pytest.mark.timeout(720)  # the Ray child's start may be made twice (2 x 180 s), then 300 s
 def test_the_sync_trainer_trains_on_the_gateways_groups_token_exactly(
-    stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
+    stack: Stack, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     for g in range(GROUPS):
         for side in ("a", "b"):
@@ -165,16 +179,13 @@ def test_the_sync_trainer_trains_on_the_gateways_groups_token_exactly(
     assert len(trajectories) == 2 * GROUPS
 
     config = trainer_config(stack, tiny_model_path, tmp_path, steps=2)
-    with cpu_trainers():
-        runner = run_task_runner(config)
-    manager = runner.agent_loop_manager
-    manager.close()  # verl's TaskRunnerV1 never closes it: its process ends instead
-    assert (manager.groups_placed, manager.samples_placed) == (GROUPS, 2 * GROUPS)
+    trained = ray_child(train, config).run(timeout=300)
+    assert trained["placed"] == (GROUPS, 2 * GROUPS)
 
     # Each step trained on one stream batch's groups: whole, once, token for token.
-    assert len(CpuActor.seen) == 2
+    assert len(trained["seen"]) == 2
     seen_ids: list[str] = []
-    for update in CpuActor.seen:
+    for update in trained["seen"]:
         data, padding = update["data"], update["padding"]
         rows = [i for i, pad in enumerate(padding) if not pad]
         assert len(rows) == 4
@@ -209,7 +220,7 @@ def test_the_sync_trainer_trains_on_the_gateways_groups_token_exactly(
     assert sorted(seen_ids) == sorted(trajectories)  # every trajectory, none twice
 
     # Weights back: each step's weights were published, and the gateway labels new turns with them.
-    assert CpuActor.published == [1, 2]
+    assert trained["published"] == [1, 2]
     wait_until(lambda: stack.gateway.engine.policy_version == 2, timeout=60, what="version 2 applied")
     stack.session("after-b", "Question after training?")
     wait_until(lambda: any(t.session_id == "after-b" for t in read_trajectories(stack.nats)), timeout=30,
@@ -218,41 +229,33 @@ def test_the_sync_trainer_trains_on_the_gateways_groups_token_exactly(
     assert after.min_policy_version == 2 == after.max_policy_version
 
 
+@pytest.mark.timeout(720)  # the Ray child's start may be made twice (2 x 180 s), then 300 s
 def test_the_separate_async_trainer_trains_while_users_talk(
-    stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
+    stack: Stack, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """The off-policy mode: the trainer starts before any traffic and waits without blocking; step 1's
     weights reach the gateway through verl's own non-naive weight sync (the nats engine, the
     stream_gateway replica's CPU worker), and the sessions that follow are sampled by them and train step 2."""
     config = trainer_config(stack, tiny_model_path, tmp_path, steps=2, separate_async=True)
-    failures: list[BaseException] = []
-    runners: list[Any] = []
-
-    def train() -> None:
-        try:
-            runners.append(run_task_runner(config))
-        except BaseException as exc:
-            logging.getLogger(__name__).exception("the trainer failed")
-            failures.append(exc)
-
-    with cpu_trainers():
-        trainer = threading.Thread(target=train, daemon=True)
-        trainer.start()
+    child = ray_child(train, config)
+    try:
+        child.start()
         for g in range(2):
             for side in ("a", "b"):
                 stack.session(f"early{g}-{side}", f"Early question {g}?")
-        wait_until(lambda: stack.gateway.engine.policy_version == 1 or bool(failures), timeout=120,
+        wait_until(lambda: stack.gateway.engine.policy_version == 1 or child.finished(), timeout=120,
                    what="step 1's weights applied")  # fmt: skip
-        assert not failures, failures
+        if stack.gateway.engine.policy_version != 1:
+            child.result(timeout=0)  # the trainer ended early: its failure
         for g in range(2):
             for side in ("a", "b"):
                 stack.session(f"later{g}-{side}", f"Later question {g}?")
-        trainer.join(timeout=180)
-        assert not trainer.is_alive() and not failures, failures
-    runners[0].agent_loop_manager.close()
+        trained = child.result(timeout=180)
+    finally:
+        child.close()
 
-    assert len(CpuActor.seen) == 2 and CpuActor.published == [1, 2]
-    for step, update in enumerate(CpuActor.seen, start=1):
+    assert len(trained["seen"]) == 2 and trained["published"] == [1, 2]
+    for step, update in enumerate(trained["seen"], start=1):
         rows = [i for i, pad in enumerate(update["padding"]) if not pad]
         versions = {v for i in rows for v in update["data"]["policy_versions"][i].tolist() if v >= 0}
         assert versions == {step - 1}, (step, versions)  # step 2 trained what step 1's weights sampled
@@ -276,21 +279,41 @@ def _prompts(uids: list[str], step: int) -> Any:
     return TensorDict({"uid": stack, "global_steps": NonTensorData(step)}, batch_size=[len(uids)])
 
 
+@pytest.mark.timeout(720)  # the Ray child's start may be made twice (2 x 180 s), then 300 s
 def test_slots_wait_without_blocking_and_a_nats_restart_mid_batch_loses_and_duplicates_nothing(
-    stack: Stack, ray_cpu: None, tiny_model_path: Path, tmp_path: Path
+    stack: Stack, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """A slot asked for on an empty stream: ``generate_sequences`` returns at once, the slot waits
     (``running``) and is filled when sessions come, with one group of the first batch; the batch is
     then half placed, NATS restarts, the rest is asked for: every group lands in exactly one slot,
-    and a manifest that comes again is skipped."""
+    and a manifest that comes again is skipped. The manager and TransferQueue are the Ray child's
+    (:func:`_slots`); it asks this process to restart NATS."""
     import nats as nats_client
-    import transfer_queue as tq
-
-    from consumers.verl_v1 import StreamAgentLoopManagerTQ
 
     ack_wait = "+actor_rollout_ref.rollout.custom.stream_gateway.ack_wait_s=4"
     config = trainer_config(stack, tiny_model_path, tmp_path, steps=1, extra=(ack_wait,))
     OmegaConf.resolve(config)
+    child = ray_child(_slots, config, stack.gateway.base_url, stack.nats, stack.batches)
+    child.calls["restart_nats"] = stack.server.restart
+    child.run(timeout=300)
+
+    async def consumer() -> Any:
+        nc = await nats_client.connect(stack.nats)
+        try:
+            return await nc.jetstream().consumer_info("SG_BATCHES", "verl-trainer")
+        finally:
+            await nc.close()
+
+    info = anyio.run(consumer)
+    assert (info.num_ack_pending, info.num_pending) == (0, 0)
+
+
+def _slots(config: DictConfig, base_url: str, nats_url: str, batches: Path) -> None:
+    """In the Ray child: the slots test's manager side, asserting as it goes."""
+    import transfer_queue as tq
+
+    from consumers.verl_v1 import StreamAgentLoopManagerTQ
+
     tq.init(config.transfer_queue)
     manager = StreamAgentLoopManagerTQ.create(config=config)
     try:
@@ -304,15 +327,15 @@ def test_slots_wait_without_blocking_and_a_nats_restart_mid_batch_loses_and_dupl
 
         for g in range(GROUPS):
             for side in ("a", "b"):
-                stack.session(f"r{g}-{side}", f"Restart question {g}?")
+                session(base_url, f"r{g}-{side}", f"Restart question {g}?")
         wait_until(lambda: manager.groups_placed == 1, timeout=60, what="one group placed")
         tags = tq.kv_list("train")["train"]
         assert tags[first[0]]["status"] == "finished"
         assert tags[first[0]]["global_steps"] == 1  # version 0 sampled the group: step 1's
         assert sorted(k for k in tags if "_" in k) == [f"{first[0]}_{i}_0" for i in range(2)]
         assert {tags[f"{first[0]}_{i}_0"]["min_global_steps"] for i in range(2)} == {0}
-        wait_until(lambda: len(list(stack.batches.glob("*.parquet"))) == 2, timeout=60, what="two batches")
-        stack.server.restart()
+        wait_until(lambda: len(list(batches.glob("*.parquet"))) == 2, timeout=60, what="two batches")
+        call_parent("restart_nats")
         rest = [str(uuid.uuid4()) for _ in range(GROUPS - 1)]
         manager.generate_sequences(_prompts(rest, 2))
         wait_until(lambda: manager.groups_placed == GROUPS, timeout=90, what="every group placed")
@@ -320,7 +343,7 @@ def test_slots_wait_without_blocking_and_a_nats_restart_mid_batch_loses_and_dupl
         assert manager.groups_placed == GROUPS and manager.samples_placed == 2 * GROUPS
 
         # A manifest that comes again (as after an acknowledgement lost to a restart) is skipped.
-        anyio.run(_announce_again, stack.nats)
+        anyio.run(_announce_again, nats_url)
         spare = [str(uuid.uuid4())]
         manager.generate_sequences(_prompts(spare, 3))
         wait_until(lambda: manager.skipped_again == 1, timeout=30, what="the repeated manifest skipped")
@@ -332,21 +355,11 @@ def test_slots_wait_without_blocking_and_a_nats_restart_mid_batch_loses_and_dupl
         keys = sorted(k for k in tags if "_" in k)
         data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["trajectory_id"])
         placed = list(data["trajectory_id"])
-        emitted = {t.trajectory_id for t in read_trajectories(stack.nats)}
+        emitted = {t.trajectory_id for t in read_trajectories(nats_url)}
         assert sorted(placed) == sorted(emitted) and len(set(placed)) == 2 * GROUPS
     finally:
         manager.close()
         tq.close()
-
-    async def consumer() -> Any:
-        nc = await nats_client.connect(stack.nats)
-        try:
-            return await nc.jetstream().consumer_info("SG_BATCHES", "verl-trainer")
-        finally:
-            await nc.close()
-
-    info = anyio.run(consumer)
-    assert (info.num_ack_pending, info.num_pending) == (0, 0)
 
 
 async def _announce_again(url: str) -> None:

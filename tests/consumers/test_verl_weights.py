@@ -56,7 +56,7 @@ from stream_gateway.engines import build_engine
 from stream_gateway.engines._weights import check_tensors, read_checkpoint
 from stream_gateway.lora import read_adapter
 
-from ..support.ray_local import local_ray
+from ..support.ray_child import run_in_ray
 from ..support.servers import RunningGateway, run_gateway
 from ..support.waiting import wait_until
 
@@ -78,6 +78,8 @@ with warnings.catch_warnings():  # verl imports ray's deprecated ray.experimenta
 
     from consumers.errors import WeightPublishError
     from consumers.verl_weights import NatsCheckpointEngine, NatsWeightSettings, StreamCheckpointManager
+
+ROOT = Path(__file__).resolve().parents[2]  # the Ray workers import tests.*
 
 BASE_YAML = """\
 hydra:
@@ -498,33 +500,43 @@ def test_nats_down_every_rank_drains_then_a_clear_error(tiny_model_path: Path, t
     assert manager.synced_version == 0  # the next call tries again
 
 
+@pytest.mark.timeout(720)  # the Ray child's start may be made twice (2 x 180 s), then 300 s
 def test_through_verls_ray_worker_group_on_cpu(
     nats_server: EmbeddedNatsServer, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """The real path minus FSDP: verl's ``RayWorkerGroup`` of two CPU Ray actors (gloo), verl's own
     ``update_weights`` bound with its ONE_TO_ALL non-blocking dispatch, our engine publishing from
-    inside rank 0's Ray event loop, and the manager awaiting the ``ObjectRef`` s verl returns."""
-    import ray
-
+    inside rank 0's Ray event loop, and the manager awaiting the ``ObjectRef`` s verl returns. The
+    Ray driver is a child process (:func:`_update_through_ray`)."""
     config = _verl_config(tmp_path, nats_server.url)
     _, state = _model_state(tiny_model_path)
-    with local_ray(2, f"vw-{secrets.token_hex(4)}", Path(__file__).resolve().parents[2]):  # workers import tests.*
-        pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-        worker = RayClassWithInitArgs(
-            cls=ray.remote(_CpuActorWorker), config=config.actor_rollout_ref, model_path=str(tiny_model_path)
-        )
-        actor_wg: Any = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cpu")
-        actor_wg.init_model()
-        manager = _init_workers(config, actor_wg, replicas=[])
+    metrics, counts, spec = run_in_ray(
+        _update_through_ray, config, str(tiny_model_path),
+        num_cpus=2, namespace=f"vw-{secrets.token_hex(4)}", pythonpath=ROOT, timeout=300,
+    )  # fmt: skip
 
-        metrics = manager.update_weights(1)
+    assert metrics["stream/policy_version"] == 1.0
+    assert counts == [(1, 1), (1, 1)]
+    (event,) = _sync_events(nats_server.url, spec)
+    tensors = anyio.run(_download, nats_server.url, event, tmp_path)
+    assert list(tensors) == sorted(state)
+    assert all(torch.equal(tensors[name], state[name]) for name in state)
 
-        assert metrics["stream/policy_version"] == 1.0
-        assert actor_wg.export_counts() == [(1, 1), (1, 1)]
-        (event,) = _sync_events(nats_server.url, _spec(manager))
-        tensors = anyio.run(_download, nats_server.url, event, tmp_path)
-        assert list(tensors) == sorted(state)
-        assert all(torch.equal(tensors[name], state[name]) for name in state)
+
+def _update_through_ray(config: DictConfig, model_path: str) -> tuple[dict[str, Any], list[Any], StreamSpec]:
+    """In the Ray child: verl's worker group of two :class:`_CpuActorWorker`, the manager as
+    ``init_workers`` builds it, one ``update_weights``; its metrics, each rank's export counts, its stream."""
+    import ray
+
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
+    worker = RayClassWithInitArgs(
+        cls=ray.remote(_CpuActorWorker), config=config.actor_rollout_ref, model_path=model_path
+    )
+    actor_wg: Any = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cpu")
+    actor_wg.init_model()
+    manager = _init_workers(config, actor_wg, replicas=[])
+    metrics = manager.update_weights(1)
+    return dict(metrics), list(actor_wg.export_counts()), _spec(manager)
 
 
 # -- LoRA: one adapter per trainer ---------------------------------------------------------------

@@ -9,9 +9,12 @@ first). The node is then started again, up to three times: the test is about ver
 how fast Ray starts. (Giving the raylet the agents' ports, so that it waits for none, was tried: its
 workers then missed their 60-s registration in fresh-clone runs, once for good.)
 
-Ray's shutdown reaps the processes it tracks, but once in a fresh-clone run a subprocess it had
-started was left unwaited, and the next test failed on its ``ResourceWarning`` ("subprocess N is still
-running"): every ``Popen`` made during the block is reaped when it ends, killed first if still running.
+Ray's shutdown (``Node._kill_process_impl``) gives a process 1 s to exit after its SIGTERM, then a
+SIGKILL and 1 s more, and drops its ``Popen`` whether or not it exited: under load one had not, and
+its ``ResourceWarning`` ("subprocess N is still running") failed a test (CI, at 0270a4d). Every
+``Popen`` made during the block is therefore held across the shutdown and reaped after it, killed
+first if still running. (The tests run this in a child process now, tests/support/ray_child.py,
+where nothing Ray leaves reaches pytest; this keeps the child's exit clean.)
 
 Ray also starts its workers at niceness 15, where beside the suite's other process they got so
 little of the CPU that the worker-group test took 150-240 s instead of 15: they run at 0 here.
@@ -37,26 +40,31 @@ _STARTS = 3  # Ray's node is started at most this many times
 
 
 @contextmanager
-def local_ray(num_cpus: int, namespace: str, pythonpath: Path) -> Iterator[None]:
+def local_ray(num_cpus: int, namespace: str, pythonpath: Path, temp_dir: str | None = None) -> Iterator[None]:
     """A Ray node with ``num_cpus`` (a scheduling count, not cores), the driver connected in
-    ``namespace``; its workers import from ``pythonpath``. Stopped, processes and all, on exit."""
+    ``namespace``; its workers import from ``pythonpath``; its sessions and logs under ``temp_dir``
+    (Ray's default, /tmp/ray, if None). Stopped, processes and all, on exit."""
     import ray
 
-    before = {id(p) for p in _popens()}
+    existing = _popens()  # held: while they live, no new Popen can take one of their ids
+    before = {id(p) for p in existing}
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("PYTHONPATH", str(pythonpath))  # the raylet passes its environment to the workers
             patch.setenv("RAY_worker_niceness", "0")
-            _start(num_cpus, namespace, before)
+            _start(num_cpus, namespace, before, temp_dir)
             try:
                 yield
             finally:
+                made = [p for p in _popens() if id(p) not in before]  # held across the shutdown, which drops them
                 ray.shutdown()
+                _reap(before)
+                del made
     finally:
         _reap(before)
 
 
-def _start(num_cpus: int, namespace: str, before: set[int]) -> None:
+def _start(num_cpus: int, namespace: str, before: set[int], temp_dir: str | None) -> None:
     """``ray.init``, again after Ray's own "timed out during startup" (at most ``_STARTS`` times)."""
     import ray
 
@@ -64,7 +72,8 @@ def _start(num_cpus: int, namespace: str, before: set[int]) -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # ray's own start-up warnings are not ours to judge
-                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace=namespace)
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace=namespace,
+                         _temp_dir=temp_dir)  # fmt: skip
             return
         except Exception as exc:
             _reap(before)  # the failed start's processes (gcs_server...), while exc still holds them

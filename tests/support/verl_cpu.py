@@ -16,7 +16,8 @@ configured rollout's replicas, ``CheckpointEngineManager`` and ``_load_checkpoin
 :func:`cpu_trainers` swaps these classes in for the ``sync`` and ``separate_async`` entries of
 verl's trainer registry (``verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY``), so the config
 keeps its ``trainer.v1.trainer_mode``. Every update's batch, as the actor received it from
-TransferQueue, is kept in :attr:`CpuActor.seen` (one process: the test's).
+TransferQueue, is kept in :attr:`CpuActor.seen` (in the process that runs the trainer: the tests'
+Ray child, tests/support/ray_child.py), each field as a list of rows.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class CpuActor:
             select_fields=fields + [f for f in optional if f in present],
         )
         padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
-        CpuActor.seen.append({"keys": list(batch.keys), "padding": padding, "data": data, "tags": list(batch.tags)})
+        rows = {field: _rows(data[field]) for field in data.keys()}  # noqa: SIM118 (a TensorDict)
+        CpuActor.seen.append({"keys": list(batch.keys), "padding": padding, "data": rows, "tags": list(batch.tags)})
         temperature = float(batch.extra_info.get("temperature", 1.0))
         clip = 0.2
         self.model.train()
@@ -174,6 +176,15 @@ class CpuActor:
 
     def stop_profile(self, **kwargs: Any) -> None:
         pass
+
+
+def _rows(value: Any) -> list[Any]:
+    """One field of a TransferQueue batch as a list of its rows (a tensor each, or a Python value):
+    what a test indexes, and what pickles back from the Ray child (a ``TensorDict`` of jagged
+    tensors and non-tensor stacks may not)."""
+    if isinstance(value, torch.Tensor):
+        return [row.clone() for row in value.unbind(0)]
+    return list(value.tolist() if hasattr(value, "tolist") else value)
 
 
 class _CpuPools:
