@@ -53,8 +53,9 @@ def _fail() -> None:
     raise ValueError("the target's own failure")
 
 
-def _answer(question: str) -> str:
-    return f"{question} {call_parent('double', 21)}"
+def _ask_then_fail() -> None:
+    """Ask the parent a question, then fail with its answer in the message."""
+    raise ValueError(f"the target's own failure, after the parent's {call_parent('double', 21)}")
 
 
 def test_a_target_that_hangs_is_killed_with_its_ray_node_and_the_failure_quotes_rays_logs() -> None:
@@ -70,12 +71,12 @@ def test_a_target_that_hangs_is_killed_with_its_ray_node_and_the_failure_quotes_
     assert "--- raylet.out" in str(failure.value) and "--- gcs_server.out" in str(failure.value)
 
 
-def test_a_target_that_raises_fails_with_its_traceback_and_a_call_is_answered() -> None:
-    with pytest.raises(AssertionError, match=r"(?s)target failed:.*ValueError: the target's own failure"):
-        run_in_ray(_fail, num_cpus=1, namespace="fail", pythonpath=ROOT, timeout=60)
-    answer = run_in_ray(_answer, "forty-two?", num_cpus=1, namespace="answer", pythonpath=ROOT, timeout=60,
-                        calls={"double": lambda n: 2 * n})  # fmt: skip
-    assert answer == "forty-two? 42"
+def test_a_target_that_raises_fails_with_its_traceback_after_a_call_is_answered() -> None:
+    calls = {"double": lambda n: 2 * n}
+    with pytest.raises(
+        AssertionError, match=r"(?s)target failed:.*ValueError: the target's own failure, after the parent's 42"
+    ):
+        run_in_ray(_ask_then_fail, num_cpus=1, namespace="fail", pythonpath=ROOT, timeout=60, calls=calls)
 
 
 def test_a_start_that_hangs_is_made_once_more_then_fails(monkeypatch: pytest.MonkeyPatch) -> None:
