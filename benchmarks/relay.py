@@ -32,6 +32,8 @@ Set-up, all real processes on this machine, one token stream for all:
   encode, write) in protocol callbacks with nothing else: no capture, no framework, no task per token. CPython's
   floor for a relay on this machine, not a product. And **bare tasks**: the same with the request's task woken per
   read, as the front's reader is.
+* ``--capture-parts`` adds **capture on, no deltas**: the capturing front with ``--no-live-deltas``, so that
+  capture's cost splits into its live deltas (capture on less this) and its per-turn events (this less capture off).
 * ``--adaptive-interval N`` adds **capture on <=N/frame**: the capturing front with ``--upstream-stream-interval-max
   N``, asking the upstream for up to N tokens a frame while its loop runs late (``stream_gateway/engines/remote/
   _interval.py``; the paced upstream honours ``stream_interval`` as vLLM does); the others ask for one.
@@ -281,6 +283,9 @@ def start_relays(args: argparse.Namespace, nats_url: str, tmp: Path, model_dir: 
         many = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-workers"), "--workers", str(args.workers)]
         relays.append(start_front(f"capture on x{args.workers}", model_dir, upstream_url, connections, many,
                                   workers=args.workers))  # fmt: skip
+    if args.capture_parts:
+        quiet = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-quiet"), "--no-live-deltas"]
+        relays.append(start_front("capture on, no deltas", model_dir, upstream_url, connections, quiet))
     if args.adaptive_interval > 1:
         most = str(args.adaptive_interval)
         late = ["--nats-url", nats_url, "--outbox-dir", str(tmp / "outbox-late")]
@@ -331,6 +336,8 @@ def _arguments() -> argparse.Namespace:
         default=1,
         help="also run a front with capture on and --workers N ('capture on xN'; shared sessions)",
     )
+    parser.add_argument("--capture-parts", action="store_true",
+                        help="also run the capturing front with --no-live-deltas ('capture on, no deltas')")  # fmt: skip
     parser.add_argument("--only", nargs="+", help="run only these relays (direct, 'capture off', 'capture on', ...)")
     parser.add_argument(
         "--bare",
