@@ -7,6 +7,8 @@ that sleeps, and a start that hangs by a start deadline shorter than a spawn.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,6 +79,31 @@ def test_a_target_that_raises_fails_with_its_traceback_after_a_call_is_answered(
         AssertionError, match=r"(?s)target failed:.*ValueError: the target's own failure, after the parent's 42"
     ):
         run_in_ray(_ask_then_fail, num_cpus=1, namespace="fail", pythonpath=ROOT, timeout=60, calls=calls)
+
+
+def _report_then_wait(report: str) -> None:
+    """A test's process in miniature: a Ray child that hangs, its processes written to ``report``."""
+
+    def up(pid: int) -> None:
+        Path(report).write_text(" ".join(str(p) for p in _descendants(pid) | {pid}))
+
+    run_in_ray(_hang, num_cpus=1, namespace="orphan", pythonpath=ROOT, timeout=600, calls={"up": up})
+
+
+def test_a_test_process_that_dies_takes_its_ray_child_and_node_with_it(tmp_path: Path) -> None:
+    report = tmp_path / "pids"
+    code = f"from tests.consumers.test_ray_child import _report_then_wait; _report_then_wait({str(report)!r})"
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    try:
+        wait_until(report.exists, timeout=120, what="the Ray child's processes reported")
+        node = {int(pid) for pid in report.read_text().split()}
+        assert len(node) >= 3  # the child, and Ray's GCS and raylet at least
+        process.kill()  # as a crashed pytest worker dies: no finally runs
+        process.wait(30)
+        wait_until(lambda: not any(_alive(pid) for pid in node), timeout=30, what="the orphaned Ray child gone")
+    finally:
+        process.kill()
+        process.wait(30)
 
 
 def test_a_start_that_hangs_is_made_once_more_then_fails(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,8 @@ not within ``START_S`` is killed with its process group (Ray's node with it) and
 the only retry, since nothing of the test has run yet. A body still running at its deadline is
 killed and the test fails with the tail of Ray's logs. While it runs, the child can ask the parent
 to do what only the parent can (restart the test's NATS server): :func:`call_parent` names one of
-the ``calls`` given to :func:`run_in_ray`.
+the ``calls`` given to :func:`run_in_ray`. If the test's process dies (a crashed or killed pytest
+worker), the child kills its own process group, Ray's node and agents with it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -70,6 +72,7 @@ def _child(
 ) -> None:
     global _parent
     os.setsid()  # a process group of its own, Ray's node in it: the parent kills them together
+    _die_with_parent()
     _parent = conn
     from .ray_local import local_ray
 
@@ -82,6 +85,22 @@ def _child(
     else:
         _send(conn, ("result", result))
     conn.close()
+
+
+def _die_with_parent() -> None:
+    """Kill this child's process group (the child, Ray's node and its agents) when the test's
+    process dies, however it dies, so that a killed pytest leaves no Ray node behind. A thread
+    waits on the parent's sentinel (it is ready once the parent is gone). Linux's
+    ``PR_SET_PDEATHSIG`` would kill only the child: Ray's raylet and GCS die with it, but its
+    dashboard and runtime-env agents were seen to live on under init."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ray-child-parent-watch", daemon=True).start()
 
 
 def _send(conn: multiprocessing.connection.Connection, message: tuple[Any, ...]) -> None:
