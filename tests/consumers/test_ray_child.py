@@ -1,7 +1,8 @@
 """tests/support/ray_child.py, the bound on the Ray tests: a hang is killed, with Ray's node, and told.
 
 Real: a spawned child, its Ray node (Ray's own processes), the pipe. A hang is made by a target
-that sleeps, and a start that hangs by a start deadline shorter than a spawn.
+that sleeps, a start that hangs by a start deadline shorter than a spawn, and a crashed test
+process by SIGKILL to a process running a Ray child.
 """
 
 from __future__ import annotations
