@@ -71,7 +71,10 @@ def _child(
     temp_dir: str,
 ) -> None:
     global _parent
-    os.setsid()  # a process group of its own, Ray's node in it: the parent kills them together
+    # A process group of its own, Ray's node in it: the parent kills them together. Not a session
+    # of its own: the kernel would share CPU between it and the test's session first
+    # (tests/support/vllm_server.py says what that did beside vLLM).
+    os.setpgid(0, 0)
     _die_with_parent()
     _parent = conn
     from .ray_local import local_ray

@@ -91,9 +91,16 @@ def run_vllm(
     env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # fmt: skip
     with log.open("ab") as out:
-        # A session of its own: vLLM's EngineCore and its workers are children that outlive the API
-        # server when only it is stopped (seen: each kept 1.6 GB until the machine's end).
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # A process group of its own: vLLM's EngineCore and its workers are children that outlive the
+        # API server when only it is stopped (seen: each kept 1.6 GB until the machine's end), so the
+        # group is what is stopped. Not a session of its own: Linux's autogroup scheduler shares CPU
+        # between sessions first, and with vLLM in another session the test's process (the gateway
+        # and its client) waited up to 25 s at a time to run while vLLM sampled, here on two cores
+        # (its run-queue wait in /proc/PID/task/TID/schedstat: 104 s of a 130 s answer; a probe that
+        # sleeps 10 ms woke up to 9.9 s late). In the test's session, the same probe woke at most
+        # 4.8 ms late and the longest pause in the client's stream fell from 36 s to 1.5 s. Such a
+        # pause, past a client's 60 s timeout beside a CPU hog, was a real-vLLM failover test's failure.
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
     server = VllmServer(f"http://127.0.0.1:{port}", process, log)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
