@@ -100,7 +100,9 @@ def run_vllm(
         # sleeps 10 ms woke up to 9.9 s late). In the test's session, the same probe woke at most
         # 4.8 ms late and the longest pause in the client's stream fell from 36 s to 1.5 s. Such a
         # pause, past a client's 60 s timeout beside a CPU hog, was a real-vLLM failover test's failure.
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
+        # (stdin from /dev/null: a background group that read a developer's terminal would be stopped)
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   process_group=0)  # fmt: skip
     server = VllmServer(f"http://127.0.0.1:{port}", process, log)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
