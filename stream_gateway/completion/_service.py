@@ -42,7 +42,7 @@ from stream_gateway.completion._text import TextAssembler
 from stream_gateway.completion._thinking import ThinkingStream
 from stream_gateway.completion._turn import Spend, Turns
 from stream_gateway.completion._updates import ChoiceResult, ChoiceUpdate
-from stream_gateway.engines import Engine
+from stream_gateway.engines import Engine, EngineStep
 from stream_gateway.reasoning import ThinkingSigner
 from stream_gateway.sessions import SessionDirectory
 from stream_gateway.tool_parsers import ParsedDelta, ToolCallDelta, ToolCallStreamParser, create_tool_parser
@@ -151,10 +151,6 @@ class CompletionService:
             log.warning("ending the streams still in flight: %s", why)
             self._stopping = f"The gateway is shutting down: {why}."
 
-    def _check_running(self) -> None:
-        if self._stopping is not None:
-            raise ShuttingDown(self._stopping)
-
     @property
     def thinking_switch(self) -> bool:
         """Whether the served model's chat template reads ``enable_thinking`` (it can think or not)."""
@@ -218,118 +214,20 @@ class CompletionService:
 
     async def _run_choice(self, prepared: PreparedCompletion, choice: int, channel: UpdateChannel) -> None:
         """One choice's updates into the channel (a producer task of a response with several)."""
-        async with aclosing(self._choice_updates(prepared, choice)) as updates:
-            async for update in updates:
-                channel.put(update)
-
-    async def _choice_updates(  # noqa: PLR0915 (one loop on purpose: the per-token path, kept in one frame)
-        self, prepared: PreparedCompletion, choice: int
-    ) -> AsyncGenerator[ChoiceUpdate, None]:
-        # The per-token path: per engine step, list appends, the detokenizer, and (when there is
-        # text to send) one update handed on. Metrics and events are per turn
-        # (:class:`~._turn.TurnLifecycle`), or every few dozen tokens for live deltas. Why it is
-        # one function of ~90 lines: a call per step costs measurably here (benchmarks/hot_path.py),
-        # and the loop reads top to bottom as one step's journey.
-        params = prepared.params
-        if choice and params.seed is not None:
-            params = replace(params, seed=params.seed + choice)  # n seeded choices must differ
-        index = prepared.first_index + choice
-        backend = self._engine.tokenizer.backend_tokenizer
-        assembler = TextAssembler(backend, prepared.stops)
-        thinking = ThinkingStream.of(prepared.reasoning, prepared.prompt_ids, backend, prepared.split_reasoning)
-        parser = _tool_parser(prepared)
-        result = ChoiceResult(index)
-        ids, logprobs = result.token_ids, result.logprobs  # the whole turn's
-        top = result.top_logprobs if params.top_logprobs else None
-        sent = 0  # tokens already put into an update
-        request_id = f"{prepared.completion_id}-{index}"
-        engine = self._engine
-        version = engine.adapters.get(params.adapter, 0) if params.adapter is not None else engine.policy_version
-        turn = self._turns.begin(prepared, index, params, version)
-        # [version, first output index] spans: a weight update between two steps starts a new one.
-        spans: list[tuple[int, int]] = []
-        abort_reason: str | None = None
-        abort_detail: str | None = None
-        perf_counter = time.perf_counter
+        run = _Choice(self, prepared, choice)
         try:
-            images = {"images": [i.image for i in prepared.images]} if prepared.images else {}
-            async with aclosing(
-                self._engine.generate(
-                    request_id, prepared.prompt_ids, params, affinity=prepared.session.session_id, **images
-                )
-            ) as steps:
+            async with aclosing(run.steps()) as steps:
                 async for step in steps:
-                    self._check_running()
-                    if not spans or spans[-1][0] != step.policy_version:
-                        spans.append((step.policy_version, len(ids)))
-                    if step.version_spans is not None:
-                        spans = list(step.version_spans)  # the server's own account, given at the end
-                    ids.extend(step.token_ids)
-                    logprobs.extend(step.logprobs)
-                    result.take_extras(step)
-                    if top is not None and step.top_logprobs is not None:
-                        top.extend(step.top_logprobs)
-                    turn.step(ids, logprobs, perf_counter())
-                    step_ids: Sequence[int] = step.token_ids
-                    thought = ""
-                    if thinking is not None and thinking.active:
-                        thought, step_ids = thinking.feed(step_ids)
-                    delta = assembler.feed(step_ids)
-                    finish: str | None = "stop" if delta.stopped else step.finish_reason
-                    text = delta.text if finish is None or delta.stopped else delta.text + assembler.flush()
-                    if thinking is not None:
-                        text = thinking.answer(text)
-                    calls: tuple[ToolCallDelta, ...] = ()
-                    if parser is not None:
-                        parsed = parser.feed(text)
-                        if finish is not None:
-                            tail = parser.finish()
-                            parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
-                        text, calls = parsed.content, parsed.tool_calls
-                        if finish == "stop" and parser.calls:
-                            finish = "tool_calls"
-                    # Tokens that produced nothing to send yet (half a character, a possible stop
-                    # string, an unfinished tool call) ride along with the next update that has
-                    # something, so no frame is empty.
-                    if text or thought or calls or finish is not None:
-                        end = len(ids)
-                        final_spans = list(spans) if finish is not None else None
-                        update = ChoiceUpdate(
-                            index,
-                            text,
-                            ids[sent:end],
-                            logprobs[sent:end],
-                            top[sent:end] if top is not None else None,
-                            finish,
-                            calls,
-                            final_spans,
-                            assembler.matched if delta.stopped else None,
-                            thought,
-                        )
-                        sent = end
-                        result.text_parts.append(text)
-                        result.reasoning_parts.append(thought)
-                        if calls:
-                            result.call_deltas.extend(calls)
-                        if finish is not None:
-                            result.finish_reason, result.version_spans = finish, final_spans
-                            update.reasoning_tokens, update.answer_start = ThinkingStream.span_of(thinking)
-                            update.routes = result.routes_from(prepared.routes_from) if prepared.return_routes else None
-                        yield update
-                    if finish is not None:
-                        return  # leaving the block closes the iterator: a stop string aborts the request
-        except (anyio.get_cancelled_exc_class(), GeneratorExit):
-            # Cancelled while waiting for the engine, or closed while the update was being sent: the
-            # client left (or a sibling choice failed); either way nobody reads on.
-            abort_reason = "client_disconnected"
-            raise
-        except Exception as exc:
-            abort_reason, abort_detail = "shutdown" if isinstance(exc, ShuttingDown) else "engine_error", str(exc)
+                    update = run.step(step)
+                    if update is not None:
+                        channel.put(update)
+                        if update.finish_reason is not None:
+                            break  # leaving the block closes the iterator: a stop string aborts the request
+        except BaseException as exc:
+            run.failed(exc)
             raise
         finally:
-            # Runs on normal ends, errors and cancellation alike; recording is synchronous.
-            result.reasoning_tokens, result.answer_start = ThinkingStream.span_of(thinking)
-            await turn.finish(result, spans, abort_reason, abort_detail)
+            await run.finish()
 
     async def _frames(
         self,
@@ -375,19 +273,38 @@ class CompletionService:
             self._count_prompts([prepared])
             if first is not None:
                 yield first
+            run: _Choice | None = None
             try:
-                async with aclosing(self._choice_updates(prepared, 0)) as updates:
-                    async for update in updates:
+                run = _Choice(self, prepared, 0)
+                async with aclosing(run.steps()) as steps:
+                    async for step in steps:
+                        update = run.step(step)
+                        if update is None:
+                            continue
                         completion_tokens += len(update.token_ids)
-                        books.finished = update.finish_reason is not None
                         if len(update.tool_calls) > 1:  # one entry per call, as coalesce() makes them
                             update.tool_calls = fold_tool_calls(update.tool_calls)
+                        if update.finish_reason is None:
+                            yield encoder.update(update)
+                            continue
+                        books.finished = 1
                         yield encoder.update(update)
+                        break  # leaving the block closes the iterator: a stop string aborts the request
             except Exception as exc:
+                if run is not None:
+                    run.failed(exc)
+                    await run.finish()  # recorded before the client reads the error
                 error = _as_gateway_error(exc, prepared.completion_id)
                 books.ended(error)
                 yield encoder.error(error)
                 return
+            except BaseException as exc:  # cancelled, or closed at a yield: the client left
+                if run is not None:
+                    run.failed(exc)
+                raise
+            finally:
+                if run is not None:
+                    await run.finish()
             yield encoder.end(len(prepared.prompt_ids), completion_tokens, include_usage)
             books.ended()
 
@@ -417,6 +334,157 @@ class CompletionService:
                 return None
             books.ended()
         return results
+
+
+class _Choice:
+    """One choice of a response: its per-token state, and :meth:`step`, the per-token path.
+
+    Per engine step: list appends, the detokenizer, the reasoning and tool-call parsers, and (when
+    there is something to send) one :class:`ChoiceUpdate`. Metrics and events are per turn
+    (:class:`~._turn.TurnLifecycle`), or every few dozen tokens for live deltas. Synchronous, so the
+    caller's loop over the engine's steps is the one generator between the engine and the socket
+    (``docs/performance.md``, "The floor"); its callers: a stream of one choice
+    (:meth:`CompletionService._stream_one`) and each choice of several (``_run_choice``).
+    """
+
+    __slots__ = (
+        "_assembler",
+        "_engine",
+        "_parser",
+        "_recorded",
+        "_sent",
+        "_service",
+        "_spans",
+        "_thinking",
+        "_top",
+        "_turn",
+        "abort_detail",
+        "abort_reason",
+        "index",
+        "params",
+        "prepared",
+        "request_id",
+        "result",
+    )
+
+    def __init__(self, service: CompletionService, prepared: PreparedCompletion, choice: int) -> None:
+        params = prepared.params
+        if choice and params.seed is not None:
+            params = replace(params, seed=params.seed + choice)  # n seeded choices must differ
+        self.params = params
+        self.prepared = prepared
+        self.index = index = prepared.first_index + choice
+        self._service = service
+        self._engine = engine = service._engine
+        backend = engine.tokenizer.backend_tokenizer
+        self._assembler = TextAssembler(backend, prepared.stops)
+        self._thinking = ThinkingStream.of(prepared.reasoning, prepared.prompt_ids, backend, prepared.split_reasoning)
+        self._parser = _tool_parser(prepared)
+        self.result = result = ChoiceResult(index)
+        self._top = result.top_logprobs if params.top_logprobs else None  # the whole turn's, as ids and logprobs
+        self._sent = 0  # tokens already put into an update
+        self.request_id = f"{prepared.completion_id}-{index}"
+        version = engine.adapters.get(params.adapter, 0) if params.adapter is not None else engine.policy_version
+        self._turn = service._turns.begin(prepared, index, params, version)
+        # [version, first output index] spans: a weight update between two steps starts a new one.
+        self._spans: list[tuple[int, int]] = []
+        self.abort_reason: str | None = None
+        self.abort_detail: str | None = None
+        self._recorded = False
+
+    def steps(self) -> AsyncGenerator[EngineStep, None]:
+        """The engine's steps for this choice (close the iterator to abort the request)."""
+        prepared = self.prepared
+        images = {"images": [i.image for i in prepared.images]} if prepared.images else {}
+        return self._engine.generate(
+            self.request_id, prepared.prompt_ids, self.params, affinity=prepared.session.session_id, **images
+        )
+
+    def step(self, step: EngineStep) -> ChoiceUpdate | None:
+        """One engine step into the turn; the update to send, or ``None`` when nothing is to be sent
+        yet (its tokens then ride along with the next update, so no frame is empty). An update with
+        a finish reason is the last: the caller closes the engine's iterator after it."""
+        stopping = self._service._stopping
+        if stopping is not None:
+            raise ShuttingDown(stopping)
+        result = self.result
+        ids, logprobs, top, spans = result.token_ids, result.logprobs, self._top, self._spans
+        if not spans or spans[-1][0] != step.policy_version:
+            spans.append((step.policy_version, len(ids)))
+        if step.version_spans is not None:
+            self._spans = spans = list(step.version_spans)  # the server's own account, given at the end
+        ids.extend(step.token_ids)
+        logprobs.extend(step.logprobs)
+        result.take_extras(step)
+        if top is not None and step.top_logprobs is not None:
+            top.extend(step.top_logprobs)
+        self._turn.step(ids, logprobs, time.perf_counter())
+        step_ids: Sequence[int] = step.token_ids
+        thought = ""
+        thinking = self._thinking
+        if thinking is not None and thinking.active:
+            thought, step_ids = thinking.feed(step_ids)
+        assembler = self._assembler
+        delta = assembler.feed(step_ids)
+        finish: str | None = "stop" if delta.stopped else step.finish_reason
+        text = delta.text if finish is None or delta.stopped else delta.text + assembler.flush()
+        if thinking is not None:
+            text = thinking.answer(text)
+        calls: tuple[ToolCallDelta, ...] = ()
+        parser = self._parser
+        if parser is not None:
+            parsed = parser.feed(text)
+            if finish is not None:
+                tail = parser.finish()
+                parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
+            text, calls = parsed.content, parsed.tool_calls
+            if finish == "stop" and parser.calls:
+                finish = "tool_calls"
+        if not (text or thought or calls or finish is not None):
+            return None
+        sent, end = self._sent, len(ids)
+        final_spans = list(spans) if finish is not None else None
+        update = ChoiceUpdate(
+            self.index,
+            text,
+            ids[sent:end],
+            logprobs[sent:end],
+            top[sent:end] if top is not None else None,
+            finish,
+            calls,
+            final_spans,
+            assembler.matched if delta.stopped else None,
+            thought,
+        )
+        self._sent = end
+        result.text_parts.append(text)
+        result.reasoning_parts.append(thought)
+        if calls:
+            result.call_deltas.extend(calls)
+        if finish is not None:
+            result.finish_reason, result.version_spans = finish, final_spans
+            update.reasoning_tokens, update.answer_start = ThinkingStream.span_of(thinking)
+            prepared = self.prepared
+            update.routes = result.routes_from(prepared.routes_from) if prepared.return_routes else None
+        return update
+
+    def failed(self, exc: BaseException) -> None:
+        """The choice ended with ``exc``: cancelled or closed (the client left, or a sibling choice
+        failed), or an error (the shutdown's, or the engine's)."""
+        if isinstance(exc, anyio.get_cancelled_exc_class() | GeneratorExit):
+            self.abort_reason = "client_disconnected"
+        elif isinstance(exc, Exception):
+            self.abort_reason = "shutdown" if isinstance(exc, ShuttingDown) else "engine_error"
+            self.abort_detail = str(exc)
+
+    async def finish(self) -> None:
+        """Record the turn however it ended (once; the later calls return at once)."""
+        if self._recorded:
+            return
+        self._recorded = True
+        result = self.result
+        result.reasoning_tokens, result.answer_start = ThinkingStream.span_of(self._thinking)
+        await self._turn.finish(result, self._spans, self.abort_reason, self.abort_detail)
 
 
 def _tool_parser(prepared: PreparedCompletion) -> ToolCallStreamParser | None:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per step, and frozen costs an object.__setattr__ per field
 class TextDelta:
     """Text that may be sent now, and whether a stop string ended the generation."""
 
@@ -42,6 +42,8 @@ class TextAssembler:
         """Add sampled ids; return the text now safe to send."""
         if self._stop_hit:
             return TextDelta("", True)
+        if len(token_ids) == 1 and not self._stops:  # a token a step, no stop strings: most steps
+            return TextDelta(self._stream.step(self._tokenizer, token_ids[0]) or "", False)
         pieces = []
         for token in token_ids:
             piece = self._stream.step(self._tokenizer, token)

@@ -52,9 +52,13 @@ class SamplingParams:
     routes_from: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineStep:
     """Tokens sampled since the previous step of one request.
+
+    Not frozen, though nothing changes one once made (``dataclasses.replace`` makes another): one
+    is made per token on every engine's path, and a frozen dataclass's ``__init__`` costs four
+    times as much (an ``object.__setattr__`` per field; measured on CPython 3.11).
 
     ``logprobs[i]`` is the log-probability of ``token_ids[i]``. ``top_logprobs[i]``, when asked
     for, holds ``(token_id, logprob)`` pairs, most likely first. ``finish_reason`` is set on the

@@ -69,10 +69,23 @@ def frame_head(completion_id: str, kind: str, created: int, model: str) -> bytes
     )
 
 
+_CONTENT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+
+
 class ChunkEncoder:
     """Builds the SSE frames of one streamed response."""
 
-    __slots__ = ("_head", "_legacy", "_logprobs", "_reasoning", "_reasoning_tokens", "_token_ids", "_token_text")
+    __slots__ = (
+        "_content_head",
+        "_head",
+        "_legacy",
+        "_logprobs",
+        "_plain",
+        "_reasoning",
+        "_reasoning_tokens",
+        "_token_ids",
+        "_token_text",
+    )
 
     def __init__(
         self,
@@ -93,6 +106,9 @@ class ChunkEncoder:
         self._logprobs = logprobs
         self._token_ids = token_ids
         self._legacy = legacy_functions
+        # Most frames are a piece of content and nothing else: their bytes around the text are constant.
+        self._plain = not (logprobs or token_ids)
+        self._content_head = self._head + b',"choices":[{"index":0,"delta":{"content":'
 
     def _frame(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
         tail = b"" if not extra else b"," + orjson.dumps(extra)[1:-1]
@@ -109,6 +125,15 @@ class ChunkEncoder:
 
     def update(self, update: ChoiceUpdate) -> bytes:
         """A content delta, with finish reason, logprobs and token ids as configured."""
+        if (
+            self._plain
+            and update.text
+            and update.finish_reason is None
+            and not update.index
+            and not update.reasoning
+            and not update.tool_calls
+        ):  # what the general case below writes for it, without building it
+            return self._content_head + orjson.dumps(update.text) + _CONTENT_TAIL
         delta: dict[str, Any] = {"content": update.text} if update.text else {}
         if update.reasoning:
             delta["reasoning_content"] = delta["reasoning"] = update.reasoning

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ from ..support.fidelity import assert_chain_logprobs
 from ..support.moe import free_routes
 from ..support.servers import RunningGateway, free_port, run_gateway, serve_app, wait_healthy
 from ..support.sglang_server import create_sglang_app
+from ..support.steps import read_steps
 from ..support.waiting import wait_until
 
 ADMIN = "admin-key"
@@ -671,7 +672,7 @@ def test_sglang_http_records_the_stand_ins_routes(moe_path: Path, moe_reference:
             _generate(engine(), prompt, SamplingParams(max_tokens=2, routes_from=len(prompt) + 1))
 
 
-def test_routes_in_the_other_documented_shapes_are_read(moe_path: Path) -> None:
+def test_routes_in_the_other_documented_shapes_areread_steps(moe_path: Path) -> None:
     """What the stand-ins do not send: SGLang's ``sglext`` on a trailing ``choices: []`` frame (its
     OpenAI endpoints), a vLLM that ignored the start (before 0.33: whole rows), and a wrong row count."""
     check = RouteCheck(ExpertShape(3, 2, 8))
@@ -679,37 +680,30 @@ def test_routes_in_the_other_documented_shapes_are_read(moe_path: Path) -> None:
     meta = {"finish_reason": {"type": "length"}, "completion_tokens": 2,
             "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]]}  # fmt: skip
 
-    async def read(
-        frames: list[dict[str, Any]], protocol: str, start: int = 0, together: bool = False
-    ) -> list[EngineStep]:
-        async def events() -> AsyncIterator[list[dict[str, Any]]]:  # each frame its own read, or all in one
-            if together:
-                yield frames
-                return
-            for frame in frames:
-                yield [frame]
-
-        exchange = Exchange("http://x", 0, Wanted(3, start), check, None, lambda: 0)
-        return [s async for s in DIALECTS[protocol]().steps(events(), exchange)]
+    def read(frames: list[dict[str, Any]], protocol: str, start: int = 0, together: bool = False) -> list[EngineStep]:
+        reads = [frames] if together else [[frame] for frame in frames]  # each frame its own read, or all in one
+        return read_steps(
+            DIALECTS[protocol]().reader(Exchange("http://x", 0, Wanted(3, start), check, None, lambda: 0)), reads
+        )
 
     trailing = [
         {"meta_info": meta},
         {"choices": [], "sglext": {"routed_experts": base64.b64encode(rows.tobytes()).decode()}},
     ]
     for together in (False, True):
-        (step,) = anyio.run(read, trailing, "sglang", 0, together)
+        (step,) = read(trailing, "sglang", 0, together)
         assert step.routes is not None and step.routes.dtype == np.uint8 and np.array_equal(step.routes, rows)
-    (step,) = anyio.run(read, [{"meta_info": meta}], "sglang")  # none sent: the step still ends the request
+    (step,) = read([{"meta_info": meta}], "sglang")  # none sent: the step still ends the request
     assert step.finish_reason == "length" and step.routes is None
 
     buffer = io.BytesIO()
     np.save(buffer, rows.astype(np.uint8))
     choice = {"finish_reason": "length", "token_ids": [11, 12], "logprobs": {"token_logprobs": [-0.5, -0.25]},
               "routed_experts": base64.b64encode(buffer.getvalue()).decode()}  # fmt: skip
-    (step,) = anyio.run(read, [{"choices": [choice]}], "vllm", 2)  # asked from 2, sent whole
+    (step,) = read([{"choices": [choice]}], "vllm", 2)  # asked from 2, sent whole
     assert step.routes_start == 0 and np.array_equal(step.routes, rows)
     short = {**choice, "token_ids": [11], "logprobs": {"token_logprobs": [-0.5]}}
-    (step,) = anyio.run(read, [{"choices": [short]}], "vllm")  # 4 rows for 3 positions: not kept
+    (step,) = read([{"choices": [short]}], "vllm")  # 4 rows for 3 positions: not kept
     assert step.routes is None
 
 
@@ -776,17 +770,8 @@ def test_the_usage_frame_is_read_in_the_same_read_as_the_finishing_frame() -> No
     choice = {"finish_reason": "length", "token_ids": [11, 12], "logprobs": {"token_logprobs": [-0.5, -0.25]}}
     usage = {"choices": [], "usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}}
 
-    async def read(together: bool) -> list[EngineStep]:
-        async def events() -> AsyncIterator[list[dict[str, Any]]]:
-            if together:
-                yield [{"choices": [choice]}, usage]
-            else:
-                yield [{"choices": [choice]}]
-                yield [usage]
-
-        exchange = Exchange("http://x", 0, None, RouteCheck(None), None, lambda: 0)
-        return [s async for s in DIALECTS["vllm"]().steps(events(), exchange)]
-
-    for together in (True, False):
-        (step,) = anyio.run(read, together)
+    exchange = Exchange("http://x", 0, None, RouteCheck(None), None, lambda: 0)
+    for reads in ([[{"choices": [choice]}, usage]], [[{"choices": [choice]}], [usage]]):
+        (step,) = read_steps(DIALECTS["vllm"]().reader(exchange), reads)
+        together = len(reads) == 1
         assert (step.token_ids, step.finish_reason, step.cached_prompt_tokens) == ((11, 12), "length", 8), together

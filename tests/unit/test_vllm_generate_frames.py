@@ -6,7 +6,6 @@ three tokens; the real server behind the same dialect is tests/gateway/test_real
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,6 +14,8 @@ from stream_gateway.engines._base import SamplingParams
 from stream_gateway.engines.remote._dialect import Exchange
 from stream_gateway.engines.remote._routes import RouteCheck
 from stream_gateway.engines.remote._vllm_generate import VllmGenerateDialect
+
+from ..support.steps import read_steps
 
 pytestmark = pytest.mark.anyio
 
@@ -28,12 +29,7 @@ def _choice(ids: list[int], entries: list[list[tuple[int, float]]], **extra: Any
         {"index": 0, "finish_reason": None, "token_ids": ids, "logprobs": {"content": content}, **extra}]}  # fmt: skip
 
 
-async def _batches(*batches: list[dict[str, Any]]) -> AsyncIterator[list[dict[str, Any]]]:
-    for batch in batches:
-        yield batch
-
-
-async def test_the_servers_weight_versions_and_the_most_likely_alternatives() -> None:
+def test_the_servers_weight_versions_and_the_most_likely_alternatives() -> None:
     dialect = VllmGenerateDialect()
     # vLLM lists the sampled token first, then cuts the list at `logprobs` entries: the one more
     # asked for is dropped here, and the rest sorted.
@@ -47,7 +43,7 @@ async def test_the_servers_weight_versions_and_the_most_likely_alternatives() ->
         "usage": {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}},
     }
     exchange = Exchange("http://vllm", 2, None, RouteCheck(None), None, lambda: 0)
-    steps = [s async for s in dialect.steps(_batches([first], [last, usage]), exchange)]
+    steps = read_steps(dialect.reader(exchange), [[first], [last, usage]])
     assert [s.token_ids for s in steps] == [(260,), (277, 42)]
     assert steps[0].top_logprobs == (((558, -0.2), (260, -0.5)),)
     assert steps[1].top_logprobs == (((277, -0.1), (5, -2.0)), ((7, -0.7), (8, -0.9)))

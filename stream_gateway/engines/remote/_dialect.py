@@ -3,14 +3,15 @@
 The engine (:mod:`._engine`) owns everything a dialect has in common: the pool, health checks,
 failover, the adapter fleet, the streaming client and route checks. A dialect owns only what its
 server's API spells differently: the generation route and request body, how its frames become
-:class:`~stream_gateway.engines.EngineStep`\\ s, and its adapter routes. A new dialect is one new
-module with one :class:`Dialect` subclass, named in :data:`._engine.DIALECTS`.
+:class:`~stream_gateway.engines.EngineStep`\\ s (its :class:`StepReader`), and its adapter
+routes. A new dialect is one new module with one :class:`Dialect` subclass, named in
+:data:`._engine.DIALECTS`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
     from stream_gateway.engines.remote._routes import RouteCheck, Wanted
 
-__all__ = ["Dialect", "Exchange"]
+__all__ = ["Dialect", "Exchange", "StepReader"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,33 @@ class Exchange:
     routes: RouteCheck
     adapter_version: int | None  # a LoRA adapter's request: every step carries the adapter's version
     pool_version: Callable[[], int]  # the version announced for the pool, for servers that report none
+
+
+class StepReader(ABC):
+    """One response's frames read as steps, synchronously: the remote engine calls :meth:`feed`
+    with the payloads of each read (:class:`~._wire.SseFrames`), between one read and the next.
+
+    A reader may hold a finishing step back for frames its server writes after it (vLLM's usage
+    frame, SGLang's routes): :attr:`held` is then set, and the engine reads on for at most
+    :attr:`wait_s` seconds (``None``: until the stream ends), then takes it from :meth:`end`.
+    :attr:`done`: the request's last step was handed out, and the rest of the stream is not read.
+    Plain attributes, not properties: the engine reads them once a read."""
+
+    __slots__ = ("done", "held")
+
+    wait_s: ClassVar[float | None] = None
+
+    def __init__(self) -> None:
+        self.held: EngineStep | None = None
+        self.done = False
+
+    @abstractmethod
+    def feed(self, events: list[dict[str, Any]]) -> list[EngineStep]:
+        """The steps of the payloads that arrived together (none yet, one, or one per weight version)."""
+
+    @abstractmethod
+    def end(self) -> list[EngineStep]:
+        """The stream ended, or the wait for what follows a finishing step is over: what is held."""
 
 
 class Dialect(ABC):
@@ -56,10 +84,8 @@ class Dialect(ABC):
         versioned name (then the request runs on that adapter)."""
 
     @abstractmethod
-    def steps(
-        self, batches: AsyncIterator[list[dict[str, Any]]], exchange: Exchange
-    ) -> AsyncGenerator[EngineStep, None]:
-        """The steps of a response, from the frames that arrived together (:func:`._wire.sse_batches`)."""
+    def reader(self, exchange: Exchange) -> StepReader:
+        """A reader of one response's frames as steps."""
 
     def ask_interval(self, body: dict[str, Any], tokens: int) -> None:
         """Ask for ``tokens`` sampled tokens a frame (``body`` is :meth:`body`'s; :mod:`._interval`)

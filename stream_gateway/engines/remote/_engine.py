@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from contextlib import aclosing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +79,7 @@ from stream_gateway.engines.remote._sglang import SglangDialect
 from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse, control_transport, session_hints
 from stream_gateway.engines.remote._vllm import VllmDialect
 from stream_gateway.engines.remote._vllm_generate import VllmGenerateDialect
-from stream_gateway.engines.remote._wire import describe, error_message, error_param, sse_batches
+from stream_gateway.engines.remote._wire import SseFrames, describe, error_message, error_param
 
 if TYPE_CHECKING:
     import torch
@@ -386,7 +385,7 @@ class RemoteEngine:
 
     # -- generation ---------------------------------------------------------------------------
 
-    async def generate(
+    async def generate(  # noqa: PLR0915 (the per-token path, kept in one frame on purpose)
         self,
         request_id: str,
         prompt_ids: Sequence[int],
@@ -395,7 +394,12 @@ class RemoteEngine:
         affinity: str | None = None,
         images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
-        """Stream one request from a healthy server (failing over until the first token arrives)."""
+        """Stream one request from a healthy server (failing over until the first token arrives).
+
+        The per-token path is this one generator: a read of the server's body, its frames parsed
+        (:class:`~._wire.SseFrames`) and read as steps (the dialect's :class:`~._dialect.StepReader`)
+        synchronously, each step yielded. A generator per layer cost more than the work itself
+        (``docs/performance.md``, "The floor")."""
         if images:  # the preparer refuses them first (vision is None): never sample without them
             raise EngineError(f"the {self.name} engine does not take images")
         if self._client is None:
@@ -420,37 +424,49 @@ class RemoteEngine:
                 if model is not None:
                     fleet.acquire(upstream, model)
                 first_at, tokens = 0.0, 0  # when the first step came (0.0: none yet); tokens so far
+                finished = False
                 try:
-                    stream = self._stream(upstream, request_id, prompt_ids, params, model, version, hints)
-                    async with aclosing(stream) as steps:
-                        async for step in steps:
-                            upstream.streamed_at = now = time.monotonic()
-                            first_at = first_at or now
-                            n = len(step.token_ids)
-                            tokens += n
-                            self._total_tokens += n
-                            if grammar is not None:
-                                grammar.take(step.token_ids, upstream.url)
-                            yield step
+                    response, exchange = await self._open(upstream, request_id, prompt_ids, params, model, version,
+                                                          hints)  # fmt: skip
+                    frames = SseFrames(response.where)
+                    reader = self.dialect.reader(exchange)
+                    try:
+                        while not finished:
+                            if reader.held is None:
+                                data = await response.read()
+                            else:  # what the server writes after the finishing frame, for a while
+                                data = None
+                                with anyio.move_on_after(reader.wait_s):  # None: until the stream ends
+                                    data = await response.read()
+                            ended = data is None or frames.done
+                            steps = reader.feed(frames.feed(data)) if data is not None else []
+                            if ended or frames.done:
+                                steps += reader.end()
+                            for step in steps:
+                                upstream.streamed_at = now = time.monotonic()
+                                first_at = first_at or now
+                                n = len(step.token_ids)
+                                tokens += n
+                                self._total_tokens += n
+                                if grammar is not None:
+                                    grammar.take(step.token_ids, upstream.url)
+                                finished = step.finish_reason is not None
+                                yield step
+                                if finished:
+                                    break
+                            if ended or frames.done:
+                                break
+                    finally:
+                        # A finished request's answer ends in a moment ([DONE], a usage frame): keep the connection.
+                        await response.aclose(finish=finished)
+                    if not finished:
+                        raise UpstreamFailed(
+                            f"The inference server {upstream.url} ended the stream before the request finished."
+                        )
                     self.intervals.finished(tokens, upstream.streamed_at - first_at)
                     return
-                except _AdapterMissing as exc:  # the server lost it (restarted?): load it again, go elsewhere
-                    assert model is not None
-                    fleet.lost(upstream, model)
-                    log.warning("request %s: %s does not hold %s (%s); trying another server",
-                                request_id, upstream.url, model, exc)  # fmt: skip
-                except _Retry as exc:
-                    self.pool.mark_failed(upstream, str(exc))
-                    log.warning("request %s: %s failed before the first token (%s); trying another server",
-                                request_id, upstream.url, exc)  # fmt: skip
-                except (httpx.HTTPError, HttpFailure) as exc:
-                    self.pool.mark_failed(upstream, describe(exc))
-                    if first_at:
-                        raise UpstreamFailed(
-                            f"The inference server {upstream.url} failed while streaming: {describe(exc)}"
-                        ) from exc
-                    log.warning("request %s: %s unreachable (%s); trying another server",
-                                request_id, upstream.url, describe(exc))  # fmt: skip
+                except (_Retry, httpx.HTTPError, HttpFailure, UpstreamFailed) as exc:
+                    _failed(self, upstream, model, request_id, exc, streamed=first_at > 0.0)  # raises or tries on
                 finally:
                     upstream.outstanding -= 1
                     if model is not None:
@@ -458,20 +474,20 @@ class RemoteEngine:
         finally:
             self._active -= 1
 
-    async def _stream(
+    async def _open(
         self,
         upstream: Upstream,
         request_id: str,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        model: str | None = None,
-        version: int | None = None,
-        hints: bytes = b"",
-    ) -> AsyncGenerator[EngineStep, None]:
+        model: str | None,
+        version: int | None,
+        hints: bytes,
+    ) -> tuple[StreamResponse, Exchange]:
+        """Send the request; its answer once it is known to stream (status 200), and what its reader needs."""
         wanted = self._route_check.wanted(upstream.url, len(prompt_ids), params.routes_from)
         path = self.dialect.generate_path
         response = await self._send(upstream, request_id, prompt_ids, params, wanted, model, hints)
-        finished = False
         try:
             if response.status_code == 400 and wanted is not None:
                 await response.aread()
@@ -491,29 +507,12 @@ class RemoteEngine:
                 if response.status_code >= 500 or response.status_code in (404, 408, 429):
                     raise _Retry(f"{upstream.url}{path} answered {response.status_code}: {message}")
                 raise InvalidRequest(f"The inference server refused the request: {message}")
-            exchange = Exchange(upstream.url, params.top_logprobs, wanted, self._route_check, version,
-                                lambda: self.policy_version)  # fmt: skip
-            sent = False
-            try:
-                async with aclosing(self.dialect.steps(sse_batches(response), exchange)) as steps:
-                    async for step in steps:
-                        finished = step.finish_reason is not None
-                        sent = True
-                        yield step
-                        if finished:
-                            return
-            except UpstreamFailed as exc:
-                # SGLang streams an unknown adapter as an error frame: "... not loaded: NAME@vN"
-                if model is not None and not sent and model in exc.message:
-                    raise _AdapterMissing(exc.message) from exc
-                raise
-            if not finished:
-                raise UpstreamFailed(
-                    f"The inference server {upstream.url} ended the stream before the request finished."
-                )
-        finally:
-            # A finished request's answer ends in a moment ([DONE], a usage frame): keep the connection.
-            await response.aclose(finish=finished)
+        except BaseException:
+            await response.aclose()
+            raise
+        exchange = Exchange(upstream.url, params.top_logprobs, wanted, self._route_check, version,
+                            lambda: self.policy_version)  # fmt: skip
+        return response, exchange
 
     async def _send(
         self,
@@ -612,6 +611,35 @@ class RemoteEngine:
         """A snapshot of the requests in flight; ``running`` while any server is healthy."""
         running = self._client is not None and any(u.healthy for u in self.pool)
         return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens, running)
+
+
+def _failed(
+    engine: RemoteEngine, upstream: Upstream, model: str | None, request_id: str, exc: Exception, *, streamed: bool
+) -> None:
+    """A request of ``engine`` to ``upstream`` failed with ``exc``: returns if another server may
+    take it, raises what the client gets otherwise. ``streamed``: steps were handed out already."""
+    if isinstance(exc, UpstreamFailed):
+        # SGLang streams an unknown adapter as an error frame: "... not loaded: NAME@vN"
+        if model is None or streamed or model not in exc.message:
+            raise exc
+        exc = _AdapterMissing(exc.message)
+    if isinstance(exc, _AdapterMissing):  # the server lost it (restarted?): load it again, go elsewhere
+        assert model is not None
+        engine._fleet.lost(upstream, model)
+        log.warning("request %s: %s does not hold %s (%s); trying another server",
+                    request_id, upstream.url, model, exc)  # fmt: skip
+    elif isinstance(exc, _Retry):
+        engine.pool.mark_failed(upstream, str(exc))
+        log.warning("request %s: %s failed before the first token (%s); trying another server",
+                    request_id, upstream.url, exc)  # fmt: skip
+    else:
+        engine.pool.mark_failed(upstream, describe(exc))
+        if streamed:
+            raise UpstreamFailed(
+                f"The inference server {upstream.url} failed while streaming: {describe(exc)}"
+            ) from exc
+        log.warning("request %s: %s unreachable (%s); trying another server",
+                    request_id, upstream.url, describe(exc))  # fmt: skip
 
 
 async def _reload_one(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ import orjson
 
 from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines._base import EngineStep, FinishReason, SamplingParams
-from stream_gateway.engines.remote._dialect import Dialect, Exchange
+from stream_gateway.engines.remote._dialect import Dialect, Exchange, StepReader
 from stream_gateway.engines.remote._wire import by_version, finish_reason, numeric_version, top_from_pairs
 from stream_gateway.sessions import wire_ids
 
@@ -75,63 +75,8 @@ class SglangDialect(Dialect):
             body["lora_path"] = adapter  # SGLang names a loaded adapter by its lora_name here
         return body
 
-    async def steps(
-        self, batches: AsyncIterator[list[dict[str, Any]]], exchange: Exchange
-    ) -> AsyncGenerator[EngineStep, None]:
-        """The frames that arrived together as one step per weight version."""
-        url, top_n, wanted = exchange.url, exchange.top_n, exchange.wanted
-        seen = 0  # output tokens already taken
-        last: EngineStep | None = None  # the finishing step, held for routes that come after it
-        async for batch in batches:
-            pieces: list[EngineStep] = []
-            ended = False
-            for event in batch:
-                raw = _raw_routes(event)
-                if last is not None:  # a trailing frame (``choices: []`` with ``sglext``), or another
-                    if raw is not None:
-                        pieces.append(_with_routes(last, raw, exchange, seen))
-                        ended = True
-                        break
-                    continue
-                meta = event.get("meta_info") or {}
-                entries = meta.get("output_token_logprobs") or []
-                top_entries = meta.get("output_top_logprobs") or []
-                # Default frames hold everything so far; --incremental-streaming-output frames the new part.
-                cumulative = len(entries) == meta.get("completion_tokens", len(entries)) and len(entries) >= seen
-                if cumulative:
-                    entries, top_entries = entries[seen:], top_entries[seen:] if top_entries else top_entries
-                reason = _finish(meta.get("finish_reason"), url)
-                if not entries and reason is None:
-                    continue
-                seen += len(entries)
-                top = tuple(top_from_pairs(t, top_n) for t in top_entries) if top_n else None
-                version = exchange.adapter_version
-                if version is None:
-                    version = numeric_version(meta.get("weight_version"))
-                step = EngineStep(
-                    tuple(int(e[1]) for e in entries),
-                    tuple(float(e[0]) for e in entries),
-                    top if top else None,
-                    reason,
-                    version if version is not None else exchange.pool_version(),
-                )
-                if wanted is None or reason is None:
-                    pieces.append(step)
-                    ended = reason is not None
-                elif raw is not None:
-                    pieces.append(_with_routes(step, raw, exchange, seen))
-                    ended = True
-                else:
-                    last = step
-                if ended:
-                    break
-            for step in by_version(pieces):
-                yield step
-            if ended:
-                return
-        if last is not None:  # the stream ended without them
-            exchange.routes.missing(url)
-            yield last
+    def reader(self, exchange: Exchange) -> StepReader:
+        return _SglangReader(exchange)
 
     async def model_path(self, client: httpx.AsyncClient, url: str) -> str | None:
         info = await client.get(f"{url}/get_model_info")
@@ -139,6 +84,73 @@ class SglangDialect(Dialect):
             return None
         path = orjson.loads(info.content).get("model_path")
         return str(path) if path else None
+
+
+class _SglangReader(StepReader):
+    """The frames that arrived together as one step per weight version; with routes asked for, the
+    finishing step is held for the frame that carries them (until the stream ends)."""
+
+    __slots__ = ("_exchange", "_seen")
+
+    def __init__(self, exchange: Exchange) -> None:
+        super().__init__()
+        self._exchange = exchange
+        self._seen = 0  # output tokens already taken
+
+    def feed(self, events: list[dict[str, Any]]) -> list[EngineStep]:
+        exchange = self._exchange
+        url, top_n, wanted = exchange.url, exchange.top_n, exchange.wanted
+        pieces: list[EngineStep] = []
+        for event in events:
+            raw = _raw_routes(event)
+            if self.held is not None:  # a trailing frame (``choices: []`` with ``sglext``), or another
+                if raw is not None:
+                    pieces.append(_with_routes(self.held, raw, exchange, self._seen))
+                    self.held, self.done = None, True
+                    break
+                continue
+            meta = event.get("meta_info") or {}
+            entries = meta.get("output_token_logprobs") or []
+            top_entries = meta.get("output_top_logprobs") or []
+            # Default frames hold everything so far; --incremental-streaming-output frames the new part.
+            seen = self._seen
+            cumulative = len(entries) == meta.get("completion_tokens", len(entries)) and len(entries) >= seen
+            if cumulative:
+                entries, top_entries = entries[seen:], top_entries[seen:] if top_entries else top_entries
+            reason = _finish(meta.get("finish_reason"), url)
+            if not entries and reason is None:
+                continue
+            self._seen = seen = seen + len(entries)
+            top = tuple(top_from_pairs(t, top_n) for t in top_entries) if top_n else None
+            version = exchange.adapter_version
+            if version is None:
+                version = numeric_version(meta.get("weight_version"))
+            step = EngineStep(
+                tuple(int(e[1]) for e in entries),
+                tuple(float(e[0]) for e in entries),
+                top if top else None,
+                reason,
+                version if version is not None else exchange.pool_version(),
+            )
+            if wanted is None or reason is None:
+                pieces.append(step)
+                self.done = reason is not None
+            elif raw is not None:
+                pieces.append(_with_routes(step, raw, exchange, seen))
+                self.done = True
+            else:
+                self.held = step
+            if self.done:
+                break
+        return by_version(pieces)
+
+    def end(self) -> list[EngineStep]:
+        held, self.held = self.held, None
+        if held is None:
+            return []
+        self._exchange.routes.missing(self._exchange.url)  # the stream ended without them
+        self.done = True
+        return [held]
 
 
 def _finish(finish: object, url: str) -> FinishReason | None:

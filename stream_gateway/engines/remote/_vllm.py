@@ -20,7 +20,7 @@ import binascii
 import dataclasses
 import io
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -29,7 +29,7 @@ import numpy as np
 
 from stream_gateway._errors import UpstreamFailed
 from stream_gateway.engines._base import EngineStep, SamplingParams, merge_steps
-from stream_gateway.engines.remote._dialect import Dialect, Exchange
+from stream_gateway.engines.remote._dialect import Dialect, Exchange, StepReader
 from stream_gateway.engines.remote._wire import error_message, finish_reason, numeric_version, token_id, top_from_dict
 from stream_gateway.sessions import wire_ids
 
@@ -85,65 +85,14 @@ class VllmDialect(Dialect):
         body.update(optional_sampling(params))
         return body
 
-    async def steps(
-        self, batches: AsyncIterator[list[dict[str, Any]]], exchange: Exchange
-    ) -> AsyncGenerator[EngineStep, None]:
-        """One step per batch of frames that arrived together; a LoRA adapter's carry its version
-        (the server's own labels count the base's versions, or its own of the adapter: both ignored).
-
-        The finishing step waits for the usage frame vLLM writes right after it (``stream_options``
-        ``include_usage``), for its ``prompt_tokens_details.cached_tokens`` (vLLM reports it with
-        ``--enable-prompt-tokens-details``): until the usage frame, the stream's end, or
-        ``_USAGE_WAIT_S``, whichever comes first."""
-        version = exchange.pool_version() if exchange.adapter_version is None else exchange.adapter_version
-        output = 0
-        held: EngineStep | None = None  # the finishing step, waiting for the usage frame
-        cached: int | None = None
-        frames = batches.__aiter__()
-        while True:
-            try:
-                if held is None:
-                    batch = await frames.__anext__()
-                else:
-                    waited: list[dict[str, Any]] | None = None
-                    with anyio.move_on_after(_USAGE_WAIT_S):
-                        waited = await frames.__anext__()
-                    if waited is None:
-                        break  # no usage frame in time: the step goes without it
-                    batch = waited
-            except StopAsyncIteration:
-                break
-            pieces: list[EngineStep] = []
-            for event in batch:
-                usage = event.get("usage")
-                if isinstance(usage, dict) and not event.get("choices"):
-                    # The usage frame: often in the same read as the finishing frame, so the scan
-                    # goes on past that one (seen against vLLM 0.32: the turn lost its cached tokens).
-                    cached = _cached_tokens(usage)
-                    continue
-                choices = event.get("choices")
-                if not choices or held is not None or (pieces and pieces[-1].finish_reason is not None):
-                    continue
-                piece = self._piece(choices[0], exchange, version, output)
-                if piece is None:
-                    continue
-                output += len(piece.token_ids)
-                pieces.append(piece)
-            if pieces:
-                step = pieces[0] if len(pieces) == 1 else merge_steps(pieces)
-                if step.finish_reason is None:
-                    yield step
-                else:
-                    held = step
-            if held is not None and cached is not None:
-                break
-        if held is not None:
-            yield dataclasses.replace(held, cached_prompt_tokens=cached)
+    def reader(self, exchange: Exchange) -> StepReader:
+        return _VllmReader(self, exchange)
 
     def _piece(self, choice: dict[str, Any], exchange: Exchange, version: int, output: int) -> EngineStep | None:
         """One frame's choice as a step (``None``: a frame with nothing sampled)."""
         url, wanted = exchange.url, exchange.wanted
-        reason = finish_reason(choice.get("finish_reason"), url)
+        finish = choice.get("finish_reason")
+        reason = None if finish is None else finish_reason(finish, url)
         ids, values, top = self.sampled(choice, url, exchange.top_n)
         if len(values) != len(ids):
             raise UpstreamFailed(
@@ -162,7 +111,9 @@ class VllmDialect(Dialect):
             top,
             reason,
             version,
-            _version_spans(choice.get("weight_versions")) if exchange.adapter_version is None else None,
+            _version_spans(spans)
+            if (spans := choice.get("weight_versions")) is not None and exchange.adapter_version is None
+            else None,
             routes,
             routes_start,
         )
@@ -214,6 +165,64 @@ class VllmDialect(Dialect):
             raise UpstreamFailed(f"{url}/weight_info answered {response.status_code}")
         version = response.json().get("weight_version")
         return None if version is None else str(version)
+
+
+class _VllmReader(StepReader):
+    """One step per read of frames that arrived together; a LoRA adapter's carry its version
+    (the server's own labels count the base's versions, or its own of the adapter: both ignored).
+
+    The finishing step is held for the usage frame vLLM writes right after it (``stream_options``
+    ``include_usage``), for its ``prompt_tokens_details.cached_tokens`` (vLLM reports it with
+    ``--enable-prompt-tokens-details``): until the usage frame, the stream's end, or ``wait_s``,
+    whichever comes first."""
+
+    __slots__ = ("_cached", "_dialect", "_exchange", "_output", "_version")
+
+    wait_s = _USAGE_WAIT_S
+
+    def __init__(self, dialect: VllmDialect, exchange: Exchange) -> None:
+        super().__init__()
+        self._dialect = dialect
+        self._exchange = exchange
+        version = exchange.adapter_version
+        self._version = exchange.pool_version() if version is None else version
+        self._output = 0  # output tokens so far
+        self._cached: int | None = None
+
+    def feed(self, events: list[dict[str, Any]]) -> list[EngineStep]:
+        pieces: list[EngineStep] = []
+        held = self.held
+        for event in events:
+            choices = event.get("choices")
+            if not choices:
+                usage = event.get("usage")
+                if isinstance(usage, dict):
+                    # The usage frame: often in the same read as the finishing frame, so the scan
+                    # goes on past that one (seen against vLLM 0.32: the turn lost its cached tokens).
+                    self._cached = _cached_tokens(usage)
+                continue
+            if held is not None or (pieces and pieces[-1].finish_reason is not None):
+                continue
+            piece = self._dialect._piece(choices[0], self._exchange, self._version, self._output)
+            if piece is None:
+                continue
+            self._output += len(piece.token_ids)
+            pieces.append(piece)
+        if pieces:
+            step = pieces[0] if len(pieces) == 1 else merge_steps(pieces)
+            if step.finish_reason is None:
+                return [step]
+            self.held = step
+        if self.held is not None and self._cached is not None:
+            return self.end()
+        return []
+
+    def end(self) -> list[EngineStep]:
+        held, self.held = self.held, None
+        if held is None:
+            return []
+        self.done = True
+        return [dataclasses.replace(held, cached_prompt_tokens=self._cached)]
 
 
 async def _post(client: httpx.AsyncClient, url: str, **request: Any) -> dict[str, Any]:

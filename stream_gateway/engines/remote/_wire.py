@@ -1,24 +1,22 @@
 """What every dialect reads off the wire the same way: SSE frames, error bodies, finish reasons.
 
-The frames of one read arrive as one list (:func:`sse_batches`), so a dialect can turn the
+The frames of one read arrive as one list (:class:`SseFrames`), so a dialect can turn the
 tokens that arrived together into one step. Errors an upstream reports in its body or its frames
 become :class:`UpstreamFailed`, never a foreign exception.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import orjson
 
 from stream_gateway._errors import GatewayError, UpstreamFailed
 from stream_gateway.engines._base import EngineStep, FinishReason, merge_steps
 
-if TYPE_CHECKING:
-    from stream_gateway.engines.remote._stream_http import StreamResponse
-
 __all__ = [
+    "SseFrames",
     "UpstreamFailed",
     "by_version",
     "describe",
@@ -26,7 +24,6 @@ __all__ = [
     "error_param",
     "finish_reason",
     "numeric_version",
-    "sse_batches",
     "token_id",
     "top_from_dict",
     "top_from_pairs",
@@ -35,28 +32,33 @@ __all__ = [
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "eos_token": "stop"}
 
 
-async def sse_batches(response: StreamResponse) -> AsyncIterator[list[dict[str, Any]]]:
-    """The JSON ``data:`` payloads of an SSE response until ``[DONE]``, as lists of those that arrived
-    together (one read); error payloads raise."""
-    buffer = b""
-    loads = orjson.loads
-    while (chunk := await response.read()) is not None:
+class SseFrames:
+    """The JSON ``data:`` payloads of an SSE body, read as its bytes arrive: :meth:`feed` takes one
+    read's bytes and returns the payloads they completed, together (one read, so a dialect can turn
+    the tokens that arrived together into one step); error payloads raise :class:`UpstreamFailed`.
+    :attr:`done` once ``[DONE]`` was read.
+
+    Synchronous on purpose: the remote engine calls it between one read and the next, so a token
+    costs no generator layer here (``docs/performance.md``, "The floor")."""
+
+    __slots__ = ("_buffer", "done", "where")
+
+    def __init__(self, where: str) -> None:
+        self.where = where  # the server, for messages
+        self._buffer = b""  # an unfinished frame
+        self.done = False
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """The payloads that ``chunk`` completed (none after ``[DONE]``)."""
         # The common case, one whole ``data:`` frame per read (a token a frame): no splitting.
-        if not buffer and chunk.startswith(b"data: {") and chunk.find(b"\n\n") == len(chunk) - 2:
-            try:
-                event = loads(chunk[6:])
-            except orjson.JSONDecodeError as exc:
-                raise UpstreamFailed(f"The inference server sent an unreadable frame: {chunk[:200]!r}") from exc
-            if "error" in event or event.get("object") == "error":
-                message = error_message(chunk[6:]) or "unknown error"
-                raise UpstreamFailed(f"The inference server {response.where} failed: {message}")
-            yield [event]
-            continue
-        buffer = buffer + chunk if buffer else chunk
+        if not self._buffer and chunk.startswith(b"data: {") and chunk.find(b"\n\n") == len(chunk) - 2:
+            return [self._event(chunk[6:])]
+        buffer = self._buffer + chunk if self._buffer else chunk
         if b"\n\n" not in buffer:
-            continue
+            self._buffer = buffer
+            return []
         blocks = buffer.split(b"\n\n")
-        buffer = blocks.pop()  # the unfinished rest
+        self._buffer = blocks.pop()  # the unfinished rest
         events: list[dict[str, Any]] = []
         for block in blocks:
             for line in block.split(b"\n"):
@@ -64,19 +66,23 @@ async def sse_batches(response: StreamResponse) -> AsyncIterator[list[dict[str, 
                     continue  # comments (keep-alives), event names, ids
                 data = line[5:].strip()
                 if data == b"[DONE]":
-                    if events:
-                        yield events
-                    return
-                try:
-                    event = orjson.loads(data)
-                except orjson.JSONDecodeError as exc:
-                    raise UpstreamFailed(f"The inference server sent an unreadable frame: {data[:200]!r}") from exc
-                if "error" in event or event.get("object") == "error":
-                    message = error_message(data) or "unknown error"
-                    raise UpstreamFailed(f"The inference server {response.where} failed: {message}")
-                events.append(event)
-        if events:
-            yield events
+                    self.done = True
+                    self._buffer = b""
+                    return events
+                events.append(self._event(data))
+        return events
+
+    def _event(self, data: bytes) -> dict[str, Any]:
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamFailed(f"The inference server sent an unreadable frame: {data[:200]!r}") from exc
+        if not isinstance(event, dict):
+            raise UpstreamFailed(f"The inference server sent a frame that is not an object: {data[:200]!r}")
+        if "error" in event or event.get("object") == "error":
+            message = error_message(data) or "unknown error"
+            raise UpstreamFailed(f"The inference server {self.where} failed: {message}")
+        return event
 
 
 def by_version(pieces: list[EngineStep]) -> list[EngineStep]:
