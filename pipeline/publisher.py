@@ -71,6 +71,7 @@ from .streams import (
     ensure_object_store,
     ensure_stream,
     event_subject,
+    live_subject,
 )
 from .tombstones import Tombstones
 
@@ -185,14 +186,23 @@ class EventPublisher:
     def publish_nowait(self, event: Event) -> None:
         """Queue ``event`` for publishing; never blocks, never raises for NATS trouble."""
         if not event.durable:
-            if len(self._deltas) >= self._config.delta_buffer_size or not self._ready:
-                self._deltas_dropped += 1
-                return
-            self._deltas.append((delta_subject(self._subject_prefix, event), encode_event(event)))
-            self._delta_wake.set()
+            self.publish_live_nowait(delta_subject(self._subject_prefix, event), encode_event(event))
             return
         record = OutboxRecord(event_subject(self._subject_prefix, event), event.event_id, encode_event(event))
         self._queue(record, urgent=event.kind in _ENDINGS)
+
+    def live_subject(self, tenant: str, session_id: str | None) -> str:
+        """The subject a session's live ``turn.delta`` events go to (for :meth:`publish_live_nowait`)."""
+        return live_subject(self._subject_prefix, tenant, session_id)
+
+    def publish_live_nowait(self, subject: str, payload: bytes) -> None:
+        """Queue an encoded live event (a ``turn.delta``, never stored) for ``subject``; never blocks.
+        Dropped (and counted) while the live buffer is full or NATS is not ready: best effort by design."""
+        if len(self._deltas) >= self._config.delta_buffer_size or not self._ready:
+            self._deltas_dropped += 1
+            return
+        self._deltas.append((subject, payload))
+        self._delta_wake.set()
 
     def put_object_nowait(self, name: str, data: bytes) -> None:
         """Queue ``data`` for the object store as ``name`` (in the image bucket), before every event

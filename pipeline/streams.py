@@ -101,7 +101,12 @@ def event_subject(prefix: str, event: Event) -> str:
 
 def delta_subject(prefix: str, event: Event) -> str:
     """The subject a live ``turn.delta`` is published on."""
-    return f"{prefix}.live.{subject_token(event.tenant)}.{subject_token(event.session_id or '_')}.{event.kind}"
+    return live_subject(prefix, event.tenant, event.session_id, event.kind)
+
+
+def live_subject(prefix: str, tenant: str, session_id: str | None, kind: str = "turn.delta") -> str:
+    """The subject a session's live events of ``kind`` are published on (what :func:`delta_subject` says)."""
+    return f"{prefix}.live.{subject_token(tenant)}.{subject_token(session_id or '_')}.{kind}"
 
 
 async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> None:

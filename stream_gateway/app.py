@@ -233,7 +233,7 @@ async def _capturing(state: GatewayState, tg: TaskGroup) -> AsyncIterator[None]:
         shared.tombstones = tombstones
     async with EventPublisher(config, tombstones) as publisher:
         durable = publisher.publish_durable if settings.durable_wait_seconds > 0 else None
-        recorder.attach(publisher.publish_nowait, durable, publisher.put_object_nowait)
+        recorder.attach(publisher.publish_nowait, durable, publisher.put_object_nowait, live=publisher)
         state.metrics.watch_publisher(publisher.statistics)
         log.info("capturing events to %s (outbox %s)", ", ".join(config.servers), config.outbox_dir)
         if settings.follow_policies:

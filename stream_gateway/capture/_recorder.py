@@ -35,7 +35,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import orjson
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from stream_gateway.engines import SamplingParams, WeightUpdateReport
     from stream_gateway.sessions import Session, Turn
 
-__all__ = ["DeltaCoalescer", "EventRecorder"]
+__all__ = ["DeltaCoalescer", "EventRecorder", "LiveSink"]
 
 
 _STORED_KEPT = 65536  # image hashes remembered as stored (beyond, the publisher asks the bucket)
@@ -72,19 +72,14 @@ class DeltaCoalescer:
     """Cuts one turn's sampled tokens into few ``turn.delta`` events.
 
     It keeps no tokens of its own: the producer's lists of the turn's ids and logprobs are passed
-    in, and all it costs per engine step is a length and a clock comparison.
+    in, and all it costs per engine step is a length and a clock comparison. ``emit(offset, ids,
+    logprobs)`` publishes one delta.
     """
 
-    __slots__ = ("_due", "_emit", "_interval", "_make", "_offset", "_tokens")
+    __slots__ = ("_due", "_emit", "_interval", "_offset", "_tokens")
 
-    def __init__(
-        self,
-        make: Callable[[int, list[int], list[float]], Event],
-        emit: Callable[[Event], None],
-        tokens: int,
-        interval_s: float,
-    ) -> None:
-        self._make, self._emit = make, emit
+    def __init__(self, emit: Callable[[int, list[int], list[float]], None], tokens: int, interval_s: float) -> None:
+        self._emit = emit
         self._tokens, self._interval = tokens, interval_s
         self._offset = 0
         self._due = time.perf_counter() + interval_s
@@ -98,9 +93,17 @@ class DeltaCoalescer:
         """Emit the tokens not yet in a delta, if any."""
         offset = self._offset
         if len(ids) > offset:
-            self._emit(self._make(offset, ids[offset:], logprobs[offset:]))
+            self._emit(offset, ids[offset:], logprobs[offset:])
             self._offset = len(ids)
         self._due = (time.perf_counter() if now is None else now) + self._interval
+
+
+class LiveSink(Protocol):
+    """Where encoded live events go (``EventPublisher``): a subject per session, bytes per event."""
+
+    def live_subject(self, tenant: str, session_id: str | None) -> str: ...
+
+    def publish_live_nowait(self, subject: str, payload: bytes) -> None: ...
 
 
 class EventRecorder:
@@ -124,6 +127,7 @@ class EventRecorder:
         self._model = model
         self._live_wanted = live_deltas
         self._live = live_deltas and publish is not None
+        self._live_sink: LiveSink | None = None
         self._delta_tokens = delta_tokens
         self._delta_interval = delta_interval_s
 
@@ -132,16 +136,20 @@ class EventRecorder:
         publish: Callable[[Event], None] | None,
         durable: Callable[[Event], anyio.Event] | None = None,
         store: Callable[[str, bytes], None] | None = None,
+        live: LiveSink | None = None,
     ) -> None:
         """Start (or, with ``None``, stop) publishing: the publisher lives in the app's lifespan.
 
         ``durable`` publishes an event and returns what is set once it is durable
         (``EventPublisher.publish_durable``); without it, nothing waits for that. ``store`` queues
         an object (``EventPublisher.put_object_nowait``: images, before the turns that use them).
+        ``live`` takes the live deltas already encoded (the publisher itself); without it they go
+        to ``publish`` as events.
         """
         self._publish = publish
         self._publish_durable = durable if publish is not None else None
         self._store = store if publish is not None else None
+        self._live_sink = live if publish is not None else None
         self._live = self._live_wanted and publish is not None
 
     def images_used(self, images: Sequence[ProcessedImage], processor: VisionProcessor | None) -> None:
@@ -237,22 +245,41 @@ class EventRecorder:
         )
 
     def deltas(self, session: Session, turn_id: str, policy_version: int) -> DeltaCoalescer | None:
-        """A coalescer for one turn's live deltas, or ``None`` when they are off."""
+        """A coalescer for one turn's live deltas, or ``None`` when they are off.
+
+        With a live sink (the publisher) a delta is encoded straight from the turn's constant
+        fields and its tokens: what ``encode_event`` of the same ``TurnDelta`` writes, without
+        building the model (about 10 us a delta less; ``tests/pipeline/test_gateway_events.py``
+        decodes one against the model)."""
         publish = self._publish
         if publish is None or not self._live or not session.captured:
             return None
         common = self._common(session, policy_version, 0)  # deltas are not durable: no place in the sequence
+        sink = self._live_sink
+        if sink is None:
 
-        def make(offset: int, ids: list[int], logprobs: list[float]) -> Event:
-            return TurnDelta.model_construct(
-                **{**common, "event_id": new_event_id(), "time": time.time()},
-                turn_id=turn_id,
-                offset=offset,
-                token_ids=ids,
-                logprobs=logprobs,
-            )
+            def emit_event(offset: int, ids: list[int], logprobs: list[float]) -> None:
+                publish(
+                    TurnDelta.model_construct(
+                        **{**common, "event_id": new_event_id(), "time": time.time()},
+                        turn_id=turn_id,
+                        offset=offset,
+                        token_ids=ids,
+                        logprobs=logprobs,
+                    )
+                )
 
-        return DeltaCoalescer(make, publish, self._delta_tokens, self._delta_interval)
+            return DeltaCoalescer(emit_event, self._delta_tokens, self._delta_interval)
+        fields = {**common, "kind": "turn.delta", "turn_id": turn_id}
+        subject = sink.live_subject(common["tenant"], session.session_id)
+        send, dumps, clock = sink.publish_live_nowait, orjson.dumps, time.time
+
+        def emit(offset: int, ids: list[int], logprobs: list[float]) -> None:
+            delta = {**fields, "event_id": new_event_id(), "time": clock()}
+            delta["offset"], delta["token_ids"], delta["logprobs"] = offset, ids, logprobs
+            send(subject, dumps(delta))
+
+        return DeltaCoalescer(emit, self._delta_tokens, self._delta_interval)
 
     def turn_finished(
         self,
