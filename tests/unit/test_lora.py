@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,7 +202,10 @@ def test_a_new_version_changes_its_rows_only(
     assert lora.names() == ["qv", "wide"]
     assert (after[0] - before[0]).abs().max() > 0.05
     assert torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
-    peft_model.load_adapter(tmp_path, adapter_name="qv2")
+    with warnings.catch_warnings():
+        # The left-out module is the point: peft 0.22 warns of it (0.21 did not), as the gateway does not.
+        warnings.filterwarnings("ignore", message="Found missing adapter keys", category=UserWarning)
+        peft_model.load_adapter(tmp_path, adapter_name="qv2")
     try:
         torch.testing.assert_close(after[0], _reference(peft_model, "qv2", PROMPTS[0]), atol=ATOL, rtol=0)
     finally:
