@@ -290,6 +290,7 @@ class CompletionService:
                         books.finished = 1
                         yield encoder.update(update)
                         break  # leaving the block closes the iterator: a stop string aborts the request
+                await run.finish()  # here, so that a failure to record it is an error frame too
             except Exception as exc:
                 if run is not None:
                     run.failed(exc)
