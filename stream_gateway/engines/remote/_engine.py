@@ -438,9 +438,9 @@ class RemoteEngine:
                                 data = None
                                 with anyio.move_on_after(reader.wait_s):  # None: until the stream ends
                                     data = await response.read()
-                            ended = data is None or frames.done
                             steps = reader.feed(frames.feed(data)) if data is not None else []
-                            if ended or frames.done:
+                            ended = data is None or frames.done  # the stream's end, [DONE], or the wait over
+                            if ended:
                                 steps += reader.end()
                             for step in steps:
                                 upstream.streamed_at = now = time.monotonic()
@@ -454,7 +454,7 @@ class RemoteEngine:
                                 yield step
                                 if finished:
                                     break
-                            if ended or frames.done:
+                            if ended:
                                 break
                     finally:
                         # A finished request's answer ends in a moment ([DONE], a usage frame): keep the connection.
