@@ -36,7 +36,13 @@ from stream_gateway.completion._request import (
     Tool,
     null_is_absent,
 )
-from stream_gateway.completion._service import CompletionService, FrameEncoder, StreamOutput, TokenText
+from stream_gateway.completion._service import (
+    CompletionService,
+    FrameEncoder,
+    FrameWriter,
+    StreamOutput,
+    TokenText,
+)
 from stream_gateway.completion._template import ChatTemplate
 from stream_gateway.completion._text import TextAssembler
 from stream_gateway.completion._turn import Spend, TurnLifecycle, Turns
@@ -52,6 +58,7 @@ __all__ = [
     "Context",
     "ContextBuilder",
     "FrameEncoder",
+    "FrameWriter",
     "Histories",
     "HistoryStatistics",
     "KeptHistory",

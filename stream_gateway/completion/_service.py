@@ -2,9 +2,14 @@
 
 The service decides how a response's output is produced; the HTTP layer only sends what it gets.
 
-- **A stream of one choice** (every agent's request): :meth:`CompletionService.stream` returns
-  writes produced in the response's own task: the choice's updates are encoded as they come, with
-  no channel and no producer task between the engine and the socket.
+- **A stream of one choice** (every agent's request): :meth:`CompletionService.stream` returns a
+  ``push`` coroutine that writes each frame the moment its step is read, through the HTTP layer's
+  :class:`FrameWriter` (a write goes to the socket at once, from whatever callback it is made in).
+  On an engine that pushes (:class:`~stream_gateway.engines.PushEngine`: the remote engines), the
+  steps are taken in the upstream connection's callbacks and written from there: no task, no
+  generator and no ASGI ``await`` per token; the response's task waits once, for the end. On the
+  others, the response's task pulls the engine's steps and writes them. A client that falls behind
+  pauses the engine's reads (pushed) or the pulls, until its writes are out.
 - **A stream of several choices** (``n > 1``, or several prompts): one engine request per choice
   runs in a producer task group that puts :class:`~._updates.ChoiceUpdate` objects into an
   :class:`~._channel.UpdateChannel`; the writes take everything waiting in it at once and encode
@@ -42,12 +47,12 @@ from stream_gateway.completion._text import TextAssembler
 from stream_gateway.completion._thinking import ThinkingStream
 from stream_gateway.completion._turn import Spend, Turns
 from stream_gateway.completion._updates import ChoiceResult, ChoiceUpdate
-from stream_gateway.engines import Engine, EngineStep
+from stream_gateway.engines import Engine, EngineStep, PushEngine, ReadControl, StepSink
 from stream_gateway.reasoning import ThinkingSigner
 from stream_gateway.sessions import SessionDirectory
 from stream_gateway.tool_parsers import ParsedDelta, ToolCallDelta, ToolCallStreamParser, create_tool_parser
 
-__all__ = ["CompletionService", "FrameEncoder", "StreamOutput", "TokenText"]
+__all__ = ["CompletionService", "FrameEncoder", "FrameWriter", "StreamOutput", "TokenText"]
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +70,30 @@ class FrameEncoder(Protocol):
     def error(self, error: GatewayError) -> bytes: ...
 
 
+class FrameWriter(Protocol):
+    """Where a stream of one choice writes its frames (the HTTP layer's): a write goes out at once,
+    from a task or from an I/O callback, and never waits; while the client is behind (:attr:`behind`),
+    writes are held in order and the producer pauses (:meth:`when_behind`)."""
+
+    behind: bool
+
+    def write(self, frame: bytes) -> None: ...
+
+    def when_behind(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        """Call ``pause`` when the client falls behind and ``resume`` once it caught up."""
+
+    async def drained(self) -> None:
+        """Return once every write is out; raise what a write raised."""
+
+
 @dataclass(frozen=True, slots=True)
 class StreamOutput:
-    """What a streamed response sends: its ``writes``, and the ``producer`` to run beside them
-    (``None`` when the writes produce their own output)."""
+    """What a streamed response sends: either ``push`` (a stream of one choice: it writes its frames
+    through a :class:`FrameWriter`), or its ``writes`` and the ``producer`` to run beside them."""
 
-    writes: AsyncIterator[bytes]
+    writes: AsyncIterator[bytes] | None
     producer: Callable[[], Awaitable[None]] | None
+    push: Callable[[FrameWriter], Awaitable[None]] | None = None
 
 
 class _Books:
@@ -184,7 +206,7 @@ class CompletionService:
         usage if asked, with the protocol's end), and the producer to run beside them, if any."""
         choices = sum(p.n for p in batch)
         if choices == 1:
-            return StreamOutput(self._stream_one(batch[0], encoder, first, include_usage), None)
+            return StreamOutput(None, None, partial(self._stream_one, batch[0], encoder, first, include_usage))
         channel = UpdateChannel()
         prompt_tokens = sum(len(p.prompt_ids) for p in batch)
         writes = self._frames(encoder, channel, first, choices, prompt_tokens, include_usage)
@@ -260,36 +282,32 @@ class CompletionService:
             books.ended()
 
     async def _stream_one(
-        self, prepared: PreparedCompletion, encoder: FrameEncoder, first: bytes | None, include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        """The writes of a streamed response with one choice of one prompt, produced in the writer's own task.
+        self,
+        prepared: PreparedCompletion,
+        encoder: FrameEncoder,
+        first: bytes | None,
+        include_usage: bool,
+        out: FrameWriter,
+    ) -> None:
+        """A streamed response with one choice of one prompt, written to ``out`` as its steps are read.
 
-        A token costs one task wake-up, not two. Tokens still coalesce when the client falls
-        behind: while a write waits, the engine gathers the steps that arrive (remote engines merge
-        the frames that one read returns, in-process ones the steps queued) and hands them over as one.
-        """
-        completion_tokens = 0
+        The steps are pushed (:class:`_FrameSink`, in the engine's I/O callbacks) where the engine
+        can, pulled in this task otherwise. Tokens still coalesce when the client falls behind:
+        while its writes wait, the engine's reads pause (pushed; the server's frames wait in TCP and
+        the next read takes them together) or its steps queue (pulled)."""
         with _Books(self._metrics, True, 1) as books:
             self._count_prompts([prepared])
             if first is not None:
-                yield first
+                out.write(first)
             run: _Choice | None = None
+            sink: _FrameSink | None = None
             try:
                 run = _Choice(self, prepared, 0)
-                async with aclosing(run.steps()) as steps:
-                    async for step in steps:
-                        update = run.step(step)
-                        if update is None:
-                            continue
-                        completion_tokens += len(update.token_ids)
-                        if len(update.tool_calls) > 1:  # one entry per call, as coalesce() makes them
-                            update.tool_calls = fold_tool_calls(update.tool_calls)
-                        if update.finish_reason is None:
-                            yield encoder.update(update)
-                            continue
-                        books.finished = 1
-                        yield encoder.update(update)
-                        break  # leaving the block closes the iterator: a stop string aborts the request
+                sink = _FrameSink(run, encoder, out, books)
+                if isinstance(self._engine, PushEngine) and not prepared.images:
+                    await run.push(self._engine, sink)
+                else:
+                    await _pull(run, sink, out)
                 await run.finish()  # here, so that a failure to record it is an error frame too
             except Exception as exc:
                 if run is not None:
@@ -297,16 +315,16 @@ class CompletionService:
                     await run.finish()  # recorded before the client reads the error
                 error = _as_gateway_error(exc, prepared.completion_id)
                 books.ended(error)
-                yield encoder.error(error)
+                out.write(encoder.error(error))
                 return
-            except BaseException as exc:  # cancelled, or closed at a yield: the client left
+            except BaseException as exc:  # cancelled: the client left
                 if run is not None:
                     run.failed(exc)
                 raise
             finally:
                 if run is not None:
                     await run.finish()
-            yield encoder.end(len(prepared.prompt_ids), completion_tokens, include_usage)
+            out.write(encoder.end(len(prepared.prompt_ids), sink.tokens, include_usage))
             books.ended()
 
     async def collect(
@@ -401,6 +419,11 @@ class _Choice:
             self.request_id, prepared.prompt_ids, self.params, affinity=prepared.session.session_id, **images
         )
 
+    async def push(self, engine: PushEngine, sink: StepSink) -> None:
+        """This choice's steps pushed into ``sink`` (:meth:`~stream_gateway.engines.PushEngine.push`)."""
+        prepared = self.prepared
+        await engine.push(self.request_id, prepared.prompt_ids, self.params, sink, affinity=prepared.session.session_id)
+
     def step(self, step: EngineStep) -> ChoiceUpdate | None:
         """One engine step into the turn; the update to send, or ``None`` when nothing is to be sent
         yet (its tokens then ride along with the next update, so no frame is empty). An update with
@@ -486,6 +509,49 @@ class _Choice:
         result = self.result
         result.reasoning_tokens, result.answer_start = ThinkingStream.span_of(self._thinking)
         await self._turn.finish(result, self._spans, self.abort_reason, self.abort_detail)
+
+
+class _FrameSink:
+    """A stream of one choice's steps, made frames and written (the engine's
+    :class:`~stream_gateway.engines.StepSink`): per step, :meth:`_Choice.step`, the protocol's
+    encoder and one write. Runs in the engine's I/O callbacks when pushed."""
+
+    __slots__ = ("_books", "_encoder", "_out", "_run", "tokens")
+
+    def __init__(self, run: _Choice, encoder: FrameEncoder, out: FrameWriter, books: _Books) -> None:
+        self._run = run
+        self._encoder = encoder
+        self._out = out
+        self._books = books
+        self.tokens = 0  # completion tokens written
+
+    def reading(self, reads: ReadControl) -> None:
+        self._out.when_behind(reads.pause, reads.resume)
+
+    def take(self, steps: list[EngineStep]) -> bool:
+        run, out, encoder = self._run, self._out, self._encoder
+        for step in steps:
+            update = run.step(step)
+            if update is None:
+                continue
+            self.tokens += len(update.token_ids)
+            if len(update.tool_calls) > 1:  # one entry per call, as coalesce() makes them
+                update.tool_calls = fold_tool_calls(update.tool_calls)
+            out.write(encoder.update(update))
+            if update.finish_reason is not None:
+                self._books.finished = 1
+                return True  # a stop string aborts the request
+        return False
+
+
+async def _pull(run: _Choice, sink: _FrameSink, out: FrameWriter) -> None:
+    """An engine that does not push: its steps pulled in this task, into ``sink``."""
+    async with aclosing(run.steps()) as steps:
+        async for step in steps:
+            if sink.take([step]):
+                break  # leaving the block closes the iterator: a stop string aborts the request
+            if out.behind:
+                await out.drained()
 
 
 def _tool_parser(prepared: PreparedCompletion) -> ToolCallStreamParser | None:

@@ -191,6 +191,48 @@ class UpstreamControl(Protocol):
         ...
 
 
+class ReadControl(Protocol):
+    """A pushed request's reads of its server (:meth:`PushEngine.push`): paused while its taker is behind."""
+
+    def pause(self) -> None:
+        """Stop reading the server for now (TCP holds it back)."""
+
+    def resume(self) -> None:
+        """Read again."""
+
+
+class StepSink(Protocol):
+    """What takes a pushed request's steps in the engine's I/O callbacks (:meth:`PushEngine.push`)."""
+
+    def reading(self, reads: ReadControl) -> None:
+        """The engine streams a server's answer into this sink now; ``reads`` pauses it."""
+
+    def take(self, steps: list[EngineStep]) -> bool:
+        """The steps that arrived together (at least one). ``True``: the sink is done (a step
+        finished, or the sink stops the request early, which aborts it). An exception ends the
+        request too, and :meth:`PushEngine.push` raises it."""
+
+
+@runtime_checkable
+class PushEngine(Protocol):
+    """An engine that can also hand a request's steps to a sink as they arrive, with no task woken
+    per step (the remote engines: a server's frames are read in the connection's callbacks)."""
+
+    async def push(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: StepSink,
+        *,
+        affinity: str | None = None,
+    ) -> None:
+        """:meth:`Engine.generate`, pushed: returns once ``sink.take`` said it is done (or the
+        answer ended), raises what ``generate`` would raise, or what ``sink.take`` raised.
+        Cancelling it aborts the request."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What every engine implements. Engines are async context managers: enter starts them."""

@@ -119,6 +119,7 @@ async def _generate(request: Request, state: GatewayState, edge: Edge[Any], call
         settings = state.settings
         return TokenStreamResponse(
             output.writes,
+            push=output.push,
             headers=headers,
             data_sender_callable=output.producer,
             ping=settings.sse_ping_seconds,

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import io
 import itertools
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -309,6 +311,48 @@ def test_a_client_disconnect_aborts_the_request_on_the_server(front: RunningGate
     time.sleep(0.5)
     assert sum(int(u.health()["total_generated_tokens"]) for u in upstreams) == generated  # nothing still decoding
     assert _pool(front).statistics().active_requests == 0
+
+
+def test_a_slow_reader_through_a_pushing_front_gets_every_token_once_in_order(
+    upstreams: list[Upstream], agent_model_path: Path
+) -> None:
+    """The remote engine pushes steps into the response from the upstream connection's callbacks:
+    a client that stops reading makes the front's writes wait (a small send buffer, a big answer
+    with top logprobs), the held frames go out in order once it reads again, and nothing is lost
+    or doubled: what it read is what the front recorded."""
+    settings = Settings(model=str(agent_model_path), engine="vllm-http", served_model_name="tiny-agent",
+                        upstreams=tuple(u.url for u in upstreams), sse_send_timeout_seconds=120)  # fmt: skip
+    tokens = 800
+    body = {"model": "tiny-agent", "messages": [{"role": "user", "content": f"go on {secrets.token_hex(3)}"}],
+            "stream": True, "stream_options": {"include_usage": True}, "max_tokens": tokens, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 3, "return_token_ids": True}  # fmt: skip
+    with run_gateway(build_engine(settings), settings, send_buffer=4096) as slow_front:
+        port = int(slow_front.base_url.rsplit(":", 1)[1])
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.sock = sock
+        conn.request("POST", "/v1/chat/completions", orjson.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        session_id = response.getheader("x-session-id")
+        time.sleep(2.0)  # read nothing for a while: the front's writes wait, and its reads of the server pause
+        raw = bytearray()
+        while chunk := response.read1(2048):
+            raw += chunk
+            time.sleep(0.002)
+        conn.close()
+        turn = httpx.get(f"{slow_front.base_url}/sessions/{session_id}", timeout=10).json()["turns"][0]
+    frames = [orjson.loads(f[6:]) for f in bytes(raw).split(b"\n\n") if f.startswith(b"data: {")]
+    content = [f["choices"][0] for f in frames if f["choices"] and "token_ids" in f["choices"][0]]
+    ids = [t for c in content for t in c["token_ids"]]
+    entries = [e for c in content for e in c["logprobs"]["content"]]
+    assert ids == turn["output_ids"] and len(ids) == tokens  # every token once, in order
+    assert [e["logprob"] for e in entries] == turn["logprobs"]
+    assert "".join(c["delta"].get("content", "") for c in content) == turn["message"]["content"]
+    assert frames[-1]["usage"]["completion_tokens"] == tokens
+    assert content[-1]["finish_reason"] == "length"
+    assert raw.endswith(b"data: [DONE]\n\n")
 
 
 def test_a_server_added_at_run_time_takes_traffic_and_a_removed_one_none(

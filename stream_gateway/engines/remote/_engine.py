@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,7 @@ from stream_gateway.engines._base import (
     EngineStep,
     ExpertShape,
     SamplingParams,
+    StepSink,
     WeightUpdateReport,
 )
 from stream_gateway.engines._pool import Upstream, UpstreamPool
@@ -74,6 +76,7 @@ from stream_gateway.engines.remote._adapters import AdapterFleet
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._grammar import GrammarCheck, end_ids
 from stream_gateway.engines.remote._interval import StreamIntervals
+from stream_gateway.engines.remote._reading import Pump, Reading, TokenCount
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_config
 from stream_gateway.engines.remote._sglang import SglangDialect
 from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse, control_transport, session_hints
@@ -183,7 +186,7 @@ class RemoteEngine:
         self._task_group: TaskGroup | None = None
         self._active = 0
         self._total_requests = 0
-        self._total_tokens = 0
+        self._tokens = TokenCount()  # tokens streamed, all requests
         self._routed_experts = routed_experts
         self._route_check = RouteCheck(None)
         self._fleet = AdapterFleet(self.pool, self.dialect)
@@ -385,7 +388,7 @@ class RemoteEngine:
 
     # -- generation ---------------------------------------------------------------------------
 
-    async def generate(  # noqa: PLR0915 (the per-token path, kept in one frame on purpose)
+    async def generate(
         self,
         request_id: str,
         prompt_ids: Sequence[int],
@@ -394,83 +397,84 @@ class RemoteEngine:
         affinity: str | None = None,
         images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
-        """Stream one request from a healthy server (failing over until the first token arrives).
-
-        The per-token path is this one generator: a read of the server's body, its frames parsed
-        (:class:`~._wire.SseFrames`) and read as steps (the dialect's :class:`~._dialect.StepReader`)
-        synchronously, each step yielded. A generator per layer cost more than the work itself
-        (``docs/performance.md``, "The floor")."""
+        """Stream one request from a healthy server (failing over until the first token arrives):
+        each read of its body parsed and read as steps (:class:`~._reading.Reading`), each step
+        yielded. :meth:`push` is the same without a task woken per read."""
         if images:  # the preparer refuses them first (vision is None): never sample without them
             raise EngineError(f"the {self.name} engine does not take images")
-        if self._client is None:
-            raise EngineUnavailable("The engine is not running.")
-        grammar: GrammarCheck | None = None
-        if params.constraint is not None:  # what the server samples is checked against it (._grammar)
-            ends = self._end_ids | params.stop_token_ids
-            grammar = await anyio.to_thread.run_sync(GrammarCheck, params.constraint, self.tokenizer, ends)
+        grammar = await _begin(self, params)
         hints = session_hints(affinity, request_id)
-        self._active += 1
-        self._total_requests += 1
         tried: set[Upstream] = set()
-        fleet = self._fleet
         try:
             while True:
-                # A LoRA adapter's request goes to a server holding its current version, named as the model.
-                model, version = fleet.model_for(params.adapter)
-                upstream = self.pool.pick(affinity, frozenset(tried), adapter=model)
-                tried.add(upstream)
-                upstream.outstanding += 1
-                upstream.served += 1
-                if model is not None:
-                    fleet.acquire(upstream, model)
-                first_at, tokens = 0.0, 0  # when the first step came (0.0: none yet); tokens so far
-                finished = False
-                try:
-                    response, exchange = await self._open(upstream, request_id, prompt_ids, params, model, version,
-                                                          hints)  # fmt: skip
-                    frames = SseFrames(response.where)
-                    reader = self.dialect.reader(exchange)
+                with _attempt(self, affinity, tried, params.adapter) as (upstream, model, version):
+                    reading: Reading | None = None
                     try:
-                        while not finished:
-                            if reader.held is None:
-                                data = await response.read()
-                            else:  # what the server writes after the finishing frame, for a while
-                                data = None
-                                with anyio.move_on_after(reader.wait_s):  # None: until the stream ends
+                        response, exchange = await self._open(upstream, request_id, prompt_ids, params, model,
+                                                              version, hints)  # fmt: skip
+                        reading = _reading(self, upstream, response, exchange, grammar)
+                        reader = reading.reader
+                        try:
+                            while not (reading.finished or reading.ended):
+                                if reader.held is None:
                                     data = await response.read()
-                            steps = reader.feed(frames.feed(data)) if data is not None else []
-                            ended = data is None or frames.done  # the stream's end, [DONE], or the wait over
-                            if ended:
-                                steps += reader.end()
-                            for step in steps:
-                                upstream.streamed_at = now = time.monotonic()
-                                first_at = first_at or now
-                                n = len(step.token_ids)
-                                tokens += n
-                                self._total_tokens += n
-                                if grammar is not None:
-                                    grammar.take(step.token_ids, upstream.url)
-                                finished = step.finish_reason is not None
-                                yield step
-                                if finished:
-                                    break
-                            if ended:
-                                break
-                    finally:
-                        # A finished request's answer ends in a moment ([DONE], a usage frame): keep the connection.
-                        await response.aclose(finish=finished)
-                    if not finished:
-                        raise UpstreamFailed(
-                            f"The inference server {upstream.url} ended the stream before the request finished."
-                        )
-                    self.intervals.finished(tokens, upstream.streamed_at - first_at)
-                    return
-                except (_Retry, httpx.HTTPError, HttpFailure, UpstreamFailed) as exc:
-                    _failed(self, upstream, model, request_id, exc, streamed=first_at > 0.0)  # raises or tries on
-                finally:
-                    upstream.outstanding -= 1
-                    if model is not None:
-                        fleet.release(upstream, model)
+                                else:  # what the server writes after the finishing frame, for a while
+                                    data = None
+                                    with anyio.move_on_after(reader.wait_s):  # None: until the stream ends
+                                        data = await response.read()
+                                for step in reading.take(data):
+                                    yield step
+                        finally:
+                            # A finished request's answer ends in a moment ([DONE], a usage frame): keep the connection.
+                            await response.aclose(finish=reading.finished)
+                        _read_out(self, upstream, reading)
+                        return
+                    except (_Retry, httpx.HTTPError, HttpFailure, UpstreamFailed) as exc:
+                        streamed = reading is not None and reading.first_at > 0.0
+                        _failed(self, upstream, model, request_id, exc, streamed=streamed)  # raises or tries on
+        finally:
+            self._active -= 1
+
+    async def push(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: StepSink,
+        *,
+        affinity: str | None = None,
+    ) -> None:
+        """:meth:`generate` pushed into ``sink`` from the connection's callbacks (:class:`~._reading.Pump`):
+        this task waits once, for the answer's end. What ``sink`` raised is raised."""
+        grammar = await _begin(self, params)
+        hints = session_hints(affinity, request_id)
+        tried: set[Upstream] = set()
+        try:
+            while True:
+                with _attempt(self, affinity, tried, params.adapter) as (upstream, model, version):
+                    reading: Reading | None = None
+                    try:
+                        response, exchange = await self._open(upstream, request_id, prompt_ids, params, model,
+                                                              version, hints)  # fmt: skip
+                        reading = _reading(self, upstream, response, exchange, grammar)
+                        pump = Pump(reading, sink, response)
+                        try:
+                            pump.start()
+                            await pump.done
+                        finally:
+                            await response.aclose(finish=reading.finished)
+                        if pump.sink_failed:
+                            break  # raised below, past the failover
+                        if pump.error is not None:
+                            raise pump.error
+                        if not pump.stopped:
+                            _read_out(self, upstream, reading)
+                        return
+                    except (_Retry, httpx.HTTPError, HttpFailure, UpstreamFailed) as exc:
+                        streamed = reading is not None and reading.first_at > 0.0
+                        _failed(self, upstream, model, request_id, exc, streamed=streamed)  # raises or tries on
+            assert pump.error is not None
+            raise pump.error
         finally:
             self._active -= 1
 
@@ -610,7 +614,55 @@ class RemoteEngine:
     def statistics(self) -> EngineStatistics:
         """A snapshot of the requests in flight; ``running`` while any server is healthy."""
         running = self._client is not None and any(u.healthy for u in self.pool)
-        return EngineStatistics(self._active, 0, self._total_requests, self._total_tokens, running)
+        return EngineStatistics(self._active, 0, self._total_requests, self._tokens.n, running)
+
+
+def _reading(
+    engine: RemoteEngine, upstream: Upstream, response: StreamResponse, exchange: Exchange, grammar: GrammarCheck | None
+) -> Reading:
+    return Reading(upstream, SseFrames(response.where), engine.dialect.reader(exchange), grammar, engine._tokens)
+
+
+async def _begin(engine: RemoteEngine, params: SamplingParams) -> GrammarCheck | None:
+    """A request starts: the engine is running, it is counted, and its grammar (if any) is ready."""
+    if engine._client is None:
+        raise EngineUnavailable("The engine is not running.")
+    grammar: GrammarCheck | None = None
+    if params.constraint is not None:  # what the server samples is checked against it (._grammar)
+        ends = engine._end_ids | params.stop_token_ids
+        grammar = await anyio.to_thread.run_sync(GrammarCheck, params.constraint, engine.tokenizer, ends)
+    engine._active += 1
+    engine._total_requests += 1
+    return grammar
+
+
+@contextmanager
+def _attempt(
+    engine: RemoteEngine, affinity: str | None, tried: set[Upstream], adapter: str | None
+) -> Iterator[tuple[Upstream, str | None, int | None]]:
+    """One try of a request: the server picked (not one ``tried`` already) and counted busy while it runs."""
+    fleet = engine._fleet
+    # A LoRA adapter's request goes to a server holding its current version, named as the model.
+    model, version = fleet.model_for(adapter)
+    upstream = engine.pool.pick(affinity, frozenset(tried), adapter=model)
+    tried.add(upstream)
+    upstream.outstanding += 1
+    upstream.served += 1
+    if model is not None:
+        fleet.acquire(upstream, model)
+    try:
+        yield upstream, model, version
+    finally:
+        upstream.outstanding -= 1
+        if model is not None:
+            fleet.release(upstream, model)
+
+
+def _read_out(engine: RemoteEngine, upstream: Upstream, reading: Reading) -> None:
+    """The answer was read to its end: it must have finished the request."""
+    if not reading.finished:
+        raise UpstreamFailed(f"The inference server {upstream.url} ended the stream before the request finished.")
+    engine.intervals.finished(reading.tokens, upstream.streamed_at - reading.first_at)
 
 
 def _failed(

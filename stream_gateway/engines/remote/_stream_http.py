@@ -50,7 +50,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -58,7 +58,15 @@ import httpx
 
 from stream_gateway._errors import ConnectFailed, ConnectionLost, HttpFailure, PoolTimeout, ReadTimeout
 
-__all__ = ["KEEPALIVE_S", "ConnectFailed", "HttpFailure", "StreamClient", "StreamResponse", "control_transport"]
+__all__ = [
+    "KEEPALIVE_S",
+    "BodyListener",
+    "ConnectFailed",
+    "HttpFailure",
+    "StreamClient",
+    "StreamResponse",
+    "control_transport",
+]
 
 
 _HIGH_WATER = 256 * 1024  # unread body bytes at which a connection stops reading
@@ -91,6 +99,19 @@ def control_transport(max_connections: int) -> httpx.AsyncHTTPTransport:
     idle = min(64, max_connections)
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=idle, keepalive_expiry=KEEPALIVE_S)
     return _RetryStaleGets(limits=limits)
+
+
+class BodyListener(Protocol):
+    """What takes a response's body in the connection's callbacks (:meth:`StreamResponse.listen`)."""
+
+    def body(self, data: bytes) -> None:
+        """Body bytes, as they arrive."""
+
+    def end(self) -> None:
+        """The body ended."""
+
+    def failed(self, error: HttpFailure) -> None:
+        """The connection failed (lost, broken, or silent for the read timeout)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +169,9 @@ def _target(url: str) -> tuple[_Origin, str]:
 class _Connection(asyncio.Protocol):
     """One connection: the transport, httptools' parser of the current answer, and what it has parsed.
 
-    The parser's callbacks (``on_*``) run inside ``data_received``; they only store and wake the
-    reader, which runs in the request's task.
+    The parser's callbacks (``on_*``) run inside ``data_received``: they store the body and wake the
+    reader, which runs in the request's task, or, while a :class:`BodyListener` listens, hand the
+    body to it at once (no task runs per read).
     """
 
     def __init__(self) -> None:
@@ -172,6 +194,7 @@ class _Connection(asyncio.Protocol):
         self.headers_done = False
         self.complete = False
         self._on_drained: Callable[[_Connection], None] | None = None  # set while the rest of an answer is dropped
+        self.listener: BodyListener | None = None  # takes the body in these callbacks instead of a reader
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -225,8 +248,12 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
         self._progress += 1
+        listener = self.listener
+        if listener is not None:
+            listener.body(body)
+            return
+        self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
@@ -238,6 +265,8 @@ class _Connection(asyncio.Protocol):
         self._progress += 1
         self._stop_timer()
         self._wake()
+        if self.listener is not None:
+            self.listener.end()
         if self._on_drained is not None:  # not from inside the parser's feed: the pool may reset it
             asyncio.get_running_loop().call_soon(self._finish_drain)
 
@@ -282,6 +311,36 @@ class _Connection(asyncio.Protocol):
                 self.transport.resume_reading()
         return data
 
+    def listen(self, listener: BodyListener) -> None:
+        """Hand the body to ``listener`` from now on: what waits unread first, then each part as it arrives."""
+        self.listener = listener
+        if self._chunks:
+            data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            self._buffered = 0
+            listener.body(data)
+        if self.listener is not listener:  # it has heard enough
+            return
+        if self.complete:
+            listener.end()
+        elif self._error is not None:
+            listener.failed(self._error)
+        elif self._paused:
+            self.resume()
+
+    def pause(self) -> None:
+        """Stop reading (the taker of the body is behind); TCP holds the server back."""
+        if not self._paused and self.transport is not None and not self.closed:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        """Read again after :meth:`pause`."""
+        if self._paused:
+            self._paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+
     def reusable(self) -> bool:
         """Whether the answer ended cleanly on a connection the server keeps open."""
         return self.complete and self._keep_alive and not self.closed and self._parser is not None
@@ -289,6 +348,7 @@ class _Connection(asyncio.Protocol):
     def idle(self) -> None:
         """The answer is over and the connection goes back to the pool (reading, to notice a close)."""
         self._parser = None
+        self.listener = None
         self._stop_timer()
         self._chunks.clear()
         self._buffered = 0
@@ -324,6 +384,7 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         self._stop_timer()
         self._parser = None
+        self.listener = None
         self.on_idle_close = None
         if self.transport is not None and not self.closed:
             self.transport.close()
@@ -346,6 +407,8 @@ class _Connection(asyncio.Protocol):
             self._error = error
         self._stop_timer()
         self._wake()
+        if self.listener is not None:
+            self.listener.failed(error)
 
     def _lose(self, why: str) -> None:
         self._fail(ConnectionLost(why))
@@ -390,6 +453,24 @@ class StreamResponse:
             await self.aclose()
         return data
 
+    def listen(self, listener: BodyListener) -> None:
+        """Hand the body to ``listener`` in the connection's callbacks, as it arrives, until
+        :meth:`aclose` (instead of :meth:`read`); what arrived unread is handed over first."""
+        if self._connection is None:
+            listener.end()
+            return
+        self._connection.listen(listener)
+
+    def pause(self) -> None:
+        """Stop reading the body for now (the listener's taker is behind)."""
+        if self._connection is not None:
+            self._connection.pause()
+
+    def resume(self) -> None:
+        """Read the body again after :meth:`pause`."""
+        if self._connection is not None:
+            self._connection.resume()
+
     async def aread(self) -> bytes:
         """The rest of the body, whole (an error answer's, say)."""
         parts = [self.content]
@@ -407,6 +488,7 @@ class StreamResponse:
         connection, self._connection = self._connection, None
         if connection is None:
             return
+        connection.listener = None
         if finish and not connection.complete and not connection.closed:
             self._client.drain(self._origin, connection)
         else:
