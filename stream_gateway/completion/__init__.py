@@ -7,7 +7,8 @@ request of the conversation left, so a continuation reads and renders only what 
 :mod:`._history`, :mod:`._kept`, :mod:`._replay`) →
 :class:`CompletionService` (one engine request per choice; the token loop assembles text
 (:mod:`._text`) and tool calls into :class:`ChoiceUpdate` objects; the service decides how a
-response is produced: a one-choice stream in the writer's own task, several choices through an
+response is produced: a one-choice stream written frame by frame through the HTTP layer's
+:class:`FrameWriter`, from the engine's I/O callbacks where it pushes; several choices through an
 :class:`UpdateChannel`, and hands the HTTP layer a :class:`StreamOutput` to send) → a protocol's
 :class:`FrameEncoder` or a whole body. Beside the loop, :class:`TurnLifecycle` records the turn:
 events, metrics, spend, the session tree.
