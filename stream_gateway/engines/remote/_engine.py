@@ -42,6 +42,8 @@ places them on the request's last step. A server that refuses the flag (a 400 na
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
@@ -76,7 +78,7 @@ from stream_gateway.engines.remote._adapters import AdapterFleet
 from stream_gateway.engines.remote._dialect import Dialect, Exchange
 from stream_gateway.engines.remote._grammar import GrammarCheck, end_ids
 from stream_gateway.engines.remote._interval import StreamIntervals
-from stream_gateway.engines.remote._reading import Pump, Reading, TokenCount
+from stream_gateway.engines.remote._reading import Pump, Reading, StepQueue, TokenCount
 from stream_gateway.engines.remote._routes import RouteCheck, Wanted, expert_config
 from stream_gateway.engines.remote._sglang import SglangDialect
 from stream_gateway.engines.remote._stream_http import StreamClient, StreamResponse, control_transport, session_hints
@@ -398,42 +400,27 @@ class RemoteEngine:
         images: Sequence[ProcessedImage] = (),
     ) -> AsyncGenerator[EngineStep, None]:
         """Stream one request from a healthy server (failing over until the first token arrives):
-        each read of its body parsed and read as steps (:class:`~._reading.Reading`), each step
-        yielded. :meth:`push` is the same without a task woken per read."""
+        :meth:`push` into a queue (:class:`~._reading.StepQueue`, run in a task of its own) that
+        this generator empties. Closing it early cancels that task, which aborts the request."""
         if images:  # the preparer refuses them first (vision is None): never sample without them
             raise EngineError(f"the {self.name} engine does not take images")
-        grammar = await _begin(self, params)
-        hints = session_hints(affinity, request_id)
-        tried: set[Upstream] = set()
+        queue = StepQueue()
+        pushing = asyncio.get_running_loop().create_task(
+            self.push(request_id, prompt_ids, params, queue, affinity=affinity)
+        )
+        pushing.add_done_callback(queue.close)
         try:
-            while True:
-                with _attempt(self, affinity, tried, params.adapter) as (upstream, model, version):
-                    reading: Reading | None = None
-                    try:
-                        response, exchange = await self._open(upstream, request_id, prompt_ids, params, model,
-                                                              version, hints)  # fmt: skip
-                        reading = _reading(self, upstream, response, exchange, grammar)
-                        reader = reading.reader
-                        try:
-                            while not (reading.finished or reading.ended):
-                                if reader.held is None:
-                                    data = await response.read()
-                                else:  # what the server writes after the finishing frame, for a while
-                                    data = None
-                                    with anyio.move_on_after(reader.wait_s):  # None: until the stream ends
-                                        data = await response.read()
-                                for step in reading.take(data):
-                                    yield step
-                        finally:
-                            # A finished request's answer ends in a moment ([DONE], a usage frame): keep the connection.
-                            await response.aclose(finish=reading.finished)
-                        _read_out(self, upstream, reading)
-                        return
-                    except (_Retry, httpx.HTTPError, HttpFailure, UpstreamFailed) as exc:
-                        streamed = reading is not None and reading.first_at > 0.0
-                        _failed(self, upstream, model, request_id, exc, streamed=streamed)  # raises or tries on
+            while (steps := await queue.get()) is not None:
+                for step in steps:
+                    yield step
+            pushing.result()  # what push raised
         finally:
-            self._active -= 1
+            if not pushing.done():
+                pushing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pushing
+            elif not pushing.cancelled():
+                pushing.exception()  # retrieved: a consumer that left early does not want it
 
     async def push(
         self,
@@ -444,8 +431,9 @@ class RemoteEngine:
         *,
         affinity: str | None = None,
     ) -> None:
-        """:meth:`generate` pushed into ``sink`` from the connection's callbacks (:class:`~._reading.Pump`):
-        this task waits once, for the answer's end. What ``sink`` raised is raised."""
+        """Stream one request from a healthy server (failing over until the first token arrives)
+        into ``sink``, from the connection's callbacks (:class:`~._reading.Pump`): this task waits
+        once, for the answer's end. What ``sink`` raised is raised."""
         grammar = await _begin(self, params)
         hints = session_hints(affinity, request_id)
         tried: set[Upstream] = set()

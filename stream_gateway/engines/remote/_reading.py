@@ -1,10 +1,10 @@
-"""One server answer read as steps: pulled by a task (:meth:`RemoteEngine.generate`) or pushed from
-the connection's callbacks (:meth:`RemoteEngine.push`).
+"""One server answer read as steps, pushed from the connection's callbacks (:meth:`RemoteEngine.push`),
+or queued for a task that pulls them (:meth:`RemoteEngine.generate`, over :class:`StepQueue`).
 
 :class:`Reading` is what both do with the bytes of one read: the frames parsed
 (:class:`~._wire.SseFrames`), read as steps (the dialect's :class:`~._dialect.StepReader`), and
 the request's books kept (when the server last streamed, tokens so far, the grammar check).
-:class:`Pump` is the pushed way: a :class:`~._stream_http.BodyListener` that hands each read's
+:class:`Pump` hands them on: a :class:`~._stream_http.BodyListener` that hands each read's
 steps to a :class:`~stream_gateway.engines.StepSink` inside the connection's ``data_received``, so
 that no task is woken per token (``docs/performance.md``, "Writes from the upstream's callbacks").
 """
@@ -15,7 +15,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from stream_gateway.engines._base import EngineStep, StepSink
+from stream_gateway.engines._base import EngineStep, ReadControl, StepSink
 
 if TYPE_CHECKING:
     from stream_gateway.engines._pool import Upstream
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from stream_gateway.engines.remote._stream_http import HttpFailure, StreamResponse
     from stream_gateway.engines.remote._wire import SseFrames
 
-__all__ = ["Pump", "Reading", "TokenCount"]
+__all__ = ["Pump", "Reading", "StepQueue", "TokenCount"]
 
 
 class TokenCount:
@@ -160,3 +160,57 @@ class Pump:
             return
         self.error = error
         self.done.set_result(None)
+
+
+class StepQueue:
+    """A sink whose steps wait for a task to take them (:meth:`RemoteEngine.generate`). While
+    ``_HIGH_WATER`` reads' steps wait untaken, the server's connection is not read (TCP holds it
+    back). :meth:`close` (the push ended) lets :meth:`get` return what is left, then ``None``."""
+
+    __slots__ = ("_closed", "_paused", "_reads", "_steps", "_waiter")
+
+    _HIGH_WATER = 64
+
+    def __init__(self) -> None:
+        self._steps: list[EngineStep] = []
+        self._reads: ReadControl | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+        self._paused = False
+
+    def reading(self, reads: ReadControl) -> None:
+        self._reads = reads
+
+    def take(self, steps: list[EngineStep]) -> bool:
+        self._steps += steps
+        if len(self._steps) >= self._HIGH_WATER and self._reads is not None and not self._paused:
+            self._paused = True
+            self._reads.pause()
+        self._wake()
+        return False  # the reading decides when the answer is over
+
+    async def get(self) -> list[EngineStep] | None:
+        """Every step that waits (waiting for one); ``None`` once the push ended and all were taken."""
+        while not self._steps:
+            if self._closed:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        steps, self._steps = self._steps, []
+        if self._paused and self._reads is not None:
+            self._paused = False
+            self._reads.resume()
+        return steps
+
+    def close(self, _: object = None) -> None:
+        """The push ended (a done callback of its task)."""
+        self._closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
