@@ -450,6 +450,7 @@ class RemoteEngine:
                             pump.start()
                             await pump.done
                         finally:
+                            pump.close()
                             await response.aclose(finish=reading.finished)
                         if pump.sink_failed:
                             break  # raised below, past the failover

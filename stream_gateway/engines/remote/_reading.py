@@ -110,6 +110,11 @@ class Pump:
         self.sink.reading(self._response)
         self._response.listen(self)
 
+    def close(self) -> None:
+        """Hand the sink nothing more (the request is over or abandoned): a held step's timer
+        must not wake it after its response is gone."""
+        self._stop(None)
+
     # -- BodyListener --------------------------------------------------------------------------
 
     def body(self, data: bytes) -> None:
