@@ -78,10 +78,21 @@ def loadgen(
     url: str, model: str, streams: int, tokens: int, *, requests: int = 1, extra: Sequence[str] = ()
 ) -> dict[str, Any]:
     """Run ``loadgen.py`` in a process of its own and return its JSON result."""
-    command = [sys.executable, str(LOADGEN), "--url", url, "--model", model, "--streams", str(streams),
-               "--tokens", str(tokens), "--requests", str(requests), *extra]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, check=False, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"load generator failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
-    result: dict[str, Any] = orjson.loads(done.stdout)
-    return result
+    return loadgens([url], model, streams, tokens, requests=requests, extra=extra)[0]
+
+
+def loadgens(
+    urls: Sequence[str], model: str, streams: int, tokens: int, *, requests: int = 1, extra: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """``loadgen.py`` against each of ``urls`` at the same time, each in a process of its own; their JSON results."""
+
+    def command(url: str) -> list[str]:
+        return [sys.executable, str(LOADGEN), "--url", url, "--model", model, "--streams", str(streams),
+                "--tokens", str(tokens), "--requests", str(requests), *extra]  # fmt: skip
+
+    processes = [subprocess.Popen(command(url), stdout=subprocess.PIPE, stderr=subprocess.PIPE) for url in urls]
+    outputs = [process.communicate(timeout=900) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        if process.returncode != 0:
+            raise SystemExit(f"load generator failed ({process.returncode}): {stderr.decode()[-2000:]}")
+    return [orjson.loads(stdout) for stdout, _ in outputs]

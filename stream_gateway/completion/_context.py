@@ -115,6 +115,7 @@ class ContextBuilder:
         if tokenizer.chat_template is None:
             raise InvalidRequest("the served model has no chat template; chat completions need one")
         self._tokenizer = tokenizer
+        self._tokenize = text_encoder(tokenizer)
         self._template = ChatTemplate(tokenizer)
         self._reasoning = reasoning
         self._history = history
@@ -412,7 +413,7 @@ class ContextBuilder:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
     def _encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        ids = self._tokenize(text, False)
         self._counted.chars = getattr(self._counted, "chars", 0) + len(text)
         return ids
 
@@ -430,6 +431,35 @@ class ContextBuilder:
         conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
         text = self._render(conversation, None, generation=False)
         return text[text.rindex(_PROBE) + len(_PROBE) :]
+
+
+def text_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str, bool], list[int]]:
+    """``encode(text, add_special_tokens)``: the ids ``tokenizer.encode`` gives, from a fast
+    tokenizer's Rust backend directly while it is set up as ``encode`` sets it for such a call (no
+    truncation, no padding, special tokens recognised as such).
+
+    ``encode`` goes through ``encode_batch`` and a ``BatchEncoding``: per call, 41 us against 28 for
+    a short chat prompt and 19 against 7 for a template's last marker (transformers 5.10.4,
+    tokenizers 0.22.2, read), and a new conversation's prompt is tokenized twice. Anything else
+    (a slow tokenizer, ``split_special_tokens``, truncation left on the backend) takes ``encode``.
+    """
+    backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or getattr(tokenizer, "split_special_tokens", False):
+
+        def through_transformers(text: str, special: bool) -> list[int]:
+            ids: list[int] = tokenizer.encode(text, add_special_tokens=special)
+            return ids
+
+        return through_transformers
+
+    def encode(text: str, special: bool) -> list[int]:
+        if backend.truncation is None and backend.padding is None and not backend.encode_special_tokens:
+            ids: list[int] = backend.encode(text, add_special_tokens=special).ids
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=special)
+        return ids
+
+    return encode
 
 
 def _continuation(

@@ -14,7 +14,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -27,7 +27,13 @@ from stream_gateway._metrics import GatewayMetrics
 from stream_gateway._settings import Settings
 from stream_gateway.capture import EventRecorder
 from stream_gateway.completion._admission import Admission, SamplingRequest
-from stream_gateway.completion._context import Context, ContextBuilder, cheap_to_build, template_variables
+from stream_gateway.completion._context import (
+    Context,
+    ContextBuilder,
+    cheap_to_build,
+    template_variables,
+    text_encoder,
+)
 from stream_gateway.completion._fingerprint import conversation_keys
 from stream_gateway.completion._images import ImageResolver, PromptImage, RequestImages, prompt_images
 from stream_gateway.completion._kept import KeptHistory
@@ -125,6 +131,7 @@ class Preparer:
         self._sessions = sessions
         self._recorder = recorder
         self._vocab: int | None = None  # the tokenizer's size, once asked (token-in prompts)
+        self._tokenize: Callable[[str, bool], list[int]] | None = None  # text prompts' (text_encoder)
         self.admission = Admission(engine, settings)
 
     @cached_property
@@ -494,8 +501,9 @@ class Preparer:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("The prompt must not be empty.", param="prompt")
-            ids: list[int] = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            return ids
+            if self._tokenize is None:
+                self._tokenize = text_encoder(tokenizer)
+            return self._tokenize(prompt, add_special_tokens)
         if self._vocab is None:
             self._vocab = len(tokenizer)  # a fast tokenizer counts its vocabulary anew each time
         vocab = self._vocab
