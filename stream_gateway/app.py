@@ -26,7 +26,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -47,6 +47,7 @@ from stream_gateway.http import (
     Authorizer,
     ErrorShapes,
     GatewayState,
+    GenerationFront,
     LengthLimit,
     RawSendApp,
     admin_bodies,
@@ -59,6 +60,7 @@ from stream_gateway.http import (
     session_bodies,
     sessions_router,
 )
+from stream_gateway.protocols import Edge
 from stream_gateway.protocols import edges as protocol_edges
 from stream_gateway.sessions import SessionDirectory, SharingConfig
 
@@ -75,13 +77,16 @@ class GatewayApp(FastAPI):
     (streamed frames skip the wrappers) and the refusal of bodies whose Content-Length is over the
     limit (:class:`~stream_gateway.http.LengthLimit`)."""
 
-    def __init__(self, *, max_request_bytes: int | None, shapes: ErrorShapes, **options: Any) -> None:
+    def __init__(
+        self, *, max_request_bytes: int | None, shapes: ErrorShapes, edges: Sequence[Edge[Any]] = (), **options: Any
+    ) -> None:
         super().__init__(**options)
         self.max_request_bytes = max_request_bytes
         self.error_shapes = shapes
+        self.edges = edges
 
     def build_middleware_stack(self) -> ASGIApp:
-        app = RawSendApp(super().build_middleware_stack())
+        app = RawSendApp(GenerationFront(super().build_middleware_stack(), self, self.edges))
         if self.max_request_bytes is None:
             return app
         return LengthLimit(app, self.max_request_bytes, self.error_shapes.response)
@@ -156,6 +161,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         redoc_url=None,
         max_request_bytes=settings.max_request_bytes,
         shapes=shapes,
+        edges=edges,
     )
     app.state.gateway = state
     for router in (generation_router(edges), sessions_router, admin_router):

@@ -14,7 +14,7 @@ from stream_gateway.http._render import ErrorShapes, HeldResponse, ORJSONRespons
 from stream_gateway.http._sse import RawSendApp, TokenStreamResponse
 from stream_gateway.http._state import GatewayState, gateway_state
 from stream_gateway.http.admin import UpstreamsBody, WeightsBody, admin_bodies, admin_router, running_loop
-from stream_gateway.http.generation import generation_bodies, generation_router
+from stream_gateway.http.generation import GenerationFront, generation_bodies, generation_router
 from stream_gateway.http.openapi import install_openapi
 from stream_gateway.http.sessions import FeedbackBody, session_bodies, sessions_router
 
@@ -23,6 +23,7 @@ __all__ = [
     "ErrorShapes",
     "FeedbackBody",
     "GatewayState",
+    "GenerationFront",
     "HTTPError",
     "HeldResponse",
     "LengthLimit",

@@ -6,17 +6,26 @@ the tenant's limits: its slot is held until the response has ended. The handler 
 into the edge's request, opens it into an exchange, then sends what the core produces: a stream
 (:meth:`~stream_gateway.completion.CompletionService.stream` decides how it is produced, the edge's
 encoder writes the frames) or the edge's body of the collected choices.
+
+The routes are FastAPI's (for the OpenAPI document, and for every request the front door does not
+take), but :class:`GenerationFront` answers their requests before FastAPI's middlewares and router:
+those cost a request about 0.2 ms before the handler ran (``docs/performance.md``), for nothing
+these routes use (no dependencies, no path parameters but the session's, errors rendered by the
+same handlers).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel
+from starlette._utils import get_route_path
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stream_gateway.http._auth import CAPTURE_HEADER, WARNING_HEADER, captured
 from stream_gateway.http._body import check_session_id, parse_body, read_body
@@ -25,7 +34,9 @@ from stream_gateway.http._sse import TokenStreamResponse
 from stream_gateway.http._state import GatewayState, gateway_state
 from stream_gateway.protocols import Call, Edge, SideRoute
 
-__all__ = ["generation_bodies", "generation_router"]
+__all__ = ["GenerationFront", "generation_bodies", "generation_router"]
+
+log = logging.getLogger(__name__)
 
 SESSION_PREFIX = "/sessions/{session_id}"
 
@@ -69,6 +80,70 @@ def _side_endpoints(side: SideRoute) -> tuple[Endpoint, Endpoint]:
         return await _side(request, side)
 
     return route, session_route
+
+
+class GenerationFront:
+    """The generation routes' ``POST`` requests (each edge's path and its session-scoped twin)
+    served here, before ``app`` (FastAPI's middleware stack and router), which takes every other.
+
+    What FastAPI would do for them is done here: ``scope["app"]``, the edge's handler, and an error
+    rendered by the app's exception handlers (looked up by the exception's classes, as Starlette
+    does), a failure before the response started included."""
+
+    def __init__(self, app: ASGIApp, gateway: FastAPI, edges: Sequence[Edge[Any]]) -> None:
+        self.app = app
+        self._gateway = gateway
+        self._edges = {edge.path: edge for edge in edges}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            found = self._route(get_route_path(scope))
+            if found is not None:
+                await self._serve(scope, receive, send, *found)
+                return
+        await self.app(scope, receive, send)
+
+    def _route(self, path: str) -> tuple[Edge[Any], str | None] | None:
+        edge = self._edges.get(path)
+        if edge is not None:
+            return edge, None
+        if path.startswith("/sessions/"):  # SESSION_PREFIX: the id is one path segment, as FastAPI matches it
+            session_id, slash, rest = path[len("/sessions/") :].partition("/")
+            edge = self._edges.get("/" + rest)
+            if session_id and slash and edge is not None:
+                return edge, session_id
+        return None
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, edge: Edge[Any], session_id: str | None) -> None:
+        scope["app"] = self._gateway
+        request = Request(scope, receive)
+        try:
+            response = await _limited(request, edge, session_id)
+        except Exception as exc:
+            response = await self._error(request, exc)
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await response(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise  # uvicorn logs it and closes the connection
+            await (await self._error(request, exc))(scope, receive, send)
+
+    async def _error(self, request: Request, exc: Exception) -> Response:
+        handlers = self._gateway.exception_handlers
+        for kind in type(exc).__mro__:
+            handler = handlers.get(kind)
+            if handler is not None:
+                answer = handler(request, exc)
+                response: Response = await answer if isinstance(answer, Awaitable) else answer
+                return response
+        raise exc
 
 
 def generation_bodies(edges: Sequence[Edge[Any]]) -> dict[str, type[BaseModel]]:
