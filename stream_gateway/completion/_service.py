@@ -298,11 +298,13 @@ class CompletionService:
         the next read takes them together) or its steps queue (pulled)."""
         with _Books(self._metrics, True, 1) as books:
             self._count_prompts([prepared])
+            if first is not None:
+                out.write(first)
             run: _Choice | None = None
             sink: _FrameSink | None = None
             try:
                 run = _Choice(self, prepared, 0)
-                sink = _FrameSink(run, encoder, out, books, first)
+                sink = _FrameSink(run, encoder, out, books)
                 if self._pusher is not None and not prepared.images:
                     await run.push(self._pusher, sink)
                 else:
@@ -314,7 +316,7 @@ class CompletionService:
                     await run.finish()  # recorded before the client reads the error
                 error = _as_gateway_error(exc, prepared.completion_id)
                 books.ended(error)
-                out.write(_after_first(sink, first, encoder.error(error)))
+                out.write(encoder.error(error))
                 return
             except BaseException as exc:  # cancelled: the client left
                 if run is not None:
@@ -323,7 +325,7 @@ class CompletionService:
             finally:
                 if run is not None:
                     await run.finish()
-            out.write(_after_first(sink, first, encoder.end(len(prepared.prompt_ids), sink.tokens, include_usage)))
+            out.write(encoder.end(len(prepared.prompt_ids), sink.tokens, include_usage))
             books.ended()
 
     async def collect(
@@ -515,19 +517,14 @@ class _FrameSink:
     :class:`~stream_gateway.engines.StepSink`): per step, :meth:`_Choice.step`, the protocol's
     encoder and one write. Runs in the engine's I/O callbacks when pushed."""
 
-    __slots__ = ("_books", "_encoder", "_out", "_run", "first", "tokens")
+    __slots__ = ("_books", "_encoder", "_out", "_run", "tokens")
 
-    def __init__(
-        self, run: _Choice, encoder: FrameEncoder, out: FrameWriter, books: _Books, first: bytes | None
-    ) -> None:
+    def __init__(self, run: _Choice, encoder: FrameEncoder, out: FrameWriter, books: _Books) -> None:
         self._run = run
         self._encoder = encoder
         self._out = out
         self._books = books
         self.tokens = 0  # completion tokens written
-        # The protocol's opening frame (chat's role chunk), not yet written: it leaves in one write
-        # with the first frame after it, one write a request fewer before the first token.
-        self.first = first
 
     def reading(self, reads: ReadControl) -> None:
         self._out.when_behind(reads.pause, reads.resume)
@@ -541,20 +538,11 @@ class _FrameSink:
             self.tokens += len(update.token_ids)
             if len(update.tool_calls) > 1:  # one entry per call, as coalesce() makes them
                 update.tool_calls = fold_tool_calls(update.tool_calls)
-            frame = encoder.update(update)
-            if self.first is not None:
-                frame, self.first = self.first + frame, None
-            out.write(frame)
+            out.write(encoder.update(update))
             if update.finish_reason is not None:
                 self._books.finished = 1
                 return True  # a stop string aborts the request
         return False
-
-
-def _after_first(sink: _FrameSink | None, first: bytes | None, frame: bytes) -> bytes:
-    """``frame``, after the stream's opening frame if that has not gone out yet."""
-    pending = first if sink is None else sink.first
-    return frame if pending is None else pending + frame
 
 
 async def _pull(run: _Choice, sink: _FrameSink, out: FrameWriter) -> None:
