@@ -4,6 +4,7 @@ Run (from the repository root, after ``bash scripts/install.sh``)::
 
     .venv/bin/python benchmarks/request_steps.py                       # 1,000 sequential 2-token streams
     .venv/bin/python benchmarks/request_steps.py --requests 300 --capture --first-token-ms 20
+    .venv/bin/python benchmarks/request_steps.py --capture --tree /tmp/base     # another checkout's front
 
 Set-up: ``benchmarks/paced_upstream.py`` answering at once (``--first-token-ms 0`` by default), and a
 ``vllm-http`` front (``stream-gateway serve``, capture off unless ``--capture``: then an embedded
@@ -181,6 +182,8 @@ def run(args: argparse.Namespace) -> None:
                    "--model", model_dir, "--served-model-name", MODEL, "--port", str(port), "--log-level", "warning",
                    *capture]  # fmt: skip
         environment = {**os.environ, "REQUEST_STEPS_WARMUP": str(args.warmup)}
+        if args.tree is not None:  # that checkout's package first (the steps' functions must exist there)
+            environment["PYTHONPATH"] = str(args.tree.resolve())
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=environment)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", process)
@@ -214,6 +217,7 @@ def main() -> None:
     parser.add_argument("--first-token-ms", type=float, default=0.0, help="the upstream's prefill time")
     parser.add_argument("--capture", action="store_true", help="capture on: an embedded nats-server")
     parser.add_argument("--model", default="tiny-agent")
+    parser.add_argument("--tree", type=Path, help="run the front of another checkout (before/after a change)")
     run(parser.parse_args())
 
 

@@ -292,6 +292,7 @@ class EventPublisher:
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self._config.drain_timeout_s):
                 await self.wait_published()
+                await self._send_deltas()  # those still lingering: a clean stop sends them too
         self._closing = True
         self._tg.cancel_scope.cancel()
         try:
@@ -533,17 +534,21 @@ class EventPublisher:
         while True:
             if linger:
                 await anyio.sleep(linger)  # the deltas of this moment, from every stream, in one write
-            while self._deltas:
-                subject, payload = self._deltas.popleft()
-                nc = self._nc
-                if nc is None or not nc.is_connected:
-                    self._deltas_dropped += 1 + len(self._deltas)
-                    self._deltas.clear()
-                    break
-                try:
-                    await nc.publish(subject, payload)
-                    self._deltas_published += 1
-                except Exception:  # best effort by design: a live view, not a record
-                    self._deltas_dropped += 1
+            await self._send_deltas()
             self._delta_wake = anyio.Event()
             await self._delta_wake.wait()
+
+    async def _send_deltas(self) -> None:
+        """Publish the live deltas waiting (dropped, and counted, while NATS is not connected)."""
+        while self._deltas:
+            subject, payload = self._deltas.popleft()
+            nc = self._nc
+            if nc is None or not nc.is_connected:
+                self._deltas_dropped += 1 + len(self._deltas)
+                self._deltas.clear()
+                return
+            try:
+                await nc.publish(subject, payload)
+                self._deltas_published += 1
+            except Exception:  # best effort by design: a live view, not a record
+                self._deltas_dropped += 1

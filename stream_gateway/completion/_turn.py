@@ -13,13 +13,14 @@ histogram call per turn, not per token); see ``benchmarks/hot_path.py``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import numpy as np
 
 from stream_gateway._metrics import GatewayMetrics
@@ -178,9 +179,10 @@ class TurnLifecycle:
         if prepared.kept is not None and turn.finish_reason is not None:
             prepared.kept.keep_turn(turn.turn_id)  # the next prompt of this rollout continues it (_prepare.py)
         if abort_reason is None:
-            if durable is not None:
-                with anyio.move_on_after(of.durable_wait_s):
-                    await durable.wait()
+            if durable is not None and not durable.is_set():
+                with contextlib.suppress(TimeoutError):  # (asyncio's timeout: cheaper than anyio's scope)
+                    async with asyncio.timeout(of.durable_wait_s):
+                        await durable.wait()
             await of.sessions.wait_shared(shared)
 
     def _length_cause(self, result: ChoiceResult) -> str | None:
