@@ -87,7 +87,7 @@ def _clock(owner: Any, name: str, tick: Callable[[], None], *, after: bool) -> N
     setattr(owner, name, timed)
 
 
-def front(argv: list[str]) -> None:
+def front(warmup: int, argv: list[str]) -> None:
     """``stream-gateway serve argv`` with a clock read at each step; the medians printed at exit."""
     import uvicorn.protocols.http.httptools_impl as httptools_impl
 
@@ -140,7 +140,7 @@ def front(argv: list[str]) -> None:
     _sse._Writer.write = first_frame  # type: ignore[method-assign]
 
     def report() -> None:
-        counted = requests[int(os.environ.get("REQUEST_STEPS_WARMUP", "0")) :]
+        counted = requests[warmup:]
         if not counted:
             return
         lines = [f"{len(counted)} requests; median ms after uvicorn parsed the request's headers:"]
@@ -178,10 +178,11 @@ def run(args: argparse.Namespace) -> None:
             nats = stack.enter_context(EmbeddedNatsServer())
             capture = ["--nats-url", nats.url, "--outbox-dir", str(Path(tmp) / "outbox")]
         port = free_port()
-        command = [sys.executable, __file__, "--front", "serve", "--engine", "vllm-http", "--upstream", upstream_url,
+        command = [sys.executable, __file__, "--front", str(args.warmup), "serve", "--engine", "vllm-http",
+                   "--upstream", upstream_url,
                    "--model", model_dir, "--served-model-name", MODEL, "--port", str(port), "--log-level", "warning",
                    *capture]  # fmt: skip
-        environment = {**os.environ, "REQUEST_STEPS_WARMUP": str(args.warmup)}
+        environment = dict(os.environ)
         if args.tree is not None:  # that checkout's package first (the steps' functions must exist there)
             environment["PYTHONPATH"] = str(args.tree.resolve())
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=environment)
@@ -203,8 +204,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--front"]:
-        front(sys.argv[2:])
+    if sys.argv[1:2] == ["--front"]:  # the front this script starts: --front WARMUP serve ...
+        front(int(sys.argv[2]), sys.argv[3:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=1000)

@@ -43,7 +43,6 @@ places them on the request's last step. A server that refuses the flag (a 400 na
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
@@ -415,10 +414,12 @@ class RemoteEngine:
                     yield step
             pushing.result()  # what push raised
         finally:
+            # The push is this generator's own task: cancelled and awaited here, however it ends.
+            # (``asyncio.wait``, not ``await``: a cancellation of the consumer's task while it
+            # waits must go on to it, not be taken for the push's.)
             if not pushing.done():
                 pushing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pushing
+                await asyncio.wait({pushing})
             elif not pushing.cancelled():
                 pushing.exception()  # retrieved: a consumer that left early does not want it
 

@@ -169,7 +169,7 @@ class Pump:
 
 class StepQueue:
     """A sink whose steps wait for a task to take them (:meth:`RemoteEngine.generate`). While
-    ``_HIGH_WATER`` reads' steps wait untaken, the server's connection is not read (TCP holds it
+    ``_HIGH_WATER`` steps or more wait untaken, the server's connection is not read (TCP holds it
     back). :meth:`close` (the push ended) lets :meth:`get` return what is left, then ``None``."""
 
     __slots__ = ("_closed", "_paused", "_reads", "_steps", "_waiter")
