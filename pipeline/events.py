@@ -72,6 +72,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
+import random
 import re
 import secrets
 from typing import Annotated, Any, Literal
@@ -121,9 +123,16 @@ _SAFE_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MODEL_CONFIG = ConfigDict(frozen=True, extra="forbid", json_schema_serialization_defaults_required=True)
 
 
+# Event ids must be unique (they are JetStream's deduplication ids), not secret: a generator seeded
+# from the OS's random source, and seeded again in a forked child (``--workers``), gives 96 random
+# bits without a system call each (every live delta takes one).
+_ids = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
+
+
 def new_event_id() -> str:
-    """A unique event id: 24 hex digits from the OS's random source."""
-    return f"ev{secrets.token_hex(12)}"
+    """A unique event id: 24 hex digits, 96 random bits."""
+    return f"ev{_ids.getrandbits(96):024x}"
 
 
 def tenant_id(api_key: str | None) -> str:
@@ -587,9 +596,18 @@ DURABLE_KINDS = frozenset(t.model_fields["kind"].default for t in EVENT_TYPES) -
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyEvent)
 
 
+def _fields(value: object) -> dict[str, Any]:
+    """A model's fields, for orjson: the models have no aliases, serializers or extras, so a model's
+    ``__dict__`` (its fields in declaration order, ``model_construct``'s too) is what ``model_dump``
+    returns, without copying a turn's lists of ids element by element (about 2.5x faster)."""
+    if isinstance(value, BaseModel):
+        return value.__dict__
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def encode_event(event: Event) -> bytes:
-    """The event's wire form: compact JSON via orjson."""
-    return orjson.dumps(event.model_dump(mode="python"))
+    """The event's wire form: compact JSON via orjson (byte for byte what ``model_dump`` would give)."""
+    return orjson.dumps(event, default=_fields)
 
 
 def decode_event(data: bytes | str) -> Event:

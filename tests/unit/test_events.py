@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -92,6 +93,24 @@ def test_model_construct_encodes_like_a_validated_event(event: Event) -> None:
     """The gateway builds events without validation; the bytes must not differ."""
     fields = {name: getattr(event, name) for name in type(event).model_fields}
     assert encode_event(type(event).model_construct(**fields)) == encode_event(event)
+
+
+@pytest.mark.parametrize("event", [*one_of_each(), turn_completed("s", 3, prompt_ids=list(range(300)))],
+                         ids=lambda e: e.kind)  # fmt: skip
+def test_the_wire_form_is_what_model_dump_gives(event: Event) -> None:
+    """``encode_event`` serializes the models' fields directly: byte for byte pydantic's own dump,
+    nested models (usage, sampling, tool calls, images, signals, routes) included."""
+    assert encode_event(event) == orjson.dumps(event.model_dump(mode="python"))
+    fields = {name: getattr(event, name) for name in type(event).model_fields}
+    built = type(event).model_construct(**fields)
+    assert encode_event(built) == orjson.dumps(built.model_dump(mode="python"))
+
+
+def test_encoding_refuses_what_json_cannot_hold() -> None:
+    event = one_of_each()[0]
+    odd = type(event).model_construct(**{**event.__dict__, "metadata": {"at": object()}})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        encode_event(odd)
 
 
 def test_events_are_frozen() -> None:
@@ -252,6 +271,22 @@ def test_event_ids_are_unique_and_subject_safe() -> None:
     ids = {new_event_id() for _ in range(10_000)}
     assert len(ids) == 10_000
     assert all(re.fullmatch(r"ev[0-9a-f]{24}", i) for i in ids)
+
+
+def test_a_forked_child_draws_other_event_ids() -> None:
+    """``--workers`` forks: a child must not repeat its parent's ids (they deduplicate on JetStream)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        os.write(write, " ".join(new_event_id() for _ in range(100)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        child = set(pipe.read().decode().split())
+    parent = {new_event_id() for _ in range(100)}
+    assert len(child) == 100
+    assert not child & parent
 
 
 def test_json_schemas_are_keyed_by_kind_and_pin_it() -> None:
