@@ -1,13 +1,17 @@
-"""Incremental detokenization: whole characters only, stop strings never leak."""
+"""Incremental detokenization: whole characters only, stop strings never leak, and a byte-level
+tokenizer's tokens looked up without changing a piece."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from stream_gateway.completion._text import TextAssembler
+from stream_gateway.completion._text import TextAssembler, TokenTexts
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +79,43 @@ def test_partial_stop_is_held_back_until_resolved(tokenizer: PreTrainedTokenizer
         sent += delta.text
     assert delta.stopped
     assert sent == "value"
+
+
+def _plain_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
+    stream = DecodeStream(skip_special_tokens=True)
+    return [stream.step(tokenizer.backend_tokenizer, token) or "" for token in ids]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_looked_up_texts_give_what_decode_stream_gives_token_by_token(
+    tokenizer: PreTrainedTokenizerBase, seed: int
+) -> None:
+    """The table's shortcut changes no piece: whole texts with split characters and special tokens
+    among them, and random ids that make broken UTF-8 (DecodeStream's replacement characters)."""
+    backend = tokenizer.backend_tokenizer
+    assert TokenTexts.of(backend) is not None  # the tiny model's decoder is byte-level
+    rng = random.Random(seed)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids: list[int] = []
+    for text in rng.sample(TEXTS, len(TEXTS)):
+        ids += [*tokenizer.encode(text, add_special_tokens=False), end]
+    ids += [rng.randrange(backend.get_vocab_size()) for _ in range(3000)]
+    ids += tokenizer.encode("😀 after the noise", add_special_tokens=False)
+    assembler = TextAssembler(backend)
+    assert [assembler.feed([token]).text for token in ids] == _plain_pieces(tokenizer, ids)
+    several = TextAssembler(backend)
+    assert "".join(several.feed(ids[i : i + 3]).text for i in range(0, len(ids), 3)) == "".join(
+        _plain_pieces(tokenizer, ids)
+    )
+
+
+def test_only_a_byte_level_decoder_gets_a_table() -> None:
+    """A SentencePiece-style decoder strips the first token's space: a token's text depends on where
+    it stands, so every token goes through DecodeStream."""
+    vocab = {"▁hello": 0, "▁world": 1, "<unk>": 2}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    assert TokenTexts.of(backend) is None
+    assembler = TextAssembler(backend)
+    assert [assembler.feed([t]).text for t in [0, 1]] == ["hello", " world"]
