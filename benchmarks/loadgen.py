@@ -241,17 +241,20 @@ async def run(
     totals = Totals()
     payloads = []
     for s in range(streams):
-        body = {
-            "model": model,
-            # A different conversation per stream and request: each is a new session, as with real users.
-            "messages": [{"role": "user", "content": f"Tell story {s} about a lighthouse keeper."}],
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": tokens,
-            "ignore_eos": True,
-            **(extra or {}),
-        }
-        payloads.append([request_bytes(host, port, "/v1/chat/completions", body, api_key) for _ in range(requests)])
+        # A different conversation per stream and request: each is a new session, as with real users
+        # (and nothing the front keeps by text, such as a render's pieces, sees a message twice).
+        payloads.append([
+            request_bytes(host, port, "/v1/chat/completions", {
+                "model": model,
+                "messages": [{"role": "user", "content": f"Tell story {s}.{r} about a lighthouse keeper."}],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                **(extra or {}),
+            }, api_key)
+            for r in range(requests)
+        ])  # fmt: skip
     cpu = time.process_time()
     started = time.perf_counter()
     await asyncio.gather(

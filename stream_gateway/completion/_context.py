@@ -48,8 +48,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import re
 import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Concatenate, ParamSpec
@@ -91,6 +94,80 @@ _P = ParamSpec("_P")
 
 _TAIL_CHARS = 256  # tails longer are not kept (a marker early in a message: rare, and long)
 _TAILS_KEPT = 64
+_PIECES_CHARS = 4 << 20  # characters of render pieces kept tokenized (a few agents' system prompts and tools)
+_PIECES_SEEN = 8192  # pieces seen once, remembered (by hash) so that a second sighting keeps them
+
+
+class RenderPieces:
+    """A whole render tokenized piece by piece, the pieces seen before from memory.
+
+    The pieces are the text before the template's first special token and from each one to the
+    next (a message's ``<|im_start|>system ...``, its ``<|im_end|>``): the tokenizer splits at
+    special tokens before anything else, so the pieces' ids, joined, are the render's
+    (:func:`_splits_at_special_tokens` checks this once per tokenizer, as the anchors need it too).
+    A new session of an agent starts with the system prompt and tool schemas every session of
+    that agent sends: from the second one on, only its own messages are tokenized. A piece is kept
+    once seen twice (a message seen once is likely never seen again), least recently used first
+    out, up to ``_PIECES_CHARS`` characters. Runs of pieces not kept are tokenized together.
+    Thread-safe: renders are tokenized on worker threads too."""
+
+    __slots__ = ("_chars", "_encode", "_kept", "_lock", "_seen", "_split")
+
+    def __init__(self, encode: Callable[[str], list[int]], markers: Sequence[str]) -> None:
+        self._encode = encode
+        self._split = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+        self._kept: OrderedDict[str, array[int]] = OrderedDict()  # 4 bytes an id
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` tokenized: what ``encode(text)`` gives."""
+        starts = [m.start() for m in self._split.finditer(text)]
+        if not starts:
+            return self._encode(text)
+        if starts[0] != 0:
+            starts.insert(0, 0)
+        starts.append(len(text))
+        ids: list[int] = []
+        run = -1  # where the pieces not kept started (-1: none waiting)
+        for start, end in itertools.pairwise(starts):
+            piece = text[start:end]
+            known = self._known(piece)
+            if known is None:
+                if run < 0:
+                    run = start
+                continue
+            if run >= 0:
+                ids += self._encode(text[run:start])
+                run = -1
+            ids.extend(known)
+        if run >= 0:
+            ids += self._encode(text[run:])
+        return ids
+
+    def _known(self, piece: str) -> Sequence[int] | None:
+        """The piece's ids if kept; else ``None``, after keeping it if this is its second sighting."""
+        with self._lock:
+            kept = self._kept.get(piece)
+            if kept is not None:
+                self._kept.move_to_end(piece)
+                return kept
+            digest = hash(piece)
+            if digest not in self._seen:
+                self._seen[digest] = None
+                if len(self._seen) > _PIECES_SEEN:
+                    self._seen.popitem(last=False)
+                return None
+        ids = self._encode(piece)  # seen before: kept from now on
+        with self._lock:
+            if len(piece) <= _PIECES_CHARS // 4 and piece not in self._kept:
+                self._kept[piece] = array("i", ids)
+                self._chars += len(piece)
+                while self._chars > _PIECES_CHARS:
+                    old, _ = self._kept.popitem(last=False)
+                    self._chars -= len(old)
+        return ids
 
 
 def _counting_tokenized(
@@ -136,6 +213,7 @@ class ContextBuilder:
         self._tails: dict[str, list[int]] = {}
         self._markers = self._template_markers()
         self._splits = bool(self._markers) and _splits_at_special_tokens(self._encode, self._markers)
+        self._pieces = RenderPieces(self._encode, self._markers) if self._splits else None
         self._end_ids = {
             int(i)
             for i in (tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens)
@@ -305,9 +383,13 @@ class ContextBuilder:
                 return self._turn_end[len(end_text) :]
         return self._turn_end
 
+    def _encode_render(self, full: str) -> list[int]:
+        """A whole render tokenized, the pieces seen before from memory (:class:`RenderPieces`)."""
+        return self._encode(full) if self._pieces is None else self._pieces.encode(full)
+
     def _full_ids(self, full: str, images: RequestImages | None) -> list[int]:
         """The full render tokenized, its image placeholders expanded."""
-        ids = self._encode(full)
+        ids = self._encode_render(full)
         if images is None:
             return ids
         try:
@@ -321,7 +403,7 @@ class ContextBuilder:
         """A context from the whole render tokenized: ``prompt`` (a continuation's) compared with
         it, or ``None`` for a new root, whose prompt it is."""
         if full_ids is None:
-            full_ids = self._encode(full)
+            full_ids = self._encode_render(full)
         own = prompt if prompt is not None else full_ids
         anchor = state = None
         cut = self._last_marker(full)

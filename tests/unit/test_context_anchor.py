@@ -59,6 +59,7 @@ def _walk(
     """A tool loop of ``turns`` turns, each adding a ~2k-character tool result. For each continuing
     turn: (warm context, cold context, characters the warm build tokenized, the cold one's)."""
     counting = _Counting(builder)
+    builder._pieces = None  # cold: the whole render tokenized, no piece from memory (test_render_pieces.py)
     messages = [Message(role="system", content="You are an agent."), Message(role="user", content="Read it all.")]
     first = builder.build(messages, _TOOLS, None)
     assert first.cold and first.anchor is not None and first.anchor.exact
