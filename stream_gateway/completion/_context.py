@@ -106,9 +106,9 @@ class RenderPieces:
     special tokens before anything else, so the pieces' ids, joined, are the render's
     (:func:`_splits_at_special_tokens` checks this once per tokenizer, as the anchors need it too).
     A new session of an agent starts with the system prompt and tool schemas every session of
-    that agent sends: from the second one on, only its own messages are tokenized. A piece is kept
-    once seen twice (a message seen once is likely never seen again), least recently used first
-    out, up to ``_PIECES_CHARS`` characters. Runs of pieces not kept are tokenized together.
+    that agent sends: a piece is kept once seen twice (a message seen once is likely never seen
+    again), so from the third session on only its own messages are tokenized; least recently used
+    out first, up to ``_PIECES_CHARS`` characters. Runs of pieces not kept are tokenized together.
     Thread-safe: renders are tokenized on worker threads too."""
 
     __slots__ = ("_chars", "_encode", "_kept", "_lock", "_seen", "_split")
